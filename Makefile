@@ -1,0 +1,25 @@
+# `make serve` and `make test` each create .venv on first use and install everything.
+# torch==2.13.0 is installed first so that no multi-GB CUDA build is ever pulled here.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test install clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/loraswap serve
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)
