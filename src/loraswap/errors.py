@@ -1,0 +1,49 @@
+"""Errors that reach users: each names the adapter, the problem and the fix.
+
+The HTTP edge maps them to status codes (`status`); anything else is a bug, logged
+with its traceback and answered with a plain 500.
+"""
+
+
+class LoraswapError(Exception):
+    status = 500
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(LoraswapError):
+    status = 400
+
+
+class AdapterError(LoraswapError):
+    """An adapter that cannot be served; the message says which, why, and what to do."""
+
+    status = 400
+
+    def __init__(self, adapter_id: str, problem: str, fix: str):
+        super().__init__(f"adapter '{adapter_id}': {problem}. {fix}")
+        self.adapter_id = adapter_id
+        self.problem = problem
+        self.fix = fix
+
+
+class AdapterNotFound(AdapterError):
+    status = 404
+
+
+class AdapterInvalid(AdapterError):
+    """The file itself is unusable: not safetensors, truncated, unknown keys, NaN..."""
+
+    status = 400
+
+
+class AdapterIncompatible(AdapterError):
+    """A valid adapter that does not fit the hosted model (layers, shapes, base model)."""
+
+    status = 422
+
+
+class Overloaded(LoraswapError):
+    status = 503

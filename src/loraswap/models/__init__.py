@@ -1,0 +1,49 @@
+"""Building the pipelines that loraswap serves: tiny presets, real models, shapes."""
+
+from pathlib import Path
+
+import torch
+from diffusers import DiffusionPipeline
+
+from .presets import PRESETS, build_preset
+
+__all__ = ["PRESETS", "load_pipeline", "model_name", "resolve_device", "default_dtype"]
+
+
+def resolve_device(device: str | None = None) -> torch.device:
+    """`auto`/None picks CUDA when present, else the CPU."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_pipeline(name_or_path: str, device: str | torch.device | None = None,
+                  dtype: torch.dtype | None = None) -> DiffusionPipeline:
+    """The plain diffusers pipeline that `--model name_or_path` serves.
+
+    A preset (`tiny-sd`, `tiny-sdxl`, `tiny-flux`) is built in code with the same
+    weights every time; anything else goes to `DiffusionPipeline.from_pretrained`
+    (a hub id, honouring the hub cache and HF_HUB_OFFLINE, or a local folder).
+    """
+    device = resolve_device(str(device) if device is not None else None)
+    dtype = dtype or default_dtype(device)
+    if name_or_path in PRESETS:
+        pipeline = build_preset(name_or_path)
+    else:
+        pipeline = DiffusionPipeline.from_pretrained(name_or_path, torch_dtype=dtype)
+        pipeline.set_progress_bar_config(disable=True)
+    pipeline.to(device=device)
+    if pipeline.dtype != dtype:
+        pipeline.to(dtype=dtype)
+    return pipeline
+
+
+def model_name(pipeline: DiffusionPipeline, name_or_path: str) -> str:
+    """The served model's name: preset name, hub id, or the folder's `_name_or_path`."""
+    if name_or_path in PRESETS or not Path(name_or_path).exists():
+        return name_or_path
+    return pipeline.config.get("_name_or_path") or name_or_path
