@@ -29,6 +29,7 @@ from peft.utils.other import get_pattern_key
 from safetensors.torch import load_file
 
 from ..errors import AdapterInvalid
+from .metadata import declared_base_models
 
 LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # what diffusers' save_lora_weights writes
 ALLOWED_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
@@ -63,6 +64,7 @@ class ParsedAdapter:
     format: str  # "diffusers", "kohya" or "other" (what the file was before conversion)
     layers: dict[str, dict[str, LoraLayer]]  # component ("unet", "text_encoder", ...) -> module -> layer
     metadata: dict[str, str] = field(default_factory=dict)
+    base_models: list[str] = field(default_factory=list)  # declared by the file, card or config
 
     @property
     def nbytes(self) -> int:
@@ -269,3 +271,12 @@ def _scale(module: str, rank: int, alphas: dict[str, float], config: dict) -> fl
     else:
         alpha = alphas.get(module, float(rank))
     return alpha / rank if rank else 0.0
+
+
+def load_adapter(location, pipeline_cls: type[DiffusionPipeline], component_modules: dict[str, set[str]],
+                 max_bytes: int) -> ParsedAdapter:
+    """Read, check and convert the adapter at `location` (an `AdapterLocation`)."""
+    tensors, metadata = read_safetensors(location.weights, location.adapter_id, max_bytes)
+    parsed = parse_adapter(location.adapter_id, tensors, metadata, pipeline_cls, component_modules)
+    parsed.base_models = declared_base_models(metadata, location.folder)
+    return parsed

@@ -22,7 +22,7 @@ Format = Literal["diffusers", "kohya"]
 _TARGETS = {
     "unet": (r"\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$", r"^(down_blocks|mid_block|up_blocks)\."),
     "transformer": (r"\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$",
-                    r"^(transformer_blocks|single_transformer_blocks)\."),
+                    r"^(transformer_blocks|single_transformer_blocks)\.\d+\.(?!norm)"),  # not the modulation
     "text_encoder": (r"\.self_attn\.(q_proj|k_proj|v_proj|out_proj)$", r"\.(self_attn|mlp)\.\w+$"),
 }
 _TARGETS["text_encoder_2"] = _TARGETS["text_encoder"]
@@ -35,17 +35,14 @@ _BFL_DOUBLE = {
     "img_attn_proj": ("attn.to_out.0",),
     "img_mlp_0": ("ff.net.0.proj",),
     "img_mlp_2": ("ff.net.2",),
-    "img_mod_lin": ("norm1.linear",),
     "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
     "txt_attn_proj": ("attn.to_add_out",),
     "txt_mlp_0": ("ff_context.net.0.proj",),
     "txt_mlp_2": ("ff_context.net.2",),
-    "txt_mod_lin": ("norm1_context.linear",),
 }
 _BFL_SINGLE = {
     "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
     "linear2": ("proj_out",),
-    "modulation_lin": ("norm.linear",),
 }
 _BFL_LINEAR1_INNER_DIM = 3072
 _BFL_ATTN = ("img_attn_qkv", "img_attn_proj", "txt_attn_qkv", "txt_attn_proj")

@@ -58,7 +58,7 @@ class FusedSwapper:
         self.max_rank = max_rank
         self._pristine: dict[LayerKey, torch.Tensor] = {}
         self._dirty: set[LayerKey] = set()
-        self.applied: tuple[tuple[str, float], ...] = ()
+        self.applied: tuple[tuple[BoundAdapter, float], ...] = ()
 
     # ---------------------------------------------------------------- binding
     def bind(self, parsed: ParsedAdapter) -> BoundAdapter:
@@ -133,7 +133,7 @@ class FusedSwapper:
         except BaseException:
             self._restore(touched)
             raise
-        self.applied = tuple((bound.adapter_id, blend) for bound, blend in adapters)
+        self.applied = tuple(adapters)
         if adapters and torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -164,6 +164,10 @@ class FusedSwapper:
         self._dirty.clear()
         self.applied = ()
         logger.warning("swap failed; %d touched weights restored to the base model", len(keys))
+
+    @property
+    def applied_ids(self) -> tuple[tuple[str, float], ...]:
+        return tuple((bound.adapter_id, blend) for bound, blend in self.applied)
 
     @property
     def pristine_bytes(self) -> int:

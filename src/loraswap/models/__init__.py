@@ -7,7 +7,7 @@ from diffusers import DiffusionPipeline
 
 from .presets import PRESETS, build_preset
 
-__all__ = ["PRESETS", "load_pipeline", "model_name", "resolve_device", "default_dtype"]
+__all__ = ["PRESETS", "load_pipeline", "lora_components", "model_name", "resolve_device", "default_dtype"]
 
 
 def resolve_device(device: str | None = None) -> torch.device:
@@ -47,3 +47,25 @@ def model_name(pipeline: DiffusionPipeline, name_or_path: str) -> str:
     if name_or_path in PRESETS or not Path(name_or_path).exists():
         return name_or_path
     return pipeline.config.get("_name_or_path") or name_or_path
+
+
+SHAPE_PIPELINES = {"sd15": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline", "flux-dev": "FluxPipeline"}
+
+
+def lora_components(name_or_path: str) -> tuple[type[DiffusionPipeline], dict[str, torch.nn.Module]]:
+    """(pipeline class, LoRA-loadable components) of a preset, a real shape or a model.
+
+    Real shapes (`sd15`, `sdxl`, `flux-dev`) are built on the meta device: their layer
+    names and shapes, without memory. Anything else is loaded on the CPU.
+    """
+    import diffusers
+
+    from .shapes import SHAPES, build_shape_component
+
+    if name_or_path in SHAPES:
+        cls = getattr(diffusers, SHAPE_PIPELINES[name_or_path])
+        names = [n for n in cls._lora_loadable_modules if n in SHAPES[name_or_path]]
+        return cls, {n: build_shape_component(name_or_path, n) for n in names}
+    pipeline = build_preset(name_or_path) if name_or_path in PRESETS else load_pipeline(name_or_path, device="cpu")
+    return type(pipeline), {n: getattr(pipeline, n) for n in pipeline._lora_loadable_modules
+                            if getattr(pipeline, n, None) is not None}

@@ -1,0 +1,184 @@
+"""`loraswap`: serve, generate, inspect and make adapters, benchmark.
+
+Every flag can also come from the environment as `LORASWAP_<NAME>` (e.g.
+LORASWAP_MODEL, LORASWAP_ADAPTERS, LORASWAP_PORT).
+"""
+
+import json
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .errors import LoraswapError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+adapters_app = typer.Typer(no_args_is_help=True, help="Inspect adapters and make random ones.")
+app.add_typer(adapters_app, name="adapters")
+
+
+def _opt(*names: str, help: str, env: str | None = None, **kwargs):
+    """An option whose value may also come from LORASWAP_<NAME>."""
+    env = env or "LORASWAP_" + names[0].lstrip("-").replace("-", "_").upper()
+    return typer.Option(*names, help=help, envvar=env, **kwargs)
+
+
+Model = Annotated[str, _opt("--model", help="Preset (tiny-sd, tiny-sdxl, tiny-flux), hub id or local folder.")]
+AdaptersDir = Annotated[Path | None, _opt("--adapters", help="Folder of .safetensors adapters.")]
+Device = Annotated[str, _opt("--device", help="auto, cpu or cuda.")]
+
+
+def _parse_lora(spec: str) -> tuple[str, float]:
+    """`ID[:WEIGHT]` -> (id, weight)."""
+    adapter_id, _, weight = spec.strip().partition(":")
+    try:
+        return adapter_id.strip(), float(weight) if weight else 1.0
+    except ValueError:
+        raise typer.BadParameter(f"--lora {spec!r}: the weight after ':' must be a number") from None
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@app.callback()
+def _quiet_libraries() -> None:
+    """Libraries' own warnings (dtype casts, load reports) are noise for users."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.set_verbosity_error()
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="What to draw.")],
+    model: Model = "tiny-sd",
+    adapters: AdaptersDir = None,
+    lora: Annotated[list[str] | None, _opt("--lora", help="Adapter ID[:WEIGHT]; repeat to blend.")] = None,
+    steps: Annotated[int | None, _opt("--steps", help="Denoising steps.")] = None,
+    guidance: Annotated[float | None, _opt("--guidance", help="Guidance scale.")] = None,
+    width: Annotated[int | None, _opt("--width", help="Image width, a multiple of 8.")] = None,
+    height: Annotated[int | None, _opt("--height", help="Image height, a multiple of 8.")] = None,
+    seed: Annotated[int | None, _opt("--seed", help="Seed of the CPU generator (same image on any device).")] = None,
+    negative_prompt: Annotated[str | None, _opt("--negative-prompt", help="What not to draw.")] = None,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Image file (png, jpg, webp).")] = Path("out.png"),
+    device: Device = "auto",
+    compile: Annotated[bool | None, _opt("--compile/--no-compile", help="Regional torch.compile (default: on CUDA).",
+                                         env="LORASWAP_COMPILE")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Generate one image, with adapters fused the way the server fuses them."""
+    from .engine.config import EngineConfig, GenerateRequest
+    from .engine.engine import Engine
+
+    _setup_logging(verbose)
+    try:
+        engine = Engine(EngineConfig(model=model, adapters=adapters, device=device, compile=compile, warmup=False))
+        request = GenerateRequest(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
+                                  width=width, height=height, seed=seed,
+                                  loras=[_parse_lora(s) for s in lora or []])
+        result = engine.generate(request)
+    except LoraswapError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(1) from None
+    result.image.save(output)
+    typer.echo(f"{output}  seed={result.seed} swap={result.swap_seconds * 1e3:.1f}ms "
+               f"generate={result.generate_seconds:.2f}s")
+
+
+@adapters_app.command("inspect")
+def inspect_adapter(
+    path_or_id: Annotated[str, typer.Argument(help="A .safetensors file, or an id under --adapters.")],
+    model: Model = "tiny-sd",
+    adapters: AdaptersDir = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    max_rank: Annotated[int, _opt("--max-rank", help="Highest rank accepted.")] = 1024,
+) -> None:
+    """Format, base model, ranks, alphas, targets, size; exit 1 if it does not fit --model."""
+    from .adapters.formats import load_adapter
+    from .adapters.metadata import same_model
+    from .adapters.source import AdapterLocation, LocalAdapterSource
+    from .engine.swap import FusedSwapper
+    from .models import lora_components
+
+    _setup_logging(False)
+    path = Path(path_or_id)
+    if path.is_file():
+        location = AdapterLocation(path.stem, path, path.parent if path.name == "pytorch_lora_weights.safetensors"
+                                   else None)
+    elif adapters is not None:
+        location = None
+    else:
+        typer.echo(f"error: {path_or_id} is not a file; give --adapters DIR to look up an id", err=True)
+        raise typer.Exit(2)
+    pipeline_cls, components = lora_components(model)
+    swapper = FusedSwapper(components, max_rank=max_rank)
+    report: dict = {"adapter": path_or_id, "model": model}
+    fits, problem = True, None
+    try:
+        location = location or LocalAdapterSource(adapters).locate(path_or_id)
+        parsed = load_adapter(location, pipeline_cls, swapper.component_modules, 2**40)
+        report.update(
+            format=parsed.format, base_models=parsed.base_models, bytes=location.weights.stat().st_size,
+            ranks=parsed.ranks, layers=parsed.num_layers,
+            scales=sorted({round(layer.scale, 6) for mods in parsed.layers.values() for layer in mods.values()}),
+            targets={c: sorted(mods) for c, mods in parsed.layers.items()},
+        )
+        swapper.bind(parsed)
+        if parsed.base_models and not any(same_model(b, model) for b in parsed.base_models):
+            fits, problem = False, f"declares base model {', '.join(parsed.base_models)}, not {model}"
+    except LoraswapError as e:
+        fits, problem = False, e.message
+    report.update(fits=fits, problem=problem)
+    if as_json:
+        typer.echo(json.dumps(report, indent=1))
+    else:
+        for key, value in report.items():
+            if key == "targets":
+                for component, names in value.items():
+                    typer.echo(f"targets.{component}: {len(names)} layers, e.g. {', '.join(names[:3])}")
+            else:
+                typer.echo(f"{key}: {value}")
+    raise typer.Exit(0 if fits else 1)
+
+
+@adapters_app.command("make-random")
+def make_random(
+    model: Annotated[str, typer.Option("--model", help="Preset, or a real shape: sd15, sdxl, flux-dev.")],
+    rank: Annotated[int, typer.Option("--rank", min=1, help="LoRA rank.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="The .safetensors file to write.")],
+    targets: Annotated[str, typer.Option("--targets", help="attn or all.")] = "attn",
+    fmt: Annotated[str, typer.Option("--format", help="diffusers or kohya.")] = "diffusers",
+    text_encoder: Annotated[bool, typer.Option("--text-encoder", help="Also target the text encoder(s).")] = False,
+    base_model: Annotated[str | None, typer.Option("--base-model", help="Declare this base model.")] = None,
+    alpha: Annotated[float | None, typer.Option("--alpha", help="LoRA alpha (default: the rank).")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    dtype: Annotated[str, typer.Option("--dtype", help="float16, bfloat16 or float32.")] = "float16",
+) -> None:
+    """Write a random adapter with a real key layout, for tests and benchmarks."""
+    from safetensors.torch import save_file
+
+    from .adapters.random import make_random_adapter
+    from .engine.config import DTYPES
+    from .models import lora_components
+
+    for name, value, allowed in (("--targets", targets, ("attn", "all")), ("--format", fmt, ("diffusers", "kohya")),
+                                 ("--dtype", dtype, tuple(DTYPES))):
+        if value not in allowed:
+            raise typer.BadParameter(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+    _, components = lora_components(model)
+    state_dict, metadata = make_random_adapter(components, rank, targets, fmt, text_encoder=text_encoder, alpha=alpha,
+                                               base_model=base_model, dtype=DTYPES[dtype], seed=seed)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state_dict, str(output), metadata=metadata)
+    typer.echo(f"{output}: {len(state_dict)} tensors, {output.stat().st_size / 2**20:.1f} MiB")
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+

@@ -1,0 +1,47 @@
+"""The engine's typed configuration and the shape of one generation request."""
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class EngineConfig(BaseModel):
+    """How one base model is served."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("tiny-sd", description="A preset (tiny-sd, tiny-sdxl, tiny-flux), a hub id or a local folder.")
+    adapters: Path | None = Field(None, description="Folder of adapters; ids are paths under it without suffix.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU.")
+    compile: bool | None = Field(None, description="Regional torch.compile of the denoiser; None: on for CUDA only.")
+    pristine: Literal["device", "host"] = Field("device", description="Where pristine weight copies live.")
+    max_adapter_mb: float = Field(2048, gt=0, description="Largest adapter file accepted, MiB.")
+    max_rank: int = Field(1024, ge=1, description="Highest LoRA rank accepted.")
+    max_blend: int = Field(4, ge=1, le=32, description="Most adapters blended in one request.")
+    adapter_cache_size: int = Field(64, ge=0, description="Parsed adapters kept in host RAM (LRU by count).")
+    warmup: bool = Field(True, description="Generate once at start-up (compiles when compile is on).")
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+
+class GenerateRequest(BaseModel):
+    """One image: prompt, sampling parameters and the adapters to blend (id, weight)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str
+    negative_prompt: str | None = None
+    steps: int | None = Field(None, ge=1, le=200)
+    guidance: float | None = Field(None, ge=0, le=50)
+    width: int | None = Field(None, ge=8, le=4096, multiple_of=8)
+    height: int | None = Field(None, ge=8, le=4096, multiple_of=8)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    loras: list[tuple[str, float]] = Field(default_factory=list)

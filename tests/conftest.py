@@ -1,0 +1,35 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from loraswap.adapters.random import make_random_adapter  # noqa: E402
+from loraswap.models import lora_components  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def adapter_factory(tmp_path_factory):
+    """write(name, preset, rank=..., ...) -> path of a random adapter in a shared folder."""
+    root = tmp_path_factory.mktemp("adapters")
+    components = {}
+
+    def write(name, preset="tiny-sd", rank=4, targets="attn", fmt="diffusers", text_encoder=False, alpha=None,
+              seed=0, base_model=None, dtype=torch.float16, folder=root):
+        if preset not in components:
+            components[preset] = lora_components(preset)[1]
+        state_dict, metadata = make_random_adapter(components[preset], rank, targets, fmt, text_encoder=text_encoder,
+                                                   alpha=alpha, base_model=base_model, dtype=dtype, seed=seed)
+        path = folder / f"{name}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(state_dict, str(path), metadata=metadata)
+        return path
+
+    write.root = root
+    return write
