@@ -1,0 +1,37 @@
+"""Swaps on a compiled model never recompile, and match the eager model."""
+
+import torch
+import torch._dynamo
+
+from helpers import image_array, rel_err
+from loraswap.engine.config import EngineConfig
+from loraswap.engine.engine import Engine
+
+SPECS = [(4, "attn"), (64, "all"), (16, "attn"), (128, "all"), (8, "all"), (32, "attn")]
+
+
+def test_twelve_swaps_of_mixed_ranks_and_targets_never_recompile(adapter_factory, monkeypatch):
+    root = adapter_factory.root / "compiled"
+    for i, (rank, targets) in enumerate(SPECS):
+        adapter_factory(f"c{i}", "tiny-flux", rank=rank, targets=targets, fmt="diffusers" if i % 2 else "kohya",
+                        text_encoder=i == 3, alpha=6.0 * rank, seed=40 + i, folder=root)
+    torch._dynamo.reset()
+    compiled = Engine(EngineConfig(model="tiny-flux", adapters=root, compile=True, warmup=False))
+    eager = Engine(EngineConfig(model="tiny-flux", adapters=root, compile=False, warmup=False))
+    # warm-up: the first image compiles the repeated blocks
+    compiled.set_adapters([])
+    base = image_array(compiled.pipeline)
+    graphs_after_warmup = compiled._graph_count()
+    assert graphs_after_warmup > 0, "the denoiser blocks were compiled"
+    compiled._graphs_after_warmup = graphs_after_warmup
+
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    sequence = [[(f"c{i % len(SPECS)}", 1.0)] for i in range(11)] + [[("c1", 0.6), ("c2", 0.5)]]
+    for loras in sequence:
+        compiled.set_adapters(loras)
+        eager.set_adapters(loras)
+        ours, reference = image_array(compiled.pipeline), image_array(eager.pipeline)
+        assert rel_err(ours, reference) <= 1e-4, loras
+        assert rel_err(ours, base) >= 1e-3, "the compiled model sees the swapped weights"
+    assert compiled.recompiles == 0
+    assert compiled._graph_count() == graphs_after_warmup
