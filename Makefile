@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/loraswap serve
+	$(VENV)/bin/loraswap serve --adapters demo-adapters --demo-adapters
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests

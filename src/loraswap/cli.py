@@ -54,6 +54,74 @@ def _quiet_libraries() -> None:
 
 
 @app.command()
+def serve(
+    model: Model = "tiny-sd",
+    adapters: AdaptersDir = None,
+    host: Annotated[str, _opt("--host", help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, _opt("--port", help="TCP port.")] = 8888,
+    device: Device = "auto",
+    dtype: Annotated[str, _opt("--dtype", help="auto, float32, float16 or bfloat16.")] = "auto",
+    compile: Annotated[bool | None, _opt("--compile/--no-compile", help="Regional torch.compile (default: on CUDA).",
+                                         env="LORASWAP_COMPILE")] = None,
+    max_queue: Annotated[int, _opt("--max-queue", help="Requests waiting before 503.")] = 32,
+    max_width: Annotated[int, _opt("--max-width", help="Largest width.")] = 2048,
+    max_height: Annotated[int, _opt("--max-height", help="Largest height.")] = 2048,
+    max_steps: Annotated[int, _opt("--max-steps", help="Most steps.")] = 100,
+    max_prompt_chars: Annotated[int, _opt("--max-prompt-chars", help="Longest prompt.")] = 2000,
+    max_blend: Annotated[int, _opt("--max-blend", help="Most adapters blended per request.")] = 4,
+    max_rank: Annotated[int, _opt("--max-rank", help="Highest LoRA rank accepted.")] = 1024,
+    max_adapter_mb: Annotated[float, _opt("--max-adapter-mb", help="Largest adapter file, MiB.")] = 2048,
+    max_body_kb: Annotated[int, _opt("--max-body-kb", help="Largest request body, KiB.")] = 64,
+    demo_adapters: Annotated[bool, _opt("--demo-adapters", help="Write a few random adapters for the model into "
+                                        "--adapters if it has none (for trying the server).")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Serve the model over HTTP (Hugging Face Inference API and OpenAI images API)."""
+    import uvicorn
+
+    from .engine.config import EngineConfig
+    from .server.app import create_app
+    from .server.config import ServerConfig
+
+    _setup_logging(verbose)
+    if demo_adapters:
+        if adapters is None:
+            raise typer.BadParameter("--demo-adapters needs --adapters DIR to write into")
+        write_demo_adapters(model, adapters)
+    try:
+        config = ServerConfig(
+            engine=EngineConfig(model=model, adapters=adapters, device=device, dtype=dtype, compile=compile,
+                                max_blend=max_blend, max_rank=max_rank, max_adapter_mb=max_adapter_mb),
+            host=host, port=port, max_queue=max_queue, max_width=max_width, max_height=max_height,
+            max_steps=max_steps, max_prompt_chars=max_prompt_chars, max_body_bytes=max_body_kb * 1024)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    uvicorn.run(create_app(config), host=host, port=port, log_level="info", timeout_graceful_shutdown=60)
+
+
+DEMO_ADAPTERS = (("demo/watercolor", 4, "attn"), ("demo/neon", 16, "all"), ("demo/sketch", 64, "all"))
+
+
+def write_demo_adapters(model: str, folder: Path) -> None:
+    """A few random adapters for `model`, written once (a folder with adapters is left alone)."""
+    from safetensors.torch import save_file
+
+    from .adapters.random import make_random_adapter
+    from .models import lora_components
+
+    if folder.exists() and any(folder.rglob("*.safetensors")):
+        return
+    _, components = lora_components(model)
+    for i, (adapter_id, rank, targets) in enumerate(DEMO_ADAPTERS):
+        path = folder / f"{adapter_id}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state_dict, metadata = make_random_adapter(components, rank, targets, text_encoder=True, alpha=2.0 * rank,
+                                                   seed=i)
+        save_file(state_dict, str(path), metadata=metadata)
+    logging.getLogger(__name__).info("wrote demo adapters %s into %s", [a for a, _, _ in DEMO_ADAPTERS], folder)
+
+
+@app.command()
 def generate(
     prompt: Annotated[str, typer.Argument(help="What to draw.")],
     model: Model = "tiny-sd",

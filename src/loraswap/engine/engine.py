@@ -51,6 +51,9 @@ class Engine:
         self.source = LocalAdapterSource(config.adapters) if config.adapters else None
         self._adapters: OrderedDict[str, tuple[BoundAdapter, tuple[int, int]]] = OrderedDict()
         self._adapters_lock = threading.Lock()
+        self._pinned: set[str] = set()
+        self.cache_hits = 0
+        self.cache_misses = 0
         self._call_parameters = set(inspect.signature(self.pipeline.__call__).parameters)
         self.compiled = config.compile if config.compile is not None else self.device.type == "cuda"
         if self.compiled:
@@ -67,28 +70,68 @@ class Engine:
 
         A cached entry is dropped when its file's size or mtime changes on disk.
         """
-        check_adapter_id(adapter_id)
-        if self.source is None:
-            raise AdapterNotFound(adapter_id, "this server was started without an adapter folder",
-                                  "Start it with --adapters DIR")
-        location = self.source.locate(adapter_id)
+        location = self._locate(adapter_id)
         stat = location.weights.stat()
         stamp = (stat.st_size, stat.st_mtime_ns)
         with self._adapters_lock:
             cached = self._adapters.get(adapter_id)
             if cached and cached[1] == stamp:
                 self._adapters.move_to_end(adapter_id)
+                self.cache_hits += 1
                 return cached[0]
+            self.cache_misses += 1
         parsed = load_adapter(location, type(self.pipeline), self.swapper.component_modules,
                               int(self.config.max_adapter_mb * 2**20))
         self._check_base_model(parsed)
-        bound = self.swapper.bind(parsed)
+        bound = self.swapper.bind(parsed, base_models=parsed.base_models)
         with self._adapters_lock:
             self._adapters[adapter_id] = (bound, stamp)
             self._adapters.move_to_end(adapter_id)
-            while len(self._adapters) > self.config.adapter_cache_size:
-                self._adapters.popitem(last=False)
+            unpinned = [aid for aid in self._adapters if aid not in self._pinned]
+            for aid in unpinned[: max(0, len(self._adapters) - self.config.adapter_cache_size)]:
+                del self._adapters[aid]
         return bound
+
+    def _locate(self, adapter_id: str):
+        check_adapter_id(adapter_id)
+        if self.source is None:
+            raise AdapterNotFound(adapter_id, "this server was started without an adapter folder",
+                                  "Start it with --adapters DIR")
+        return self.source.locate(adapter_id)
+
+    def pin_adapter(self, adapter_id: str) -> BoundAdapter:
+        """Load the adapter into host RAM and keep it there until `unpin_adapter`."""
+        bound = self.resolve_adapter(adapter_id)
+        with self._adapters_lock:
+            self._pinned.add(adapter_id)
+        return bound
+
+    def unpin_adapter(self, adapter_id: str) -> None:
+        """Unpin and drop the adapter from host RAM (it is read from disk when next used)."""
+        self._locate(adapter_id)
+        with self._adapters_lock:
+            self._pinned.discard(adapter_id)
+            self._adapters.pop(adapter_id, None)
+
+    def list_adapters(self) -> list[dict]:
+        """Every adapter in the folder: id, where it is cached, and what is known of it."""
+        if self.source is None:
+            return []
+        with self._adapters_lock:
+            cached = {aid: bound for aid, (bound, _) in self._adapters.items()}
+            pinned = set(self._pinned)
+        applied = {aid for aid, _ in self.swapper.applied_ids}
+        rows = []
+        for adapter_id in self.source.list_ids():
+            bound = cached.get(adapter_id)
+            row = {"id": adapter_id, "cached": "host" if bound else "disk", "pinned": adapter_id in pinned,
+                   "applied": adapter_id in applied}
+            if bound is not None:
+                row.update(base_model=bound.base_models[0] if bound.base_models else self.model_name,
+                           rank=max(layer.rank for layer in bound.layers.values()), bytes=bound.nbytes,
+                           layers=len(bound.layers))
+            rows.append(row)
+        return rows
 
     def _check_base_model(self, parsed: ParsedAdapter) -> None:
         if parsed.base_models and not any(same_model(name, self.model_name) for name in parsed.base_models):

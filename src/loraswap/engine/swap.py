@@ -36,6 +36,7 @@ class BoundAdapter:
 
     adapter_id: str
     layers: dict[LayerKey, LoraLayer]
+    base_models: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -61,7 +62,7 @@ class FusedSwapper:
         self.applied: tuple[tuple[BoundAdapter, float], ...] = ()
 
     # ---------------------------------------------------------------- binding
-    def bind(self, parsed: ParsedAdapter) -> BoundAdapter:
+    def bind(self, parsed: ParsedAdapter, base_models: Sequence[str] = ()) -> BoundAdapter:
         """Check every layer of `parsed` against this model; raise naming the first misfit."""
         layers = {}
         aid = parsed.adapter_id
@@ -79,7 +80,7 @@ class FusedSwapper:
                 layers[key] = layer
         if not layers:
             raise AdapterInvalid(aid, "it touches no layer of this model", "Use an adapter for this base model")
-        return BoundAdapter(aid, layers)
+        return BoundAdapter(aid, layers, tuple(base_models))
 
     def _check_layer(self, aid: str, where: str, module: nn.Module, layer: LoraLayer) -> None:
         weight = module.weight

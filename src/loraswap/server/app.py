@@ -1,0 +1,330 @@
+"""The HTTP edge: Hugging Face Inference API, OpenAI images API, health, metrics, adapters.
+
+Handlers validate, resolve adapters off the event loop, queue the request for the
+GPU worker and await it; they never run the pipeline. Known errors map to their
+status with `{"error": ...}`; anything else is logged with its traceback and
+answered with a plain 500.
+"""
+
+import asyncio
+import base64
+import io
+import json
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+
+import torch
+from fastapi import FastAPI, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..adapters.metadata import same_model
+from ..engine.config import GenerateRequest
+from ..engine.engine import Engine, GenerateResult
+from ..engine.worker import GpuWorker
+from ..errors import BadRequest, LoraswapError, Overloaded
+from .config import ServerConfig
+from .metrics import Metrics
+from .schemas import HFRequest, OpenAIImageRequest, parse_lora_header, parse_size
+
+logger = logging.getLogger("loraswap.server")
+
+IMAGE_FORMATS = (("image/png", "PNG"), ("image/webp", "WEBP"), ("image/jpeg", "JPEG"))
+
+
+class ClientGone(Exception):
+    pass
+
+
+def create_app(config: ServerConfig, engine_factory=Engine) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = threading.Thread(target=_load, args=(app, config, engine_factory), name="loraswap-loader",
+                                  daemon=True)
+        loader.start()
+        yield
+        worker = getattr(app.state, "worker", None)
+        if worker is not None:
+            logger.info("shutting down: finishing %d queued requests", worker.queue_depth)
+            await run_in_threadpool(worker.stop)
+
+    app = FastAPI(title="loraswap", version="0.1.0", lifespan=lifespan,
+                  description="Thousands of LoRA adapters on warm, compiled diffusion models.")
+    app.state.config = config
+    app.state.engine = None
+    app.state.worker = None
+    app.state.load_error = None
+    app.state.metrics = Metrics(app.state)
+    _add_error_handlers(app)
+    _add_routes(app, config)
+    return app
+
+
+def _load(app: FastAPI, config: ServerConfig, engine_factory) -> None:
+    """Build and warm the engine, logging progress until it is ready."""
+    started = time.perf_counter()
+    done = threading.Event()
+
+    def heartbeat():
+        while not done.wait(10.0):
+            logger.info("still loading %s (%.0f s)", config.engine.model, time.perf_counter() - started)
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    try:
+        engine = engine_factory(config.engine)
+        worker = GpuWorker(engine, config.max_queue)
+        worker.start()
+        app.state.engine, app.state.worker = engine, worker
+        logger.info("ready: %s in %.1f s", engine.model_name, time.perf_counter() - started)
+    except Exception as e:
+        app.state.load_error = str(e)
+        logger.exception("loading %s failed", config.engine.model)
+    finally:
+        done.set()
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(LoraswapError)
+    async def known_error(request: Request, exc: LoraswapError):
+        headers = {"Retry-After": str(app.state.config.retry_after_s)} if isinstance(exc, Overloaded) else None
+        return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        return JSONResponse({"error": _describe(exc.errors())}, status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return JSONResponse({"error": "internal server error"}, status_code=500)
+
+
+def _describe(errors) -> str:
+    parts = []
+    for err in errors:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "invalid request: " + "; ".join(parts)
+
+
+def _add_routes(app: FastAPI, config: ServerConfig) -> None:
+    state = app.state
+
+    async def read_json(request: Request):
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > config.max_body_bytes:
+            raise BadRequest(f"the body is {declared} bytes; the limit is {config.max_body_bytes}")
+        body = await request.body()
+        if len(body) > config.max_body_bytes:
+            raise BadRequest(f"the body is {len(body)} bytes; the limit is {config.max_body_bytes}")
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BadRequest('the body must be JSON: {"inputs": "a prompt", "parameters": {...}}') from None
+
+    def engine_ready() -> Engine:
+        if state.worker is None:
+            reason = f"loading failed: {state.load_error}" if state.load_error else "the model is still loading"
+            raise Overloaded(reason)
+        return state.engine
+
+    def build_request(prompt, loras, negative_prompt=None, steps=None, guidance=None, width=None, height=None,
+                      seed=None) -> GenerateRequest:
+        if not prompt or not prompt.strip():
+            raise BadRequest("the prompt is empty")
+        if len(prompt) > config.max_prompt_chars:
+            raise BadRequest(f"the prompt has {len(prompt)} characters; the limit is {config.max_prompt_chars}")
+        if negative_prompt is not None and len(negative_prompt) > config.max_prompt_chars:
+            raise BadRequest(f"the negative prompt is over {config.max_prompt_chars} characters")
+        for name, value, limit in (("width", width, config.max_width), ("height", height, config.max_height)):
+            if value is not None and (value < 8 or value > limit or value % 8):
+                raise BadRequest(f"{name} {value} must be a multiple of 8 between 8 and {limit}")
+        if steps is not None and not 1 <= steps <= config.max_steps:
+            raise BadRequest(f"num_inference_steps {steps} must be between 1 and {config.max_steps}")
+        if guidance is not None and not 0 <= guidance <= 50:
+            raise BadRequest(f"guidance_scale {guidance} must be between 0 and 50")
+        if seed is not None and not 0 <= seed < 2**63:
+            raise BadRequest(f"seed {seed} must be between 0 and 2**63 - 1")
+        if len(loras) > config.engine.max_blend:
+            raise BadRequest(f"{len(loras)} adapters requested; at most {config.engine.max_blend} can be blended")
+        try:
+            return GenerateRequest(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
+                                   width=width, height=height, seed=seed, loras=loras)
+        except ValidationError as e:
+            raise BadRequest(_describe(e.errors())) from None
+
+    async def run(request: Request, route: str, gen: GenerateRequest) -> GenerateResult:
+        started = time.perf_counter()
+        status = 500
+        result = None
+        try:
+            engine = engine_ready()
+            # resolve adapters off the event loop: 404/422 before queueing, and the worker only swaps
+            for adapter_id, _ in gen.loras:
+                await run_in_threadpool(engine.resolve_adapter, adapter_id)
+            future = state.worker.submit(gen)
+            wrapped = asyncio.wrap_future(future)
+            while not wrapped.done():
+                await asyncio.wait([wrapped], timeout=0.1)
+                if not wrapped.done() and await request.is_disconnected():
+                    future.cancel()
+                    raise ClientGone()
+            result = wrapped.result()
+            status = 200
+            return result
+        except torch.OutOfMemoryError:
+            status = 503
+            raise Overloaded("the GPU ran out of memory for this request; retry, or ask for a smaller image")
+        except ClientGone:
+            status = 499
+            raise
+        except LoraswapError as e:
+            status = e.status
+            raise
+        finally:
+            state.metrics.requests.labels(route, str(status)).inc()
+            if result is not None:
+                if result.swap_seconds:
+                    state.metrics.swap_seconds.observe(result.swap_seconds)
+                state.metrics.generate_seconds.observe(result.generate_seconds)
+            logger.info("%s adapters=%s swap=%.1fms generate=%.2fs total=%.2fs status=%d", route,
+                        ",".join(f"{a}:{w:g}" for a, w in gen.loras) or "-",
+                        result.swap_seconds * 1e3 if result else 0.0, result.generate_seconds if result else 0.0,
+                        time.perf_counter() - started, status)
+
+    async def encode(image, accept: str) -> tuple[bytes, str]:
+        media, fmt = next(((m, f) for m, f in IMAGE_FORMATS if m in accept), ("image/jpeg", "JPEG"))
+
+        def save():
+            buffer = io.BytesIO()
+            image.save(buffer, format=fmt, **({"quality": 95} if fmt in ("JPEG", "WEBP") else {}))
+            return buffer.getvalue()
+
+        return await run_in_threadpool(save), media
+
+    async def hf_generate(request: Request, route: str, path_model: str | None) -> Response:
+        # 1. parse the body: {"inputs": ..., "parameters": {...}} or a bare JSON string
+        body = await read_json(request)
+        try:
+            hf = HFRequest(inputs=body) if isinstance(body, str) else HFRequest.model_validate(body)
+        except ValidationError as e:
+            raise BadRequest(_describe(e.errors())) from None
+        # 2. adapters: the `lora` header, and the path's model id when it names an adapter
+        loras = parse_lora_header(request.headers.get("lora"))
+        engine = engine_ready()
+        if path_model and not same_model(path_model, engine.model_name) and path_model not in dict(loras):
+            loras = [(path_model, 1.0), *loras]
+        p = hf.parameters
+        width, height = (p.target_size.width, p.target_size.height) if p.target_size else (p.width, p.height)
+        gen = build_request(hf.inputs, loras, p.negative_prompt, p.num_inference_steps, p.guidance_scale,
+                            width, height, p.seed)
+        # 3. generate on the GPU worker, 4. encode as the client accepts
+        result = await run(request, route, gen)
+        data, media = await encode(result.image, request.headers.get("accept", ""))
+        total = result.swap_seconds + result.generate_seconds
+        return Response(data, media_type=media, headers={"x-compute-time": f"{total:.4f}",
+                                                         "x-swap-ms": f"{result.swap_seconds * 1e3:.2f}",
+                                                         "x-seed": str(result.seed)})
+
+    hf_extra = _hf_openapi()
+
+    @app.post("/", openapi_extra=hf_extra, response_class=Response,
+              responses={200: {"content": {"image/jpeg": {}, "image/png": {}, "image/webp": {}}}})
+    async def generate_root(request: Request):
+        """Hugging Face Inference API text-to-image; adapter from the `lora` header."""
+        return await hf_generate(request, "/", None)
+
+    @app.post("/models/{model_id:path}", openapi_extra=hf_extra, response_class=Response,
+              responses={200: {"content": {"image/jpeg": {}, "image/png": {}, "image/webp": {}}}})
+    async def generate_model(model_id: str, request: Request):
+        """As `POST /`; `model_id` is the base model's name or an adapter id."""
+        return await hf_generate(request, "/models", model_id)
+
+    @app.post("/v1/images/generations")
+    async def openai_generate(body: OpenAIImageRequest, request: Request):
+        """OpenAI images API: `model` is an adapter id (`id1:0.8, id2:0.5` to blend) or the base model."""
+        if body.response_format != "b64_json":
+            raise BadRequest("response_format must be 'b64_json'; this server does not host image URLs")
+        if not 1 <= body.n <= config.max_images:
+            raise BadRequest(f"n must be between 1 and {config.max_images}")
+        engine = engine_ready()
+        loras = parse_lora_header(request.headers.get("lora"))
+        if body.model and not same_model(body.model, engine.model_name):
+            loras = parse_lora_header(body.model) + loras
+        width, height = parse_size(body.size)
+        data = []
+        for i in range(body.n):
+            seed = None if body.seed is None else body.seed + i
+            gen = build_request(body.prompt, loras, body.negative_prompt, body.num_inference_steps,
+                                body.guidance_scale, width, height, seed)
+            result = await run(request, "/v1/images/generations", gen)
+            png, _ = await encode(result.image, "image/png")
+            data.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": body.prompt})
+        return {"created": int(time.time()), "data": data}
+
+    @app.get("/health")
+    async def health():
+        """The process is alive."""
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        """200 once the model is warm and serving; 503 while loading (or if loading failed)."""
+        if state.worker is None:
+            return JSONResponse({"error": state.load_error or "loading"}, status_code=503,
+                                headers={"Retry-After": str(config.retry_after_s)})
+        return {"status": "ready", "model": state.engine.model_name, "compiled": state.engine.compiled}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/adapters")
+    async def list_adapters():
+        """Every adapter: id, base model, rank, bytes, where cached."""
+        engine = engine_ready()
+        return {"model": engine.model_name, "adapters": await run_in_threadpool(engine.list_adapters)}
+
+    @app.post("/adapters/{adapter_id:path}/load")
+    async def load_adapter(adapter_id: str):
+        """Read the adapter into host RAM now and pin it there."""
+        engine = engine_ready()
+        bound = await run_in_threadpool(engine.pin_adapter, adapter_id)
+        return {"id": adapter_id, "cached": "host", "pinned": True, "bytes": bound.nbytes,
+                "layers": len(bound.layers)}
+
+    @app.delete("/adapters/{adapter_id:path}")
+    async def evict_adapter(adapter_id: str):
+        """Unpin the adapter and drop it from host RAM."""
+        engine = engine_ready()
+        await run_in_threadpool(engine.unpin_adapter, adapter_id)
+        return {"id": adapter_id, "cached": "disk", "pinned": False}
+
+
+def _hf_openapi() -> dict:
+    params = HFRequest.model_json_schema()
+    defs = params.pop("$defs", {})
+
+    def inline(schema):
+        if isinstance(schema, dict):
+            if "$ref" in schema:
+                return inline(defs[schema["$ref"].rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in schema.items()}
+        if isinstance(schema, list):
+            return [inline(v) for v in schema]
+        return schema
+
+    body = {"anyOf": [{"type": "string"}, inline(params)]}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "parameters": [{"name": "lora", "in": "header", "required": False, "schema": {"type": "string"},
+                            "description": "Adapter id, or several with weights: `id1:0.8, id2:0.5`."}]}

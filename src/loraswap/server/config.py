@@ -1,0 +1,21 @@
+"""The server's typed configuration: the engine's, plus the HTTP edge's limits."""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.config import EngineConfig
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The served base model.")
+    host: str = Field("127.0.0.1", description="Interface to listen on.")
+    port: int = Field(8888, ge=0, le=65535, description="TCP port (0: any free port).")
+    max_queue: int = Field(32, ge=1, description="Requests waiting for the GPU before 503.")
+    retry_after_s: int = Field(2, ge=1, description="Retry-After sent with 503.")
+    max_width: int = Field(2048, ge=64, description="Largest image width.")
+    max_height: int = Field(2048, ge=64, description="Largest image height.")
+    max_steps: int = Field(100, ge=1, description="Most denoising steps.")
+    max_prompt_chars: int = Field(2000, ge=1, description="Longest prompt, characters.")
+    max_body_bytes: int = Field(64 * 1024, ge=1024, description="Largest request body.")
+    max_images: int = Field(4, ge=1, le=16, description="Most images per OpenAI request (n).")

@@ -1,0 +1,41 @@
+"""Prometheus metrics, in a registry owned by the app (no module-level state)."""
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+SWAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+GENERATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+
+class Metrics:
+    def __init__(self, state):
+        """`state` is the app state: read at scrape time for engine and worker figures."""
+        self.registry = CollectorRegistry()
+        self.requests = Counter("loraswap_requests", "HTTP generation requests by route and status.",
+                                ["route", "status"], registry=self.registry)
+        self.swap_seconds = Histogram("loraswap_adapter_swap_seconds", "Time to put adapters on the model.",
+                                      buckets=SWAP_BUCKETS, registry=self.registry)
+        self.generate_seconds = Histogram("loraswap_generate_seconds", "Pipeline time per image.",
+                                          buckets=GENERATE_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(state))
+
+
+class _EngineCollector:
+    def __init__(self, state):
+        self.state = state
+
+    def collect(self):
+        engine, worker = getattr(self.state, "engine", None), getattr(self.state, "worker", None)
+        recompiles = CounterMetricFamily("loraswap_recompiles", "Graphs compiled after warm-up (should stay 0).")
+        hits = CounterMetricFamily("loraswap_adapter_cache_hits", "Adapter lookups served from host RAM.")
+        misses = CounterMetricFamily("loraswap_adapter_cache_misses", "Adapter lookups read from disk.")
+        depth = GaugeMetricFamily("loraswap_queue_depth", "Requests waiting for the GPU worker.")
+        skipped = CounterMetricFamily("loraswap_cancelled_requests", "Queued requests dropped: client gone.")
+        ready = GaugeMetricFamily("loraswap_ready", "1 when the model is warm and serving.")
+        recompiles.add_metric([], engine.recompiles if engine else 0)
+        hits.add_metric([], engine.cache_hits if engine else 0)
+        misses.add_metric([], engine.cache_misses if engine else 0)
+        depth.add_metric([], worker.queue_depth if worker else 0)
+        skipped.add_metric([], worker.skipped_cancelled if worker else 0)
+        ready.add_metric([], 1 if worker else 0)
+        yield from (recompiles, hits, misses, depth, skipped, ready)
