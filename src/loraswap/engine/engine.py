@@ -21,7 +21,7 @@ from ..adapters.formats import ParsedAdapter, load_adapter
 from ..adapters.metadata import same_model
 from ..adapters.source import LocalAdapterSource, check_adapter_id
 from ..errors import AdapterIncompatible, AdapterNotFound, BadRequest
-from ..models import load_pipeline, model_name, resolve_device
+from ..models import generation_defaults, load_pipeline, model_name, resolve_device
 from .config import EngineConfig, GenerateRequest
 from .swap import BoundAdapter, FusedSwapper
 
@@ -55,12 +55,13 @@ class Engine:
         self.cache_hits = 0
         self.cache_misses = 0
         self._call_parameters = set(inspect.signature(self.pipeline.__call__).parameters)
+        self.defaults = generation_defaults(config.model)
         self.compiled = config.compile if config.compile is not None else self.device.type == "cuda"
         if self.compiled:
             self._compile()
         if config.warmup:
             logger.info("warming up%s", " (compiling)" if self.compiled else "")
-            self.generate(GenerateRequest(prompt="warm-up", seed=0))
+            self.generate(GenerateRequest(prompt="warm-up", seed=0, steps=2))
         self._graphs_after_warmup = self._graph_count()
         logger.info("%s ready in %.1f s", self.model_name, time.perf_counter() - started)
 
@@ -160,8 +161,10 @@ class Engine:
         # 2. build the pipeline call; the seed drives a CPU generator, as the HF image does
         seed = request.seed if request.seed is not None else random.randrange(2**31)
         kwargs = dict(prompt=request.prompt, generator=torch.Generator("cpu").manual_seed(seed))
-        optional = dict(negative_prompt=request.negative_prompt, num_inference_steps=request.steps,
-                        guidance_scale=request.guidance, width=request.width, height=request.height)
+        defaults = self.defaults
+        optional = dict(negative_prompt=request.negative_prompt, guidance_scale=request.guidance,
+                        num_inference_steps=request.steps or defaults.get("steps"),
+                        width=request.width or defaults.get("width"), height=request.height or defaults.get("height"))
         kwargs.update({k: v for k, v in optional.items() if v is not None and k in self._call_parameters})
         # 3. generate
         started = time.perf_counter()

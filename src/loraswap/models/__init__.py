@@ -5,9 +5,9 @@ from pathlib import Path
 import torch
 from diffusers import DiffusionPipeline
 
-from .presets import PRESETS, build_preset
+from .presets import PRESET_DEFAULTS, PRESETS, build_preset
 
-__all__ = ["PRESETS", "load_pipeline", "lora_components", "model_name", "resolve_device", "default_dtype"]
+__all__ = ["PRESETS", "generation_defaults", "load_pipeline", "lora_components", "model_name", "resolve_device", "default_dtype"]
 
 
 def resolve_device(device: str | None = None) -> torch.device:
@@ -40,6 +40,11 @@ def load_pipeline(name_or_path: str, device: str | torch.device | None = None,
     if pipeline.dtype != dtype:
         pipeline.to(dtype=dtype)
     return pipeline
+
+
+def generation_defaults(name_or_path: str) -> dict[str, int]:
+    """width/height/steps used when a request gives none; empty: the pipeline's own."""
+    return dict(PRESET_DEFAULTS) if name_or_path in PRESETS else {}
 
 
 def model_name(pipeline: DiffusionPipeline, name_or_path: str) -> str:

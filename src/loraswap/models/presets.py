@@ -158,6 +158,10 @@ def _tiny_flux() -> FluxPipeline:
     )
 
 
+# generation defaults of the presets: small images, few steps (pipelines' own defaults
+# are sized for the real models, e.g. FLUX.1's 1024x1024 and 28 steps)
+PRESET_DEFAULTS = {"width": 64, "height": 64, "steps": 4}
+
 PRESETS: dict[str, Callable[[], DiffusionPipeline]] = {
     "tiny-sd": _tiny_sd,
     "tiny-sdxl": _tiny_sdxl,

@@ -1,0 +1,80 @@
+"""A real loraswap server in a subprocess on 127.0.0.1, and the adapters it serves."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, "-m", "loraswap", "serve", "--port", str(self.port), *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready in {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name + labels + " ") or (not labels and line.startswith(name + " ")):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            return self.proc.wait(30)
+        finally:
+            self._log.close()
+
+
+@pytest.fixture(scope="session")
+def served_adapters(adapter_factory):
+    """Adapters for tiny-sd: two good ones, one for another base model."""
+    root = adapter_factory.root / "served"
+    adapter_factory("style", "tiny-sd", rank=8, targets="all", text_encoder=True, alpha=16.0, seed=21, folder=root)
+    adapter_factory("styles/second", "tiny-sd", rank=4, targets="attn", alpha=8.0, seed=22, folder=root)
+    adapter_factory("sdxl-only", "tiny-sd", rank=4, base_model="stabilityai/stable-diffusion-xl-base-1.0",
+                    seed=23, folder=root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def server(served_adapters, tmp_path_factory):
+    process = ServerProcess(["--model", "tiny-sd", "--adapters", str(served_adapters), "--max-width", "512",
+                             "--max-height", "512", "--max-steps", "50", "--max-blend", "2", "--max-body-kb", "4",
+                             "--max-prompt-chars", "200"], tmp_path_factory.mktemp("logs") / "server.log")
+    process.wait_ready()
+    yield process
+    process.stop()

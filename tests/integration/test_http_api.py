@@ -1,0 +1,119 @@
+"""The HTTP contract, with real clients against a real server on loopback."""
+
+import base64
+import io
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+from huggingface_hub import InferenceClient
+from openai import OpenAI
+from PIL import Image
+
+
+def cli_image(adapters_dir, tmp_path, lora: str | None, seed: int) -> np.ndarray:
+    out = tmp_path / f"cli-{str(lora).replace('/', '_')}-{seed}.png"
+    args = [sys.executable, "-m", "loraswap", "generate", "a red fox", "--model", "tiny-sd", "--adapters",
+            str(adapters_dir), "--seed", str(seed), "--steps", "2", "-o", str(out)]
+    if lora:
+        args += ["--lora", lora]
+    subprocess.run(args, check=True, capture_output=True)
+    return np.asarray(Image.open(out).convert("RGB"))
+
+
+def test_huggingface_inference_client(server, served_adapters, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the suite is offline; this is loopback
+    client = InferenceClient(model=server.url, headers={"lora": "style"})
+    image = client.text_to_image("a red fox", seed=3, num_inference_steps=2)
+    expected = cli_image(served_adapters, tmp_path, "style", 3)
+    assert np.array_equal(np.asarray(image.convert("RGB")), expected)
+    base = cli_image(served_adapters, tmp_path, None, 3)
+    assert not np.array_equal(expected, base), "the adapter changes the image"
+
+
+def test_openai_images_client(server, served_adapters, tmp_path):
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    response = client.images.generate(model="styles/second", prompt="a red fox", response_format="b64_json",
+                                      size="64x64", extra_body={"seed": 5, "num_inference_steps": 2})
+    image = Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json)))
+    assert image.format == "PNG"
+    assert np.array_equal(np.asarray(image.convert("RGB")), cli_image(served_adapters, tmp_path, "styles/second", 5))
+
+
+def test_blend_header_models_route_and_formats(server):
+    body = {"inputs": "a red fox", "parameters": {"seed": 1, "num_inference_steps": 2}}
+    blended = httpx.post(server.url + "/", json=body, headers={"lora": "style:0.7, styles/second:0.4",
+                                                               "accept": "image/png"})
+    assert blended.status_code == 200 and blended.headers["content-type"] == "image/png"
+    assert float(blended.headers["x-compute-time"]) > 0
+    via_path = httpx.post(server.url + "/models/style", json=body, headers={"lora": "styles/second:0.4",
+                                                                           "accept": "image/png"})
+    # the path names the adapter at weight 1.0; the header adds the second
+    assert via_path.status_code == 200 and via_path.content != blended.content
+    base_by_name = httpx.post(server.url + "/models/tiny-sd", json=body, headers={"accept": "image/webp"})
+    assert base_by_name.headers["content-type"] == "image/webp"
+    assert Image.open(io.BytesIO(base_by_name.content)).size == (64, 64)
+    jpeg = httpx.post(server.url + "/", json="a bare string prompt")
+    assert jpeg.status_code == 200 and jpeg.headers["content-type"] == "image/jpeg"
+    assert Image.open(io.BytesIO(jpeg.content)).format == "JPEG"
+
+
+@pytest.mark.parametrize("body,headers,status,phrase", [
+    ({"inputs": "x", "parameters": {"width": 100}}, {}, 400, "multiple of 8"),
+    ({"inputs": "x", "parameters": {"width": 1024}}, {}, 400, "between 8 and 512"),
+    ({"inputs": "x", "parameters": {"num_inference_steps": 500}}, {}, 400, "num_inference_steps"),
+    ({"inputs": "x" * 300}, {}, 400, "the limit is 200"),
+    ({"inputs": ""}, {}, 400, "empty"),
+    ({"inputs": "x", "parameters": {"sampler": "ddim"}}, {}, 400, "sampler"),
+    ({"prompt": "x"}, {}, 400, "inputs"),
+    ({"inputs": "x"}, {"lora": "style, styles/second, sdxl-only"}, 400, "at most 2"),
+    ({"inputs": "x"}, {"lora": "style:abc"}, 400, "must be a number"),
+    ({"inputs": "x"}, {"lora": "../../etc/passwd"}, 400, "invalid adapter id"),
+    ({"inputs": "x"}, {"lora": "nope"}, 404, "no such adapter"),
+    ({"inputs": "x"}, {"lora": "sdxl-only"}, 422, "this server hosts tiny-sd"),
+])
+def test_errors_are_json_with_the_right_status(server, body, headers, status, phrase):
+    response = httpx.post(server.url + "/", json=body, headers=headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert phrase in error
+    assert "Traceback" not in response.text
+
+
+def test_malformed_bodies(server):
+    for content, phrase in ((b"{not json", "must be JSON"), (b"x" * 5000, "limit is 4096")):
+        response = httpx.post(server.url + "/", content=content, headers={"content-type": "application/json"})
+        assert response.status_code == 400 and phrase in response.json()["error"]
+    openai = httpx.post(server.url + "/v1/images/generations", json={"prompt": "x", "response_format": "url"})
+    assert openai.status_code == 400 and "b64_json" in openai.json()["error"]
+    size = httpx.post(server.url + "/v1/images/generations", json={"prompt": "x", "size": "big"})
+    assert size.status_code == 400 and "WIDTHxHEIGHT" in size.json()["error"]
+    missing = httpx.post(server.url + "/v1/images/generations", json={"size": "64x64"})
+    assert missing.status_code == 400 and "prompt" in missing.json()["error"]
+    unknown_route = httpx.get(server.url + "/nope")
+    assert unknown_route.status_code == 404 and "error" in unknown_route.json()
+
+
+def test_health_ready_metrics_and_adapter_endpoints(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/ready").json()["model"] == "tiny-sd"
+    loaded = httpx.post(server.url + "/adapters/styles/second/load")
+    assert loaded.status_code == 200 and loaded.json()["pinned"]
+    rows = {row["id"]: row for row in httpx.get(server.url + "/adapters").json()["adapters"]}
+    assert set(rows) == {"style", "styles/second", "sdxl-only"}
+    assert rows["styles/second"]["cached"] == "host" and rows["styles/second"]["rank"] == 4
+    assert rows["styles/second"]["bytes"] > 0 and rows["styles/second"]["base_model"] == "tiny-sd"
+    assert httpx.delete(server.url + "/adapters/styles/second").json()["cached"] == "disk"
+    rows = {row["id"]: row for row in httpx.get(server.url + "/adapters").json()["adapters"]}
+    assert rows["styles/second"]["cached"] == "disk"
+    assert httpx.post(server.url + "/adapters/nope/load").status_code == 404
+    assert httpx.delete(server.url + "/adapters/nope").status_code == 404
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in ("loraswap_requests_total", "loraswap_adapter_swap_seconds_bucket", "loraswap_recompiles_total",
+                 "loraswap_adapter_cache_hits_total", "loraswap_adapter_cache_misses_total", "loraswap_queue_depth"):
+        assert name in metrics, name
+    assert server.metric("loraswap_requests_total", '{route="/",status="404"}') >= 1
