@@ -16,6 +16,8 @@ from .errors import LoraswapError
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 adapters_app = typer.Typer(no_args_is_help=True, help="Inspect adapters and make random ones.")
 app.add_typer(adapters_app, name="adapters")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (run them on a GPU).")
+app.add_typer(bench_app, name="bench")
 
 
 def _opt(*names: str, help: str, env: str | None = None, **kwargs):
@@ -244,6 +246,42 @@ def make_random(
     output.parent.mkdir(parents=True, exist_ok=True)
     save_file(state_dict, str(output), metadata=metadata)
     typer.echo(f"{output}: {len(state_dict)} tensors, {output.stat().st_size / 2**20:.1f} MiB")
+
+
+def _parse_specs(text: str) -> list[tuple[int, str]]:
+    """`128:all,4:attn` -> [(128, "all"), (4, "attn")]."""
+    specs = []
+    for part in text.split(","):
+        rank, _, targets = part.strip().partition(":")
+        if not rank.isdigit() or targets not in ("attn", "all"):
+            raise typer.BadParameter(f"--adapters-spec part {part!r} must look like 64:all or 4:attn")
+        specs.append((int(rank), targets))
+    return specs
+
+
+@bench_app.command("swap")
+def bench_swap(
+    shape: Annotated[str, typer.Option("--shape", help="flux-dev, sdxl or sd15 (real config, random weights).")]
+    = "flux-dev",
+    width: Annotated[int, typer.Option("--width")] = 1024,
+    height: Annotated[int, typer.Option("--height")] = 1024,
+    steps: Annotated[int, typer.Option("--steps")] = 28,
+    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds of all variants.")] = 5,
+    recompile_swaps: Annotated[int, typer.Option("--recompile-swaps", help="Mixed swaps in the recompile check.")]
+    = 60,
+    specs: Annotated[str, typer.Option("--adapters-spec", help="rank:targets list; the first is seed 2's first "
+                                       "adapter, so give it the widest targets and the highest rank.")]
+    = "128:all,4:attn,64:all,16:all,32:attn,8:all",
+    variants: Annotated[str, typer.Option("--variants")] = "seed1,seed2,loraswap,base",
+    out: Annotated[Path, typer.Option("--out", help="Folder for JSON and PNG.")] = Path("bench/results"),
+    workdir: Annotated[Path | None, typer.Option("--workdir", help="Where adapters are written.")] = None,
+) -> None:
+    """Swap time and per-image time: seed 1, seed 2 (hotswap), loraswap, compiled base."""
+    from .bench.swap import run_swap_bench
+
+    _setup_logging(False)
+    run_swap_bench(shape, width, height, steps, rounds, recompile_swaps, out, workdir,
+                   tuple(v.strip() for v in variants.split(",")), _parse_specs(specs))
 
 
 def main() -> None:  # pragma: no cover

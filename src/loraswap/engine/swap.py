@@ -32,15 +32,50 @@ LayerKey = tuple[str, str]  # (component, module name)
 
 @dataclass(frozen=True)
 class BoundAdapter:
-    """An adapter checked against one model: every layer exists and every shape fits."""
+    """An adapter checked against one model: every layer exists and every shape fits.
+
+    `packed` is set when all factors are views into one flat buffer (see `to`), so the
+    adapter moves between host and GPU in a single copy.
+    """
 
     adapter_id: str
     layers: dict[LayerKey, LoraLayer]
     base_models: tuple[str, ...] = ()
+    packed: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers.values())
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.layers.values())).down.device
+
+    def to(self, device: str | torch.device, dtype: torch.dtype | None = None, pin_memory: bool = False,
+           non_blocking: bool = False) -> "BoundAdapter":
+        """A copy whose factors live in one flat buffer on `device` (pinned host RAM if asked).
+
+        From a packed adapter of the same dtype this is one copy (asynchronous from
+        pinned memory with `non_blocking`); otherwise the factors are packed first.
+        """
+        device = torch.device(device)
+        dtype = dtype or next(iter(self.layers.values())).down.dtype
+        if self.packed is not None and self.packed.dtype == dtype:
+            flat = self.packed.to(device, non_blocking=non_blocking) if not pin_memory else self.packed.pin_memory()
+        else:
+            parts = [t.reshape(-1) for layer in self.layers.values() for t in (layer.down, layer.up)]
+            flat = torch.empty(sum(p.numel() for p in parts), dtype=dtype, device=device,
+                               pin_memory=pin_memory and device.type == "cpu")
+            torch.cat([p.to(dtype) for p in parts], out=flat) if device.type == "cpu" else \
+                flat.copy_(torch.cat([p.to(dtype) for p in parts]), non_blocking=non_blocking)
+        layers, offset = {}, 0
+        for key, layer in self.layers.items():
+            views = []
+            for t in (layer.down, layer.up):
+                views.append(flat[offset: offset + t.numel()].view(t.shape))
+                offset += t.numel()
+            layers[key] = LoraLayer(down=views[0], up=views[1], scale=layer.scale)
+        return BoundAdapter(self.adapter_id, layers, self.base_models, flat)
 
 
 class FusedSwapper:
@@ -119,18 +154,24 @@ class FusedSwapper:
                 wanted.setdefault(key, []).append((layer, blend))
         touched = self._dirty | wanted.keys()
         try:
-            for key in self._dirty - wanted.keys():
-                self._weight(key).copy_(self._pristine[key], non_blocking=True)
-                self._dirty.discard(key)
-            for key, contributions in wanted.items():
-                weight = self._weight(key)
-                self._save_or_restore(key, weight)
-                self._dirty.add(key)
-                flat = weight.view(weight.shape[0], -1)
-                for layer, blend in contributions:
-                    up = layer.up.to(weight.device, weight.dtype, non_blocking=True).reshape(weight.shape[0], -1)
-                    down = layer.down.to(weight.device, weight.dtype, non_blocking=True).reshape(layer.rank, -1)
-                    flat.addmm_(up, down, alpha=blend * layer.scale)
+            # 1. every dirty weight back to its pristine copy, in one batched copy
+            dirty = sorted(self._dirty)
+            if dirty:
+                torch._foreach_copy_([self._weight(k) for k in dirty], [self._pristine[k] for k in dirty])
+            self._dirty.clear()
+            # 2. pristine copies of weights touched for the first time
+            for key in wanted.keys() - self._pristine.keys():
+                self._save_pristine(key, self._weight(key))
+            # 3. W += weight * scale * B @ A, factors moved to the device in one copy per adapter
+            on_device = {id(bound): self._on_device(bound) for bound, _ in adapters}
+            for bound, blend in adapters:
+                factors = on_device[id(bound)]
+                for key, layer in factors.layers.items():
+                    weight = self._weight(key)
+                    self._dirty.add(key)
+                    weight.view(weight.shape[0], -1).addmm_(layer.up.reshape(weight.shape[0], -1),
+                                                            layer.down.reshape(layer.rank, -1),
+                                                            alpha=blend * layer.scale)
         except BaseException:
             self._restore(touched)
             raise
@@ -146,17 +187,22 @@ class FusedSwapper:
     def _weight(self, key: LayerKey) -> torch.Tensor:
         return self._modules[key].weight.data
 
-    def _save_or_restore(self, key: LayerKey, weight: torch.Tensor) -> None:
-        pristine = self._pristine.get(key)
-        if pristine is None:
-            if self._pristine_on_host and weight.is_cuda:
-                pristine = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)
-                pristine.copy_(weight)
-            else:
-                pristine = weight.clone()
-            self._pristine[key] = pristine
-        elif key in self._dirty:
-            weight.copy_(pristine, non_blocking=True)
+    def _save_pristine(self, key: LayerKey, weight: torch.Tensor) -> None:
+        if self._pristine_on_host and weight.is_cuda:
+            pristine = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)
+            pristine.copy_(weight)
+        else:
+            pristine = weight.clone()
+        self._pristine[key] = pristine
+
+    def _on_device(self, bound: BoundAdapter) -> BoundAdapter:
+        """The adapter's factors on the model's device and dtype (as is, when already there)."""
+        key = next(iter(bound.layers))
+        weight = self._weight(key)
+        layer = bound.layers[key]
+        if layer.down.device == weight.device and layer.down.dtype == weight.dtype:
+            return bound
+        return bound.to(weight.device, weight.dtype, non_blocking=True)
 
     def _restore(self, keys) -> None:
         for key in keys:

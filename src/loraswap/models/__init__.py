@@ -6,6 +6,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from .presets import PRESET_DEFAULTS, PRESETS, build_preset
+from .shapes import RANDOM_SUFFIX, SHAPES, build_shape_pipeline
 
 __all__ = ["PRESETS", "generation_defaults", "load_pipeline", "lora_components", "model_name", "resolve_device", "default_dtype"]
 
@@ -26,13 +27,16 @@ def load_pipeline(name_or_path: str, device: str | torch.device | None = None,
     """The plain diffusers pipeline that `--model name_or_path` serves.
 
     A preset (`tiny-sd`, `tiny-sdxl`, `tiny-flux`) is built in code with the same
-    weights every time; anything else goes to `DiffusionPipeline.from_pretrained`
+    weights every time; `sd15-random`, `sdxl-random` and `flux-dev-random` are the real
+    architectures with random weights (for benchmarks); anything else goes to `DiffusionPipeline.from_pretrained`
     (a hub id, honouring the hub cache and HF_HUB_OFFLINE, or a local folder).
     """
     device = resolve_device(str(device) if device is not None else None)
     dtype = dtype or default_dtype(device)
     if name_or_path in PRESETS:
         pipeline = build_preset(name_or_path)
+    elif name_or_path.removesuffix(RANDOM_SUFFIX) in SHAPES and name_or_path.endswith(RANDOM_SUFFIX):
+        return build_shape_pipeline(name_or_path.removesuffix(RANDOM_SUFFIX), device, dtype)
     else:
         pipeline = DiffusionPipeline.from_pretrained(name_or_path, torch_dtype=dtype)
         pipeline.set_progress_bar_config(disable=True)
@@ -65,8 +69,9 @@ def lora_components(name_or_path: str) -> tuple[type[DiffusionPipeline], dict[st
     """
     import diffusers
 
-    from .shapes import SHAPES, build_shape_component
+    from .shapes import build_shape_component
 
+    name_or_path = name_or_path.removesuffix(RANDOM_SUFFIX)
     if name_or_path in SHAPES:
         cls = getattr(diffusers, SHAPE_PIPELINES[name_or_path])
         names = [n for n in cls._lora_loadable_modules if n in SHAPES[name_or_path]]

@@ -71,3 +71,53 @@ def build_shape_component(shape: str, component: str, device: str | torch.device
         else:
             module = cls(**config)
     return module.to(dtype).eval().requires_grad_(False)
+
+
+RANDOM_SUFFIX = "-random"
+SCHEDULERS = {
+    "sd15": ("EulerDiscreteScheduler", dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
+                                            steps_offset=1)),
+    "sdxl": ("EulerDiscreteScheduler", dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
+                                            steps_offset=1, timestep_spacing="leading")),
+    "flux-dev": ("FlowMatchEulerDiscreteScheduler", dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                                                         max_shift=1.15, base_image_seq_len=256,
+                                                         max_image_seq_len=4096)),
+}
+
+
+def build_shape_pipeline(shape: str, device: str | torch.device, dtype: torch.dtype):
+    """The full pipeline of a real architecture with random weights (`<shape>-random` models).
+
+    Same compute and memory as the real model; tokenizers are made in code, so prompts
+    tokenize without a download (their ids differ from the real vocabularies').
+    """
+    import diffusers
+
+    from . import SHAPE_PIPELINES
+    from .tokenizers import make_clip_tokenizer, make_t5_tokenizer
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialise straight in the serving dtype
+    try:
+        components = {name: build_shape_component(shape, name, device=device, dtype=dtype) for name in SHAPES[shape]}
+    finally:
+        torch.set_default_dtype(previous)
+    scheduler_cls, scheduler_config = SCHEDULERS[shape]
+    components["scheduler"] = getattr(diffusers, scheduler_cls)(**scheduler_config)
+    components["tokenizer"] = make_clip_tokenizer()
+    if shape == "sdxl":
+        components["tokenizer_2"] = make_clip_tokenizer()
+    if shape == "flux-dev":
+        components["tokenizer_2"] = make_t5_tokenizer(model_max_length=512)
+    pipeline_cls = getattr(diffusers, SHAPE_PIPELINES[shape])
+    if shape == "sd15":
+        components.update(safety_checker=None, feature_extractor=None, image_encoder=None,
+                          requires_safety_checker=False)
+    if shape == "sdxl":
+        components.update(image_encoder=None, feature_extractor=None)
+    if shape == "flux-dev":
+        components.update(image_encoder=None, feature_extractor=None)
+    pipeline = pipeline_cls(**components)
+    pipeline.set_progress_bar_config(disable=True)
+    pipeline.register_to_config(_name_or_path=shape + RANDOM_SUFFIX)
+    return pipeline

@@ -1,0 +1,84 @@
+"""Benchmark plumbing: timing, summaries, the table, JSON and the plot."""
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    """Seconds `fn` took, the device synchronised before and after."""
+    sync()
+    started = time.perf_counter()
+    result = fn()
+    sync()
+    return time.perf_counter() - started, result
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]  # noqa: E731
+    return {"n": len(values), "p50": statistics.median(values), "min": ordered[0], "max": ordered[-1],
+            "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def environment() -> dict:
+    import diffusers
+    import peft
+
+    info = {"torch": torch.__version__, "diffusers": diffusers.__version__, "peft": peft.__version__,
+            "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def write_results(out_dir: Path, name: str, results: dict) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(results, indent=1, default=str))
+    return path
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> str:
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
+    lines = [title, "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(str(x).ljust(w) for x, w in zip(row, widths)) + " |" for row in rows]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def plot_bars(path: Path, title: str, labels: list[str], values: list[float], ylabel: str) -> bool:
+    """A bar chart; False when matplotlib is not installed (the JSON holds the numbers)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(labels, values, color="#4477aa")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    for i, v in enumerate(values):
+        ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
+    plt.xticks(rotation=20, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
