@@ -138,15 +138,18 @@ def test_failure_halfway_through_a_swap_restores_the_base(served, monkeypatch):
     base = weights_snapshot(engine.components)
     engine.set_adapters([("good", 1.0)])
     calls = {"n": 0}
-    original = torch.Tensor.addmm_
 
-    def failing_addmm(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 20:
-            raise RuntimeError("injected failure")
-        return original(self, *args, **kwargs)
+    def failing(original):
+        def wrapper(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 20:
+                raise RuntimeError("injected failure")
+            return original(*args, **kwargs)
+        return wrapper
 
-    monkeypatch.setattr(torch.Tensor, "addmm_", failing_addmm)
+    # the 20th weight update of the swap fails, whichever op performs it
+    monkeypatch.setattr(torch, "addmm", failing(torch.addmm))
+    monkeypatch.setattr(torch.Tensor, "addmm_", failing(torch.Tensor.addmm_))
     with pytest.raises(RuntimeError, match="injected"):
         engine.set_adapters([("good", 0.5)])
     monkeypatch.undo()

@@ -28,6 +28,7 @@ from ..errors import AdapterIncompatible, AdapterInvalid
 logger = logging.getLogger(__name__)
 
 LayerKey = tuple[str, str]  # (component, module name)
+_CHUNK_BYTES = 16 * 2**20  # host-to-GPU copies are split so fusing starts before the copy ends
 
 
 @dataclass(frozen=True)
@@ -68,14 +69,19 @@ class BoundAdapter:
                                pin_memory=pin_memory and device.type == "cpu")
             torch.cat([p.to(dtype) for p in parts], out=flat) if device.type == "cpu" else \
                 flat.copy_(torch.cat([p.to(dtype) for p in parts]), non_blocking=non_blocking)
-        layers, offset = {}, 0
-        for key, layer in self.layers.items():
-            views = []
-            for t in (layer.down, layer.up):
-                views.append(flat[offset: offset + t.numel()].view(t.shape))
-                offset += t.numel()
-            layers[key] = LoraLayer(down=views[0], up=views[1], scale=layer.scale)
-        return BoundAdapter(self.adapter_id, layers, self.base_models, flat)
+        return _with_buffer(self, flat)
+
+
+def _with_buffer(bound: BoundAdapter, flat: torch.Tensor) -> BoundAdapter:
+    """`bound` with its factors as views into `flat` (packed in layer order: down, up)."""
+    layers, offset = {}, 0
+    for key, layer in bound.layers.items():
+        views = []
+        for t in (layer.down, layer.up):
+            views.append(flat[offset: offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        layers[key] = LoraLayer(down=views[0], up=views[1], scale=layer.scale)
+    return BoundAdapter(bound.adapter_id, layers, bound.base_models, flat)
 
 
 class FusedSwapper:
@@ -94,6 +100,7 @@ class FusedSwapper:
         self.max_rank = max_rank
         self._pristine: dict[LayerKey, torch.Tensor] = {}
         self._dirty: set[LayerKey] = set()
+        self._copy_stream = None
         self.applied: tuple[tuple[BoundAdapter, float], ...] = ()
 
     # ---------------------------------------------------------------- binding
@@ -146,37 +153,51 @@ class FusedSwapper:
     # ---------------------------------------------------------------- applying
     @torch.no_grad()
     def apply(self, adapters: Sequence[tuple[BoundAdapter, float]]) -> float:
-        """Make the weights base + sum(weight * scale * B @ A); returns seconds taken."""
+        """Make the weights base + sum(weight * scale * B @ A); returns seconds taken.
+
+        Weights touched now are written in one pass from their pristine copies
+        (`addmm(pristine, B, A, out=W)`), weights touched only before are copied back,
+        and factors in pinned host RAM stream to the GPU in chunks on a side stream
+        while earlier layers are being fused.
+        """
         start = time.perf_counter()
-        wanted: dict[LayerKey, list[tuple[LoraLayer, float]]] = {}
-        for bound, blend in adapters:
-            for key, layer in bound.layers.items():
-                wanted.setdefault(key, []).append((layer, blend))
-        touched = self._dirty | wanted.keys()
+        wanted = {key for bound, _ in adapters for key in bound.layers}
+        touched = self._dirty | wanted
         try:
-            # 1. every dirty weight back to its pristine copy, in one batched copy
-            dirty = sorted(self._dirty)
-            if dirty:
-                torch._foreach_copy_([self._weight(k) for k in dirty], [self._pristine[k] for k in dirty])
-            self._dirty.clear()
+            # 1. weights only the previous adapters touched: back to pristine, one batched copy
+            stale = sorted(self._dirty - wanted)
+            if stale:
+                torch._foreach_copy_([self._weight(k) for k in stale], [self._pristine[k] for k in stale])
+            self._dirty -= set(stale)
             # 2. pristine copies of weights touched for the first time
-            for key in wanted.keys() - self._pristine.keys():
+            for key in wanted - self._pristine.keys():
                 self._save_pristine(key, self._weight(key))
-            # 3. W += weight * scale * B @ A, factors moved to the device in one copy per adapter
-            on_device = {id(bound): self._on_device(bound) for bound, _ in adapters}
+            # 3. W = pristine + weight * scale * B @ A (further adapters on the same W: in place)
+            written: set[LayerKey] = set()
             for bound, blend in adapters:
-                factors = on_device[id(bound)]
+                factors, ready = self._on_device(bound)
+                stream = torch.cuda.current_stream() if ready else None
                 for key, layer in factors.layers.items():
+                    if key in ready:
+                        stream.wait_event(ready[key])
                     weight = self._weight(key)
+                    flat = weight.view(weight.shape[0], -1)
+                    up, down = layer.up.reshape(weight.shape[0], -1), layer.down.reshape(layer.rank, -1)
+                    alpha = blend * layer.scale
                     self._dirty.add(key)
-                    weight.view(weight.shape[0], -1).addmm_(layer.up.reshape(weight.shape[0], -1),
-                                                            layer.down.reshape(layer.rank, -1),
-                                                            alpha=blend * layer.scale)
+                    pristine = self._pristine[key]
+                    if key in written:
+                        flat.addmm_(up, down, alpha=alpha)
+                    elif pristine.device == weight.device:
+                        torch.addmm(pristine.view(flat.shape), up, down, alpha=alpha, out=flat)
+                    else:
+                        flat.copy_(pristine.view(flat.shape), non_blocking=True).addmm_(up, down, alpha=alpha)
+                    written.add(key)
         except BaseException:
             self._restore(touched)
             raise
         self.applied = tuple(adapters)
-        if adapters and torch.cuda.is_available():
+        if torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
@@ -195,14 +216,39 @@ class FusedSwapper:
             pristine = weight.clone()
         self._pristine[key] = pristine
 
-    def _on_device(self, bound: BoundAdapter) -> BoundAdapter:
-        """The adapter's factors on the model's device and dtype (as is, when already there)."""
+    def _on_device(self, bound: BoundAdapter) -> tuple[BoundAdapter, dict]:
+        """The factors on the model's device and dtype, and per layer the event after which
+        they have arrived (empty when nothing is in flight)."""
         key = next(iter(bound.layers))
         weight = self._weight(key)
         layer = bound.layers[key]
         if layer.down.device == weight.device and layer.down.dtype == weight.dtype:
-            return bound
-        return bound.to(weight.device, weight.dtype, non_blocking=True)
+            return bound, {}
+        packed = bound.packed
+        if not (weight.is_cuda and packed is not None and packed.dtype == weight.dtype and packed.is_pinned()):
+            return bound.to(weight.device, weight.dtype, non_blocking=True), {}
+        return self._stream_to_device(bound, weight.device)
+
+    def _stream_to_device(self, bound: BoundAdapter, device: torch.device) -> tuple[BoundAdapter, dict]:
+        """Copy a pinned packed adapter to the GPU in chunks on a side stream, one event per chunk."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        side, main = self._copy_stream, torch.cuda.current_stream(device)
+        flat = torch.empty_like(bound.packed, device=device)
+        side.wait_stream(main)  # `flat` was allocated on the main stream
+        ready, chunk_keys, start, offset = {}, [], 0, 0
+        for key, layer in bound.layers.items():
+            offset += layer.down.numel() + layer.up.numel()
+            chunk_keys.append(key)
+            if (offset - start) * flat.element_size() >= _CHUNK_BYTES or key == next(reversed(bound.layers)):
+                with torch.cuda.stream(side):
+                    flat[start:offset].copy_(bound.packed[start:offset], non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(side)
+                ready.update(dict.fromkeys(chunk_keys, event))
+                chunk_keys, start = [], offset
+        flat.record_stream(side)
+        return _with_buffer(bound, flat), ready
 
     def _restore(self, keys) -> None:
         for key in keys:
