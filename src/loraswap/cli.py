@@ -65,6 +65,8 @@ def serve(
     dtype: Annotated[str, _opt("--dtype", help="auto, float32, float16 or bfloat16.")] = "auto",
     compile: Annotated[bool | None, _opt("--compile/--no-compile", help="Regional torch.compile (default: on CUDA).",
                                          env="LORASWAP_COMPILE")] = None,
+    swap_mode: Annotated[str, _opt("--swap-mode", help="fused (loraswap) or diffusers (seed 1's load + fuse per "
+                                   "request, eager: a benchmark baseline).")] = "fused",
     max_queue: Annotated[int, _opt("--max-queue", help="Requests waiting before 503.")] = 32,
     max_width: Annotated[int, _opt("--max-width", help="Largest width.")] = 2048,
     max_height: Annotated[int, _opt("--max-height", help="Largest height.")] = 2048,
@@ -93,7 +95,7 @@ def serve(
     try:
         config = ServerConfig(
             engine=EngineConfig(model=model, adapters=adapters, device=device, dtype=dtype, compile=compile,
-                                max_blend=max_blend, max_rank=max_rank, max_adapter_mb=max_adapter_mb),
+                                swap_mode=swap_mode, max_blend=max_blend, max_rank=max_rank, max_adapter_mb=max_adapter_mb),
             host=host, port=port, max_queue=max_queue, max_width=max_width, max_height=max_height,
             max_steps=max_steps, max_prompt_chars=max_prompt_chars, max_body_bytes=max_body_kb * 1024)
     except ValueError as e:
@@ -282,6 +284,29 @@ def bench_swap(
     _setup_logging(False)
     run_swap_bench(shape, width, height, steps, rounds, recompile_swaps, out, workdir,
                    tuple(v.strip() for v in variants.split(",")), _parse_specs(specs))
+
+
+@bench_app.command("serve")
+def bench_serve(
+    model: Annotated[str, typer.Option("--model", help="sdxl-random, flux-dev-random, sd15-random or a preset.")]
+    = "sdxl-random",
+    num_ids: Annotated[int, typer.Option("--adapters-count", help="Adapter ids in the Zipf stream.")] = 2500,
+    requests: Annotated[int, typer.Option("--requests", help="Requests per run.")] = 24,
+    concurrency: Annotated[int, typer.Option("--concurrency", help="Clients in the concurrent run.")] = 4,
+    steps: Annotated[int, typer.Option("--steps")] = 25,
+    width: Annotated[int, typer.Option("--width")] = 1024,
+    height: Annotated[int, typer.Option("--height")] = 1024,
+    modes: Annotated[str, typer.Option("--modes", help="fused (loraswap) and/or diffusers (seed 1).")]
+    = "fused,diffusers",
+    out: Annotated[Path, typer.Option("--out", help="Folder for JSON and PNG.")] = Path("bench/results"),
+    workdir: Annotated[Path | None, typer.Option("--workdir", help="Adapters and server logs.")] = None,
+) -> None:
+    """Latency and throughput of the HTTP server under a Zipf stream, against seed-1 mode."""
+    from .bench.serve import run_serve_bench
+
+    _setup_logging(False)
+    run_serve_bench(model, num_ids, requests, concurrency, steps, width, height, workdir, out,
+                    tuple(m.strip() for m in modes.split(",")))
 
 
 def main() -> None:  # pragma: no cover

@@ -107,3 +107,15 @@ def test_ten_swaps_then_base_is_bitwise_original(adapter_factory):
     assert_bitwise_equal(original, engine.components)
     again = engine.generate(GenerateRequest(prompt="x", seed=5, steps=2)).image
     assert list(again.getdata()) == list(base_image.getdata())
+
+
+def test_seed1_baseline_mode_matches_the_fused_swap(adapter_factory, tmp_path):
+    """`--swap-mode diffusers` (the benchmark baseline) serves the same images."""
+    adapter_factory("b1", "tiny-sd", rank=8, targets="all", text_encoder=True, alpha=16.0, seed=90, folder=tmp_path)
+    adapter_factory("b2", "tiny-sd", rank=4, targets="attn", alpha=8.0, seed=91, folder=tmp_path)
+    fused = engine_for("tiny-sd", tmp_path)
+    baseline = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, swap_mode="diffusers", warmup=False))
+    for loras in ([("b1", 1.0)], [("b2", 1.0)], [("b1", 0.7), ("b2", 0.4)], []):
+        ours, theirs = engine_image(fused, loras), engine_image(baseline, loras)
+        assert rel_err(ours, theirs) <= 1e-4, loras
+    assert baseline.baseline.applied_ids == ()

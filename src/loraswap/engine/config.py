@@ -19,6 +19,8 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU.")
     compile: bool | None = Field(None, description="Regional torch.compile of the denoiser; None: on for CUDA only.")
+    swap_mode: Literal["fused", "diffusers"] = Field(
+        "fused", description="fused: loraswap's swap; diffusers: seed 1's load + fuse per request (a baseline).")
     pristine: Literal["device", "host"] = Field("device", description="Where pristine weight copies live.")
     max_adapter_mb: float = Field(2048, gt=0, description="Largest adapter file accepted, MiB.")
     max_rank: int = Field(1024, ge=1, description="Highest LoRA rank accepted.")
