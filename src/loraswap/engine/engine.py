@@ -91,9 +91,9 @@ class Engine:
         parsed = load_adapter(location, type(self.pipeline), self.swapper.component_modules,
                               int(self.config.max_adapter_mb * 2**20))
         self._check_base_model(parsed)
-        bound = self.swapper.bind(parsed, base_models=parsed.base_models)
         # host tier: one flat buffer in the model's dtype (pinned on CUDA: one fast copy per swap)
-        bound = bound.to("cpu", self.dtype, pin_memory=self.device.type == "cuda")
+        bound = self.swapper.bind(parsed, base_models=parsed.base_models, dtype=self.dtype,
+                                  pin_memory=self.device.type == "cuda")
         with self._adapters_lock:
             self._adapters[adapter_id] = (bound, stamp)
             self._adapters.move_to_end(adapter_id)

@@ -67,18 +67,23 @@ class BoundAdapter:
             parts = [t.reshape(-1) for layer in self.layers.values() for t in (layer.down, layer.up)]
             flat = torch.empty(sum(p.numel() for p in parts), dtype=dtype, device=device,
                                pin_memory=pin_memory and device.type == "cpu")
-            torch.cat([p.to(dtype) for p in parts], out=flat) if device.type == "cpu" else \
-                flat.copy_(torch.cat([p.to(dtype) for p in parts]), non_blocking=non_blocking)
+            offset = 0
+            for part in parts:
+                flat[offset: offset + part.numel()].copy_(part, non_blocking=non_blocking)
+                offset += part.numel()
         return _with_buffer(self, flat)
 
 
 def _with_buffer(bound: BoundAdapter, flat: torch.Tensor) -> BoundAdapter:
-    """`bound` with its factors as views into `flat` (packed in layer order: down, up)."""
+    """`bound` with its factors as 2-D views into `flat` (packed in layer order: down, up).
+
+    Down is viewed [rank, fan_in] and up [out, rank], conv factors included: the shapes
+    `addmm` takes, so a swap reshapes nothing."""
     layers, offset = {}, 0
     for key, layer in bound.layers.items():
         views = []
         for t in (layer.down, layer.up):
-            views.append(flat[offset: offset + t.numel()].view(t.shape))
+            views.append(flat[offset: offset + t.numel()].view(t.shape[0], -1))
             offset += t.numel()
         layers[key] = LoraLayer(down=views[0], up=views[1], scale=layer.scale)
     return BoundAdapter(bound.adapter_id, layers, bound.base_models, flat)
@@ -101,11 +106,14 @@ class FusedSwapper:
         self._pristine: dict[LayerKey, torch.Tensor] = {}
         self._dirty: set[LayerKey] = set()
         self._copy_stream = None
+        self._views: dict[LayerKey, tuple[torch.Tensor, torch.Tensor]] = {}
         self.applied: tuple[tuple[BoundAdapter, float], ...] = ()
 
     # ---------------------------------------------------------------- binding
-    def bind(self, parsed: ParsedAdapter, base_models: Sequence[str] = ()) -> BoundAdapter:
-        """Check every layer of `parsed` against this model; raise naming the first misfit."""
+    def bind(self, parsed: ParsedAdapter, base_models: Sequence[str] = (), dtype: torch.dtype | None = None,
+             pin_memory: bool = False) -> BoundAdapter:
+        """Check every layer of `parsed` against this model, raising on the first misfit,
+        and pack its factors into one host buffer of `dtype` (pinned if asked)."""
         layers = {}
         aid = parsed.adapter_id
         for component, modules in parsed.layers.items():
@@ -122,7 +130,15 @@ class FusedSwapper:
                 layers[key] = layer
         if not layers:
             raise AdapterInvalid(aid, "it touches no layer of this model", "Use an adapter for this base model")
-        return BoundAdapter(aid, layers, tuple(base_models))
+        bound = BoundAdapter(aid, layers, tuple(base_models)).to("cpu", dtype, pin_memory=pin_memory)
+        low, high = torch.aminmax(bound.packed)  # one pass (NaN propagates); then find the layer to name it
+        if not (torch.isfinite(low) and torch.isfinite(high)):
+            where = next(f"{c}.{n}" for (c, n), layer in bound.layers.items()
+                         if not (torch.isfinite(layer.down).all() and torch.isfinite(layer.up).all()))
+            raise AdapterInvalid(aid, f"layer '{where}' has NaN or infinite values"
+                                 f"{' in ' + str(dtype).removeprefix('torch.') if dtype else ''}",
+                                 "The adapter is corrupt (or overflows the model's dtype): train or export it again")
+        return bound
 
     def _check_layer(self, aid: str, where: str, module: nn.Module, layer: LoraLayer) -> None:
         weight = module.weight
@@ -146,8 +162,8 @@ class FusedSwapper:
         if rank > self.max_rank:
             raise AdapterInvalid(aid, f"layer '{where}' has rank {rank}, over the limit of {self.max_rank}",
                                  "Use a lower-rank adapter or raise --max-rank")
-        if not (math.isfinite(layer.scale) and torch.isfinite(down).all() and torch.isfinite(up).all()):
-            raise AdapterInvalid(aid, f"layer '{where}' has NaN or infinite values",
+        if not math.isfinite(layer.scale):
+            raise AdapterInvalid(aid, f"layer '{where}' has a NaN or infinite alpha",
                                  "The adapter is corrupt: train or export it again")
 
     # ---------------------------------------------------------------- applying
@@ -172,27 +188,31 @@ class FusedSwapper:
             # 2. pristine copies of weights touched for the first time
             for key in wanted - self._pristine.keys():
                 self._save_pristine(key, self._weight(key))
-            # 3. W = pristine + weight * scale * B @ A (further adapters on the same W: in place)
+            # 3. W = pristine + weight * scale * B @ A (further adapters on the same W: in place).
+            #    One torch call per layer: the loop is launch-bound on models with ~1,000 layers.
             written: set[LayerKey] = set()
             for bound, blend in adapters:
                 factors, ready = self._on_device(bound)
-                stream = torch.cuda.current_stream() if ready else None
+                stream, last_event = torch.cuda.current_stream() if ready else None, None
                 for key, layer in factors.layers.items():
-                    if key in ready:
-                        stream.wait_event(ready[key])
-                    weight = self._weight(key)
-                    flat = weight.view(weight.shape[0], -1)
-                    up, down = layer.up.reshape(weight.shape[0], -1), layer.down.reshape(layer.rank, -1)
+                    event = ready.get(key) if ready else None
+                    if event is not None and event is not last_event:
+                        stream.wait_event(event)
+                        last_event = event
+                    weight, pristine = self._views[key]
+                    up, down = layer.up, layer.down
+                    if up.ndim != 2:
+                        up, down = up.reshape(up.shape[0], -1), down.reshape(down.shape[0], -1)
                     alpha = blend * layer.scale
-                    self._dirty.add(key)
-                    pristine = self._pristine[key]
                     if key in written:
-                        flat.addmm_(up, down, alpha=alpha)
+                        weight.addmm_(up, down, alpha=alpha)
                     elif pristine.device == weight.device:
-                        torch.addmm(pristine.view(flat.shape), up, down, alpha=alpha, out=flat)
+                        torch.addmm(pristine, up, down, alpha=alpha, out=weight)
                     else:
-                        flat.copy_(pristine.view(flat.shape), non_blocking=True).addmm_(up, down, alpha=alpha)
-                    written.add(key)
+                        weight.copy_(pristine, non_blocking=True).addmm_(up, down, alpha=alpha)
+                    if len(adapters) > 1:
+                        written.add(key)
+            self._dirty |= wanted
         except BaseException:
             self._restore(touched)
             raise
@@ -215,6 +235,8 @@ class FusedSwapper:
         else:
             pristine = weight.clone()
         self._pristine[key] = pristine
+        # 2-D views of the weight and its copy, made once: weights never move
+        self._views[key] = (weight.view(weight.shape[0], -1), pristine.view(weight.shape[0], -1))
 
     def _on_device(self, bound: BoundAdapter) -> tuple[BoundAdapter, dict]:
         """The factors on the model's device and dtype, and per layer the event after which
