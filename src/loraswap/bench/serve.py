@@ -159,6 +159,7 @@ def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: i
             proc.terminate()
             proc.wait(60)
             log.close()
+        write_results(out_dir, f"serve-{model}", results)  # partial results survive a later failure
     _report(results, out_dir)
     return results
 
