@@ -193,7 +193,8 @@ def inspect_adapter(
     fits, problem = True, None
     try:
         location = location or LocalAdapterSource(adapters).locate(path_or_id)
-        parsed = load_adapter(location, pipeline_cls, swapper.component_modules, 2**40)
+        unet = components.get("unet")
+        parsed = load_adapter(location, pipeline_cls, swapper.component_modules, 2**40, unet.config if unet else None)
         report.update(
             format=parsed.format, base_models=parsed.base_models, bytes=location.weights.stat().st_size,
             ranks=parsed.ranks, layers=parsed.num_layers,

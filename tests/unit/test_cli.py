@@ -63,6 +63,7 @@ def test_inspect_reports_and_exits_by_fit(adapter_factory):
 @pytest.mark.parametrize("model,fmt,first_key", [
     ("sd15", "kohya", "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.lora_down.weight"),
     ("sdxl", "diffusers", "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight"),
+    ("sdxl", "kohya", "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_down.weight"),
     ("flux-dev", "kohya", "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"),
 ])
 def test_make_random_real_layouts(model, fmt, first_key, tmp_path):

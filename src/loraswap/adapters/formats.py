@@ -135,16 +135,19 @@ def parse_adapter(
     metadata: dict[str, str],
     pipeline_cls: type[DiffusionPipeline],
     component_modules: dict[str, set[str]],
+    unet_config=None,
 ) -> ParsedAdapter:
     """Convert a LoRA state dict to per-module factors for the pipeline class.
 
     `component_modules` maps each LoRA-loadable component to its module names; it is
     used to strip a `text_model.` prefix the way diffusers does and to resolve alpha
-    keys. Shapes are checked later, when the adapter is bound to a model.
+    keys. `unet_config` lets diffusers renumber SDXL kohya keys written in SGM block
+    numbering (`input_blocks_4_1_...`). Shapes are checked later, when the adapter is
+    bound to a model.
     """
     fmt = detect_format(state_dict)
     _refuse_unsupported_kinds(adapter_id, state_dict)
-    converted, network_alphas = _lora_state_dict(adapter_id, pipeline_cls, state_dict)
+    converted, network_alphas = _lora_state_dict(adapter_id, pipeline_cls, state_dict, unet_config)
     lora_metadata = json.loads(metadata[LORA_ADAPTER_METADATA_KEY]) if LORA_ADAPTER_METADATA_KEY in metadata else {}
 
     layers: dict[str, dict[str, LoraLayer]] = {}
@@ -183,10 +186,12 @@ def _refuse_unsupported_kinds(adapter_id: str, state_dict: dict[str, torch.Tenso
                                  "Use a plain LoRA (A/B or down/up weights only)")
 
 
-def _lora_state_dict(adapter_id, pipeline_cls, state_dict):
+def _lora_state_dict(adapter_id, pipeline_cls, state_dict, unet_config):
     """Stage one: diffusers' `lora_state_dict` to diffusers naming and network alphas."""
     kwargs = {"return_alphas": True} if "return_alphas" in inspect.signature(pipeline_cls.lora_state_dict).parameters \
         else {}
+    if unet_config is not None:
+        kwargs["unet_config"] = unet_config
     try:
         out = pipeline_cls.lora_state_dict(dict(state_dict), **kwargs)
     except Exception as e:
@@ -274,9 +279,9 @@ def _scale(module: str, rank: int, alphas: dict[str, float], config: dict) -> fl
 
 
 def load_adapter(location, pipeline_cls: type[DiffusionPipeline], component_modules: dict[str, set[str]],
-                 max_bytes: int) -> ParsedAdapter:
+                 max_bytes: int, unet_config=None) -> ParsedAdapter:
     """Read, check and convert the adapter at `location` (an `AdapterLocation`)."""
     tensors, metadata = read_safetensors(location.weights, location.adapter_id, max_bytes)
-    parsed = parse_adapter(location.adapter_id, tensors, metadata, pipeline_cls, component_modules)
+    parsed = parse_adapter(location.adapter_id, tensors, metadata, pipeline_cls, component_modules, unet_config)
     parsed.base_models = declared_base_models(metadata, location.folder)
     return parsed

@@ -97,6 +97,10 @@ def make_random_adapter(
         shapes = lora_target_shapes(component_name, module, targets)
         if fmt == "kohya" and component_name == "transformer":
             shapes = _bfl_shapes(module, targets)
+        sgm_blocks = fmt == "kohya" and component_name == "unet" and _is_sdxl(module)
+        if sgm_blocks:  # sd-scripts' SDXL LoRAs: the transformer blocks, in SGM block numbering
+            shapes = {_sgm_name(name, module.config.layers_per_block): shape for name, shape in shapes.items()
+                      if ".attentions." in name}
         for name, shape in shapes.items():
             down, up = _factors(shape, rank, generator)
             if fmt == "diffusers":
@@ -117,6 +121,24 @@ def make_random_adapter(
     if base_model:
         metadata["base_model"] = base_model
     return state_dict, metadata
+
+
+def _is_sdxl(unet: nn.Module) -> bool:
+    return getattr(unet, "config", {}).get("addition_embed_type") == "text_time"
+
+
+def _sgm_name(module_name: str, layers_per_block: int) -> str:
+    """diffusers UNet names -> SGM (original SDXL) names, as kohya's sd-scripts write them:
+    down_blocks.b.attentions.j -> input_blocks.(b*(L+1)+j+1).1, mid_block.attentions.0 ->
+    middle_block.1, up_blocks.b.attentions.j -> output_blocks.(b*(L+1)+j).1 (L: layers per
+    down block; the up blocks have L+1)."""
+    parts = module_name.split(".")
+    if parts[0] == "mid_block":
+        return ".".join(["middle_block", "1", *parts[3:]])
+    block, index = int(parts[1]), int(parts[3])
+    if parts[0] == "down_blocks":
+        return ".".join(["input_blocks", str(block * (layers_per_block + 1) + index + 1), "1", *parts[4:]])
+    return ".".join(["output_blocks", str(block * (layers_per_block + 1) + index), "1", *parts[4:]])
 
 
 def _te_name(component_name: str, module_name: str) -> str:

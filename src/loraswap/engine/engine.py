@@ -48,6 +48,7 @@ class Engine:
         self.model_name = model_name(self.pipeline, config.model)
         self.components = {name: getattr(self.pipeline, name) for name in self.pipeline._lora_loadable_modules
                            if getattr(self.pipeline, name, None) is not None}
+        self.unet_config = self.components["unet"].config if "unet" in self.components else None
         self.swapper = FusedSwapper(self.components, pristine=config.pristine, max_rank=config.max_rank)
         self.source = LocalAdapterSource(config.adapters) if config.adapters else None
         self._adapters: OrderedDict[str, tuple[BoundAdapter, tuple[int, int]]] = OrderedDict()
@@ -89,7 +90,7 @@ class Engine:
                 return cached[0]
             self.cache_misses += 1
         parsed = load_adapter(location, type(self.pipeline), self.swapper.component_modules,
-                              int(self.config.max_adapter_mb * 2**20))
+                              int(self.config.max_adapter_mb * 2**20), self.unet_config)
         self._check_base_model(parsed)
         # host tier: one flat buffer in the model's dtype (pinned on CUDA: one fast copy per swap)
         bound = self.swapper.bind(parsed, base_models=parsed.base_models, dtype=self.dtype,
