@@ -68,6 +68,13 @@ def serve(
     swap_mode: Annotated[str, _opt("--swap-mode", help="fused (loraswap) or diffusers (seed 1's load + fuse per "
                                    "request, eager: a benchmark baseline).")] = "fused",
     max_queue: Annotated[int, _opt("--max-queue", help="Requests waiting before 503.")] = 32,
+    max_batch: Annotated[int, _opt("--max-batch", help="Requests with the same adapters and parameters batched "
+                                   "into one pipeline call.")] = 1,
+    max_wait_s: Annotated[float, _opt("--max-wait-s", help="Fairness: a request waiting this long goes next.")] = 30.0,
+    max_skips: Annotated[int, _opt("--max-skips", help="Fairness: a request passed over this often goes next.")] = 8,
+    host_cache_mb: Annotated[float, _opt("--host-cache-mb", help="Host RAM for ready adapters, MiB.")] = 8192,
+    gpu_cache_mb: Annotated[float, _opt("--gpu-cache-mb", help="GPU memory for adapter copies, MiB.")] = 2048,
+    prefetch_threads: Annotated[int, _opt("--prefetch-threads", help="Threads reading adapters ahead.")] = 4,
     max_width: Annotated[int, _opt("--max-width", help="Largest width.")] = 2048,
     max_height: Annotated[int, _opt("--max-height", help="Largest height.")] = 2048,
     max_steps: Annotated[int, _opt("--max-steps", help="Most steps.")] = 100,
@@ -83,7 +90,9 @@ def serve(
     """Serve the model over HTTP (Hugging Face Inference API and OpenAI images API)."""
     import uvicorn
 
+    from .adapters.cache import CacheConfig
     from .engine.config import EngineConfig
+    from .engine.worker import SchedulerConfig
     from .server.app import create_app
     from .server.config import ServerConfig
 
@@ -95,8 +104,13 @@ def serve(
     try:
         config = ServerConfig(
             engine=EngineConfig(model=model, adapters=adapters, device=device, dtype=dtype, compile=compile,
-                                swap_mode=swap_mode, max_blend=max_blend, max_rank=max_rank, max_adapter_mb=max_adapter_mb),
-            host=host, port=port, max_queue=max_queue, max_width=max_width, max_height=max_height,
+                                swap_mode=swap_mode, max_blend=max_blend, max_rank=max_rank, max_adapter_mb=max_adapter_mb,
+                                cache=CacheConfig(host_bytes=int(host_cache_mb * 2**20),
+                                                  gpu_bytes=int(gpu_cache_mb * 2**20)),
+                                prefetch_threads=prefetch_threads),
+            scheduler=SchedulerConfig(max_queue=max_queue, max_batch=max_batch, max_wait_s=max_wait_s,
+                                      max_skips=max_skips),
+            host=host, port=port, max_width=max_width, max_height=max_height,
             max_steps=max_steps, max_prompt_chars=max_prompt_chars, max_body_bytes=max_body_kb * 1024)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None

@@ -27,10 +27,10 @@ def client(served_adapters):
 def test_unexpected_error_is_a_plain_500_logged_with_its_traceback(client, monkeypatch, caplog):
     client, app = client
 
-    def boom(request):
+    def boom(requests, acquired=None):
         raise RuntimeError("boom in the pipeline")
 
-    monkeypatch.setattr(app.state.engine, "generate", boom)
+    monkeypatch.setattr(app.state.engine, "generate_batch", boom)
     with caplog.at_level(logging.ERROR, logger="loraswap.server"):
         response = client.post("/", json={"inputs": "x"})
     assert response.status_code == 500
@@ -45,10 +45,10 @@ def test_unexpected_error_is_a_plain_500_logged_with_its_traceback(client, monke
 def test_out_of_memory_answers_503_and_keeps_serving(client, monkeypatch):
     client, app = client
 
-    def oom(request):
+    def oom(requests, acquired=None):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(app.state.engine, "generate", oom)
+    monkeypatch.setattr(app.state.engine, "generate_batch", oom)
     response = client.post("/", json={"inputs": "x"})
     assert response.status_code == 503 and "out of memory" in response.json()["error"]
     assert "retry-after" in response.headers

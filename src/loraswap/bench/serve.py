@@ -124,10 +124,9 @@ def _drive(url: str, stream: list[str], concurrency: int, params: dict) -> dict:
 
 
 def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return 0.0
+    """The metric's value, summed over its labels."""
+    return sum(float(line.split()[-1]) for line in httpx.get(url + "/metrics").text.splitlines()
+               if line.startswith((name + " ", name + "{")))
 
 
 def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: int = 24, concurrency: int = 4,

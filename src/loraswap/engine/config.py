@@ -6,6 +6,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..adapters.cache import CacheConfig
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -25,7 +27,9 @@ class EngineConfig(BaseModel):
     max_adapter_mb: float = Field(2048, gt=0, description="Largest adapter file accepted, MiB.")
     max_rank: int = Field(1024, ge=1, description="Highest LoRA rank accepted.")
     max_blend: int = Field(4, ge=1, le=32, description="Most adapters blended in one request.")
-    adapter_cache_size: int = Field(64, ge=0, description="Parsed adapters kept in host RAM (LRU by count).")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="Adapter cache budgets (host, GPU).")
+    prefetch_threads: int = Field(4, ge=1, le=64, description="Threads reading adapters ahead of the GPU worker.")
+    source: object | None = Field(None, exclude=True, description="An adapter source object (tests, hub).")
     warmup: bool = Field(True, description="Generate once at start-up (compiles when compile is on).")
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:

@@ -1,22 +1,23 @@
-"""The engine: one warm base model, its fused swapper and its adapters.
+"""The engine: one warm base model, its fused swapper, its adapter cache and prefetcher.
 
-Public surface: `Engine(config)`, `generate(request)`, `resolve_adapter(id)`,
-`set_adapters(loras)`, `recompiles`. Not thread-safe: exactly one worker thread
-drives an engine (the server's GPU worker, or the CLI).
+Public surface: `Engine(config)`, `generate(request)`, `generate_batch(requests)`,
+`prefetch(loras)`, `resolve_adapter(id)`, `set_adapters(loras)`, `recompiles`. The
+pipeline and the weights are driven by exactly one thread (the server's GPU worker, or
+the CLI); adapter reading and the host-to-GPU copies of prefetch run on a thread pool.
 """
 
 import inspect
 import logging
 import random
-import threading
 import time
-from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from PIL import Image
 from torch._dynamo.utils import counters
 
+from ..adapters.cache import AdapterCache, CacheEntry
 from ..adapters.formats import ParsedAdapter, load_adapter
 from ..adapters.metadata import same_model
 from ..adapters.source import LocalAdapterSource, check_adapter_id
@@ -27,6 +28,8 @@ from .config import EngineConfig, GenerateRequest
 from .swap import BoundAdapter, FusedSwapper
 
 logger = logging.getLogger(__name__)
+
+Acquired = list[tuple[CacheEntry, float]]  # adapters held in the cache for one request, with weights
 
 
 @dataclass
@@ -50,12 +53,10 @@ class Engine:
                            if getattr(self.pipeline, name, None) is not None}
         self.unet_config = self.components["unet"].config if "unet" in self.components else None
         self.swapper = FusedSwapper(self.components, pristine=config.pristine, max_rank=config.max_rank)
-        self.source = LocalAdapterSource(config.adapters) if config.adapters else None
-        self._adapters: OrderedDict[str, tuple[BoundAdapter, tuple[int, int]]] = OrderedDict()
-        self._adapters_lock = threading.Lock()
-        self._pinned: set[str] = set()
-        self.cache_hits = 0
-        self.cache_misses = 0
+        self.source = config.source or (LocalAdapterSource(config.adapters) if config.adapters else None)
+        self.cache = AdapterCache(config.cache, self.device)
+        self._prefetcher = ThreadPoolExecutor(config.prefetch_threads, thread_name_prefix="loraswap-prefetch")
+        self._applied: list[tuple[BoundAdapter, float]] = []  # host objects of what is fused now
         self._call_parameters = set(inspect.signature(self.pipeline.__call__).parameters)
         self.defaults = generation_defaults(config.model)
         self.baseline = DiffusersLoadFuse(self.pipeline) if config.swap_mode == "diffusers" else None
@@ -72,72 +73,88 @@ class Engine:
         logger.info("%s ready in %.1f s", self.model_name, time.perf_counter() - started)
 
     # ---------------------------------------------------------------- adapters
-    def resolve_adapter(self, adapter_id: str) -> BoundAdapter:
-        """The adapter, read, converted and checked against this model (cached by id).
-
-        A cached entry is dropped when its file's size or mtime changes on disk.
-        """
-        location = self._locate(adapter_id)
-        if self.baseline is not None:
-            return location  # seed 1 validates nothing and reads the file on every swap
-        stat = location.weights.stat()
-        stamp = (stat.st_size, stat.st_mtime_ns)
-        with self._adapters_lock:
-            cached = self._adapters.get(adapter_id)
-            if cached and cached[1] == stamp:
-                self._adapters.move_to_end(adapter_id)
-                self.cache_hits += 1
-                return cached[0]
-            self.cache_misses += 1
-        parsed = load_adapter(location, type(self.pipeline), self.swapper.component_modules,
-                              int(self.config.max_adapter_mb * 2**20), self.unet_config)
-        self._check_base_model(parsed)
-        # host tier: one flat buffer in the model's dtype (pinned on CUDA: one fast copy per swap)
-        bound = self.swapper.bind(parsed, base_models=parsed.base_models, dtype=self.dtype,
-                                  pin_memory=self.device.type == "cuda")
-        with self._adapters_lock:
-            self._adapters[adapter_id] = (bound, stamp)
-            self._adapters.move_to_end(adapter_id)
-            unpinned = [aid for aid in self._adapters if aid not in self._pinned]
-            for aid in unpinned[: max(0, len(self._adapters) - self.config.adapter_cache_size)]:
-                del self._adapters[aid]
-        return bound
-
-    def _locate(self, adapter_id: str):
+    def locate(self, adapter_id: str):
+        """The adapter's file (404/400 for unknown or bad ids), without reading it."""
         check_adapter_id(adapter_id)
         if self.source is None:
             raise AdapterNotFound(adapter_id, "this server was started without an adapter folder",
                                   "Start it with --adapters DIR")
         return self.source.locate(adapter_id)
 
+    def acquire_adapter(self, adapter_id: str) -> CacheEntry:
+        """The adapter ready to fuse, held in the cache until `release_adapters`.
+
+        From the cache when the file is unchanged (size and mtime), else read, converted,
+        checked against this model and packed into host RAM (pinned on CUDA); then copied
+        to the GPU tier when its budget allows.
+        """
+        location = self.locate(adapter_id)
+        stat = location.weights.stat()
+        stamp = (stat.st_size, stat.st_mtime_ns)
+        entry = self.cache.lookup(adapter_id, stamp)
+        if entry is None:
+            parsed = load_adapter(location, type(self.pipeline), self.swapper.component_modules,
+                                  int(self.config.max_adapter_mb * 2**20), self.unet_config)
+            self._check_base_model(parsed)
+            bound = self.swapper.bind(parsed, base_models=parsed.base_models, dtype=self.dtype,
+                                      pin_memory=self.device.type == "cuda")
+            entry = self.cache.insert(adapter_id, bound, stamp)
+        self.cache.maybe_copy_to_gpu(entry)
+        return entry
+
+    def acquire_adapters(self, loras: list[tuple[str, float]]) -> Acquired:
+        self._check_blend(loras)
+        acquired: Acquired = []
+        try:
+            for adapter_id, weight in loras:
+                acquired.append((self.acquire_adapter(adapter_id), float(weight)))
+        except BaseException:
+            self.release_adapters(acquired)
+            raise
+        return acquired
+
+    def release_adapters(self, acquired: Acquired) -> None:
+        for entry, _ in acquired:
+            self.cache.release(entry)
+
+    def prefetch(self, loras: list[tuple[str, float]]) -> Future:
+        """Start reading the adapters now (thread pool); the future holds them acquired."""
+        if self.baseline is not None or not loras:
+            done = Future()
+            done.set_result([])
+            return done
+        return self._prefetcher.submit(self.acquire_adapters, loras)
+
+    def resolve_adapter(self, adapter_id: str) -> BoundAdapter:
+        """The adapter checked against this model (host tier), e.g. for inspection."""
+        entry = self.acquire_adapter(adapter_id)
+        self.cache.release(entry)
+        return entry.host
+
     def pin_adapter(self, adapter_id: str) -> BoundAdapter:
-        """Load the adapter into host RAM and keep it there until `unpin_adapter`."""
-        bound = self.resolve_adapter(adapter_id)
-        with self._adapters_lock:
-            self._pinned.add(adapter_id)
-        return bound
+        """Load the adapter into the cache now and keep it there until `unpin_adapter`."""
+        entry = self.acquire_adapter(adapter_id)
+        self.cache.pin(adapter_id)
+        self.cache.release(entry)
+        return entry.host
 
     def unpin_adapter(self, adapter_id: str) -> None:
-        """Unpin and drop the adapter from host RAM (it is read from disk when next used)."""
-        self._locate(adapter_id)
-        with self._adapters_lock:
-            self._pinned.discard(adapter_id)
-            self._adapters.pop(adapter_id, None)
+        """Unpin and evict the adapter (it is read from disk when next used)."""
+        self.locate(adapter_id)
+        self.cache.unpin(adapter_id)
 
     def list_adapters(self) -> list[dict]:
         """Every adapter in the folder: id, where it is cached, and what is known of it."""
         if self.source is None:
             return []
-        with self._adapters_lock:
-            cached = {aid: bound for aid, (bound, _) in self._adapters.items()}
-            pinned = set(self._pinned)
-        applied = {aid for aid, _ in self.swapper.applied_ids}
+        applied = {aid for aid, _ in self.applied_ids}
         rows = []
         for adapter_id in self.source.list_ids():
-            bound = cached.get(adapter_id)
-            row = {"id": adapter_id, "cached": "host" if bound else "disk", "pinned": adapter_id in pinned,
-                   "applied": adapter_id in applied}
-            if bound is not None:
+            entry = self.cache.get(adapter_id)
+            row = {"id": adapter_id, "cached": entry.tier.value if entry else "disk",
+                   "pinned": bool(entry and entry.pinned), "applied": adapter_id in applied}
+            if entry is not None:
+                bound = entry.host
                 row.update(base_model=bound.base_models[0] if bound.base_models else self.model_name,
                            rank=max(layer.rank for layer in bound.layers.values()), bytes=bound.nbytes,
                            layers=len(bound.layers))
@@ -150,43 +167,78 @@ class Engine:
                 parsed.adapter_id, f"it was made for {', '.join(parsed.base_models)}, and this server hosts "
                 f"{self.model_name}", f"Send it to a server hosting {parsed.base_models[0]}")
 
-    def set_adapters(self, loras: list[tuple[str, float]]) -> float:
-        """Apply exactly these adapters (id, weight); seconds spent swapping (0 if already so)."""
+    def _check_blend(self, loras: list[tuple[str, float]]) -> None:
         if len(loras) > self.config.max_blend:
             raise BadRequest(f"{len(loras)} adapters requested; at most {self.config.max_blend} can be blended")
         if len({aid for aid, _ in loras}) != len(loras):
             raise BadRequest("the same adapter is named twice; give it one weight")
+
+    @property
+    def applied_ids(self) -> tuple[tuple[str, float], ...]:
+        if self.baseline is not None:
+            return self.baseline.applied_ids
+        return tuple((bound.adapter_id, weight) for bound, weight in self._applied)
+
+    def set_adapters(self, loras: list[tuple[str, float]], acquired: Acquired | None = None) -> float:
+        """Apply exactly these adapters (id, weight); seconds spent swapping (0 if already so).
+
+        `acquired`: the adapters already held (from `prefetch`); the caller releases them.
+        """
+        self._check_blend(loras)
         if self.baseline is not None:
             if self.baseline.applied_ids == tuple(loras):
                 return 0.0
-            return self.baseline.apply([(self._locate(aid), float(weight)) for aid, weight in loras])
-        bound = [(self.resolve_adapter(aid), float(weight)) for aid, weight in loras]
-        applied = self.swapper.applied
-        if len(applied) == len(bound) and all(a is b and wa == wb for (a, wa), (b, wb) in zip(applied, bound)):
-            return 0.0  # same adapter objects: a file changed on disk is re-read, so it is a new object
-        seconds = self.swapper.apply(bound)
+            return self.baseline.apply([(self.locate(aid), float(weight)) for aid, weight in loras])
+        own = acquired is None
+        acquired = self.acquire_adapters(loras) if own else acquired
+        try:
+            wanted = [(entry.host, weight) for entry, weight in acquired]
+            if len(wanted) == len(self._applied) and all(
+                    a is b and wa == wb for (a, wa), (b, wb) in zip(wanted, self._applied)):
+                return 0.0  # same adapter objects: a file changed on disk is re-read, so it is a new object
+            seconds = self.swapper.apply([(entry.best(), weight) for entry, weight in acquired])
+            self._applied = wanted
+        except BaseException:
+            self._applied = []
+            raise
+        finally:
+            if own:
+                self.release_adapters(acquired)
         logger.debug("swap to %s in %.1f ms", loras or "base", seconds * 1e3)
         return seconds
 
     # ---------------------------------------------------------------- generation
-    def generate(self, request: GenerateRequest) -> GenerateResult:
+    def generate(self, request: GenerateRequest, acquired: Acquired | None = None) -> GenerateResult:
+        return self.generate_batch([request], acquired)[0]
+
+    def generate_batch(self, requests: list[GenerateRequest], acquired: Acquired | None = None) \
+            -> list[GenerateResult]:
+        """Images for requests sharing adapters and parameters, in one pipeline call.
+
+        Each image has its own prompt and seed (a generator per image), so it is the image
+        the request would get alone, up to the numerics of a larger batch.
+        """
+        first = requests[0]
         # 1. put the requested adapters on the model (validated before anything changes)
-        swap_seconds = self.set_adapters(request.loras)
-        # 2. build the pipeline call; the seed drives a CPU generator, as the HF image does
-        seed = request.seed if request.seed is not None else random.randrange(2**31)
-        kwargs = dict(prompt=request.prompt, generator=torch.Generator("cpu").manual_seed(seed))
+        swap_seconds = self.set_adapters(first.loras, acquired)
+        # 2. build the pipeline call; seeds drive CPU generators, as the HF image does
+        seeds = [r.seed if r.seed is not None else random.randrange(2**31) for r in requests]
+        kwargs = dict(prompt=[r.prompt for r in requests],
+                      generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds])
         defaults = self.defaults
-        optional = dict(negative_prompt=request.negative_prompt, guidance_scale=request.guidance,
-                        num_inference_steps=request.steps or defaults.get("steps"),
-                        width=request.width or defaults.get("width"), height=request.height or defaults.get("height"))
+        optional = dict(guidance_scale=first.guidance, num_inference_steps=first.steps or defaults.get("steps"),
+                        width=first.width or defaults.get("width"), height=first.height or defaults.get("height"))
+        if any(r.negative_prompt for r in requests):
+            optional["negative_prompt"] = [r.negative_prompt or "" for r in requests]
         kwargs.update({k: v for k, v in optional.items() if v is not None and k in self._call_parameters})
         # 3. generate
         started = time.perf_counter()
         with torch.inference_mode():
-            image = self.pipeline(**kwargs).images[0]
+            images = self.pipeline(**kwargs).images
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return GenerateResult(image, seed, swap_seconds, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        return [GenerateResult(image, seed, swap_seconds, seconds) for image, seed in zip(images, seeds)]
 
     # ---------------------------------------------------------------- compilation
     @property

@@ -1,73 +1,194 @@
-"""The GPU worker: one thread per engine, fed by a bounded queue.
+"""The GPU worker: one thread per engine, and the scheduler in front of it.
 
-The event loop never runs the pipeline: handlers `submit` a request and await its
-future. A full queue refuses at once (`Overloaded`, answered 503 + Retry-After). A
-request whose client went away is cancelled while queued, and the worker skips it
-(`Future.set_running_or_notify_cancel`), so it costs no GPU work.
+The event loop never runs the pipeline: handlers `submit` a request (its adapters
+already being prefetched) and await its future. A full queue refuses at once
+(`Overloaded`, answered 503 + Retry-After). A request whose client went away is
+cancelled while queued and skipped, so it costs no GPU work.
+
+Scheduling, among queued requests whose adapters are ready:
+1. a request waiting longer than `max_wait_s`, or passed over `max_skips` times, goes
+   first (the fairness bound) as soon as its adapters are in;
+2. otherwise a request for the adapters already fused goes first (no swap at all);
+3. otherwise the oldest ready request.
+The chosen request takes along up to `max_batch - 1` ready requests with the same
+adapters and parameters: one pipeline call for all of them.
 """
 
 import logging
-import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel, Field
+
 from ..errors import Overloaded
 from .config import GenerateRequest
-from .engine import Engine, GenerateResult
+from .engine import Engine
 
 logger = logging.getLogger(__name__)
 
 
+class SchedulerConfig(BaseModel):
+    max_queue: int = Field(32, ge=1, description="Requests waiting before 503.")
+    max_batch: int = Field(1, ge=1, le=64, description="Requests with the same adapters and parameters per call.")
+    max_wait_s: float = Field(30.0, gt=0, description="A request waiting this long is served next.")
+    max_skips: int = Field(8, ge=0, description="A request passed over this often is served next.")
+
+
 @dataclass
-class _Job:
+class Job:
     request: GenerateRequest
+    prefetch: Future  # -> the request's adapters, acquired in the cache
     future: Future = field(default_factory=Future)
+    enqueued: float = field(default_factory=time.monotonic)
+    skips: int = 0
 
-
-_STOP = object()
+    @property
+    def batch_key(self) -> tuple:
+        r = self.request
+        return (tuple(r.loras), r.steps, r.guidance, r.width, r.height)
 
 
 class GpuWorker:
-    def __init__(self, engine: Engine, max_queue: int):
+    def __init__(self, engine: Engine, config: SchedulerConfig):
         self.engine = engine
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.config = config
+        self._jobs: list[Job] = []
+        self._cond = threading.Condition()
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="loraswap-gpu-worker", daemon=True)
         self.skipped_cancelled = 0  # jobs dropped because their client left while queued
         self.completed = 0
+        self.batches = 0
+        self.max_wait_seen = 0.0  # longest a served request waited, seconds
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: GenerateRequest) -> Future:
-        job = _Job(request)
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise Overloaded(f"the queue is full ({self._queue.maxsize} requests waiting); retry shortly") from None
+    def submit(self, request: GenerateRequest, prefetch: Future | None = None) -> Future:
+        """Queue a request; `prefetch` (from `engine.prefetch`) holds its adapters."""
+        prefetch = prefetch or self.engine.prefetch(request.loras)
+        job = Job(request, prefetch)
+        with self._cond:
+            if self._stopping:
+                _release_when_done(self.engine, job)
+                raise Overloaded("the server is shutting down")
+            if len(self._jobs) >= self.config.max_queue:
+                _release_when_done(self.engine, job)
+                raise Overloaded(f"the queue is full ({self.config.max_queue} requests waiting); retry shortly")
+            self._jobs.append(job)
+            self._cond.notify_all()
+        prefetch.add_done_callback(lambda _: self._wake())
         return job.future
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        with self._cond:
+            return len(self._jobs)
 
     def stop(self, timeout: float | None = None) -> None:
-        """Finish what is queued, then end the thread."""
-        self._queue.put(_STOP)
+        """Refuse new requests, finish the queued ones, then end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
         self._thread.join(timeout)
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------- scheduling
+    def _next_batch(self) -> list[Job] | None:
+        with self._cond:
+            while True:
+                self._drop_cancelled()
+                if not self._jobs and self._stopping:
+                    return None
+                batch = self._choose()
+                if batch:
+                    for job in batch:
+                        self._jobs.remove(job)
+                    return batch
+                self._cond.wait(timeout=0.05)
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._jobs if j.future.cancelled()]:
+            self._jobs.remove(job)
+            self.skipped_cancelled += 1
+            _release_when_done(self.engine, job)
+
+    def _choose(self) -> list[Job]:
+        if not self._jobs:
+            return []
+        now = time.monotonic()
+        oldest = self._jobs[0]
+        ready = [j for j in self._jobs if j.prefetch.done()]
+        if not ready:
+            return []
+        if now - oldest.enqueued >= self.config.max_wait_s or oldest.skips >= self.config.max_skips:
+            # fairness: the overdue request goes first once its adapters are in; until then the
+            # oldest ready request runs (no affinity), which also frees cache space it may wait for
+            chosen = oldest if oldest.prefetch.done() else ready[0]
+        else:
+            applied = tuple(self.engine.applied_ids)
+            chosen = next((j for j in ready if tuple(j.request.loras) == applied), ready[0])
+        for job in self._jobs:
+            if job is chosen:
+                break
+            job.skips += 1
+        batch = [chosen]
+        for job in self._jobs:
+            if len(batch) >= self.config.max_batch:
+                break
+            if job is not chosen and job.prefetch.done() and job.batch_key == chosen.batch_key:
+                batch.append(job)
+        return batch
+
+    # ---------------------------------------------------------------- running
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is _STOP:
+            batch = self._next_batch()
+            if batch is None:
                 return
-            if not job.future.set_running_or_notify_cancel():
-                self.skipped_cancelled += 1
-                continue
+            running = [job for job in batch if job.future.set_running_or_notify_cancel()]
+            self.skipped_cancelled += len(batch) - len(running)
+            for job in batch:
+                if job not in running:
+                    _release_when_done(self.engine, job)
+            if running:
+                self._serve(running)
+
+    def _serve(self, jobs: list[Job]) -> None:
+        held, ready = [], []
+        for job in jobs:  # a request whose adapter failed to load fails alone; nothing was swapped
             try:
-                result: GenerateResult = self.engine.generate(job.request)
-            except BaseException as e:  # delivered to the waiting handler
+                held.append(job.prefetch.result())
+                ready.append(job)
+            except BaseException as e:
                 job.future.set_exception(e)
-            else:
-                job.future.set_result(result)
-            self.completed += 1
+        try:
+            if ready:
+                results = self.engine.generate_batch([job.request for job in ready], held[0])
+                now = time.monotonic()
+                for job, result in zip(ready, results):
+                    waited = now - job.enqueued - result.generate_seconds - result.swap_seconds
+                    self.max_wait_seen = max(self.max_wait_seen, waited)
+                    job.future.set_result(result)
+        except BaseException as e:  # delivered to the waiting handlers
+            for job in ready:
+                if not job.future.done():
+                    job.future.set_exception(e)
+        finally:
+            for acquired in held:
+                self.engine.release_adapters(acquired)
+            self.completed += len(jobs)
+            self.batches += 1
+
+
+def _release_when_done(engine: Engine, job: Job) -> None:
+    """Give back a dropped job's adapters once its prefetch has finished."""
+    def release(future: Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            engine.release_adapters(future.result())
+    job.prefetch.add_done_callback(release)

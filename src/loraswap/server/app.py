@@ -78,7 +78,7 @@ def _load(app: FastAPI, config: ServerConfig, engine_factory) -> None:
     threading.Thread(target=heartbeat, daemon=True).start()
     try:
         engine = engine_factory(config.engine)
-        worker = GpuWorker(engine, config.max_queue)
+        worker = GpuWorker(engine, config.scheduler)
         worker.start()
         app.state.engine, app.state.worker = engine, worker
         logger.info("ready: %s in %.1f s", engine.model_name, time.perf_counter() - started)
@@ -169,10 +169,11 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
         result = None
         try:
             engine = engine_ready()
-            # resolve adapters off the event loop: 404/422 before queueing, and the worker only swaps
+            # unknown ids answer 404 at once; the adapters are read on the prefetch pool while
+            # earlier requests generate, so the worker only restores and fuses
             for adapter_id, _ in gen.loras:
-                await run_in_threadpool(engine.resolve_adapter, adapter_id)
-            future = state.worker.submit(gen)
+                await run_in_threadpool(engine.locate, adapter_id)
+            future = state.worker.submit(gen, engine.prefetch(gen.loras))
             wrapped = asyncio.wrap_future(future)
             while not wrapped.done():
                 await asyncio.wait([wrapped], timeout=0.1)

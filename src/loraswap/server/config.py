@@ -3,6 +3,7 @@
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.config import EngineConfig
+from ..engine.worker import SchedulerConfig
 
 
 class ServerConfig(BaseModel):
@@ -11,7 +12,7 @@ class ServerConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The served base model.")
     host: str = Field("127.0.0.1", description="Interface to listen on.")
     port: int = Field(8888, ge=0, le=65535, description="TCP port (0: any free port).")
-    max_queue: int = Field(32, ge=1, description="Requests waiting for the GPU before 503.")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Queue, batching, fairness.")
     retry_after_s: int = Field(2, ge=1, description="Retry-After sent with 503.")
     max_width: int = Field(2048, ge=64, description="Largest image width.")
     max_height: int = Field(2048, ge=64, description="Largest image height.")

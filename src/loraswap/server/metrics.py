@@ -3,6 +3,8 @@
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..adapters.cache import Tier
+
 SWAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 GENERATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
@@ -27,15 +29,22 @@ class _EngineCollector:
     def collect(self):
         engine, worker = getattr(self.state, "engine", None), getattr(self.state, "worker", None)
         recompiles = CounterMetricFamily("loraswap_recompiles", "Graphs compiled after warm-up (should stay 0).")
-        hits = CounterMetricFamily("loraswap_adapter_cache_hits", "Adapter lookups served from host RAM.")
+        hits = CounterMetricFamily("loraswap_adapter_cache_hits", "Adapter lookups served from the cache, by tier.",
+                                   labels=["tier"])
         misses = CounterMetricFamily("loraswap_adapter_cache_misses", "Adapter lookups read from disk.")
         depth = GaugeMetricFamily("loraswap_queue_depth", "Requests waiting for the GPU worker.")
         skipped = CounterMetricFamily("loraswap_cancelled_requests", "Queued requests dropped: client gone.")
         ready = GaugeMetricFamily("loraswap_ready", "1 when the model is warm and serving.")
         recompiles.add_metric([], engine.recompiles if engine else 0)
-        hits.add_metric([], engine.cache_hits if engine else 0)
-        misses.add_metric([], engine.cache_misses if engine else 0)
+        for tier in ("host", "gpu"):
+            hits.add_metric([tier], engine.cache.hits[tier] if engine else 0)
+        misses.add_metric([], engine.cache.misses if engine else 0)
         depth.add_metric([], worker.queue_depth if worker else 0)
         skipped.add_metric([], worker.skipped_cancelled if worker else 0)
         ready.add_metric([], 1 if worker else 0)
-        yield from (recompiles, hits, misses, depth, skipped, ready)
+        cache_bytes = GaugeMetricFamily("loraswap_adapter_cache_bytes", "Bytes held by each cache tier.",
+                                        labels=["tier"])
+        if engine:
+            for tier in (Tier.HOST, Tier.GPU):
+                cache_bytes.add_metric([tier.value], engine.cache.used(tier))
+        yield from (recompiles, hits, misses, depth, skipped, ready, cache_bytes)

@@ -1,0 +1,209 @@
+"""The tiered adapter cache: host RAM, then GPU, each with a byte budget.
+
+Adapters ready to fuse (bound, packed factors) live in the host tier (pinned memory on
+CUDA); the hottest also have a copy in the GPU tier, so a swap needs no host-to-GPU
+copy. The GPU tier is a subset of the host tier, and its budget may not exceed the
+host budget (checked when the config is built).
+
+Eviction is least-recently-used by bytes and never touches an entry that is pinned
+(`POST /adapters/{id}/load`) or in use (acquired by a queued request until its swap is
+done). When nothing can be evicted, `insert` waits for space instead of overshooting;
+an adapter larger than the whole host budget is served without being cached.
+"""
+
+import enum
+import itertools
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, Field, model_validator
+
+from ..engine.swap import BoundAdapter
+
+logger = logging.getLogger(__name__)
+
+
+class Tier(str, enum.Enum):
+    DISK = "disk"
+    HOST = "host"
+    GPU = "gpu"
+
+
+class CacheConfig(BaseModel):
+    host_bytes: int = Field(8 * 2**30, ge=0, description="Host RAM for adapters ready to fuse (bytes).")
+    gpu_bytes: int = Field(2 * 2**30, ge=0, description="GPU memory for adapter copies (bytes); <= host_bytes.")
+
+    @model_validator(mode="after")
+    def _gpu_within_host(self):
+        if self.gpu_bytes > self.host_bytes:
+            raise ValueError(f"the GPU adapter budget ({self.gpu_bytes} B) exceeds the host budget "
+                             f"({self.host_bytes} B): every GPU copy is also held in host RAM")
+        return self
+
+
+@dataclass
+class CacheEntry:
+    adapter_id: str
+    stamp: tuple  # (size, mtime_ns) of the file it was read from
+    host: BoundAdapter
+    gpu: BoundAdapter | None = None
+    gpu_ready: object = None  # torch.cuda.Event after which `gpu` holds the factors
+    pinned: bool = False
+    in_use: int = 0
+    last_used: int = 0
+    cached: bool = True  # False: larger than the host budget, served once and dropped
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.nbytes
+
+    @property
+    def tier(self) -> Tier:
+        return Tier.GPU if self.gpu is not None else Tier.HOST
+
+    def best(self) -> BoundAdapter:
+        """The GPU copy once its copy has been ordered on the current stream, else the host one."""
+        if self.gpu is not None:
+            if self.gpu_ready is not None:
+                torch.cuda.current_stream().wait_event(self.gpu_ready)
+            return self.gpu
+        return self.host
+
+
+class AdapterCache:
+    def __init__(self, config: CacheConfig, device: torch.device):
+        self.config = config
+        self.device = device
+        self._entries: dict[str, CacheEntry] = {}
+        self._lock = threading.Condition()
+        self._clock = itertools.count(1)
+        self.hits: Counter = Counter()  # tier -> count
+        self.misses = 0
+        self.peak_bytes: Counter = Counter()  # tier -> the most it ever held
+        self._copy_stream = None
+
+    # ---------------------------------------------------------------- lookups
+    def lookup(self, adapter_id: str, stamp: tuple) -> CacheEntry | None:
+        """The entry, held (in use) until `release`, if cached from the same file version;
+        counts a hit or a miss."""
+        with self._lock:
+            entry = self._entries.get(adapter_id)
+            if entry is not None and entry.stamp != stamp:
+                self._drop(entry)  # the file changed on disk: re-read it
+                entry = None
+            if entry is None:
+                self.misses += 1
+                return None
+            self.hits[entry.tier.value] += 1
+            entry.last_used = next(self._clock)
+            entry.in_use += 1
+            return entry
+
+    def insert(self, adapter_id: str, host: BoundAdapter, stamp: tuple, timeout: float = 600.0) -> CacheEntry:
+        """Cache a freshly read adapter in the host tier, evicting or waiting for space;
+        the entry is held (in use) until `release`."""
+        entry = CacheEntry(adapter_id, stamp, host, last_used=next(self._clock), in_use=1)
+        with self._lock:
+            old = self._entries.get(adapter_id)
+            if old is not None and old.stamp == stamp:  # read twice at once: keep the first
+                old.in_use += 1
+                return old
+            if old is not None:
+                self._drop(old)
+            if entry.nbytes > self.config.host_bytes:
+                logger.warning("adapter %s (%d B) exceeds the host cache budget: served uncached",
+                               adapter_id, entry.nbytes)
+                entry.cached = False
+                return entry
+            if not self._lock.wait_for(lambda: self._make_room(Tier.HOST, entry.nbytes), timeout):
+                raise TimeoutError("no host cache space was freed in time")
+            self._entries[adapter_id] = entry
+            self.peak_bytes[Tier.HOST.value] = max(self.peak_bytes[Tier.HOST.value], self._used(Tier.HOST))
+            return entry
+
+    def maybe_copy_to_gpu(self, entry: CacheEntry) -> None:
+        """Give the entry a GPU copy (side stream) when the GPU budget allows; else nothing."""
+        if self.device.type != "cuda" or not entry.cached or entry.gpu is not None:
+            return
+        with self._lock:
+            if entry.nbytes > self.config.gpu_bytes or not self._make_room(Tier.GPU, entry.nbytes):
+                return
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._copy_stream):
+                gpu = entry.host.to(self.device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+            gpu.packed.record_stream(self._copy_stream)
+            entry.gpu, entry.gpu_ready = gpu, event
+            self.peak_bytes[Tier.GPU.value] = max(self.peak_bytes[Tier.GPU.value], self._used(Tier.GPU))
+
+    # ---------------------------------------------------------------- use and pins
+    def release(self, entry: CacheEntry) -> None:
+        with self._lock:
+            entry.in_use = max(0, entry.in_use - 1)
+            self._lock.notify_all()
+
+    def pin(self, adapter_id: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(adapter_id)
+            if entry is None:
+                return False
+            entry.pinned = True
+            return True
+
+    def unpin(self, adapter_id: str) -> None:
+        """Unpin and drop (unless a queued request still holds it)."""
+        with self._lock:
+            entry = self._entries.get(adapter_id)
+            if entry is not None:
+                entry.pinned = False
+                if entry.in_use == 0:
+                    self._drop(entry)
+            self._lock.notify_all()
+
+    # ---------------------------------------------------------------- accounting
+    def used(self, tier: Tier) -> int:
+        with self._lock:
+            return self._used(tier)
+
+    def table(self) -> list[dict]:
+        """One row per cached adapter, most recently used first."""
+        with self._lock:
+            rows = sorted(self._entries.values(), key=lambda e: -e.last_used)
+            return [{"id": e.adapter_id, "tier": e.tier.value, "bytes": e.nbytes, "pinned": e.pinned,
+                     "in_use": e.in_use} for e in rows]
+
+    def get(self, adapter_id: str) -> CacheEntry | None:
+        with self._lock:
+            return self._entries.get(adapter_id)
+
+    def _used(self, tier: Tier) -> int:
+        entries = self._entries.values()
+        if tier is Tier.GPU:
+            return sum(e.nbytes for e in entries if e.gpu is not None)
+        return sum(e.nbytes for e in entries)
+
+    def _make_room(self, tier: Tier, nbytes: int) -> bool:
+        """Evict LRU entries (or their GPU copies) until `nbytes` fit; False if they cannot."""
+        budget = self.config.host_bytes if tier is Tier.HOST else self.config.gpu_bytes
+        if self._used(tier) + nbytes <= budget:
+            return True
+        holders = [e for e in self._entries.values() if (tier is Tier.HOST or e.gpu is not None)
+                   and not e.pinned and e.in_use == 0]
+        for victim in sorted(holders, key=lambda e: e.last_used):
+            if tier is Tier.HOST:
+                self._drop(victim)
+            else:
+                victim.gpu, victim.gpu_ready = None, None
+            if self._used(tier) + nbytes <= budget:
+                return True
+        return False
+
+    def _drop(self, entry: CacheEntry) -> None:
+        if self._entries.get(entry.adapter_id) is entry:
+            del self._entries[entry.adapter_id]
+        entry.gpu, entry.gpu_ready = None, None
