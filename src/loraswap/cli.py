@@ -83,6 +83,12 @@ def serve(
     max_rank: Annotated[int, _opt("--max-rank", help="Highest LoRA rank accepted.")] = 1024,
     max_adapter_mb: Annotated[float, _opt("--max-adapter-mb", help="Largest adapter file, MiB.")] = 2048,
     max_body_kb: Annotated[int, _opt("--max-body-kb", help="Largest request body, KiB.")] = 64,
+    hub: Annotated[bool, _opt("--hub", help="Also serve hub adapters (owner/name[@revision]); HF_HUB_OFFLINE=1 "
+                              "serves them from the huggingface_hub cache alone.")] = False,
+    hub_allow: Annotated[list[str] | None, _opt("--hub-allow", help="fnmatch pattern of hub ids served; "
+                                                "repeatable (default: all).")] = None,
+    hub_deny: Annotated[list[str] | None, _opt("--hub-deny", help="fnmatch pattern of hub ids refused; "
+                                               "repeatable.")] = None,
     demo_adapters: Annotated[bool, _opt("--demo-adapters", help="Write a few random adapters for the model into "
                                         "--adapters if it has none (for trying the server).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
@@ -104,7 +110,8 @@ def serve(
     try:
         config = ServerConfig(
             engine=EngineConfig(model=model, adapters=adapters, device=device, dtype=dtype, compile=compile,
-                                swap_mode=swap_mode, max_blend=max_blend, max_rank=max_rank, max_adapter_mb=max_adapter_mb,
+                                swap_mode=swap_mode, hub=hub, hub_allow=hub_allow or ["*"],
+                                hub_deny=hub_deny or [], max_blend=max_blend, max_rank=max_rank, max_adapter_mb=max_adapter_mb,
                                 cache=CacheConfig(host_bytes=int(host_cache_mb * 2**20),
                                                   gpu_bytes=int(gpu_cache_mb * 2**20)),
                                 prefetch_threads=prefetch_threads),

@@ -39,6 +39,12 @@ class AdapterInvalid(AdapterError):
     status = 400
 
 
+class AdapterForbidden(AdapterError):
+    """An id this server refuses to serve (hub allow/deny patterns)."""
+
+    status = 403
+
+
 class AdapterIncompatible(AdapterError):
     """A valid adapter that does not fit the hosted model (layers, shapes, base model)."""
 

@@ -1,19 +1,27 @@
-"""Where adapter files come from: a local folder (`--adapters DIR`).
+"""Where adapter files come from: a local folder (`--adapters DIR`) and the Hugging Face Hub.
 
 Ids are names, never paths: `style/anime` means `DIR/style/anime.safetensors`, or the
 folder `DIR/style/anime/` holding `pytorch_lora_weights.safetensors` (or exactly one
 other `.safetensors` file) next to an optional model card and adapter_config.json.
 `..`, absolute paths, URL schemes and odd characters are refused, and so is anything
 whose real path (after symlinks) leaves the folder. Only safetensors are ever read.
+
+Hub adapters (`owner/name` or `owner/name@revision`) come through huggingface_hub and
+its cache (HF_HUB_OFFLINE=1 serves from the cache alone), with the weight file chosen
+as the Hugging Face image chooses it, a size cap, and allow/deny patterns on ids.
 """
 
+import fnmatch
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import AdapterInvalid, AdapterNotFound, BadRequest
+from ..errors import AdapterForbidden, AdapterInvalid, AdapterNotFound, BadRequest
 
-ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,127}){0,7}$")
+ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,127}){0,7}"
+                        r"(@[A-Za-z0-9][A-Za-z0-9_.-]{0,127})?$")
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})"
+                    r"(@(?P<revision>[A-Za-z0-9][A-Za-z0-9_.-]{0,127}))?$")
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes
 UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -42,6 +50,9 @@ class LocalAdapterSource:
 
     def locate(self, adapter_id: str) -> AdapterLocation:
         check_adapter_id(adapter_id)
+        if "@" in adapter_id:
+            raise AdapterNotFound(adapter_id, "revisions (@...) only exist for hub adapters",
+                                  "Drop the @revision, or start the server with --hub")
         file = self.root / f"{adapter_id}.safetensors"
         folder = self.root / adapter_id
         if file.is_file():
@@ -76,11 +87,94 @@ class LocalAdapterSource:
 
     @staticmethod
     def _weights_in(adapter_id: str, folder: Path) -> Path:
-        if (folder / WEIGHT_NAME).is_file():
-            return folder / WEIGHT_NAME
-        candidates = sorted(p.name for p in folder.glob("*.safetensors"))
-        if len(candidates) == 1:
-            return folder / candidates[0]
-        problem = f"its folder holds {len(candidates)} safetensors files ({', '.join(candidates) or 'none'})"
-        raise AdapterInvalid(adapter_id, problem, f"Keep one weight file, or name it {WEIGHT_NAME}")
+        return folder / choose_weight_file(adapter_id, [p.name for p in folder.glob("*.safetensors")])
+
+
+def choose_weight_file(adapter_id: str, names: list[str]) -> str:
+    """As the Hugging Face image does: pytorch_lora_weights.safetensors, else the only
+    .safetensors file, else an error listing the candidates."""
+    if WEIGHT_NAME in names:
+        return WEIGHT_NAME
+    candidates = sorted(n for n in names if n.endswith(".safetensors") and "/" not in n)
+    if len(candidates) == 1:
+        return candidates[0]
+    problem = f"it holds {len(candidates)} safetensors files ({', '.join(candidates) or 'none'})"
+    raise AdapterInvalid(adapter_id, problem, f"Keep one weight file, or name it {WEIGHT_NAME}")
+
+
+class HubAdapterSource:
+    """Adapters on the Hugging Face Hub, through huggingface_hub and its cache."""
+
+    SIDE_FILES = ("README.md", "adapter_config.json")
+
+    def __init__(self, cache_dir: str | Path | None = None, allow: tuple[str, ...] = ("*",),
+                 deny: tuple[str, ...] = (), max_bytes: int = 2**31):
+        self.cache_dir, self.allow, self.deny, self.max_bytes = cache_dir, tuple(allow), tuple(deny), max_bytes
+
+    def handles(self, adapter_id: str) -> bool:
+        return HUB_ID.match(adapter_id) is not None
+
+    def locate(self, adapter_id: str) -> AdapterLocation:
+        from huggingface_hub import constants, hf_hub_download, snapshot_download
+        from huggingface_hub.errors import (EntryNotFoundError, HFValidationError, LocalEntryNotFoundError,
+                                            RepositoryNotFoundError, RevisionNotFoundError)
+
+        match = HUB_ID.match(adapter_id)
+        if match is None:
+            raise BadRequest(f"invalid hub adapter id {adapter_id!r}: use owner/name or owner/name@revision")
+        repo, revision = match["repo"], match["revision"]
+        if not any(fnmatch.fnmatchcase(repo, p) for p in self.allow) or \
+                any(fnmatch.fnmatchcase(repo, p) for p in self.deny):
+            raise AdapterForbidden(adapter_id, "this server does not serve it (allow/deny patterns)",
+                                   "Ask the operator to allow it, or use another adapter")
+        try:
+            if constants.HF_HUB_OFFLINE:
+                folder = Path(snapshot_download(repo, revision=revision, cache_dir=self.cache_dir,
+                                                local_files_only=True))
+                weights = folder / choose_weight_file(adapter_id, [p.name for p in folder.glob("*.safetensors")])
+            else:
+                folder, weights = self._download(adapter_id, repo, revision, hf_hub_download)
+        except (RepositoryNotFoundError, RevisionNotFoundError, LocalEntryNotFoundError, EntryNotFoundError,
+                HFValidationError) as e:
+            raise AdapterNotFound(adapter_id, f"not found on the hub or in its cache ({type(e).__name__})",
+                                  "Check the id and revision; offline, only cached adapters are served") from None
+        return AdapterLocation(adapter_id, weights, folder)
+
+    def _download(self, adapter_id, repo, revision, hf_hub_download) -> tuple[Path, Path]:
+        from huggingface_hub import HfApi
+
+        info = HfApi().model_info(repo, revision=revision, files_metadata=True)
+        sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
+        name = choose_weight_file(adapter_id, list(sizes))
+        if sizes[name] > self.max_bytes:
+            raise AdapterInvalid(adapter_id, f"{name} is {sizes[name] / 2**20:.0f} MiB, over the "
+                                 f"{self.max_bytes / 2**20:.0f} MiB limit", "Use a smaller adapter")
+        weights = Path(hf_hub_download(repo, name, revision=info.sha, cache_dir=self.cache_dir))
+        for side in self.SIDE_FILES:
+            if side in sizes:
+                hf_hub_download(repo, side, revision=info.sha, cache_dir=self.cache_dir)
+        return weights.parent, weights
+
+
+class AdapterSources:
+    """The local folder first, then the hub for ids shaped `owner/name[@revision]`."""
+
+    def __init__(self, local: LocalAdapterSource | None, hub: HubAdapterSource | None):
+        self.local, self.hub = local, hub
+
+    def locate(self, adapter_id: str) -> AdapterLocation:
+        check_adapter_id(adapter_id)
+        if self.local is not None:
+            try:
+                return self.local.locate(adapter_id)
+            except AdapterNotFound:
+                if self.hub is None or not self.hub.handles(adapter_id):
+                    raise
+        if self.hub is not None and self.hub.handles(adapter_id):
+            return self.hub.locate(adapter_id)
+        raise AdapterNotFound(adapter_id, "no adapter folder is configured and it is not a hub id",
+                              "Start the server with --adapters DIR or --hub")
+
+    def list_ids(self) -> list[str]:
+        return self.local.list_ids() if self.local is not None else []
 

@@ -18,6 +18,10 @@ class EngineConfig(BaseModel):
 
     model: str = Field("tiny-sd", description="A preset (tiny-sd, tiny-sdxl, tiny-flux), a hub id or a local folder.")
     adapters: Path | None = Field(None, description="Folder of adapters; ids are paths under it without suffix.")
+    hub: bool = Field(False, description="Serve hub adapters (owner/name[@revision]) through huggingface_hub.")
+    hub_allow: list[str] = Field(default_factory=lambda: ["*"], description="fnmatch patterns of hub ids served.")
+    hub_deny: list[str] = Field(default_factory=list, description="fnmatch patterns of hub ids refused (403).")
+    hub_cache_dir: Path | None = Field(None, description="huggingface_hub cache folder (default: HF_HUB_CACHE).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU.")
     compile: bool | None = Field(None, description="Regional torch.compile of the denoiser; None: on for CUDA only.")

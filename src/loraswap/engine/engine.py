@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from ..adapters.cache import AdapterCache, CacheEntry
 from ..adapters.formats import ParsedAdapter, load_adapter
 from ..adapters.metadata import same_model
-from ..adapters.source import LocalAdapterSource, check_adapter_id
+from ..adapters.source import AdapterSources, HubAdapterSource, LocalAdapterSource, check_adapter_id
 from ..errors import AdapterIncompatible, AdapterNotFound, BadRequest
 from ..models import generation_defaults, load_pipeline, model_name, resolve_device
 from .baseline import DiffusersLoadFuse
@@ -53,7 +53,7 @@ class Engine:
                            if getattr(self.pipeline, name, None) is not None}
         self.unet_config = self.components["unet"].config if "unet" in self.components else None
         self.swapper = FusedSwapper(self.components, pristine=config.pristine, max_rank=config.max_rank)
-        self.source = config.source or (LocalAdapterSource(config.adapters) if config.adapters else None)
+        self.source = config.source or self._sources(config)
         self.cache = AdapterCache(config.cache, self.device)
         self._prefetcher = ThreadPoolExecutor(config.prefetch_threads, thread_name_prefix="loraswap-prefetch")
         self._applied: list[tuple[BoundAdapter, float]] = []  # host objects of what is fused now
@@ -73,6 +73,13 @@ class Engine:
         logger.info("%s ready in %.1f s", self.model_name, time.perf_counter() - started)
 
     # ---------------------------------------------------------------- adapters
+    @staticmethod
+    def _sources(config: EngineConfig) -> AdapterSources | None:
+        local = LocalAdapterSource(config.adapters) if config.adapters else None
+        hub = HubAdapterSource(config.hub_cache_dir, tuple(config.hub_allow), tuple(config.hub_deny),
+                               int(config.max_adapter_mb * 2**20)) if config.hub else None
+        return AdapterSources(local, hub) if local or hub else None
+
     def locate(self, adapter_id: str):
         """The adapter's file (404/400 for unknown or bad ids), without reading it."""
         check_adapter_id(adapter_id)
