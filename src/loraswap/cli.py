@@ -57,7 +57,8 @@ def _quiet_libraries() -> None:
 
 @app.command()
 def serve(
-    model: Model = "tiny-sd",
+    model: Annotated[list[str] | None, _opt("--model", help="Preset, hub id or local folder; repeat to host "
+                                            "several base models (the first is the default).")] = None,
     adapters: AdaptersDir = None,
     host: Annotated[str, _opt("--host", help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, _opt("--port", help="TCP port.")] = 8888,
@@ -103,18 +104,19 @@ def serve(
     from .server.config import ServerConfig
 
     _setup_logging(verbose)
+    models = model or ["tiny-sd"]
     if demo_adapters:
         if adapters is None:
             raise typer.BadParameter("--demo-adapters needs --adapters DIR to write into")
-        write_demo_adapters(model, adapters)
+        write_demo_adapters(models[0], adapters)
     try:
         config = ServerConfig(
-            engine=EngineConfig(model=model, adapters=adapters, device=device, dtype=dtype, compile=compile,
+            engines=[EngineConfig(model=name, adapters=adapters, device=device, dtype=dtype, compile=compile,
                                 swap_mode=swap_mode, hub=hub, hub_allow=hub_allow or ["*"],
                                 hub_deny=hub_deny or [], max_blend=max_blend, max_rank=max_rank, max_adapter_mb=max_adapter_mb,
                                 cache=CacheConfig(host_bytes=int(host_cache_mb * 2**20),
                                                   gpu_bytes=int(gpu_cache_mb * 2**20)),
-                                prefetch_threads=prefetch_threads),
+                                prefetch_threads=prefetch_threads) for name in models],
             scheduler=SchedulerConfig(max_queue=max_queue, max_batch=max_batch, max_wait_s=max_wait_s,
                                       max_skips=max_skips),
             host=host, port=port, max_width=max_width, max_height=max_height,

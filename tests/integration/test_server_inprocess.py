@@ -15,7 +15,7 @@ from loraswap.server.config import ServerConfig
 
 @pytest.fixture
 def client(served_adapters):
-    app = create_app(ServerConfig(engine=EngineConfig(model="tiny-sd", adapters=served_adapters)))
+    app = create_app(ServerConfig(engines=[EngineConfig(model="tiny-sd", adapters=served_adapters)]))
     with TestClient(app, raise_server_exceptions=False) as client:
         deadline = time.monotonic() + 60
         while client.get("/ready").status_code != 200:
@@ -63,7 +63,7 @@ def test_not_ready_while_loading(served_adapters):
         release.wait(10)
         return Engine(config)
 
-    app = create_app(ServerConfig(engine=EngineConfig(model="tiny-sd", adapters=served_adapters)),
+    app = create_app(ServerConfig(engines=[EngineConfig(model="tiny-sd", adapters=served_adapters)]),
                      engine_factory=slow_engine)
     with TestClient(app) as client:
         assert client.get("/health").status_code == 200

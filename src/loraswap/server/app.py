@@ -24,13 +24,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..adapters.metadata import same_model
 from ..engine.config import GenerateRequest
 from ..engine.engine import Engine, GenerateResult
 from ..engine.worker import GpuWorker
 from ..errors import BadRequest, LoraswapError, Overloaded
 from .config import ServerConfig
 from .metrics import Metrics
+from .routing import Deployment, Hosted
 from .schemas import HFRequest, OpenAIImageRequest, parse_lora_header, parse_size
 
 logger = logging.getLogger("loraswap.server")
@@ -49,16 +49,17 @@ def create_app(config: ServerConfig, engine_factory=Engine) -> FastAPI:
                                   daemon=True)
         loader.start()
         yield
-        worker = getattr(app.state, "worker", None)
-        if worker is not None:
-            logger.info("shutting down: finishing %d queued requests", worker.queue_depth)
-            await run_in_threadpool(worker.stop)
+        for hosted in app.state.deployment.hosted:
+            logger.info("shutting down %s: finishing %d queued requests", hosted.engine.model_name,
+                        hosted.worker.queue_depth)
+            await run_in_threadpool(hosted.worker.stop)
 
     app = FastAPI(title="loraswap", version="0.1.0", lifespan=lifespan,
                   description="Thousands of LoRA adapters on warm, compiled diffusion models.")
     app.state.config = config
-    app.state.engine = None
+    app.state.engine = None  # the default model's engine and worker, once loaded
     app.state.worker = None
+    app.state.deployment = Deployment()
     app.state.load_error = None
     app.state.metrics = Metrics(app.state)
     _add_error_handlers(app)
@@ -67,24 +68,31 @@ def create_app(config: ServerConfig, engine_factory=Engine) -> FastAPI:
 
 
 def _load(app: FastAPI, config: ServerConfig, engine_factory) -> None:
-    """Build and warm the engine, logging progress until it is ready."""
+    """Build and warm every engine, logging progress until all are ready."""
     started = time.perf_counter()
     done = threading.Event()
+    loading = {"model": config.engines[0].model}
 
     def heartbeat():
         while not done.wait(10.0):
-            logger.info("still loading %s (%.0f s)", config.engine.model, time.perf_counter() - started)
+            logger.info("still loading %s (%.0f s)", loading["model"], time.perf_counter() - started)
 
     threading.Thread(target=heartbeat, daemon=True).start()
     try:
-        engine = engine_factory(config.engine)
-        worker = GpuWorker(engine, config.scheduler)
-        worker.start()
-        app.state.engine, app.state.worker = engine, worker
-        logger.info("ready: %s in %.1f s", engine.model_name, time.perf_counter() - started)
+        hosted = []
+        for engine_config in config.engines:
+            loading["model"] = engine_config.model
+            engine = engine_factory(engine_config)
+            worker = GpuWorker(engine, config.scheduler)
+            worker.start()
+            hosted.append(Hosted(engine, worker))
+        app.state.deployment = Deployment(hosted)
+        app.state.engine, app.state.worker = hosted[0].engine, hosted[0].worker
+        logger.info("ready: %s in %.1f s", ", ".join(h.engine.model_name for h in hosted),
+                    time.perf_counter() - started)
     except Exception as e:
         app.state.load_error = str(e)
-        logger.exception("loading %s failed", config.engine.model)
+        logger.exception("loading %s failed", loading["model"])
     finally:
         done.set()
 
@@ -132,11 +140,14 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise BadRequest('the body must be JSON: {"inputs": "a prompt", "parameters": {...}}') from None
 
-    def engine_ready() -> Engine:
+    def deployment() -> Deployment:
         if state.worker is None:
             reason = f"loading failed: {state.load_error}" if state.load_error else "the model is still loading"
             raise Overloaded(reason)
-        return state.engine
+        return state.deployment
+
+    def engine_ready() -> Engine:
+        return deployment().hosted[0].engine
 
     def build_request(prompt, loras, negative_prompt=None, steps=None, guidance=None, width=None, height=None,
                       seed=None) -> GenerateRequest:
@@ -155,25 +166,25 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
             raise BadRequest(f"guidance_scale {guidance} must be between 0 and 50")
         if seed is not None and not 0 <= seed < 2**63:
             raise BadRequest(f"seed {seed} must be between 0 and 2**63 - 1")
-        if len(loras) > config.engine.max_blend:
-            raise BadRequest(f"{len(loras)} adapters requested; at most {config.engine.max_blend} can be blended")
+        max_blend = config.engines[0].max_blend
+        if len(loras) > max_blend:
+            raise BadRequest(f"{len(loras)} adapters requested; at most {max_blend} can be blended")
         try:
             return GenerateRequest(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
                                    width=width, height=height, seed=seed, loras=loras)
         except ValidationError as e:
             raise BadRequest(_describe(e.errors())) from None
 
-    async def run(request: Request, route: str, gen: GenerateRequest) -> GenerateResult:
+    async def run(request: Request, route: str, gen: GenerateRequest, model: str | None = None) -> GenerateResult:
         started = time.perf_counter()
         status = 500
         result = None
         try:
-            engine = engine_ready()
-            # unknown ids answer 404 at once; the adapters are read on the prefetch pool while
-            # earlier requests generate, so the worker only restores and fuses
-            for adapter_id, _ in gen.loras:
-                await run_in_threadpool(engine.locate, adapter_id)
-            future = state.worker.submit(gen, engine.prefetch(gen.loras))
+            # the engine hosting the adapters' base model (unknown ids: 404 at once); the adapters
+            # are read on its prefetch pool while earlier requests generate, so its worker only
+            # restores and fuses
+            hosted = await run_in_threadpool(deployment().route, gen.loras, model)
+            future = hosted.worker.submit(gen, hosted.engine.prefetch(gen.loras))
             wrapped = asyncio.wrap_future(future)
             while not wrapped.done():
                 await asyncio.wait([wrapped], timeout=0.1)
@@ -222,15 +233,17 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
             raise BadRequest(_describe(e.errors())) from None
         # 2. adapters: the `lora` header, and the path's model id when it names an adapter
         loras = parse_lora_header(request.headers.get("lora"))
-        engine = engine_ready()
-        if path_model and not same_model(path_model, engine.model_name) and path_model not in dict(loras):
-            loras = [(path_model, 1.0), *loras]
+        model = None
+        if path_model and deployment().by_name(path_model) is not None:
+            model = path_model  # the path names a hosted base model
+        elif path_model and path_model not in dict(loras):
+            loras = [(path_model, 1.0), *loras]  # the path names an adapter
         p = hf.parameters
         width, height = (p.target_size.width, p.target_size.height) if p.target_size else (p.width, p.height)
         gen = build_request(hf.inputs, loras, p.negative_prompt, p.num_inference_steps, p.guidance_scale,
                             width, height, p.seed)
         # 3. generate on the GPU worker, 4. encode as the client accepts
-        result = await run(request, route, gen)
+        result = await run(request, route, gen, model)
         data, media = await encode(result.image, request.headers.get("accept", ""))
         total = result.swap_seconds + result.generate_seconds
         return Response(data, media_type=media, headers={"x-compute-time": f"{total:.4f}",
@@ -258,9 +271,11 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
             raise BadRequest("response_format must be 'b64_json'; this server does not host image URLs")
         if not 1 <= body.n <= config.max_images:
             raise BadRequest(f"n must be between 1 and {config.max_images}")
-        engine = engine_ready()
         loras = parse_lora_header(request.headers.get("lora"))
-        if body.model and not same_model(body.model, engine.model_name):
+        model = None
+        if body.model and deployment().by_name(body.model) is not None:
+            model = body.model
+        elif body.model:
             loras = parse_lora_header(body.model) + loras
         width, height = parse_size(body.size)
         data = []
@@ -268,7 +283,7 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
             seed = None if body.seed is None else body.seed + i
             gen = build_request(body.prompt, loras, body.negative_prompt, body.num_inference_steps,
                                 body.guidance_scale, width, height, seed)
-            result = await run(request, "/v1/images/generations", gen)
+            result = await run(request, "/v1/images/generations", gen, model)
             png, _ = await encode(result.image, "image/png")
             data.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": body.prompt})
         return {"created": int(time.time()), "data": data}
@@ -284,7 +299,8 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
         if state.worker is None:
             return JSONResponse({"error": state.load_error or "loading"}, status_code=503,
                                 headers={"Retry-After": str(config.retry_after_s)})
-        return {"status": "ready", "model": state.engine.model_name, "compiled": state.engine.compiled}
+        return {"status": "ready", "model": state.engine.model_name, "models": state.deployment.names,
+                "compiled": state.engine.compiled}
 
     @app.get("/metrics")
     async def metrics():
@@ -294,7 +310,8 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
     async def list_adapters():
         """Every adapter: id, base model, rank, bytes, where cached."""
         engine = engine_ready()
-        return {"model": engine.model_name, "adapters": await run_in_threadpool(engine.list_adapters)}
+        return {"model": engine.model_name, "models": deployment().names,
+                "adapters": await run_in_threadpool(engine.list_adapters)}
 
     @app.post("/adapters/{adapter_id:path}/load")
     async def load_adapter(adapter_id: str):

@@ -9,7 +9,8 @@ from ..engine.worker import SchedulerConfig
 class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    engine: EngineConfig = Field(default_factory=EngineConfig, description="The served base model.")
+    engines: list[EngineConfig] = Field(default_factory=lambda: [EngineConfig()], min_length=1,
+                                        description="The served base models; the first is the default.")
     host: str = Field("127.0.0.1", description="Interface to listen on.")
     port: int = Field(8888, ge=0, le=65535, description="TCP port (0: any free port).")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Queue, batching, fairness.")

@@ -1,0 +1,70 @@
+"""Several base models in one server: adapters routed by their declared base model."""
+
+import io
+import time
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.engine import Engine
+from loraswap.server.app import create_app
+from loraswap.server.config import ServerConfig
+
+BODY = {"inputs": "a fox", "parameters": {"seed": 4, "num_inference_steps": 2}}
+
+
+@pytest.fixture(scope="module")
+def two_models(adapter_factory, tmp_path_factory):
+    root = tmp_path_factory.mktemp("multi")
+    adapter_factory("for-sd", "tiny-sd", rank=4, base_model="tiny-sd", seed=400, folder=root)
+    adapter_factory("for-sdxl", "tiny-sdxl", rank=4, alpha=8.0, base_model="tiny-sdxl", seed=401, folder=root)
+    adapter_factory("undeclared", "tiny-sd", rank=4, seed=402, folder=root)
+    adapter_factory("for-flux", "tiny-flux", rank=4, base_model="tiny-flux", seed=403, folder=root)
+    configs = [EngineConfig(model=m, adapters=root) for m in ("tiny-sd", "tiny-sdxl")]
+    app = create_app(ServerConfig(engines=configs))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        yield client, app, root
+
+
+def png(response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    return np.asarray(Image.open(io.BytesIO(response.content)).convert("RGB"))
+
+
+def test_routing_by_declared_base_model(two_models):
+    client, app, root = two_models
+    assert client.get("/ready").json()["models"] == ["tiny-sd", "tiny-sdxl"]
+    sdxl = png(client.post("/", json=BODY, headers={"lora": "for-sdxl", "accept": "image/png"}))
+    reference = Engine(EngineConfig(model="tiny-sdxl", adapters=root, warmup=False))
+    expected = reference.generate(GenerateRequest(prompt="a fox", seed=4, steps=2, loras=[("for-sdxl", 1.0)]))
+    assert np.array_equal(sdxl, np.asarray(expected.image))
+    sd = app.state.deployment.hosted[0]
+    png(client.post("/", json=BODY, headers={"lora": "for-sd", "accept": "image/png"}))
+    assert sd.engine.applied_ids == (("for-sd", 1.0),)
+    png(client.post("/", json=BODY, headers={"lora": "undeclared", "accept": "image/png"}))
+    assert sd.engine.applied_ids == (("undeclared", 1.0),), "an adapter that declares nothing goes to the default"
+    assert app.state.deployment.hosted[1].engine.applied_ids == (("for-sdxl", 1.0),)
+
+
+def test_base_model_by_name_and_refusals(two_models):
+    client, _, _ = two_models
+    by_name = png(client.post("/models/tiny-sdxl", json=BODY, headers={"accept": "image/png"}))
+    reference = Engine(EngineConfig(model="tiny-sdxl", warmup=False))
+    assert np.array_equal(by_name, np.asarray(reference.generate(GenerateRequest(prompt="a fox", seed=4,
+                                                                                  steps=2)).image))
+    refused = client.post("/", json=BODY, headers={"lora": "for-flux"})
+    assert refused.status_code == 422
+    assert "made for tiny-flux" in refused.json()["error"] and "tiny-sd, tiny-sdxl" in refused.json()["error"]
+    mixed = client.post("/", json=BODY, headers={"lora": "for-sd, for-sdxl"})
+    assert mixed.status_code == 422 and "one base model" in mixed.json()["error"]
+    wrong = client.post("/models/tiny-sd", json=BODY, headers={"lora": "for-sdxl"})
+    assert wrong.status_code == 422
+    openai = client.post("/v1/images/generations", json={"model": "tiny-sdxl", "prompt": "x", "size": "64x64"})
+    assert openai.status_code == 200
