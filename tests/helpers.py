@@ -3,6 +3,7 @@
 import numpy as np
 import torch
 
+
 def rel_err(actual, expected) -> float:
     """||actual - expected|| / ||expected|| over all elements."""
     actual, expected = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)

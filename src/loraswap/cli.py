@@ -113,7 +113,8 @@ def serve(
         config = ServerConfig(
             engines=[EngineConfig(model=name, adapters=adapters, device=device, dtype=dtype, compile=compile,
                                 swap_mode=swap_mode, hub=hub, hub_allow=hub_allow or ["*"],
-                                hub_deny=hub_deny or [], max_blend=max_blend, max_rank=max_rank, max_adapter_mb=max_adapter_mb,
+                                hub_deny=hub_deny or [], max_blend=max_blend, max_rank=max_rank,
+                                max_adapter_mb=max_adapter_mb,
                                 cache=CacheConfig(host_bytes=int(host_cache_mb * 2**20),
                                                   gpu_bytes=int(gpu_cache_mb * 2**20)),
                                 prefetch_threads=prefetch_threads) for name in models],

@@ -3,11 +3,10 @@
 import pytest
 import torch
 
+from helpers import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 from loraswap.models import load_pipeline
-
-from helpers import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 
 PRESETS = ["tiny-sd", "tiny-sdxl", "tiny-flux"]
 # alpha != rank everywhere, so the alpha/rank scaling is checked too; FLUX's tiny VAE damps

@@ -36,8 +36,9 @@ def _cases(good):
                           AdapterIncompatible, "does not exist"),
         "nan": (_mutated(good, "lora_B", lambda t: torch.full_like(t, float("nan"))), AdapterInvalid, "NaN"),
         "inf": (_mutated(good, "text_encoder", lambda t: torch.full_like(t, float("inf"))), AdapterInvalid, "NaN"),
-        "rank-over-limit": ({k: (torch.zeros(300, *v.shape[1:]) if "lora_A" in k else torch.zeros(v.shape[0], 300, *v.shape[2:]))
-                             for k, v in good.items()}, AdapterInvalid, "over the limit"),
+        "rank-over-limit": ({k: (torch.zeros(300, *v.shape[1:]) if "lora_A" in k
+                                 else torch.zeros(v.shape[0], 300, *v.shape[2:])) for k, v in good.items()},
+                            AdapterInvalid, "over the limit"),
         "not-lora-key": ({**good, "unet.conv_in.weight": torch.zeros(4)}, AdapterInvalid, "not a LoRA"),
         "half-pair": ({k: v for k, v in good.items() if k != first_a}, AdapterInvalid, "has no lora_A"),
         "int-weights": (_mutated(good, "lora_A", lambda t: t.to(torch.int32)), AdapterInvalid, "dtype I32"),

@@ -116,8 +116,13 @@ class HubAdapterSource:
 
     def locate(self, adapter_id: str) -> AdapterLocation:
         from huggingface_hub import constants, hf_hub_download, snapshot_download
-        from huggingface_hub.errors import (EntryNotFoundError, HFValidationError, LocalEntryNotFoundError,
-                                            RepositoryNotFoundError, RevisionNotFoundError)
+        from huggingface_hub.errors import (
+            EntryNotFoundError,
+            HFValidationError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
 
         match = HUB_ID.match(adapter_id)
         if match is None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 
 def sync() -> None:
@@ -82,3 +83,23 @@ def plot_bars(path: Path, title: str, labels: list[str], values: list[float], yl
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def write_random_adapters(model: str, specs, folder: Path, fmt: str = "diffusers", seed: int = 0) -> list[Path]:
+    """Real-size random adapters for the denoiser of `model`, one per (rank, targets) spec;
+    files already there are reused."""
+    from ..adapters.random import make_random_adapter
+    from ..models import lora_components
+
+    _, components = lora_components(model)
+    denoiser = {k: v for k, v in components.items() if not k.startswith("text_encoder")}
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, (rank, targets) in enumerate(specs):
+        path = folder / f"{model}-r{rank}-{targets}-{fmt}-{seed + i}.safetensors"
+        if not path.exists():
+            state_dict, metadata = make_random_adapter(denoiser, rank, targets, fmt, dtype=torch.bfloat16,
+                                                       seed=seed + i)
+            save_file(state_dict, str(path), metadata=metadata)
+        paths.append(path)
+    return paths

@@ -22,12 +22,8 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
-from safetensors.torch import save_file
 
-from ..adapters.random import make_random_adapter
-from ..models import lora_components
-from .common import environment, plot_bars, print_table, summary, write_results
+from .common import environment, plot_bars, print_table, summary, write_random_adapters, write_results
 
 logger = logging.getLogger(__name__)
 
@@ -41,18 +37,7 @@ def zipf_stream(num_ids: int, count: int, seed: int = 0) -> list[int]:
 
 def prepare_adapters(shape: str, root: Path, num_ids: int, specs=SPECS) -> list[str]:
     """`num_ids` ids (`zipf/a00000` ...) over len(specs) real files, and the files."""
-    files = root / "files"
-    files.mkdir(parents=True, exist_ok=True)
-    _, components = lora_components(shape)
-    denoiser = {k: v for k, v in components.items() if not k.startswith("text_encoder")}
-    paths = []
-    for i, (rank, targets) in enumerate(specs):
-        path = files / f"r{rank}-{targets}-{i}.safetensors"
-        if not path.exists():
-            state_dict, metadata = make_random_adapter(denoiser, rank, targets, "diffusers", dtype=torch.bfloat16,
-                                                       seed=i)
-            save_file(state_dict, str(path), metadata=metadata)
-        paths.append(path)
+    paths = write_random_adapters(shape, specs, root / "files")
     ids = []
     (root / "zipf").mkdir(exist_ok=True)
     for k in range(num_ids):

@@ -17,22 +17,19 @@ target sets, each followed by a denoiser call, count graphs compiled.
 """
 
 import copy
-import gc
 import logging
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch._dynamo.utils import counters
 
 from ..adapters.formats import load_adapter
-from ..adapters.random import make_random_adapter
 from ..adapters.source import AdapterLocation
 from ..engine.swap import FusedSwapper
-from ..models import SHAPE_PIPELINES, lora_components
+from ..models import SHAPE_PIPELINES
 from ..models.shapes import build_shape_component
-from .common import environment, plot_bars, print_table, summary, sync, timed, write_results
+from .common import environment, plot_bars, print_table, summary, timed, write_random_adapters, write_results
 
 logger = logging.getLogger(__name__)
 
@@ -76,24 +73,10 @@ def graph_count() -> int:
 
 
 def make_adapters(shape: str, specs, workdir: Path, kohya_rank: int | None = 64) -> list[Path]:
-    """Real-size random adapters (diffusers format; one kohya copy to time conversion)."""
-    _, components = lora_components(shape)
-    denoiser = {DENOISER[shape]: components[DENOISER[shape]]}
-    paths = []
-    for i, (rank, targets) in enumerate(specs):
-        path = workdir / f"{shape}-r{rank}-{targets}.safetensors"
-        if not path.exists():
-            state_dict, metadata = make_random_adapter(denoiser, rank, targets, "diffusers", dtype=torch.bfloat16,
-                                                       seed=i)
-            save_file(state_dict, str(path), metadata=metadata)
-        paths.append(path)
+    """Real-size random adapters (diffusers format; one kohya copy last, to time conversion)."""
+    paths = write_random_adapters(shape, specs, workdir)
     if kohya_rank:
-        path = workdir / f"{shape}-r{kohya_rank}-all-kohya.safetensors"
-        if not path.exists():
-            state_dict, metadata = make_random_adapter(denoiser, kohya_rank, "all", "kohya", dtype=torch.bfloat16,
-                                                       seed=99)
-            save_file(state_dict, str(path), metadata=metadata)
-        paths.append(path)
+        paths += write_random_adapters(shape, [(kohya_rank, "all")], workdir, fmt="kohya", seed=99)
     return paths
 
 
@@ -235,8 +218,6 @@ def run_swap_bench(shape: str = "flux-dev", width: int = 1024, height: int = 102
         results["memory_GiB"]["peak"] = torch.cuda.max_memory_allocated() / 2**30
     results["summary"] = _summarise(results)
     _report(results, out_dir)
-    del models, gpu, host, bound
-    gc.collect()
     return results
 
 

@@ -23,7 +23,8 @@ class EngineConfig(BaseModel):
     hub_deny: list[str] = Field(default_factory=list, description="fnmatch patterns of hub ids refused (403).")
     hub_cache_dir: Path | None = Field(None, description="huggingface_hub cache folder (default: HF_HUB_CACHE).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present.")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="auto: bf16 on CUDA, fp32 on CPU.")
     compile: bool | None = Field(None, description="Regional torch.compile of the denoiser; None: on for CUDA only.")
     swap_mode: Literal["fused", "diffusers"] = Field(
         "fused", description="fused: loraswap's swap; diffusers: seed 1's load + fuse per request (a baseline).")

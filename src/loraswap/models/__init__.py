@@ -8,7 +8,8 @@ from diffusers import DiffusionPipeline
 from .presets import PRESET_DEFAULTS, PRESETS, build_preset
 from .shapes import RANDOM_SUFFIX, SHAPES, build_shape_pipeline
 
-__all__ = ["PRESETS", "generation_defaults", "load_pipeline", "lora_components", "model_name", "resolve_device", "default_dtype"]
+__all__ = ["PRESETS", "default_dtype", "generation_defaults", "load_pipeline", "lora_components", "model_name",
+           "resolve_device"]
 
 
 def resolve_device(device: str | None = None) -> torch.device:

@@ -6,8 +6,8 @@ characters. Both are the real transformers classes, so pipelines call them exact
 they call the tokenizers of the real models, and `save_pretrained` round-trips them.
 """
 
-from transformers import CLIPTokenizer, T5Tokenizer
 from tokenizers.pre_tokenizers import ByteLevel
+from transformers import CLIPTokenizer, T5Tokenizer
 
 CLIP_MAX_LENGTH = 77
 
