@@ -27,24 +27,25 @@ class _EngineCollector:
         self.state = state
 
     def collect(self):
-        engine, worker = getattr(self.state, "engine", None), getattr(self.state, "worker", None)
+        """Figures summed over the hosted models (one engine and worker each)."""
+        deployment = getattr(self.state, "deployment", None)
+        hosted = deployment.hosted if deployment is not None else []
+        engines, workers = [h.engine for h in hosted], [h.worker for h in hosted]
         recompiles = CounterMetricFamily("loraswap_recompiles", "Graphs compiled after warm-up (should stay 0).")
         hits = CounterMetricFamily("loraswap_adapter_cache_hits", "Adapter lookups served from the cache, by tier.",
                                    labels=["tier"])
         misses = CounterMetricFamily("loraswap_adapter_cache_misses", "Adapter lookups read from disk.")
-        depth = GaugeMetricFamily("loraswap_queue_depth", "Requests waiting for the GPU worker.")
+        depth = GaugeMetricFamily("loraswap_queue_depth", "Requests waiting for the GPU workers.")
         skipped = CounterMetricFamily("loraswap_cancelled_requests", "Queued requests dropped: client gone.")
-        ready = GaugeMetricFamily("loraswap_ready", "1 when the model is warm and serving.")
-        recompiles.add_metric([], engine.recompiles if engine else 0)
-        for tier in ("host", "gpu"):
-            hits.add_metric([tier], engine.cache.hits[tier] if engine else 0)
-        misses.add_metric([], engine.cache.misses if engine else 0)
-        depth.add_metric([], worker.queue_depth if worker else 0)
-        skipped.add_metric([], worker.skipped_cancelled if worker else 0)
-        ready.add_metric([], 1 if worker else 0)
+        ready = GaugeMetricFamily("loraswap_ready", "1 when every model is warm and serving.")
         cache_bytes = GaugeMetricFamily("loraswap_adapter_cache_bytes", "Bytes held by each cache tier.",
                                         labels=["tier"])
-        if engine:
-            for tier in (Tier.HOST, Tier.GPU):
-                cache_bytes.add_metric([tier.value], engine.cache.used(tier))
+        recompiles.add_metric([], sum(e.recompiles for e in engines))
+        for tier in (Tier.HOST, Tier.GPU):
+            hits.add_metric([tier.value], sum(e.cache.hits[tier.value] for e in engines))
+            cache_bytes.add_metric([tier.value], sum(e.cache.used(tier) for e in engines))
+        misses.add_metric([], sum(e.cache.misses for e in engines))
+        depth.add_metric([], sum(w.queue_depth for w in workers))
+        skipped.add_metric([], sum(w.skipped_cancelled for w in workers))
+        ready.add_metric([], 1 if hosted else 0)
         yield from (recompiles, hits, misses, depth, skipped, ready, cache_bytes)
