@@ -60,18 +60,18 @@ def _euler() -> EulerDiscreteScheduler:
     return EulerDiscreteScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, steps_offset=1)
 
 
+# what the two tiny UNets share: two levels, one layer each, 8x8 latents (64x64 images)
+_TINY_UNET = dict(block_out_channels=(16, 32), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+                  norm_num_groups=4)
+
+
 def _tiny_sd() -> StableDiffusionPipeline:
     unet = UNet2DConditionModel(
-        block_out_channels=(16, 32),
-        layers_per_block=1,
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
+        **_TINY_UNET,
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
         cross_attention_dim=32,
         attention_head_dim=4,
-        norm_num_groups=4,
     )
     vae = AutoencoderKL(latent_channels=4, **_VAE_BLOCKS)
     return StableDiffusionPipeline(
@@ -89,11 +89,7 @@ def _tiny_sd() -> StableDiffusionPipeline:
 
 def _tiny_sdxl() -> StableDiffusionXLPipeline:
     unet = UNet2DConditionModel(
-        block_out_channels=(16, 32),
-        layers_per_block=1,
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
+        **_TINY_UNET,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
         attention_head_dim=(2, 4),
@@ -103,7 +99,6 @@ def _tiny_sdxl() -> StableDiffusionXLPipeline:
         transformer_layers_per_block=(1, 2),
         projection_class_embeddings_input_dim=80,  # 6 * 8 time ids + 32 pooled
         cross_attention_dim=64,
-        norm_num_groups=4,
     )
     vae = AutoencoderKL(latent_channels=4, **_VAE_BLOCKS)
     return StableDiffusionXLPipeline(
