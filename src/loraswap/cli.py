@@ -6,6 +6,8 @@ LORASWAP_MODEL, LORASWAP_ADAPTERS, LORASWAP_PORT).
 
 import json
 import logging
+import signal
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -124,6 +126,9 @@ def serve(
             max_steps=max_steps, max_prompt_chars=max_prompt_chars, max_body_bytes=max_body_kb * 1024)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal to the handler
+    # it found: make that one a clean exit, so a graceful stop exits 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(create_app(config), host=host, port=port, log_level="info", timeout_graceful_shutdown=60)
 
 

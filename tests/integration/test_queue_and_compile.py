@@ -87,3 +87,21 @@ def test_compiled_server_swaps_without_recompiling(adapter_factory, tmp_path_fac
     # warm-up may specialise a block twice (input strides); after "ready", nothing may compile
     serving = log.split("ready: tiny-flux", 1)[1]
     assert "Recompiling" not in serving and "__recompiles" not in serving, serving
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(served_adapters, tmp_path):
+    process = ServerProcess(["--model", "tiny-sd", "--adapters", str(served_adapters), "--max-width", "512",
+                             "--max-height", "512"], tmp_path / "sigterm.log")
+    process.wait_ready()
+    responses = []
+    inflight = threading.Thread(target=lambda: responses.append(httpx.post(process.url + "/", json=SLOW,
+                                                                           timeout=120)))
+    inflight.start()
+    time.sleep(0.5)  # on the worker now
+    process.proc.terminate()
+    inflight.join()
+    assert process.proc.wait(60) == 0
+    assert responses and responses[0].status_code == 200, "the in-flight request was finished"
+    with pytest.raises(httpx.HTTPError):
+        httpx.post(process.url + "/", json={"inputs": "x"}, timeout=5)
+    process.stop()

@@ -41,3 +41,24 @@ def test_pristine_copies_cover_exactly_the_touched_weights(adapter_factory, tmp_
     assert engine.swapper.pristine_bytes == sum(before[k].nbytes for k in touched)
     engine.set_adapters([])
     assert_bitwise_equal(before, engine.components)
+
+
+def test_adapter_replaced_on_disk_is_served_with_its_new_content(adapter_factory, tmp_path):
+    import os
+
+    import numpy as np
+
+    from loraswap.engine.config import GenerateRequest
+
+    path = adapter_factory("changing", "tiny-sd", rank=8, targets="all", alpha=16.0, seed=83, folder=tmp_path)
+    engine = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))
+    request = GenerateRequest(prompt="x", seed=3, steps=2, loras=[("changing", 1.0)])
+    old = np.asarray(engine.generate(request).image)
+    adapter_factory("changing", "tiny-sd", rank=8, targets="all", alpha=16.0, seed=84, folder=tmp_path)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new mtime even on coarse clocks
+    new = np.asarray(engine.generate(request).image)
+    fresh = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))
+    assert np.array_equal(new, np.asarray(fresh.generate(request).image))
+    assert not np.array_equal(new, old)
+    assert engine.cache.misses == 2
