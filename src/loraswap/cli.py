@@ -201,7 +201,7 @@ def inspect_adapter(
 ) -> None:
     """Format, base model, ranks, alphas, targets, size; exit 1 if it does not fit --model."""
     from .adapters.formats import load_adapter
-    from .adapters.metadata import same_model
+    from .adapters.metadata import refuse_other_base
     from .adapters.source import AdapterLocation, LocalAdapterSource
     from .engine.swap import FusedSwapper
     from .models import lora_components
@@ -231,8 +231,7 @@ def inspect_adapter(
             targets={c: sorted(mods) for c, mods in parsed.layers.items()},
         )
         swapper.bind(parsed)
-        if parsed.base_models and not any(same_model(b, model) for b in parsed.base_models):
-            fits, problem = False, f"declares base model {', '.join(parsed.base_models)}, not {model}"
+        refuse_other_base(parsed.adapter_id, parsed.base_models, [model])
     except LoraswapError as e:
         fits, problem = False, e.message
     report.update(fits=fits, problem=problem)

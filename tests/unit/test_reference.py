@@ -101,7 +101,7 @@ def test_ten_swaps_then_base_is_bitwise_original(adapter_factory):
     base_image = engine.generate(GenerateRequest(prompt="x", seed=5, steps=2)).image
     for i in range(len(specs)):
         engine.set_adapters([(f"a{i}", 1.0)])
-        assert engine.swapper.applied_ids == ((f"a{i}", 1.0),)
+        assert engine.applied_ids == ((f"a{i}", 1.0),)
     engine.set_adapters([])
     assert_bitwise_equal(original, engine.components)
     again = engine.generate(GenerateRequest(prompt="x", seed=5, steps=2)).image

@@ -18,10 +18,10 @@ from PIL import Image
 from torch._dynamo.utils import counters
 
 from ..adapters.cache import AdapterCache, CacheEntry
-from ..adapters.formats import ParsedAdapter, load_adapter
-from ..adapters.metadata import same_model
+from ..adapters.formats import load_adapter
+from ..adapters.metadata import refuse_other_base
 from ..adapters.source import AdapterSources, HubAdapterSource, LocalAdapterSource, check_adapter_id
-from ..errors import AdapterIncompatible, AdapterNotFound, BadRequest
+from ..errors import AdapterNotFound, BadRequest
 from ..models import generation_defaults, load_pipeline, model_name, resolve_device
 from .baseline import DiffusersLoadFuse
 from .config import EngineConfig, GenerateRequest
@@ -102,7 +102,7 @@ class Engine:
         if entry is None:
             parsed = load_adapter(location, type(self.pipeline), self.swapper.component_modules,
                                   int(self.config.max_adapter_mb * 2**20), self.unet_config)
-            self._check_base_model(parsed)
+            refuse_other_base(adapter_id, parsed.base_models, [self.model_name])
             bound = self.swapper.bind(parsed, base_models=parsed.base_models, dtype=self.dtype,
                                       pin_memory=self.device.type == "cuda")
             entry = self.cache.insert(adapter_id, bound, stamp)
@@ -168,12 +168,6 @@ class Engine:
             rows.append(row)
         return rows
 
-    def _check_base_model(self, parsed: ParsedAdapter) -> None:
-        if parsed.base_models and not any(same_model(name, self.model_name) for name in parsed.base_models):
-            raise AdapterIncompatible(
-                parsed.adapter_id, f"it was made for {', '.join(parsed.base_models)}, and this server hosts "
-                f"{self.model_name}", f"Send it to a server hosting {parsed.base_models[0]}")
-
     def _check_blend(self, loras: list[tuple[str, float]]) -> None:
         if len(loras) > self.config.max_blend:
             raise BadRequest(f"{len(loras)} adapters requested; at most {self.config.max_blend} can be blended")
@@ -191,8 +185,8 @@ class Engine:
 
         `acquired`: the adapters already held (from `prefetch`); the caller releases them.
         """
-        self._check_blend(loras)
         if self.baseline is not None:
+            self._check_blend(loras)
             if self.baseline.applied_ids == tuple(loras):
                 return 0.0
             return self.baseline.apply([(self.locate(aid), float(weight)) for aid, weight in loras])

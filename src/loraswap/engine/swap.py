@@ -107,7 +107,6 @@ class FusedSwapper:
         self._dirty: set[LayerKey] = set()
         self._copy_stream = None
         self._views: dict[LayerKey, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.applied: tuple[tuple[BoundAdapter, float], ...] = ()
 
     # ---------------------------------------------------------------- binding
     def bind(self, parsed: ParsedAdapter, base_models: Sequence[str] = (), dtype: torch.dtype | None = None,
@@ -171,8 +170,9 @@ class FusedSwapper:
     def apply(self, adapters: Sequence[tuple[BoundAdapter, float]]) -> float:
         """Make the weights base + sum(weight * scale * B @ A); returns seconds taken.
 
-        Weights touched now are written in one pass from their pristine copies
-        (`addmm(pristine, B, A, out=W)`), weights touched only before are copied back,
+        Weights touched now are written from their pristine copies with one call per layer
+        (`addmm(pristine, B, A, out=W)`: a copy, then a GEMM accumulating into W), weights
+        touched only before are copied back in one batched copy,
         and factors in pinned host RAM stream to the GPU in chunks on a side stream
         while earlier layers are being fused.
         """
@@ -216,7 +216,6 @@ class FusedSwapper:
         except BaseException:
             self._restore(touched)
             raise
-        self.applied = tuple(adapters)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -277,12 +276,7 @@ class FusedSwapper:
             if key in self._pristine:
                 self._weight(key).copy_(self._pristine[key])
         self._dirty.clear()
-        self.applied = ()
         logger.warning("swap failed; %d touched weights restored to the base model", len(keys))
-
-    @property
-    def applied_ids(self) -> tuple[tuple[str, float], ...]:
-        return tuple((bound.adapter_id, blend) for bound, blend in self.applied)
 
     @property
     def pristine_bytes(self) -> int:

@@ -61,7 +61,6 @@ class GpuWorker:
         self.skipped_cancelled = 0  # jobs dropped because their client left while queued
         self.completed = 0
         self.batches = 0
-        self.max_wait_seen = 0.0  # longest a served request waited, seconds
 
     def start(self) -> None:
         self._thread.start()
@@ -170,10 +169,7 @@ class GpuWorker:
         try:
             if ready:
                 results = self.engine.generate_batch([job.request for job in ready], held[0])
-                now = time.monotonic()
                 for job, result in zip(ready, results):
-                    waited = now - job.enqueued - result.generate_seconds - result.swap_seconds
-                    self.max_wait_seen = max(self.max_wait_seen, waited)
                     job.future.set_result(result)
         except BaseException as e:  # delivered to the waiting handlers
             for job in ready:

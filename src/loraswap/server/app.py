@@ -162,14 +162,7 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
                 raise BadRequest(f"{name} {value} must be a multiple of 8 between 8 and {limit}")
         if steps is not None and not 1 <= steps <= config.max_steps:
             raise BadRequest(f"num_inference_steps {steps} must be between 1 and {config.max_steps}")
-        if guidance is not None and not 0 <= guidance <= 50:
-            raise BadRequest(f"guidance_scale {guidance} must be between 0 and 50")
-        if seed is not None and not 0 <= seed < 2**63:
-            raise BadRequest(f"seed {seed} must be between 0 and 2**63 - 1")
-        max_blend = config.engines[0].max_blend
-        if len(loras) > max_blend:
-            raise BadRequest(f"{len(loras)} adapters requested; at most {max_blend} can be blended")
-        try:
+        try:  # bounds of guidance and seed: GenerateRequest's; the blend: the engine's
             return GenerateRequest(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
                                    width=width, height=height, seed=seed, loras=loras)
         except ValidationError as e:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from safetensors import safe_open
 
-from ..adapters.metadata import declared_base_models, same_model
+from ..adapters.metadata import declared_base_models, refuse_other_base, same_model
 from ..engine.engine import Engine
 from ..engine.worker import GpuWorker
 from ..errors import AdapterIncompatible, BadRequest
@@ -45,13 +45,11 @@ class Deployment:
             chosen = None
         default = self.hosted[0]
         for adapter_id, _ in loras:
+            if len(self.hosted) == 1:  # nothing to choose: a 404 now, the full checks on prefetch
+                default.engine.locate(adapter_id)
+                continue
             declared = self._declared(default.engine, adapter_id)
-            target = default if not declared else next(
-                (h for h in self.hosted if any(same_model(d, h.engine.model_name) for d in declared)), None)
-            if target is None:
-                raise AdapterIncompatible(adapter_id, f"it was made for {', '.join(declared)}, and this server "
-                                          f"hosts {', '.join(self.names)}",
-                                          f"Send it to a server hosting {declared[0]}")
+            target = self.by_name(refuse_other_base(adapter_id, declared, self.names))
             if chosen is not None and target is not chosen and declared:
                 raise AdapterIncompatible(adapter_id, f"it was made for {', '.join(declared)}, not for "
                                           f"{chosen.engine.model_name}", "Blend adapters of one base model")
