@@ -28,6 +28,9 @@ class AdapterError(LoraswapError):
         self.problem = problem
         self.fix = fix
 
+    def __reduce__(self):  # rebuilt from its parts when it crosses a process (Ray replicas)
+        return type(self), (self.adapter_id, self.problem, self.fix)
+
 
 class AdapterNotFound(AdapterError):
     status = 404

@@ -6,12 +6,10 @@ status with `{"error": ...}`; anything else is logged with its traceback and
 answered with a plain 500.
 """
 
-import asyncio
 import base64
 import io
 import json
 import logging
-import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -20,17 +18,16 @@ from fastapi import FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.config import GenerateRequest
 from ..engine.engine import Engine, GenerateResult
-from ..engine.worker import GpuWorker
 from ..errors import BadRequest, LoraswapError, Overloaded
+from .backend import Backend, ClientGone, LocalBackend
 from .config import ServerConfig
 from .metrics import Metrics
-from .routing import Deployment, Hosted
 from .schemas import HFRequest, OpenAIImageRequest, parse_lora_header, parse_size
 
 logger = logging.getLogger("loraswap.server")
@@ -38,63 +35,22 @@ logger = logging.getLogger("loraswap.server")
 IMAGE_FORMATS = (("image/png", "PNG"), ("image/webp", "WEBP"), ("image/jpeg", "JPEG"))
 
 
-class ClientGone(Exception):
-    pass
-
-
-def create_app(config: ServerConfig, engine_factory=Engine) -> FastAPI:
+def create_app(config: ServerConfig, engine_factory=Engine, backend: Backend | None = None) -> FastAPI:
+    """The HTTP app over `backend`: by default the engines of this process (`LocalBackend`)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loader = threading.Thread(target=_load, args=(app, config, engine_factory), name="loraswap-loader",
-                                  daemon=True)
-        loader.start()
+        await app.state.backend.start()
         yield
-        for hosted in app.state.deployment.hosted:
-            logger.info("shutting down %s: finishing %d queued requests", hosted.engine.model_name,
-                        hosted.worker.queue_depth)
-            await run_in_threadpool(hosted.worker.stop)
+        await app.state.backend.stop()
 
     app = FastAPI(title="loraswap", version="0.1.0", lifespan=lifespan,
                   description="Thousands of LoRA adapters on warm, compiled diffusion models.")
     app.state.config = config
-    app.state.engine = None  # the default model's engine and worker, once loaded
-    app.state.worker = None
-    app.state.deployment = Deployment()
-    app.state.load_error = None
-    app.state.metrics = Metrics(app.state)
+    app.state.backend = backend or LocalBackend(app.state, config, engine_factory)
+    app.state.metrics = Metrics()
     _add_error_handlers(app)
     _add_routes(app, config)
     return app
-
-
-def _load(app: FastAPI, config: ServerConfig, engine_factory) -> None:
-    """Build and warm every engine, logging progress until all are ready."""
-    started = time.perf_counter()
-    done = threading.Event()
-    loading = {"model": config.engines[0].model}
-
-    def heartbeat():
-        while not done.wait(10.0):
-            logger.info("still loading %s (%.0f s)", loading["model"], time.perf_counter() - started)
-
-    threading.Thread(target=heartbeat, daemon=True).start()
-    try:
-        hosted = []
-        for engine_config in config.engines:
-            loading["model"] = engine_config.model
-            engine = engine_factory(engine_config)
-            worker = GpuWorker(engine, config.scheduler)
-            worker.start()
-            hosted.append(Hosted(engine, worker))
-        app.state.deployment = Deployment(hosted)
-        app.state.engine, app.state.worker = hosted[0].engine, hosted[0].worker
-        logger.info("ready: %s in %.1f s", ", ".join(h.engine.model_name for h in hosted),
-                    time.perf_counter() - started)
-    except Exception as e:
-        app.state.load_error = str(e)
-        logger.exception("loading %s failed", loading["model"])
-    finally:
-        done.set()
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -127,6 +83,7 @@ def _describe(errors) -> str:
 
 def _add_routes(app: FastAPI, config: ServerConfig) -> None:
     state = app.state
+    backend: Backend = state.backend
 
     async def read_json(request: Request):
         declared = request.headers.get("content-length")
@@ -139,15 +96,6 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise BadRequest('the body must be JSON: {"inputs": "a prompt", "parameters": {...}}') from None
-
-    def deployment() -> Deployment:
-        if state.worker is None:
-            reason = f"loading failed: {state.load_error}" if state.load_error else "the model is still loading"
-            raise Overloaded(reason)
-        return state.deployment
-
-    def engine_ready() -> Engine:
-        return deployment().hosted[0].engine
 
     def build_request(prompt, loras, negative_prompt=None, steps=None, guidance=None, width=None, height=None,
                       seed=None) -> GenerateRequest:
@@ -173,18 +121,8 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
         status = 500
         result = None
         try:
-            # the engine hosting the adapters' base model (unknown ids: 404 at once); the adapters
-            # are read on its prefetch pool while earlier requests generate, so its worker only
-            # restores and fuses
-            hosted = await run_in_threadpool(deployment().route, gen.loras, model)
-            future = hosted.worker.submit(gen, hosted.engine.prefetch(gen.loras))
-            wrapped = asyncio.wrap_future(future)
-            while not wrapped.done():
-                await asyncio.wait([wrapped], timeout=0.1)
-                if not wrapped.done() and await request.is_disconnected():
-                    future.cancel()
-                    raise ClientGone()
-            result = wrapped.result()
+            # routed to the engine hosting the adapters' base model, generated on its GPU worker
+            result = await backend.generate(gen, model, request.is_disconnected)
             status = 200
             return result
         except torch.OutOfMemoryError:
@@ -227,7 +165,7 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
         # 2. adapters: the `lora` header, and the path's model id when it names an adapter
         loras = parse_lora_header(request.headers.get("lora"))
         model = None
-        if path_model and deployment().by_name(path_model) is not None:
+        if path_model and backend.is_model(path_model):
             model = path_model  # the path names a hosted base model
         elif path_model and path_model not in dict(loras):
             loras = [(path_model, 1.0), *loras]  # the path names an adapter
@@ -266,7 +204,7 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
             raise BadRequest(f"n must be between 1 and {config.max_images}")
         loras = parse_lora_header(request.headers.get("lora"))
         model = None
-        if body.model and deployment().by_name(body.model) is not None:
+        if body.model and backend.is_model(body.model):
             model = body.model
         elif body.model:
             loras = parse_lora_header(body.model) + loras
@@ -289,36 +227,30 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
     @app.get("/ready")
     async def ready():
         """200 once the model is warm and serving; 503 while loading (or if loading failed)."""
-        if state.worker is None:
-            return JSONResponse({"error": state.load_error or "loading"}, status_code=503,
+        info = backend.ready_info()
+        if info is None:
+            return JSONResponse({"error": backend.load_error or "loading"}, status_code=503,
                                 headers={"Retry-After": str(config.retry_after_s)})
-        return {"status": "ready", "model": state.engine.model_name, "models": state.deployment.names,
-                "compiled": state.engine.compiled}
+        return {"status": "ready", **info}
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(state.metrics.render(await backend.figures()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/adapters")
     async def list_adapters():
         """Every adapter: id, base model, rank, bytes, where cached."""
-        engine = engine_ready()
-        return {"model": engine.model_name, "models": deployment().names,
-                "adapters": await run_in_threadpool(engine.list_adapters)}
+        return await backend.list_adapters()
 
     @app.post("/adapters/{adapter_id:path}/load")
     async def load_adapter(adapter_id: str):
         """Read the adapter into host RAM now and pin it there."""
-        engine = engine_ready()
-        bound = await run_in_threadpool(engine.pin_adapter, adapter_id)
-        return {"id": adapter_id, "cached": "host", "pinned": True, "bytes": bound.nbytes,
-                "layers": len(bound.layers)}
+        return {"id": adapter_id, "cached": "host", "pinned": True, **await backend.pin_adapter(adapter_id)}
 
     @app.delete("/adapters/{adapter_id:path}")
     async def evict_adapter(adapter_id: str):
         """Unpin the adapter and drop it from host RAM."""
-        engine = engine_ready()
-        await run_in_threadpool(engine.unpin_adapter, adapter_id)
+        await backend.unpin_adapter(adapter_id)
         return {"id": adapter_id, "cached": "disk", "pinned": False}
 
 

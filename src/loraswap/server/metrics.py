@@ -1,17 +1,22 @@
-"""Prometheus metrics, in a registry owned by the app (no module-level state)."""
+"""Prometheus metrics, in a registry owned by the app (no module-level state).
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+Request counts and the swap / generate histograms are observed at the HTTP edge; engine
+and worker figures come from the backend at scrape time (`render(figures)`): summed over
+the engines of this process, or over the model replicas of a Ray deployment, with a few
+per-replica series for the latter.
+"""
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-from ..adapters.cache import Tier
 
 SWAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 GENERATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
 
 class Metrics:
-    def __init__(self, state):
-        """`state` is the app state: read at scrape time for engine and worker figures."""
+    def __init__(self):
         self.registry = CollectorRegistry()
         self.requests = Counter("loraswap_requests", "HTTP generation requests by route and status.",
                                 ["route", "status"], registry=self.registry)
@@ -19,18 +24,25 @@ class Metrics:
                                       buckets=SWAP_BUCKETS, registry=self.registry)
         self.generate_seconds = Histogram("loraswap_generate_seconds", "Pipeline time per image.",
                                           buckets=GENERATE_BUCKETS, registry=self.registry)
-        self.registry.register(_EngineCollector(state))
+        self._engines = _EngineCollector()
+        self.registry.register(self._engines)
+        self._lock = threading.Lock()
+
+    def render(self, figures) -> bytes:
+        """The Prometheus text, with these engine figures (a `backend.EngineFigures`)."""
+        with self._lock:
+            self._engines.figures = figures
+            return generate_latest(self.registry)
 
 
 class _EngineCollector:
-    def __init__(self, state):
-        self.state = state
+    def __init__(self):
+        self.figures = None
 
     def collect(self):
-        """Figures summed over the hosted models (one engine and worker each)."""
-        deployment = getattr(self.state, "deployment", None)
-        hosted = deployment.hosted if deployment is not None else []
-        engines, workers = [h.engine for h in hosted], [h.worker for h in hosted]
+        f = self.figures
+        if f is None:
+            return
         recompiles = CounterMetricFamily("loraswap_recompiles", "Graphs compiled after warm-up (should stay 0).")
         hits = CounterMetricFamily("loraswap_adapter_cache_hits", "Adapter lookups served from the cache, by tier.",
                                    labels=["tier"])
@@ -40,12 +52,41 @@ class _EngineCollector:
         ready = GaugeMetricFamily("loraswap_ready", "1 when every model is warm and serving.")
         cache_bytes = GaugeMetricFamily("loraswap_adapter_cache_bytes", "Bytes held by each cache tier.",
                                         labels=["tier"])
-        recompiles.add_metric([], sum(e.recompiles for e in engines))
-        for tier in (Tier.HOST, Tier.GPU):
-            hits.add_metric([tier.value], sum(e.cache.hits[tier.value] for e in engines))
-            cache_bytes.add_metric([tier.value], sum(e.cache.used(tier) for e in engines))
-        misses.add_metric([], sum(e.cache.misses for e in engines))
-        depth.add_metric([], sum(w.queue_depth for w in workers))
-        skipped.add_metric([], sum(w.skipped_cancelled for w in workers))
-        ready.add_metric([], 1 if hosted else 0)
+        recompiles.add_metric([], f.recompiles)
+        for tier, value in f.cache_hits.items():
+            hits.add_metric([tier], value)
+        for tier, value in f.cache_bytes.items():
+            cache_bytes.add_metric([tier], value)
+        misses.add_metric([], f.cache_misses)
+        depth.add_metric([], f.queue_depth)
+        skipped.add_metric([], f.cancelled)
+        ready.add_metric([], 1 if f.ready else 0)
         yield from (recompiles, hits, misses, depth, skipped, ready, cache_bytes)
+        if f.replicas:
+            yield from _replica_families(f.replicas)
+
+
+def _replica_families(replicas: list[dict]):
+    """Per-replica series of a Ray deployment (rows from `cluster.reports`)."""
+    labels = ["model", "replica"]
+    up = GaugeMetricFamily("loraswap_replica_up", "1 while the replica reports; 0 once it stopped or died.",
+                           labels=labels)
+    loads = CounterMetricFamily("loraswap_replica_adapter_loads", "Adapters put into the replica's adapter budget.",
+                                labels=labels)
+    evictions = CounterMetricFamily("loraswap_replica_adapter_evictions",
+                                    "Adapters evicted (least recently used) when the replica's budget was full.",
+                                    labels=labels)
+    held = GaugeMetricFamily("loraswap_replica_adapters", "Adapters held by the replica (its budget's use).",
+                             labels=labels)
+    served = CounterMetricFamily("loraswap_replica_requests", "Images generated by the replica.", labels=labels)
+    misses = CounterMetricFamily("loraswap_replica_adapter_cache_misses", "Adapter reads from disk by the replica.",
+                                 labels=labels)
+    for row in replicas:
+        key = [row["model"], row["replica"]]
+        up.add_metric(key, 1 if row["alive"] else 0)
+        loads.add_metric(key, row["loads"])
+        evictions.add_metric(key, row["evictions"])
+        held.add_metric(key, len(row["held"]) if row["alive"] else 0)
+        served.add_metric(key, row["served"])
+        misses.add_metric(key, row["figures"].cache_misses)
+    yield from (up, loads, evictions, held, served, misses)

@@ -7,11 +7,13 @@ the hosted ones. Declarations are read from the file's header and side files onl
 the full read and checks happen on the chosen engine's prefetch pool.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from safetensors import safe_open
 
 from ..adapters.metadata import declared_base_models, refuse_other_base, same_model
+from ..adapters.source import AdapterLocation
 from ..engine.engine import Engine
 from ..engine.worker import GpuWorker
 from ..errors import AdapterIncompatible, BadRequest
@@ -21,6 +23,44 @@ from ..errors import AdapterIncompatible, BadRequest
 class Hosted:
     engine: Engine
     worker: GpuWorker
+
+
+def route_by_base_model(names: list[str], locate: Callable[[str], AdapterLocation],
+                        loras: list[tuple[str, float]], model: str | None = None) -> str:
+    """The hosted model (one of `names`, the first is the default) that serves these adapters.
+
+    `model`: a base model named explicitly (the path or OpenAI `model`), else None.
+    `locate`: the adapter's file (400/403/404 for bad or unknown ids), e.g. `Engine.locate`.
+    """
+    def by_name(name: str) -> str | None:
+        return next((n for n in names if same_model(n, name)), None)
+
+    chosen = None
+    if model is not None:
+        chosen = by_name(model)
+        if chosen is None:
+            raise BadRequest(f"model {model!r} is not hosted here; hosted: {', '.join(names)}")
+    for adapter_id, _ in loras:
+        if len(names) == 1:  # nothing to choose: a 404 now, the full checks on prefetch
+            locate(adapter_id)
+            continue
+        declared = _declared(locate(adapter_id))
+        target = by_name(refuse_other_base(adapter_id, declared, names))
+        if chosen is not None and target != chosen and declared:
+            raise AdapterIncompatible(adapter_id, f"it was made for {', '.join(declared)}, not for {chosen}",
+                                      "Blend adapters of one base model")
+        chosen = chosen or target
+    return chosen or names[0]
+
+
+def _declared(location: AdapterLocation) -> list[str]:
+    """Base models the adapter declares (header metadata and side files; nothing else is read)."""
+    try:
+        with safe_open(str(location.weights), "pt") as f:
+            metadata = f.metadata() or {}
+    except Exception:  # a broken file: the engine's full checks will say what is wrong
+        metadata = {}
+    return declared_base_models(metadata, location.folder)
 
 
 @dataclass
@@ -36,32 +76,6 @@ class Deployment:
 
     def route(self, loras: list[tuple[str, float]], model: str | None = None) -> Hosted:
         """The engine for these adapters (and an explicitly named model, if any)."""
-        if model is not None:
-            hosted = self.by_name(model)
-            if hosted is None:
-                raise BadRequest(f"model {model!r} is not hosted here; hosted: {', '.join(self.names)}")
-            chosen = hosted
-        else:
-            chosen = None
-        default = self.hosted[0]
-        for adapter_id, _ in loras:
-            if len(self.hosted) == 1:  # nothing to choose: a 404 now, the full checks on prefetch
-                default.engine.locate(adapter_id)
-                continue
-            declared = self._declared(default.engine, adapter_id)
-            target = self.by_name(refuse_other_base(adapter_id, declared, self.names))
-            if chosen is not None and target is not chosen and declared:
-                raise AdapterIncompatible(adapter_id, f"it was made for {', '.join(declared)}, not for "
-                                          f"{chosen.engine.model_name}", "Blend adapters of one base model")
-            chosen = chosen or target
-        return chosen or default
-
-    @staticmethod
-    def _declared(engine: Engine, adapter_id: str) -> list[str]:
-        location = engine.locate(adapter_id)  # 400/403/404 for bad or unknown ids
-        try:
-            with safe_open(str(location.weights), "pt") as f:
-                metadata = f.metadata() or {}
-        except Exception:  # a broken file: the engine's full checks will say what is wrong
-            metadata = {}
-        return declared_base_models(metadata, location.folder)
+        names = self.names
+        chosen = route_by_base_model(names, self.hosted[0].engine.locate, loras, model)
+        return self.hosted[names.index(chosen)]
