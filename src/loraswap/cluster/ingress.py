@@ -1,0 +1,190 @@
+"""The HTTP ingress of a Ray Serve deployment: the server's own FastAPI app over Ray handles.
+
+`Ingress` serves `server.app.create_app` (same handlers, schemas, errors and metrics)
+with a `RayBackend`: routing by base model happens here, with the same rule and the
+same adapter sources as the single-process server; generation goes to the model's
+deployment through its handle, with the request's adapter set as the multiplexed model
+id, so Serve picks a replica that holds it. No GPU and no multiplexing here.
+"""
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import torch
+from fastapi.concurrency import run_in_threadpool
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError
+
+from ..adapters.metadata import same_model
+from ..adapters.source import AdapterLocation, check_adapter_id
+from ..engine.config import GenerateRequest
+from ..engine.engine import Engine, GenerateResult
+from ..errors import AdapterNotFound, LoraswapError, Overloaded
+from ..server.app import create_app
+from ..server.backend import ClientGone, EngineFigures
+from ..server.routing import route_by_base_model
+from .config import ClusterConfig
+from .replica import adapter_key
+
+logger = logging.getLogger("loraswap.cluster")
+
+TIER_ORDER = {"disk": 0, "host": 1, "gpu": 2}
+REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
+ATTEMPTS = 3  # a request whose replica died under it is sent again (generation has no side effects)
+
+
+class RayBackend:
+    """The models are Ray Serve deployments (handles in `config.engines` order)."""
+
+    def __init__(self, config: ClusterConfig, models: list, reports):
+        self.config = config
+        self.handles = models
+        self.reports = reports
+        self.deployments = [engine.deployment_name for engine in config.engines]
+        default = config.engines[0]
+        self.source = default.source or Engine._sources(default)  # the same adapter sources as the engines
+        self.names: list[str] | None = None  # the models' names, once their replicas answered
+        self.compiled = False
+        self.load_error: str | None = None
+        self._connecting: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        self._connecting = asyncio.get_running_loop().create_task(self._connect())
+
+    async def _connect(self) -> None:
+        while True:
+            try:
+                infos = await asyncio.gather(*(handle.info.remote() for handle in self.handles))
+                break
+            except Exception as e:  # replicas still starting, or one died: ask again
+                logger.warning("waiting for model replicas: %s", e)
+                await asyncio.sleep(1.0)
+        self.names, self.compiled = [info["model"] for info in infos], infos[0]["compiled"]
+        logger.info("ingress ready: %s", ", ".join(f"{n} ({d})" for n, d in zip(self.names, self.deployments)))
+
+    async def stop(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
+
+    def _names(self) -> list[str]:
+        if self.names is None:
+            raise Overloaded("the model replicas are still starting")
+        return self.names
+
+    def ready_info(self) -> dict | None:
+        if self.names is None:
+            return None
+        return {"model": self.names[0], "models": self.names, "compiled": self.compiled,
+                "deployments": dict(zip(self.names, self.deployments))}
+
+    def is_model(self, name: str) -> bool:
+        return any(same_model(hosted, name) for hosted in self._names())
+
+    # ---------------------------------------------------------------- routing
+    def locate(self, adapter_id: str) -> AdapterLocation:
+        check_adapter_id(adapter_id)
+        if self.source is None:
+            raise AdapterNotFound(adapter_id, "this server was started without an adapter folder",
+                                  "Start it with --adapters DIR")
+        return self.source.locate(adapter_id)
+
+    def _route(self, loras: list[tuple[str, float]], model: str | None) -> int | None:
+        names = self._names()
+        return names.index(route_by_base_model(names, self.locate, loras, model))
+
+    # ---------------------------------------------------------------- requests
+    async def generate(self, request: GenerateRequest, model: str | None,
+                       is_disconnected: Callable[[], Awaitable[bool]]) -> GenerateResult:
+        index = await run_in_threadpool(self._route, request.loras, model)
+        handle = self.handles[index].options(multiplexed_model_id=adapter_key(request.loras))
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                return await self._call(lambda: handle.generate.remote(request), is_disconnected)
+            except REPLICA_GONE as e:
+                if attempt == ATTEMPTS:
+                    raise Overloaded("the replica serving this request went away; retry") from e
+                logger.warning("replica of %s went away (%s); sending the request again",
+                               self.deployments[index], type(e).__name__)
+                await asyncio.sleep(0.2 * attempt)
+
+    async def _call(self, send: Callable, is_disconnected: Callable[[], Awaitable[bool]] | None = None):
+        """Await a handle call, as our own errors; cancel it if the client leaves."""
+        try:
+            response = send()
+            task = asyncio.ensure_future(_result(response))
+            try:
+                while not task.done():
+                    await asyncio.wait([task], timeout=0.1)
+                    if not task.done() and is_disconnected is not None and await is_disconnected():
+                        response.cancel()
+                        task.cancel()
+                        raise ClientGone()
+            except asyncio.CancelledError:  # the proxy cancels a request whose client left
+                response.cancel()
+                task.cancel()
+                raise
+            return task.result()
+        except RayTaskError as e:
+            if isinstance(e.cause, (LoraswapError, torch.OutOfMemoryError)):
+                raise e.cause from None
+            raise
+        except BackPressureError:
+            raise Overloaded(f"the queue is full ({self.config.scheduler.max_queue} requests waiting); "
+                             "retry shortly") from None
+
+    # ---------------------------------------------------------------- adapters
+    async def list_adapters(self) -> dict:
+        names = self._names()
+        reports = await self._call(lambda: self.reports.collect.remote())
+        ids = await run_in_threadpool(self.source.list_ids) if self.source is not None else []
+        held: dict[str, list[tuple[str, dict]]] = {}
+        for report in reports:
+            if report["alive"] and report["deployment"] == self.deployments[0]:
+                for row in report["cache"]:
+                    held.setdefault(row["id"], []).append((report["replica"], row))
+        rows = []
+        for adapter_id in ids:
+            copies = held.get(adapter_id, [])
+            row = {"id": adapter_id, "cached": "disk", "pinned": False, "applied": False, "replicas": []}
+            if copies:
+                best = max(copies, key=lambda c: TIER_ORDER[c[1]["cached"]])[1]
+                row.update({k: best[k] for k in ("base_model", "rank", "bytes", "layers")},
+                           cached=best["cached"], pinned=any(c["pinned"] for _, c in copies),
+                           applied=any(c["applied"] for _, c in copies), replicas=sorted(r for r, _ in copies))
+            rows.append(row)
+        return {"model": names[0], "models": names, "adapters": rows}
+
+    async def pin_adapter(self, adapter_id: str) -> dict:
+        index = await run_in_threadpool(self._route, [(adapter_id, 1.0)], None)
+        handle = self.handles[index].options(multiplexed_model_id=adapter_id)
+        return await self._call(lambda: handle.pin_adapter.remote(adapter_id))
+
+    async def unpin_adapter(self, adapter_id: str) -> None:
+        index = await run_in_threadpool(self._route, [(adapter_id, 1.0)], None)
+        await self._call(lambda: self.reports.evict.remote(self.deployments[index], adapter_id))
+
+    async def figures(self) -> EngineFigures:
+        reports = await self._call(lambda: self.reports.collect.remote())
+        total = EngineFigures()
+        for report in reports:
+            total.add(report["figures"], gauges=report["alive"])
+        live = {report["deployment"] for report in reports if report["alive"]}
+        total.ready = self.names is not None and live >= set(self.deployments)
+        total.replicas = sorted(reports, key=lambda r: (r["deployment"], r["replica"]))
+        return total
+
+
+async def _result(response):
+    return await response
+
+
+class Ingress:
+    """The Serve ingress deployment (wrapped by `serve.ingress()` in `cluster.app`)."""
+
+    def __init__(self, config: ClusterConfig, models: list, reports):
+        self._app = create_app(config, backend=RayBackend(config, models, reports))
+
+    def __serve_build_asgi_app__(self):
+        return self._app

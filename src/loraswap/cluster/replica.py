@@ -1,0 +1,186 @@
+"""A model replica: one engine (one GPU, or the CPU) and its GPU worker, in a Ray Serve replica.
+
+The adapter set of a request (`a` or, for a blend, `a,b`) is its Ray Serve multiplexed
+model id. `serve.multiplexed` keeps up to `max_adapters` of them per replica, least
+recently used first out, and tells Serve's router which replica holds which, so the
+next request for an adapter goes to a replica that already has it (one busy past
+`max_ongoing_requests` sends it to another, which loads it too). Loading one reads the
+adapters into the engine's cache (`Engine.prefetch`); evicting one drops them from the
+cache unless pinned or still used by another held set.
+
+The replica reports its figures, cache table and held sets to `Reports`, and does the
+commands it gets back (evict an adapter, for `DELETE /adapters/{id}`).
+"""
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+from collections import Counter
+
+from ray import serve
+
+from ..engine.config import GenerateRequest
+from ..engine.engine import Engine, GenerateResult
+from ..engine.worker import GpuWorker, SchedulerConfig
+from ..server.backend import engine_figures
+from .config import ModelDeploymentConfig
+
+logger = logging.getLogger("loraswap.cluster")
+
+
+def adapter_key(loras: list[tuple[str, float]]) -> str:
+    """The multiplexed model id of a request: its adapter ids, sorted, comma-joined ('' for none)."""
+    return ",".join(sorted(adapter_id for adapter_id, _ in loras))
+
+
+class _Held:
+    """An adapter set held in the replica's budget; Serve calls `__del__` when it evicts it."""
+
+    def __init__(self, replica: "ModelReplica", key: str):
+        self.replica, self.key, self._released = replica, key, False
+
+    def __del__(self):  # called by Serve's LRU (in a thread), and again by the GC: once only
+        if not self._released:
+            self._released = True
+            self.replica._drop_held(self.key)
+
+
+class ModelReplica:
+    async def __init__(self, config: ModelDeploymentConfig, scheduler: SchedulerConfig, reports,
+                       report_interval_s: float):
+        # 1. the engine (warm, compiled when on CUDA) and its GPU worker thread
+        self.config = config
+        self.engine = await asyncio.to_thread(Engine, config)
+        self.worker = GpuWorker(self.engine, scheduler)
+        self.worker.start()
+        # 2. the adapter budget: Ray Serve multiplexing, sized per deployment
+        self._load = serve.multiplexed(max_num_models_per_replica=config.max_adapters)(self._make_loader())
+        self._held: dict[str, tuple[str, ...]] = {}  # key -> adapter ids
+        self._refs: Counter = Counter()  # adapter id -> held keys naming it
+        self._lock = threading.Lock()
+        self.loads = self.evictions = self.served = 0
+        # 3. reports
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.deployment = context.deployment
+        self._reports = reports
+        self._interval_s = report_interval_s
+        self._seq = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+        logger.info("replica %s of %s ready (%s)", self.replica_id, self.deployment, self.engine.model_name)
+
+    # ---------------------------------------------------------------- requests
+    async def info(self) -> dict:
+        return {"model": self.engine.model_name, "compiled": self.engine.compiled, "replica": self.replica_id}
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        # 1. hold the request's adapters in this replica's budget (Serve routed it here for them)
+        key = serve.get_multiplexed_model_id()
+        if key:
+            await self._load(key)
+        # 2. queue for the GPU worker (adapters from the cache); a cancelled request is dropped
+        future = self.worker.submit(request, self.engine.prefetch(request.loras))
+        result = await asyncio.wrap_future(future)
+        self.served += 1
+        return result
+
+    async def pin_adapter(self, adapter_id: str) -> dict:
+        """Hold the adapter here, read it now and pin it in the cache (POST /adapters/{id}/load)."""
+        await self._load(adapter_id)
+        bound = await asyncio.to_thread(self.engine.pin_adapter, adapter_id)
+        await self._report()
+        return {"bytes": bound.nbytes, "layers": len(bound.layers), "replica": self.replica_id}
+
+    async def __del__(self):
+        """Graceful stop (Serve has drained requests): finish the queue, report a last time."""
+        self._stopping = True
+        self._reporter.cancel()
+        await asyncio.to_thread(self.worker.stop, 60.0)
+        try:  # `reports` may be stopping too (the whole app is): do not wait on it
+            await asyncio.wait_for(self._report(stopped=True), timeout=2.0)
+        except (Exception, asyncio.TimeoutError):
+            logger.debug("last report of %s not delivered", self.replica_id)
+
+    # ---------------------------------------------------------------- the adapter budget
+    def _make_loader(self):
+        async def load_adapters(key: str) -> _Held:
+            ids = tuple(key.split(","))
+            acquired = await asyncio.wrap_future(self.engine.prefetch([(adapter_id, 1.0) for adapter_id in ids]))
+            self.engine.release_adapters(acquired)
+            with self._lock:
+                self._held[key] = ids
+                self._refs.update(ids)
+                self.loads += 1
+            logger.info("replica %s holds %s (%d held)", self.replica_id, key, len(self._held))
+            self._wake.set()
+            return _Held(self, key)
+
+        return load_adapters
+
+    def _drop_held(self, key: str) -> None:
+        with self._lock:
+            ids = self._held.pop(key, ())
+            self._refs.subtract(ids)
+            unused = [a for a in ids if self._refs[a] <= 0]
+            self.evictions += 1
+        for adapter_id in unused:
+            entry = self.engine.cache.get(adapter_id)
+            if entry is not None and not entry.pinned:
+                self.engine.cache.unpin(adapter_id)  # drops it unless a queued request holds it
+        logger.info("replica %s evicted %s (least recently used)", self.replica_id, key)
+
+    def _evict(self, adapter_id: str) -> None:
+        """Unpin and evict (DELETE /adapters/{id}); it is read anew when next used."""
+        self.engine.cache.unpin(adapter_id)
+
+    # ---------------------------------------------------------------- reports
+    def _snapshot(self, stopped: bool = False) -> dict:
+        engine = self.engine
+        applied = {adapter_id for adapter_id, _ in engine.applied_ids}
+        cache = []
+        for row in engine.cache.table():
+            entry = engine.cache.get(row["id"])
+            if entry is None:
+                continue
+            bound = entry.host
+            cache.append({"id": row["id"], "cached": row["tier"], "pinned": row["pinned"],
+                          "applied": row["id"] in applied,
+                          "base_model": bound.base_models[0] if bound.base_models else engine.model_name,
+                          "rank": max(layer.rank for layer in bound.layers.values()), "bytes": bound.nbytes,
+                          "layers": len(bound.layers)})
+        with self._lock:
+            held = list(self._held)
+        figures = engine_figures(engine, self.worker)
+        figures.ready = not stopped
+        return {"replica": self.replica_id, "deployment": self.deployment, "model": engine.model_name,
+                "seq": next(self._seq), "pid": os.getpid(), "loads": self.loads, "evictions": self.evictions,
+                "served": self.served, "held": held, "cache": cache, "figures": figures}
+
+    async def _report(self, done: list[int] | None = None, stopped: bool = False) -> list:
+        return await self._reports.put.remote(self._snapshot(stopped), done or [], stopped)
+
+    async def _report_loop(self) -> None:
+        done: list[int] = []
+        while not self._stopping:
+            try:
+                commands = await self._report(done)
+                done = []
+                for command, verb, adapter_id in commands:
+                    if verb == "evict":
+                        await asyncio.to_thread(self._evict, adapter_id)
+                    done.append(command)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.warning("replica %s could not report", self.replica_id, exc_info=True)
+            if done:
+                continue  # report the commands done at once
+            try:
+                await asyncio.wait_for(self._wake.wait(), self._interval_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
