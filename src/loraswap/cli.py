@@ -94,6 +94,13 @@ def serve(
                                                "repeatable.")] = None,
     demo_adapters: Annotated[bool, _opt("--demo-adapters", help="Write a few random adapters for the model into "
                                         "--adapters if it has none (for trying the server).")] = False,
+    ray: Annotated[bool, _opt("--ray", help="Serve on Ray Serve: an HTTP ingress and, per model, --replicas "
+                              "replicas of one GPU each (CPU without GPUs), routed by adapter (docs/ray.md).")] = False,
+    replicas: Annotated[int, _opt("--replicas", min=1, help="--ray: replicas per model.")] = 1,
+    max_adapters: Annotated[int, _opt("--max-adapters", min=1, help="--ray: adapters held per replica; the least "
+                                      "recently used is evicted past this.")] = 32,
+    ray_address: Annotated[str | None, _opt("--ray-address", help="--ray: the Ray cluster to join (default: "
+                                            "RAY_ADDRESS, else a new local one).", env="RAY_ADDRESS")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Serve the model over HTTP (Hugging Face Inference API and OpenAI images API)."""
@@ -111,25 +118,66 @@ def serve(
         if adapters is None:
             raise typer.BadParameter("--demo-adapters needs --adapters DIR to write into")
         write_demo_adapters(models[0], adapters)
+    config_cls, engine_cls, per_model = ServerConfig, EngineConfig, {}
+    if ray:
+        cluster = _import_cluster()
+        config_cls, engine_cls = cluster.ClusterConfig, cluster.ModelDeploymentConfig
+        per_model = {"replicas": replicas, "max_adapters": max_adapters}
     try:
-        config = ServerConfig(
-            engines=[EngineConfig(model=name, adapters=adapters, device=device, dtype=dtype, compile=compile,
+        config = config_cls(
+            engines=[engine_cls(model=name, adapters=adapters, device=device, dtype=dtype, compile=compile,
                                 swap_mode=swap_mode, hub=hub, hub_allow=hub_allow or ["*"],
                                 hub_deny=hub_deny or [], max_blend=max_blend, max_rank=max_rank,
                                 max_adapter_mb=max_adapter_mb,
                                 cache=CacheConfig(host_bytes=int(host_cache_mb * 2**20),
                                                   gpu_bytes=int(gpu_cache_mb * 2**20)),
-                                prefetch_threads=prefetch_threads) for name in models],
+                                prefetch_threads=prefetch_threads, **per_model) for name in models],
             scheduler=SchedulerConfig(max_queue=max_queue, max_batch=max_batch, max_wait_s=max_wait_s,
                                       max_skips=max_skips),
             host=host, port=port, max_width=max_width, max_height=max_height,
             max_steps=max_steps, max_prompt_chars=max_prompt_chars, max_body_bytes=max_body_kb * 1024)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    if ray:
+        cluster.run(config, address=ray_address)
+        return
     # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal to the handler
     # it found: make that one a clean exit, so a graceful stop exits 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(create_app(config), host=host, port=port, log_level="info", timeout_graceful_shutdown=60)
+
+
+@app.command()
+def deploy(
+    config_file: Annotated[Path, typer.Argument(help="YAML: a ClusterConfig (server fields, `engines` with "
+                                                "replicas), or a Serve config file using "
+                                                "loraswap.cluster:app_builder.", exists=True, dir_okay=False)],
+    address: Annotated[str | None, _opt("--address", help="The Ray cluster (default: RAY_ADDRESS, else a new "
+                                        "local one).", env="RAY_ADDRESS")] = None,
+    detach: Annotated[bool, typer.Option("--detach", help="Return once healthy and leave it running on the "
+                                         "cluster (needs --address).")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Deploy loraswap on Ray Serve from a YAML file and serve until SIGTERM (docs/ray.md)."""
+    _setup_logging(verbose)
+    cluster = _import_cluster()
+    try:
+        config = cluster.load_config(config_file)
+    except ValueError as e:  # pydantic's errors are ValueErrors too
+        raise typer.BadParameter(str(e)) from None
+    try:
+        cluster.run(config, address=address, detach=detach)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def _import_cluster():
+    try:
+        from . import cluster
+    except ImportError as e:
+        typer.echo(f"error: Ray Serve is not installed ({e}); pip install 'loraswap[ray]'", err=True)
+        raise typer.Exit(2) from None
+    return cluster
 
 
 DEMO_ADAPTERS = (("demo/watercolor", 4, "attn"), ("demo/neon", 16, "all"), ("demo/sketch", 64, "all"))
