@@ -70,11 +70,20 @@ def served_adapters(adapter_factory):
     return root
 
 
-@pytest.fixture(scope="session")
-def server(served_adapters, tmp_path_factory):
+def ray_env() -> dict:
+    """Environment of a process that starts its own local Ray cluster (never joins another)."""
+    return {"RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+@pytest.fixture(scope="module", params=["plain", "ray"])
+def server(request, served_adapters, tmp_path_factory):
+    """The same server flags, served by one process (`plain`) and by Ray Serve with 2 replicas (`ray`)."""
+    ray = request.param == "ray"
     process = ServerProcess(["--model", "tiny-sd", "--adapters", str(served_adapters), "--max-width", "512",
                              "--max-height", "512", "--max-steps", "50", "--max-blend", "2", "--max-body-kb", "4",
-                             "--max-prompt-chars", "200"], tmp_path_factory.mktemp("logs") / "server.log")
+                             "--max-prompt-chars", "200", *(["--ray", "--replicas", "2"] if ray else [])],
+                            tmp_path_factory.mktemp("logs") / f"server-{request.param}.log",
+                            env=ray_env() if ray else None)
     process.wait_ready()
     yield process
     process.stop()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import ray
+import torch
 import yaml
 from ray import serve
 
@@ -76,6 +77,14 @@ def load_config(path: Path) -> ClusterConfig:
     return ClusterConfig.model_validate(data)
 
 
+def _with_local_threads(config: ClusterConfig) -> ClusterConfig:
+    """Replicas on this machine compute with the torch threads this process has (as `loraswap
+    serve` would), not Ray's OMP_NUM_THREADS=num_cpus: the same seed gives the same image."""
+    engines = [e if e.torch_threads else e.model_copy(update={"torch_threads": torch.get_num_threads()})
+               for e in config.engines]
+    return config.model_copy(update={"engines": engines})
+
+
 def run(config: ClusterConfig, address: str | None = None, detach: bool = False) -> None:
     """Deploy onto the Ray cluster at `address` (or RAY_ADDRESS; else a new local one) and
     serve until SIGTERM or SIGINT, then stop gracefully: replicas finish the requests they
@@ -87,6 +96,8 @@ def run(config: ClusterConfig, address: str | None = None, detach: bool = False)
     if address:
         ray.init(address=address, logging_level=logging.WARNING)
     else:
+        os.environ.pop("RAY_ADDRESS", None)  # set but empty: still a new local cluster
+        config = _with_local_threads(config)
         needed = sum(e.num_cpus * e.replicas for e in config.engines) + 1
         ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False,
                  logging_level=logging.WARNING)

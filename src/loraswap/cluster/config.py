@@ -29,6 +29,9 @@ class ModelDeploymentConfig(EngineConfig):
     num_gpus: float | None = Field(None, ge=0, description="GPUs per replica; None: 1 when the device is "
                                    "cuda, or auto on a cluster with GPUs; else 0.")
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica (Ray logical CPUs).")
+    torch_threads: int | None = Field(None, ge=1, description="torch CPU threads per replica; None: Ray's "
+                                      "OMP_NUM_THREADS (num_cpus), or on a local cluster started by loraswap, "
+                                      "what a plain loraswap process uses (the same images, bit for bit).")
     health_check_period_s: float = Field(10.0, gt=0, description="How often Serve checks each replica.")
     graceful_shutdown_timeout_s: float = Field(120.0, ge=0, description="How long a stopping replica may "
                                                "finish its requests.")

@@ -140,8 +140,8 @@ class RayBackend:
         reports = await self._call(lambda: self.reports.collect.remote())
         ids = await run_in_threadpool(self.source.list_ids) if self.source is not None else []
         held: dict[str, list[tuple[str, dict]]] = {}
-        for report in reports:
-            if report["alive"] and report["deployment"] == self.deployments[0]:
+        for report in reports:  # every model's replicas: an adapter is cached where its base model is served
+            if report["alive"]:
                 for row in report["cache"]:
                     held.setdefault(row["id"], []).append((report["replica"], row))
         rows = []
@@ -165,6 +165,13 @@ class RayBackend:
         index = await run_in_threadpool(self._route, [(adapter_id, 1.0)], None)
         await self._call(lambda: self.reports.evict.remote(self.deployments[index], adapter_id))
 
+    async def replicas(self) -> list[dict]:
+        """Every model replica that reported: id, deployment, model, pid, alive, loads, evictions,
+        images served and the adapter sets it holds."""
+        reports = await self._call(lambda: self.reports.collect.remote())
+        keys = ("replica", "deployment", "model", "pid", "alive", "loads", "evictions", "served", "held")
+        return [{k: r[k] for k in keys} for r in sorted(reports, key=lambda r: (r["deployment"], r["replica"]))]
+
     async def figures(self) -> EngineFigures:
         reports = await self._call(lambda: self.reports.collect.remote())
         total = EngineFigures()
@@ -184,7 +191,13 @@ class Ingress:
     """The Serve ingress deployment (wrapped by `serve.ingress()` in `cluster.app`)."""
 
     def __init__(self, config: ClusterConfig, models: list, reports):
-        self._app = create_app(config, backend=RayBackend(config, models, reports))
+        backend = RayBackend(config, models, reports)
+        self._app = create_app(config, backend=backend)
+
+        @self._app.get("/replicas")
+        async def replicas():
+            """The model replicas of this Ray Serve deployment and what each holds."""
+            return {"replicas": await backend.replicas()}
 
     def __serve_build_asgi_app__(self):
         return self._app

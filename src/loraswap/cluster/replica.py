@@ -19,6 +19,7 @@ import os
 import threading
 from collections import Counter
 
+import torch
 from ray import serve
 
 from ..engine.config import GenerateRequest
@@ -52,6 +53,8 @@ class ModelReplica:
                        report_interval_s: float):
         # 1. the engine (warm, compiled when on CUDA) and its GPU worker thread
         self.config = config
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
         self.engine = await asyncio.to_thread(Engine, config)
         self.worker = GpuWorker(self.engine, scheduler)
         self.worker.start()
