@@ -47,7 +47,7 @@ class CacheConfig(BaseModel):
 @dataclass
 class CacheEntry:
     adapter_id: str
-    stamp: tuple  # (size, mtime_ns) of the file it was read from
+    stamp: tuple  # (size, mtime_ns, ctime_ns, inode) of the file it was read from
     host: BoundAdapter
     gpu: BoundAdapter | None = None
     gpu_ready: object = None  # torch.cuda.Event after which `gpu` holds the factors

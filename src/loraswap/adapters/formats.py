@@ -17,6 +17,7 @@ import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISREG
 
 import torch
 from diffusers import DiffusionPipeline
@@ -81,7 +82,10 @@ class ParsedAdapter:
 
 def read_safetensors(path: Path, adapter_id: str, max_bytes: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors and metadata of a safetensors file, after checking its header is sane."""
-    size = path.stat().st_size
+    stat = path.stat()
+    if not S_ISREG(stat.st_mode):  # a FIFO or device would block or never end
+        raise AdapterInvalid(adapter_id, "it is not a regular file", _FIX_FILE)
+    size = stat.st_size
     if size > max_bytes:
         raise AdapterInvalid(adapter_id, f"the file is {size / 2**20:.1f} MiB, over the {max_bytes / 2**20:.0f} MiB "
                              "limit", "Use a smaller adapter or raise --max-adapter-mb")
@@ -94,29 +98,63 @@ def read_safetensors(path: Path, adapter_id: str, max_bytes: int) -> tuple[dict[
             raise AdapterInvalid(adapter_id, f"the header claims {header_len} bytes in a {size}-byte file: not "
                                  "safetensors (a pickle file renamed?) or truncated", _FIX_FILE)
         try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            header = _HEADER_JSON.decode(f.read(header_len).decode("utf-8"))
+        except _DuplicateKey as e:
+            raise AdapterInvalid(adapter_id, f"the safetensors header names '{e.key}' twice", _FIX_FILE) from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             raise AdapterInvalid(adapter_id, "the safetensors header is not valid JSON", _FIX_FILE) from None
     if not isinstance(header, dict):
         raise AdapterInvalid(adapter_id, "the safetensors header is not a JSON object", _FIX_FILE)
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise AdapterInvalid(adapter_id, "the safetensors metadata is not a map of strings to strings", _FIX_FILE)
     data_len = size - 8 - header_len
     for name, info in header.items():
-        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-            raise AdapterInvalid(adapter_id, f"tensor '{name}' has a malformed header entry", _FIX_FILE)
+        if not _well_formed(info):
+            raise AdapterInvalid(adapter_id, f"tensor '{name}' has a malformed header entry (dtype, shape and "
+                                 "data_offsets must be a string, a list of sizes and two offsets)", _FIX_FILE)
         if info["dtype"] not in ALLOWED_DTYPES:
             raise AdapterInvalid(adapter_id, f"tensor '{name}' has dtype {info['dtype']}; LoRA weights must be "
                                  "F16, BF16 or F32", "Convert the adapter to a floating-point dtype")
         start, end = info["data_offsets"]
-        expected = math.prod(info["shape"]) * _DTYPE_BYTES[info["dtype"]]
+        expected = math.prod(info["shape"]) * _DTYPE_BYTES.get(info["dtype"], 0)
         if not 0 <= start <= end <= data_len or end - start != expected:
             raise AdapterInvalid(adapter_id, f"tensor '{name}' lies outside the file (truncated download?)",
                                  "Download the adapter again")
-    try:
-        tensors = load_file(str(path))
+    try:  # pread, not the default mmap: safetensors 0.8.0's mmap path keeps ~10 KB per load alive (RELIABILITY.md)
+        tensors = load_file(str(path), backend="pread")
     except Exception as e:  # safetensors' own checks (overlaps, ...)
         raise AdapterInvalid(adapter_id, f"safetensors refused the file ({e})", _FIX_FILE) from None
     return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """json object hook: a key given twice is refused (parsers disagree on which one wins)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+# one decoder for all reads: json.loads(..., object_pairs_hook=) builds a scanner per call that outlives it
+_HEADER_JSON = json.JSONDecoder(object_pairs_hook=_refuse_duplicates)
+
+
+def _well_formed(info) -> bool:
+    def sizes(value, n=None):
+        return isinstance(value, list) and (n is None or len(value) == n) and all(
+            type(v) is int and v >= 0 for v in value)
+
+    return isinstance(info, dict) and {"dtype", "shape", "data_offsets"} <= info.keys() and \
+        isinstance(info["dtype"], str) and sizes(info["shape"]) and sizes(info["data_offsets"], 2)
 
 
 def detect_format(state_dict: dict[str, torch.Tensor]) -> str:
@@ -159,10 +197,12 @@ def parse_adapter(
             continue
         claimed.update(keys)
         sub = {k.removeprefix(prefix): converted[k] for k in keys}
+        convert = _converter(component, module_names)
         try:
-            renamed = _rename_map(_converter(component, module_names), sub)
+            renamed = _rename_map(convert, sub)
         except Exception as e:
             raise AdapterInvalid(adapter_id, f"its {component} keys could not be converted ({e})", _FIX_FILE) from None
+        _refuse_collisions(adapter_id, component, convert, sub, renamed)
         alphas = _module_alphas(network_alphas, prefix, renamed)
         sub = {renamed[k]: v for k, v in sub.items()}
         config = {k.removeprefix(prefix): v for k, v in lora_metadata.items() if k.startswith(prefix)}
@@ -223,6 +263,23 @@ def _rename_map(convert, sub: dict[str, torch.Tensor]) -> dict[str, str]:
     return {keys[int(tag)]: new for new, tag in converted.items()}
 
 
+def _refuse_collisions(adapter_id, component, convert, sub, renamed) -> None:
+    """Two keys naming the same weight (`text_model.` and flattened names, say): refused,
+    rather than one silently winning."""
+    for key in sub:
+        if key not in renamed:
+            try:
+                target = _rename_map(convert, {key: sub[key]}).get(key)
+            except Exception:
+                target = None
+            other = next((old for old, new in renamed.items() if new == target), None)
+            if other is None:
+                raise AdapterInvalid(adapter_id, f"key '{component}.{key}' has no place in the converted adapter",
+                                     "Remove keys that are not LoRA weights from the file")
+            raise AdapterInvalid(adapter_id, f"keys '{component}.{key}' and '{component}.{other}' name the same "
+                                 "weight", "Keep one copy of each LoRA weight in the file")
+
+
 _ALPHA_SUFFIXES = ("", ".lora.down.weight", ".lora_linear_layer.down.weight", ".lora_down.weight")
 
 
@@ -260,6 +317,9 @@ def _pair_factors(adapter_id, component, sub, alphas, config) -> dict[str, LoraL
                                  "The file is incomplete: export the adapter again")
         down, up = parts["lora_A"], parts["lora_B"]
         rank = down.shape[0] if down.ndim else 0
+        if rank == 0 or down.numel() == 0 or up.numel() == 0:
+            raise AdapterInvalid(adapter_id, f"layer '{component}.{module}' is empty (rank 0: A {tuple(down.shape)}, "
+                                 f"B {tuple(up.shape)})", "Remove empty layers, or export the adapter again")
         layers[module] = LoraLayer(down=down, up=up, scale=_scale(module, rank, alphas, config))
     return layers
 

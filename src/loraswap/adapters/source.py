@@ -24,6 +24,7 @@ HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za
                     r"(@(?P<revision>[A-Za-z0-9][A-Za-z0-9_.-]{0,127}))?$")
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes
 UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+SIDE_FILES = ("README.md", "adapter_config.json")  # read beside the weights for the declared base model
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class LocalAdapterSource:
             return AdapterLocation(adapter_id, self._inside(adapter_id, file), None)
         if folder.is_dir():
             folder = self._inside(adapter_id, folder)
+            for side in SIDE_FILES:  # read for the base model: a link out would leak another file's contents
+                if (folder / side).is_symlink():
+                    self._inside(adapter_id, folder / side)
             return AdapterLocation(adapter_id, self._inside(adapter_id, self._weights_in(adapter_id, folder)), folder)
         for suffix in UNSAFE_SUFFIXES:
             if (self.root / f"{adapter_id}{suffix}").exists():
@@ -81,7 +85,7 @@ class LocalAdapterSource:
     def _inside(self, adapter_id: str, path: Path) -> Path:
         real = path.resolve()
         if not real.is_relative_to(self.root):
-            raise AdapterInvalid(adapter_id, "its file is a link that leaves the adapter folder",
+            raise AdapterInvalid(adapter_id, f"its {path.name} is a link that leaves the adapter folder",
                                  "Copy the adapter into the adapter folder instead of linking it")
         return real
 
@@ -104,8 +108,6 @@ def choose_weight_file(adapter_id: str, names: list[str]) -> str:
 
 class HubAdapterSource:
     """Adapters on the Hugging Face Hub, through huggingface_hub and its cache."""
-
-    SIDE_FILES = ("README.md", "adapter_config.json")
 
     def __init__(self, cache_dir: str | Path | None = None, allow: tuple[str, ...] = ("*",),
                  deny: tuple[str, ...] = (), max_bytes: int = 2**31):
@@ -155,7 +157,7 @@ class HubAdapterSource:
             raise AdapterInvalid(adapter_id, f"{name} is {sizes[name] / 2**20:.0f} MiB, over the "
                                  f"{self.max_bytes / 2**20:.0f} MiB limit", "Use a smaller adapter")
         weights = Path(hf_hub_download(repo, name, revision=info.sha, cache_dir=self.cache_dir))
-        for side in self.SIDE_FILES:
+        for side in SIDE_FILES:
             if side in sizes:
                 hf_hub_download(repo, side, revision=info.sha, cache_dir=self.cache_dir)
         return weights.parent, weights

@@ -91,13 +91,14 @@ class Engine:
     def acquire_adapter(self, adapter_id: str) -> CacheEntry:
         """The adapter ready to fuse, held in the cache until `release_adapters`.
 
-        From the cache when the file is unchanged (size and mtime), else read, converted,
+        From the cache when the file is unchanged (size, mtime, ctime, inode), else read, converted,
         checked against this model and packed into host RAM (pinned on CUDA); then copied
         to the GPU tier when its budget allows.
         """
         location = self.locate(adapter_id)
         stat = location.weights.stat()
-        stamp = (stat.st_size, stat.st_mtime_ns)
+        # ctime and inode too: a copy that keeps the mtime (cp -p, rsync -t, tar) is still a new file
+        stamp = (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
         entry = self.cache.lookup(adapter_id, stamp)
         if entry is None:
             parsed = load_adapter(location, type(self.pipeline), self.swapper.component_modules,

@@ -17,6 +17,7 @@ import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -50,6 +51,7 @@ def create_app(config: ServerConfig, engine_factory=Engine, backend: Backend | N
     app.state.metrics = Metrics()
     _add_error_handlers(app)
     _add_routes(app, config)
+    _document_api(app, config)
     return app
 
 
@@ -170,6 +172,8 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
         elif path_model and path_model not in dict(loras):
             loras = [(path_model, 1.0), *loras]  # the path names an adapter
         p = hf.parameters
+        if p.target_size and (p.width is not None or p.height is not None):
+            raise BadRequest("parameters give both width/height and target_size: give one of them")
         width, height = (p.target_size.width, p.target_size.height) if p.target_size else (p.width, p.height)
         gen = build_request(hf.inputs, loras, p.negative_prompt, p.num_inference_steps, p.guidance_scale,
                             width, height, p.seed)
@@ -195,7 +199,7 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
         """As `POST /`; `model_id` is the base model's name or an adapter id."""
         return await hf_generate(request, "/models", model_id)
 
-    @app.post("/v1/images/generations")
+    @app.post("/v1/images/generations", openapi_extra={"parameters": hf_extra["parameters"]})
     async def openai_generate(body: OpenAIImageRequest, request: Request):
         """OpenAI images API: `model` is an adapter id (`id1:0.8, id2:0.5` to blend) or the base model."""
         if body.response_format != "b64_json":
@@ -233,8 +237,9 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
                                 headers={"Retry-After": str(config.retry_after_s)})
         return {"status": "ready", **info}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def metrics():
+        """Prometheus text format."""
         return Response(state.metrics.render(await backend.figures()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/adapters")
@@ -271,3 +276,73 @@ def _hf_openapi() -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
             "parameters": [{"name": "lora", "in": "header", "required": False, "schema": {"type": "string"},
                             "description": "Adapter id, or several with weights: `id1:0.8, id2:0.5`."}]}
+
+
+# Statuses each route answers besides 200, as {"error": ...}; FastAPI's own 422 (a `detail`
+# list) never reaches a client: request validation errors are answered 400.
+_ERRORS_GENERATE = ("400", "403", "404", "422", "503")
+_ERRORS = {"/": _ERRORS_GENERATE, "/models/{model_id}": _ERRORS_GENERATE,
+           "/v1/images/generations": _ERRORS_GENERATE, "/ready": ("503",), "/adapters": ("503",),
+           "/adapters/{adapter_id}/load": ("400", "403", "404", "422", "503"),
+           "/adapters/{adapter_id}": ("400", "403", "404", "503")}
+_ERROR_TEXT = {"400": "Bad request: the message says what to fix.", "403": "Hub adapter refused by allow/deny.",
+               "404": "Unknown adapter.", "422": "The adapter does not fit the hosted base model.",
+               "503": "Queue full, model loading, shutting down or out of memory; retry after Retry-After."}
+
+
+def _document_api(app: FastAPI, config: ServerConfig) -> None:
+    """The OpenAPI schema with this server's limits on each field and the `{"error": ...}`
+    answers each route really gives, so that clients (and the fuzz test) see the contract."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.pop("HTTPValidationError", None)
+            components.pop("ValidationError", None)
+            components["Error"] = {"type": "object", "properties": {"error": {"type": "string"}},
+                                   "required": ["error"]}
+            ref = {"$ref": "#/components/schemas/Error"}
+            for path, operations in schema["paths"].items():
+                for operation in operations.values():
+                    responses = operation.setdefault("responses", {})
+                    responses.pop("422", None)
+                    for status in _ERRORS.get(path, ()):
+                        responses[status] = {"description": _ERROR_TEXT[status],
+                                             "content": {"application/json": {"schema": ref}}}
+                        if status == "503":
+                            responses[status]["headers"] = {"Retry-After": {"schema": {"type": "string"}}}
+            _constrain(schema, _limits(config))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _limits(config: ServerConfig) -> dict[str, dict]:
+    """Bounds by field name, as `build_request`, `GenerateRequest` and the OpenAI handler check them."""
+    prompt = {"minLength": 1, "maxLength": config.max_prompt_chars, "pattern": r"\S"}
+    return {"inputs": prompt, "prompt": prompt, "negative_prompt": {"maxLength": config.max_prompt_chars},
+            "num_inference_steps": {"minimum": 1, "maximum": config.max_steps},
+            "guidance_scale": {"minimum": 0, "maximum": 50},
+            "width": {"minimum": 8, "maximum": config.max_width, "multipleOf": 8},
+            "height": {"minimum": 8, "maximum": config.max_height, "multipleOf": 8},
+            "seed": {"minimum": 0, "maximum": 2**63 - 1}, "n": {"minimum": 1, "maximum": config.max_images},
+            "response_format": {"enum": ["b64_json"]}, "size": {"pattern": r"^(auto|\d{1,5}x\d{1,5})$"}}
+
+
+def _constrain(node, limits: dict[str, dict]) -> None:
+    """Add `limits` to every property of those names (the non-null branch of an optional one)."""
+    if isinstance(node, list):
+        for item in node:
+            _constrain(item, limits)
+        return
+    if not isinstance(node, dict):
+        return
+    for name, prop in (node.get("properties") or {}).items():
+        if name in limits and isinstance(prop, dict):
+            for branch in prop.get("anyOf", [prop]):
+                if branch.get("type") != "null":
+                    branch.update(limits[name])
+    for value in node.values():
+        _constrain(value, limits)

@@ -4,18 +4,22 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..adapters.source import check_adapter_id
 from ..errors import BadRequest
 
 
 class TargetSize(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     width: int
     height: int
 
 
 class HFParameters(BaseModel):
-    """Hugging Face Inference API text-to-image parameters."""
+    """Hugging Face Inference API text-to-image parameters (strict types: `"seed": true` is refused,
+    not read as 1)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
@@ -27,7 +31,7 @@ class HFParameters(BaseModel):
 
 
 class HFRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     inputs: str
     parameters: HFParameters = Field(default_factory=HFParameters)
@@ -36,7 +40,7 @@ class HFRequest(BaseModel):
 class OpenAIImageRequest(BaseModel):
     """OpenAI images API (`POST /v1/images/generations`); `seed` and `negative_prompt` are extensions."""
 
-    model_config = ConfigDict(extra="ignore")  # quality, style, user, ... have no meaning here
+    model_config = ConfigDict(extra="ignore", strict=True)  # quality, style, user, ... have no meaning here
 
     prompt: str
     model: str | None = None
@@ -67,6 +71,8 @@ def parse_lora_header(value: str | None) -> list[tuple[str, float]]:
         return []
     loras = []
     for part in value.split(","):
+        if "://" in part:  # a URL, not an id with a weight
+            check_adapter_id(part.strip())
         adapter_id, _, weight = part.strip().partition(":")
         try:
             loras.append((adapter_id.strip(), float(weight) if weight.strip() else 1.0))
