@@ -18,13 +18,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
-        self.port = free_port()
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, command: str = "serve",
+                 port: int | None = None):
+        """`loraswap serve --port PORT ARGS`, or `loraswap COMMAND ARGS` listening on `port`."""
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("w")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "loraswap", "serve", "--port", str(self.port), *args],
+        argv = ["serve", "--port", str(self.port), *args] if command == "serve" else [command, *args]
+        self.proc = subprocess.Popen([sys.executable, "-m", "loraswap", *argv],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
 
     def wait_ready(self, timeout: float = 240.0) -> None:

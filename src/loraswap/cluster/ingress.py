@@ -25,7 +25,7 @@ from ..server.app import create_app
 from ..server.backend import ClientGone, EngineFigures
 from ..server.routing import route_by_base_model
 from .config import ClusterConfig
-from .replica import adapter_key
+from .replica import adapter_key, log_to_stderr
 
 logger = logging.getLogger("loraswap.cluster")
 
@@ -191,6 +191,7 @@ class Ingress:
     """The Serve ingress deployment (wrapped by `serve.ingress()` in `cluster.app`)."""
 
     def __init__(self, config: ClusterConfig, models: list, reports):
+        log_to_stderr()
         backend = RayBackend(config, models, reports)
         self._app = create_app(config, backend=backend)
 

@@ -31,6 +31,16 @@ from .config import ModelDeploymentConfig
 logger = logging.getLogger("loraswap.cluster")
 
 
+def log_to_stderr() -> None:
+    """loraswap's own log lines in a Ray worker (Ray streams its stderr to the driver)."""
+    root = logging.getLogger("loraswap")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+
+
 def adapter_key(loras: list[tuple[str, float]]) -> str:
     """The multiplexed model id of a request: its adapter ids, sorted, comma-joined ('' for none)."""
     return ",".join(sorted(adapter_id for adapter_id, _ in loras))
@@ -52,6 +62,7 @@ class ModelReplica:
     async def __init__(self, config: ModelDeploymentConfig, scheduler: SchedulerConfig, reports,
                        report_interval_s: float):
         # 1. the engine (warm, compiled when on CUDA) and its GPU worker thread
+        log_to_stderr()
         self.config = config
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
