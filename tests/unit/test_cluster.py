@@ -1,0 +1,124 @@
+"""The Ray Serve deployment's parts that need no cluster: config files, the reports protocol,
+multiplexed ids, GPUs per replica, errors crossing processes. (tests/integration/test_ray.py
+runs the real thing.)"""
+
+import asyncio
+import pickle
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loraswap.cluster.app import load_config, replica_gpus
+from loraswap.cluster.config import ClusterConfig, ModelDeploymentConfig
+from loraswap.cluster.replica import adapter_key
+from loraswap.cluster.reports import Reports
+from loraswap.errors import AdapterIncompatible, AdapterNotFound, BadRequest
+from loraswap.server.backend import EngineFigures
+
+EXAMPLES = Path(__file__).parents[2] / "examples" / "ray"
+
+
+def test_example_config_files_load():
+    config = load_config(EXAMPLES / "loraswap.yaml")
+    assert [(e.model, e.replicas, e.max_adapters) for e in config.engines] == [
+        ("stabilityai/stable-diffusion-xl-base-1.0", 4, 64), ("black-forest-labs/FLUX.1-dev", 2, 16)]
+    assert config.engines[0].deployment_name == "model-stabilityai_stable-diffusion-xl-base-1.0"
+    assert config.engines[0].cache.gpu_bytes == 4 * 2**30 and config.scheduler.max_queue == 64
+    assert (config.host, config.port, config.max_width) == ("0.0.0.0", 8888, 1536)
+
+
+def test_kuberay_serve_config_is_a_cluster_config(tmp_path):
+    service = yaml.safe_load((EXAMPLES / "rayservice.yaml").read_text())
+    serve_config = tmp_path / "serve.yaml"
+    serve_config.write_text(service["spec"]["serveConfigV2"])
+    config = load_config(serve_config)
+    assert config.port == 8000 and config.app_name == "loraswap" and config.report_interval_s == 1.0
+    assert config.engines[0].num_gpus == 1 and config.engines[0].replicas == 4
+
+
+def test_config_refusals(tmp_path):
+    with pytest.raises(ValueError, match="share a deployment name"):
+        ClusterConfig(engines=[ModelDeploymentConfig(model="tiny-sd"), ModelDeploymentConfig(model="tiny-sd")])
+    ClusterConfig(engines=[ModelDeploymentConfig(model="tiny-sd"), ModelDeploymentConfig(model="tiny-sd", name="b")])
+    with pytest.raises(ValueError, match="replicas"):
+        ModelDeploymentConfig(replicas=0)
+    two_apps = tmp_path / "two.yaml"
+    two_apps.write_text(yaml.safe_dump({"applications": [{"name": "x", "import_path": "other:app"}]}))
+    with pytest.raises(ValueError, match="exactly one application"):
+        load_config(two_apps)
+
+
+def test_multiplexed_id_is_the_adapter_set():
+    assert adapter_key([]) == ""
+    assert adapter_key([("style", 1.0)]) == "style"
+    assert adapter_key([("b", 0.3), ("a", 0.8)]) == adapter_key([("a", 0.1), ("b", 1.0)]) == "a,b"
+
+
+def test_gpus_per_replica():
+    assert replica_gpus(ModelDeploymentConfig(device="cuda")) == 1
+    assert replica_gpus(ModelDeploymentConfig(device="cpu")) == 0
+    assert replica_gpus(ModelDeploymentConfig(device="auto")) == 0  # no Ray cluster with GPUs here
+    assert replica_gpus(ModelDeploymentConfig(device="cuda", num_gpus=0.5)) == 0.5
+
+
+def test_adapter_errors_keep_status_and_message_across_processes():
+    for error in (AdapterIncompatible("a", "it was made for sdxl", "Use an SD adapter"),
+                  AdapterNotFound("b", "no such adapter", "GET /adapters"), BadRequest("the prompt is empty")):
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and copy.status == error.status and copy.message == error.message
+
+
+def report(replica, seq, deployment="model-tiny-sd", misses=0, depth=0, cache=()):
+    return {"replica": replica, "deployment": deployment, "model": "tiny-sd", "seq": seq, "pid": 1, "loads": seq,
+            "evictions": 0, "served": 0, "held": [], "cache": list(cache),
+            "figures": EngineFigures(cache_misses=misses, queue_depth=depth, ready=True)}
+
+
+def test_reports_keep_the_newest_and_stop_counting_gauges_of_the_gone():
+    async def scenario():
+        reports = Reports(interval_s=0.05)
+        await reports.put(report("r1", 2, misses=5, depth=3), [])
+        await reports.put(report("r1", 1, misses=1), [])  # an older report arriving late is ignored
+        await reports.put(report("r2", 1, misses=2, depth=1, cache=[{"id": "a"}]), [])
+        await reports.put(report("r2", 2, misses=2), [], stopped=True)
+        rows = {r["replica"]: r for r in await reports.collect()}
+        assert rows["r1"]["seq"] == 2 and rows["r1"]["alive"] and rows["r1"]["figures"].cache_misses == 5
+        assert not rows["r2"]["alive"] and rows["r2"]["cache"] == []
+        total = EngineFigures()
+        for row in rows.values():
+            total.add(row["figures"], gauges=row["alive"])
+        assert total.cache_misses == 7, "counters of a stopped replica still count"
+        assert total.queue_depth == 3, "its gauges do not"
+        await asyncio.sleep(3.1)  # no report for longer than max(4 intervals, 3 s): gone
+        assert not any(r["alive"] for r in await reports.collect())
+
+    asyncio.run(scenario())
+
+
+def test_reports_evict_reaches_every_live_replica_of_the_deployment():
+    async def scenario():
+        reports = Reports(interval_s=0.05)
+        for replica, deployment in (("r1", "model-tiny-sd"), ("r2", "model-tiny-sd"), ("x1", "model-tiny-sdxl")):
+            await reports.put(report(replica, 1, deployment), [])
+        done = {}
+
+        async def replica_loop(replica, deployment):  # what ModelReplica._report_loop does
+            seq, finished = 2, []
+            while True:
+                commands = await reports.put(report(replica, seq, deployment), finished)
+                seq += 1
+                finished = [command for command, verb, adapter_id in commands if verb == "evict"]
+                for command, _, adapter_id in commands:
+                    done.setdefault(replica, []).append(adapter_id)
+                await asyncio.sleep(0.05)
+
+        loops = [asyncio.create_task(replica_loop(r, d))
+                 for r, d in (("r1", "model-tiny-sd"), ("r2", "model-tiny-sd"), ("x1", "model-tiny-sdxl"))]
+        evicted = await asyncio.wait_for(reports.evict("model-tiny-sd", "style"), 5)
+        for loop in loops:
+            loop.cancel()
+        assert evicted == 2 and done == {"r1": ["style"], "r2": ["style"]}
+        assert await reports.evict("model-nothing", "style") == 0
+
+    asyncio.run(scenario())
