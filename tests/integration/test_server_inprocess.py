@@ -1,14 +1,19 @@
-"""Server behaviour that needs a hand inside the process: unexpected errors, OOM, loading."""
+"""Server behaviour that needs a hand inside the process: unexpected errors, faults injected
+halfway through a swap, OOM during generation, loading."""
 
+import copy
 import logging
 import time
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from torch.overrides import TorchFunctionMode
 
+from helpers import assert_bitwise_equal, weights_snapshot
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.swap import FusedSwapper
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 
@@ -42,18 +47,89 @@ def test_unexpected_error_is_a_plain_500_logged_with_its_traceback(client, monke
     assert client.post("/", json={"inputs": "x"}).status_code == 200, "the server keeps serving"
 
 
-def test_out_of_memory_answers_503_and_keeps_serving(client, monkeypatch):
+class FailHalfway(TorchFunctionMode):
+    """Counts torch calls; raises `error` at call number `at` (None: only count). Whatever ops
+    the swap uses, this fails it halfway."""
+
+    def __init__(self, at: int | None, error: BaseException):
+        super().__init__()
+        self.at, self.error, self.calls = at, error, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        if self.calls == self.at:
+            raise self.error
+        return func(*args, **(kwargs or {}))
+
+
+def _swap_failing_halfway(monkeypatch, engine, error: BaseException):
+    """Make the next swap (from "style" to "styles/second") fail halfway through its torch calls.
+
+    The calls are counted on a scratch copy of the model making the same swap; the real one
+    runs on the GPU worker thread, where the patched `apply` enters the failing mode."""
+    scratch = FusedSwapper({name: copy.deepcopy(module) for name, module in engine.components.items()})
+    scratch.apply([(engine.resolve_adapter("style"), 1.0)])
+    count = FailHalfway(None, error)
+    with count:
+        scratch.apply([(engine.resolve_adapter("styles/second"), 1.0)])
+    assert count.calls > 10, count.calls
+    original = engine.swapper.apply
+
+    def failing(adapters):
+        monkeypatch.setattr(engine.swapper, "apply", original)  # once
+        with FailHalfway(count.calls // 2, error):
+            return original(adapters)
+
+    monkeypatch.setattr(engine.swapper, "apply", failing)
+
+
+REQUEST = {"inputs": "a red fox", "parameters": {"seed": 5, "num_inference_steps": 2, "width": 32, "height": 32}}
+
+
+@pytest.mark.parametrize("error,status", [(RuntimeError("injected failure in the swap"), 500),
+                                          (torch.OutOfMemoryError("CUDA out of memory (injected)"), 503)])
+def test_failure_halfway_through_a_swap_leaves_the_base_and_the_next_request_succeeds(client, monkeypatch,
+                                                                                       error, status):
     client, app = client
+    engine = app.state.engine
+    base = weights_snapshot(engine.components)
+    reference = client.post("/", json=REQUEST, headers={"lora": "styles/second", "accept": "image/png"})
+    assert reference.status_code == 200
+    assert client.post("/", json=REQUEST, headers={"lora": "style"}).status_code == 200  # "style" is fused now
+    _swap_failing_halfway(monkeypatch, engine, error)
+    failed = client.post("/", json=REQUEST, headers={"lora": "styles/second"})
+    assert failed.status_code == status, failed.text
+    assert "injected" not in failed.text and "Traceback" not in failed.text
+    if status == 503:
+        assert "out of memory" in failed.json()["error"] and "retry-after" in failed.headers
+    assert_bitwise_equal(base, engine.components)  # every touched weight restored: the base model
+    assert engine.applied_ids == ()
+    again = client.post("/", json=REQUEST, headers={"lora": "styles/second", "accept": "image/png"})
+    assert again.status_code == 200 and again.content == reference.content
 
-    def oom(requests, acquired=None):
-        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(app.state.engine, "generate_batch", oom)
-    response = client.post("/", json={"inputs": "x"})
+def test_out_of_memory_during_generation_answers_503_and_keeps_serving(client, monkeypatch):
+    client, app = client
+    engine = app.state.engine
+    reference = client.post("/", json=REQUEST, headers={"lora": "style", "accept": "image/png"})
+    calls = {"n": 0}
+
+    def oom_on_second_step(module, args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    hook = engine.pipeline.unet.register_forward_pre_hook(oom_on_second_step)  # inside the pipeline call
+    try:
+        response = client.post("/", json=REQUEST, headers={"lora": "styles/second"})
+    finally:
+        hook.remove()
+    assert calls["n"] == 2, "the OOM was raised mid-generation"
     assert response.status_code == 503 and "out of memory" in response.json()["error"]
-    assert "retry-after" in response.headers
-    monkeypatch.undo()
-    assert client.post("/", json={"inputs": "x"}).status_code == 200
+    assert "retry-after" in response.headers and "injected" not in response.text
+    assert client.post("/", json=REQUEST, headers={"lora": "styles/second"}).status_code == 200
+    again = client.post("/", json=REQUEST, headers={"lora": "style", "accept": "image/png"})
+    assert again.status_code == 200 and again.content == reference.content
 
 
 def test_not_ready_while_loading(served_adapters):

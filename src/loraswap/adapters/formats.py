@@ -265,19 +265,22 @@ def _rename_map(convert, sub: dict[str, torch.Tensor]) -> dict[str, str]:
 
 def _refuse_collisions(adapter_id, component, convert, sub, renamed) -> None:
     """Two keys naming the same weight (`text_model.` and flattened names, say): refused,
-    rather than one silently winning."""
-    for key in sub:
-        if key not in renamed:
-            try:
-                target = _rename_map(convert, {key: sub[key]}).get(key)
-            except Exception:
-                target = None
-            other = next((old for old, new in renamed.items() if new == target), None)
-            if other is None:
-                raise AdapterInvalid(adapter_id, f"key '{component}.{key}' has no place in the converted adapter",
-                                     "Remove keys that are not LoRA weights from the file")
-            raise AdapterInvalid(adapter_id, f"keys '{component}.{key}' and '{component}.{other}' name the same "
-                                 "weight", "Keep one copy of each LoRA weight in the file")
+    rather than one silently winning. Converted in reverse order, the other key wins: that
+    names the pair."""
+    lost = [key for key in sub if key not in renamed]
+    if not lost:
+        return
+    try:
+        reverse = _rename_map(convert, dict(reversed(list(sub.items()))))
+    except Exception:
+        reverse = {}
+    key = lost[0]
+    other = next((old for old, new in renamed.items() if new == reverse.get(key)), None)
+    if other is None:
+        raise AdapterInvalid(adapter_id, f"key '{component}.{key}' has no place in the converted adapter",
+                             "Remove keys that are not LoRA weights from the file")
+    raise AdapterInvalid(adapter_id, f"keys '{component}.{key}' and '{component}.{other}' name the same weight",
+                         "Keep one copy of each LoRA weight in the file")
 
 
 _ALPHA_SUFFIXES = ("", ".lora.down.weight", ".lora_linear_layer.down.weight", ".lora_down.weight")

@@ -71,9 +71,9 @@ def parse_lora_header(value: str | None) -> list[tuple[str, float]]:
         return []
     loras = []
     for part in value.split(","):
-        if "://" in part:  # a URL, not an id with a weight
-            check_adapter_id(part.strip())
         adapter_id, _, weight = part.strip().partition(":")
+        if "/" in weight or "\\" in part:  # a URL or a path (C:\x), not an id with a weight
+            check_adapter_id(part.strip())
         try:
             loras.append((adapter_id.strip(), float(weight) if weight.strip() else 1.0))
         except ValueError:
