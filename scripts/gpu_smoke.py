@@ -9,7 +9,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 from safetensors.torch import save_file
 
 from loraswap.adapters.cache import CacheConfig

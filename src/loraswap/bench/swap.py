@@ -125,9 +125,11 @@ def run_swap_bench(shape: str = "flux-dev", width: int = 1024, height: int = 102
     swapper = FusedSwapper({prefix: fused})
     fused.compile_repeated_blocks(fullgraph=True)
 
+    unet_config = fused.config if prefix == "unet" else None  # SDXL kohya files number blocks as SGM does
+
     def parse(path):
         return swapper.bind(load_adapter(AdapterLocation(path.stem, path, None), pipeline_cls,
-                                         swapper.component_modules, 2**40))
+                                         swapper.component_modules, 2**40, unet_config))
 
     bound = [parse(p) for p in paths]
     host = [b.to("cpu", dtype, pin_memory=device.type == "cuda") for b in bound]
@@ -191,17 +193,21 @@ def run_swap_bench(shape: str = "flux-dev", width: int = 1024, height: int = 102
                         {k: round(v * 1e3, 1) for k, v in row.items() if k.startswith("swap_") and
                          isinstance(v, float)}, row["image_s"])
 
-    # 7. swap-only figures: rank-64 all-linear from host RAM and GPU, kohya from disk
+    # 7. swap-only figures: rank-64 all-linear from host RAM and GPU, with the one-pass
+    #    kernel and with `addmm` (interleaved), kohya from disk
     r64 = next((i for i, (r, t) in enumerate(specs) if r == 64 and t == "all"), None)
     if r64 is not None:
         other = (r64 + 1) % n
-        for tier, cache in (("host", host), ("gpu", gpu)):
-            times = []
-            for _ in range(10):
-                swapper.apply([(cache[other], 1.0)])
-                seconds, _ = timed(lambda: swapper.apply([(cache[r64], 1.0)]))
-                times.append(seconds)
-            results[f"swap_r64_all_{tier}"] = summary(times)
+        times = {}
+        for _ in range(10):
+            for tier, cache in (("host", host), ("gpu", gpu)):
+                for kernel in (True, False):
+                    swapper.kernel = kernel
+                    swapper.apply([(cache[other], 1.0)])
+                    seconds, _ = timed(lambda: swapper.apply([(cache[r64], 1.0)]))
+                    times.setdefault(f"swap_r64_all_{tier}{'' if kernel else '_addmm'}", []).append(seconds)
+        swapper.kernel = True
+        results.update({key: summary(values) for key, values in times.items()})
     kohya_times = [timed(lambda: swapper.apply([(parse(kohya_path), 1.0)]))[0] for _ in range(3)]
     results["swap_r64_all_kohya_disk"] = summary(kohya_times)
 
@@ -251,7 +257,8 @@ def _report(results: dict, out_dir: Path) -> None:
              f"{results['rounds']} rounds ({results['env'].get('gpu', 'cpu')})")
     results["table"] = print_table(title, ["variant", "swap disk ms p50 (range)", "swap host ms", "swap GPU ms",
                                            "image s p50", "vs compiled base"], rows)
-    for key in ("swap_r64_all_host", "swap_r64_all_gpu", "swap_r64_all_kohya_disk"):
+    for key in ("swap_r64_all_host", "swap_r64_all_gpu", "swap_r64_all_host_addmm", "swap_r64_all_gpu_addmm",
+                "swap_r64_all_kohya_disk"):
         if key in results:
             print(f"{key}: p50 {results[key]['p50'] * 1e3:.1f} ms (min {results[key]['min'] * 1e3:.1f}, "
                   f"max {results[key]['max'] * 1e3:.1f})", flush=True)

@@ -68,6 +68,7 @@ class Engine:
             self._compile()
         if config.warmup:
             logger.info("warming up%s", " (compiling)" if self.compiled else "")
+            self.swapper.warm_up_kernel()
             self.generate(GenerateRequest(prompt="warm-up", seed=0, steps=2))
         self._graphs_after_warmup = self._graph_count()
         logger.info("%s ready in %.1f s", self.model_name, time.perf_counter() - started)

@@ -1,8 +1,9 @@
 """The fused swap: adapters written into the base weights in place, from pristine copies.
 
 For every weight an adapter touches, a pristine copy of the base weight is kept. To
-apply adapters {(A_i, B_i, scale_i, weight_i)}: restore the touched weights from
-their copies, then `W.addmm_(B, A, alpha=weight * scale)`. Modules never change and
+apply adapters {(A_i, B_i, scale_i, weight_i)}: write W = pristine + weight * scale *
+B @ A for every touched weight (one pass over the weight on CUDA, see `kernels`), and
+copy back the weights only the previous adapters touched. Modules never change and
 weight tensors never move, so a compiled model stays valid: any rank, any target set,
 several adapters blended, text encoders too, no per-step cost, and an exact (bitwise)
 return to the base model.
@@ -24,6 +25,7 @@ from torch import nn
 
 from ..adapters.formats import LoraLayer, ParsedAdapter
 from ..errors import AdapterIncompatible, AdapterInvalid
+from .kernels import fuse_into, kernel_available, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ class BoundAdapter:
 
     @property
     def nbytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.nbytes
         return sum(layer.nbytes for layer in self.layers.values())
 
     @property
@@ -64,14 +68,29 @@ class BoundAdapter:
         if self.packed is not None and self.packed.dtype == dtype:
             flat = self.packed.to(device, non_blocking=non_blocking) if not pin_memory else self.packed.pin_memory()
         else:
-            parts = [t.reshape(-1) for layer in self.layers.values() for t in (layer.down, layer.up)]
-            flat = torch.empty(sum(p.numel() for p in parts), dtype=dtype, device=device,
+            spans = _packed_spans(self.layers.values())
+            flat = torch.zeros(spans[-1][-1] if spans else 0, dtype=dtype, device=device,
                                pin_memory=pin_memory and device.type == "cpu")
-            offset = 0
-            for part in parts:
-                flat[offset: offset + part.numel()].copy_(part, non_blocking=non_blocking)
-                offset += part.numel()
+            for layer, (down_at, up_at, _) in zip(self.layers.values(), spans):
+                flat[down_at: down_at + layer.down.numel()].copy_(layer.down.reshape(-1), non_blocking=non_blocking)
+                flat[up_at: up_at + layer.up.numel()].copy_(layer.up.reshape(-1), non_blocking=non_blocking)
         return _with_buffer(self, flat)
+
+
+_ALIGN = 8  # elements: every factor starts 16-byte aligned (bf16), so the swap kernel's loads are vectorized
+
+
+def _packed_spans(layers) -> list[tuple[int, int, int]]:
+    """Per layer, where its down and up factors start in the packed buffer and where the
+    layer's span ends (padded so the next factor starts aligned)."""
+    spans, offset = [], 0
+    align = lambda n: -(-n // _ALIGN) * _ALIGN  # noqa: E731
+    for layer in layers:
+        down_at = offset
+        up_at = align(down_at + layer.down.numel())
+        offset = align(up_at + layer.up.numel())
+        spans.append((down_at, up_at, offset))
+    return spans
 
 
 def _with_buffer(bound: BoundAdapter, flat: torch.Tensor) -> BoundAdapter:
@@ -79,13 +98,11 @@ def _with_buffer(bound: BoundAdapter, flat: torch.Tensor) -> BoundAdapter:
 
     Down is viewed [rank, fan_in] and up [out, rank], conv factors included: the shapes
     `addmm` takes, so a swap reshapes nothing."""
-    layers, offset = {}, 0
-    for key, layer in bound.layers.items():
-        views = []
-        for t in (layer.down, layer.up):
-            views.append(flat[offset: offset + t.numel()].view(t.shape[0], -1))
-            offset += t.numel()
-        layers[key] = LoraLayer(down=views[0], up=views[1], scale=layer.scale)
+    layers = {}
+    for (key, layer), (down_at, up_at, _) in zip(bound.layers.items(), _packed_spans(bound.layers.values())):
+        down = flat[down_at: down_at + layer.down.numel()].view(layer.down.shape[0], -1)
+        up = flat[up_at: up_at + layer.up.numel()].view(layer.up.shape[0], -1)
+        layers[key] = LoraLayer(down=down, up=up, scale=layer.scale)
     return BoundAdapter(bound.adapter_id, layers, bound.base_models, flat)
 
 
@@ -93,7 +110,7 @@ class FusedSwapper:
     """Owns the LoRA state of one model's weights: what is applied, and the pristine copies."""
 
     def __init__(self, components: dict[str, nn.Module], pristine: Literal["device", "host"] = "device",
-                 max_rank: int = 1024):
+                 max_rank: int = 1024, kernel: bool = True):
         self._modules: dict[LayerKey, nn.Module] = {
             (component, name): module
             for component, root in components.items()
@@ -106,7 +123,8 @@ class FusedSwapper:
         self._pristine: dict[LayerKey, torch.Tensor] = {}
         self._dirty: set[LayerKey] = set()
         self._copy_stream = None
-        self._views: dict[LayerKey, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._views: dict[LayerKey, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        self.kernel = kernel  # the one-pass kernel on the layers it runs on (CUDA + Triton); else `addmm`
 
     # ---------------------------------------------------------------- binding
     def bind(self, parsed: ParsedAdapter, base_models: Sequence[str] = (), dtype: torch.dtype | None = None,
@@ -171,10 +189,9 @@ class FusedSwapper:
         """Make the weights base + sum(weight * scale * B @ A); returns seconds taken.
 
         Weights touched now are written from their pristine copies with one call per layer
-        (`addmm(pristine, B, A, out=W)`: a copy, then a GEMM accumulating into W), weights
-        touched only before are copied back in one batched copy,
-        and factors in pinned host RAM stream to the GPU in chunks on a side stream
-        while earlier layers are being fused.
+        (`kernels.fuse_into`: one pass on CUDA, `addmm` elsewhere), weights touched only
+        before are copied back in one batched copy, and factors in pinned host RAM stream
+        to the GPU in chunks on a side stream while earlier layers are being fused.
         """
         start = time.perf_counter()
         wanted = {key for bound, _ in adapters for key in bound.layers}
@@ -189,8 +206,9 @@ class FusedSwapper:
             for key in wanted - self._pristine.keys():
                 self._save_pristine(key, self._weight(key))
             # 3. W = pristine + weight * scale * B @ A (further adapters on the same W: in place).
-            #    One torch call per layer: the loop is launch-bound on models with ~1,000 layers.
+            #    One call per layer: the loop is launch-bound on models with ~1,000 layers.
             written: set[LayerKey] = set()
+            kernel = self.kernel
             for bound, blend in adapters:
                 factors, ready = self._on_device(bound)
                 stream, last_event = torch.cuda.current_stream() if ready else None, None
@@ -199,17 +217,14 @@ class FusedSwapper:
                     if event is not None and event is not last_event:
                         stream.wait_event(event)
                         last_event = event
-                    weight, pristine = self._views[key]
-                    up, down = layer.up, layer.down
-                    if up.ndim != 2:
-                        up, down = up.reshape(up.shape[0], -1), down.reshape(down.shape[0], -1)
+                    weight, pristine, kernel_runs = self._views[key]
                     alpha = blend * layer.scale
                     if key in written:
-                        weight.addmm_(up, down, alpha=alpha)
+                        fuse_into(weight, weight, layer.up, layer.down, alpha, kernel and kernel_runs)
                     elif pristine.device == weight.device:
-                        torch.addmm(pristine, up, down, alpha=alpha, out=weight)
+                        fuse_into(weight, pristine, layer.up, layer.down, alpha, kernel and kernel_runs)
                     else:
-                        weight.copy_(pristine, non_blocking=True).addmm_(up, down, alpha=alpha)
+                        weight.copy_(pristine, non_blocking=True).addmm_(layer.up, layer.down, alpha=alpha)
                     if len(adapters) > 1:
                         written.add(key)
             self._dirty |= wanted
@@ -219,6 +234,14 @@ class FusedSwapper:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter() - start
+
+    def warm_up_kernel(self) -> None:
+        """Compile the swap kernel for this model's weights now (no-op where it does not run)."""
+        if not self.kernel:
+            return
+        for device, dtype in {(m.weight.device, m.weight.dtype) for m in self._modules.values()}:
+            if kernel_available(torch.empty(0, device=device, dtype=dtype)):
+                warm_up(device, dtype)
 
     def reset(self) -> None:
         """Back to the base model, bitwise."""
@@ -235,7 +258,10 @@ class FusedSwapper:
             pristine = weight.clone()
         self._pristine[key] = pristine
         # 2-D views of the weight and its copy, made once: weights never move
-        self._views[key] = (weight.view(weight.shape[0], -1), pristine.view(weight.shape[0], -1))
+        weight2d, pristine2d = weight.view(weight.shape[0], -1), pristine.view(weight.shape[0], -1)
+        kernel_runs = (pristine.device == weight.device and kernel_available(weight)
+                       and weight2d.is_contiguous() and pristine2d.is_contiguous())
+        self._views[key] = (weight2d, pristine2d, kernel_runs)
 
     def _on_device(self, bound: BoundAdapter) -> tuple[BoundAdapter, dict]:
         """The factors on the model's device and dtype, and per layer the event after which
@@ -257,9 +283,8 @@ class FusedSwapper:
         side, main = self._copy_stream, torch.cuda.current_stream(device)
         flat = torch.empty_like(bound.packed, device=device)
         side.wait_stream(main)  # `flat` was allocated on the main stream
-        ready, chunk_keys, start, offset = {}, [], 0, 0
-        for key, layer in bound.layers.items():
-            offset += layer.down.numel() + layer.up.numel()
+        ready, chunk_keys, start = {}, [], 0
+        for key, (_, _, offset) in zip(bound.layers, _packed_spans(bound.layers.values())):
             chunk_keys.append(key)
             if (offset - start) * flat.element_size() >= _CHUNK_BYTES or key == next(reversed(bound.layers)):
                 with torch.cuda.stream(side):

@@ -1,0 +1,105 @@
+"""The one-pass swap kernel: W = P + alpha * (B @ A), written by a Triton kernel.
+
+`torch.addmm(P, B, A, out=W)` on CUDA is two passes over the weight: a copy of P into
+W, then a GEMM accumulating into W. Swapping is bound by memory bandwidth (a rank-64
+adapter on every linear layer of FLUX.1 rewrites about 23 GB of weights), so the kernel
+reads P and writes W once: each program computes one tile of the rank-r product in
+fp32, adds the tile of P and stores it rounded once, as cuBLAS does with beta=1.
+P may be W itself (a further adapter of a blend, accumulated in place).
+
+Used on CUDA when Triton is installed; everywhere else `fuse_into` falls back to
+`addmm`. `TRITON_INTERPRET=1` runs the kernel on CPU tensors (the unit tests do).
+"""
+
+import os
+from functools import cache
+
+import torch
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 32
+NUM_WARPS = 4
+
+
+@cache
+def _kernel():
+    """The compiled Triton kernel, or None without Triton (built once, on first use)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    # Weights, their copies and packed factors are 16-byte aligned, and row lengths and ranks
+    # mostly multiples of 16: specialized on those (vectorized loads), the kernel has four
+    # variants per dtype, compiled at warm-up (`warm_up`). M and alpha are not specialized.
+    @triton.jit(do_not_specialize=["M", "alpha"])
+    def fused_lora(w_ptr, p_ptr, b_ptr, a_ptr, M, N, K, alpha,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+        pid = tl.program_id(0)
+        rm = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = tl.max_contiguous(tl.multiple_of(rn, BLOCK_N), BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        in_m, in_n = rm < M, rn < N
+        rows = rm.to(tl.int64)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + rk
+            b = tl.load(b_ptr + rows[:, None] * K + ks[None, :], mask=in_m[:, None] & (ks[None, :] < K), other=0.0)
+            a = tl.load(a_ptr + ks[:, None].to(tl.int64) * N + rn[None, :],
+                        mask=(ks[:, None] < K) & in_n[None, :], other=0.0)
+            if IEEE:  # fp32 weights (and the CPU interpreter, whose bf16 dot is wrong): fp32 products
+                acc += tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(b, a)
+        offsets = rows[:, None] * N + rn[None, :]
+        mask = in_m[:, None] & in_n[None, :]
+        p = tl.load(p_ptr + offsets, mask=mask)
+        w = p.to(tl.float32) + acc * alpha
+        tl.store(w_ptr + offsets, w.to(w_ptr.dtype.element_ty), mask=mask)
+
+    return fused_lora
+
+
+def kernel_available(weight: torch.Tensor) -> bool:
+    """Whether `fuse_into` runs the one-pass kernel for this weight (else `addmm`)."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    return (weight.is_cuda or interpret) and weight.dtype in _DTYPES and _kernel() is not None
+
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def fuse_into(weight: torch.Tensor, pristine: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+              alpha: float, use_kernel: bool) -> None:
+    """weight = pristine + alpha * up @ down, for 2-D views (`pristine` may be `weight`).
+
+    `use_kernel` comes from `kernel_available`, asked once per model: the kernel needs
+    contiguous rows, which 2-D views of parameters and packed factors always have."""
+    if not use_kernel:
+        if pristine is weight:
+            weight.addmm_(up, down, alpha=alpha)
+        else:
+            torch.addmm(pristine, up, down, alpha=alpha, out=weight)
+        return
+    m, n = weight.shape
+    k = down.shape[0]
+    grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
+    _kernel()[grid](weight, pristine, up, down, m, n, k, float(alpha), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                    BLOCK_K=BLOCK_K, IEEE=weight.dtype == torch.float32 or not weight.is_cuda,
+                    num_warps=NUM_WARPS)
+
+
+def warm_up(device: torch.device, dtype: torch.dtype) -> None:
+    """Compile the kernel's variants for `dtype` now (row length and rank a multiple of 16
+    or not), rather than in a request's first swap (a second or more each)."""
+    for n in (32, 24):
+        for k in (16, 8):
+            weight = torch.zeros(2, n, device=device, dtype=dtype)
+            up, down = torch.zeros(2, k, device=device, dtype=dtype), torch.zeros(k, n, device=device, dtype=dtype)
+            fuse_into(weight, weight.clone(), up, down, 1.0, use_kernel=True)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
