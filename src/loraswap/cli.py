@@ -57,6 +57,12 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
+CompileMode = Annotated[str, _opt("--compile-mode", help="torch.compile mode: default, max-autotune-no-cudagraphs, "
+                                  "reduce-overhead or max-autotune (CUDA graphs: the whole denoiser).")]
+Attention = Annotated[str | None, _opt("--attention", help="Attention backend of diffusers' dispatcher (native, "
+                                       "_native_cudnn, _native_flash, flex, ...; default: diffusers').")]
+
+
 @app.command()
 def serve(
     model: Annotated[list[str] | None, _opt("--model", help="Preset, hub id or local folder; repeat to host "
@@ -68,6 +74,8 @@ def serve(
     dtype: Annotated[str, _opt("--dtype", help="auto, float32, float16 or bfloat16.")] = "auto",
     compile: Annotated[bool | None, _opt("--compile/--no-compile", help="Regional torch.compile (default: on CUDA).",
                                          env="LORASWAP_COMPILE")] = None,
+    compile_mode: CompileMode = "default",
+    attention: Attention = None,
     swap_mode: Annotated[str, _opt("--swap-mode", help="fused (loraswap) or diffusers (seed 1's load + fuse per "
                                    "request, eager: a benchmark baseline).")] = "fused",
     max_queue: Annotated[int, _opt("--max-queue", help="Requests waiting before 503.")] = 32,
@@ -126,9 +134,9 @@ def serve(
     try:
         config = config_cls(
             engines=[engine_cls(model=name, adapters=adapters, device=device, dtype=dtype, compile=compile,
-                                swap_mode=swap_mode, hub=hub, hub_allow=hub_allow or ["*"],
-                                hub_deny=hub_deny or [], max_blend=max_blend, max_rank=max_rank,
-                                max_adapter_mb=max_adapter_mb,
+                                compile_mode=compile_mode, attention=attention, swap_mode=swap_mode, hub=hub,
+                                hub_allow=hub_allow or ["*"], hub_deny=hub_deny or [], max_blend=max_blend,
+                                max_rank=max_rank, max_adapter_mb=max_adapter_mb,
                                 cache=CacheConfig(host_bytes=int(host_cache_mb * 2**20),
                                                   gpu_bytes=int(gpu_cache_mb * 2**20)),
                                 prefetch_threads=prefetch_threads, **per_model) for name in models],
@@ -218,6 +226,8 @@ def generate(
     device: Device = "auto",
     compile: Annotated[bool | None, _opt("--compile/--no-compile", help="Regional torch.compile (default: on CUDA).",
                                          env="LORASWAP_COMPILE")] = None,
+    compile_mode: CompileMode = "default",
+    attention: Attention = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Generate one image, with adapters fused the way the server fuses them."""
@@ -226,7 +236,8 @@ def generate(
 
     _setup_logging(verbose)
     try:
-        engine = Engine(EngineConfig(model=model, adapters=adapters, device=device, compile=compile, warmup=False))
+        engine = Engine(EngineConfig(model=model, adapters=adapters, device=device, compile=compile,
+                                     compile_mode=compile_mode, attention=attention, warmup=False))
         request = GenerateRequest(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
                                   width=width, height=height, seed=seed,
                                   loras=[_parse_lora(s) for s in lora or []])
@@ -234,6 +245,8 @@ def generate(
     except LoraswapError as e:
         typer.echo(f"error: {e.message}", err=True)
         raise typer.Exit(1) from None
+    except ValueError as e:  # a bad option value (EngineConfig, attention backend)
+        raise typer.BadParameter(str(e)) from None
     result.image.save(output)
     typer.echo(f"{output}  seed={result.seed} swap={result.swap_seconds * 1e3:.1f}ms "
                f"generate={result.generate_seconds:.2f}s")
@@ -361,6 +374,31 @@ def bench_swap(
     _setup_logging(False)
     run_swap_bench(shape, width, height, steps, rounds, recompile_swaps, out, workdir,
                    tuple(v.strip() for v in variants.split(",")), _parse_specs(specs))
+
+
+@bench_app.command("options")
+def bench_options(
+    shape: Annotated[str, typer.Option("--shape", help="flux-dev, sdxl or sd15 (real config, random weights).")]
+    = "sdxl",
+    variants: Annotated[str, typer.Option("--variants", help="Comma-separated ATTENTION@MODE, e.g. native@default,"
+                                          "_native_cudnn@default,native@reduce-overhead.")]
+    = "native@default,_native_cudnn@default,_native_flash@default,native@reduce-overhead",
+    width: Annotated[int, typer.Option("--width")] = 1024,
+    height: Annotated[int, typer.Option("--height")] = 1024,
+    steps: Annotated[int, typer.Option("--steps")] = 25,
+    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds of all variants.")] = 4,
+    out: Annotated[Path, typer.Option("--out", help="Folder for JSON and PNG.")] = Path("bench/results"),
+    workdir: Annotated[Path | None, typer.Option("--workdir", help="Where adapters are written.")] = None,
+) -> None:
+    """Per-image time under attention backends and compile modes, a LoRA swapped before each image."""
+    from .bench.options import run_options_bench
+
+    _setup_logging(False)
+    try:
+        run_options_bench(shape, tuple(v.strip() for v in variants.split(",")), width, height, steps, rounds,
+                          out, workdir)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 @bench_app.command("serve")

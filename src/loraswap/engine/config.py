@@ -4,7 +4,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..adapters.cache import CacheConfig
 
@@ -26,6 +26,9 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="auto: bf16 on CUDA, fp32 on CPU.")
     compile: bool | None = Field(None, description="Regional torch.compile of the denoiser; None: on for CUDA only.")
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"] = Field(
+        "default", description="torch.compile mode; the CUDA-graph modes compile the whole denoiser, not its blocks.")
+    attention: str | None = Field(None, description="Attention backend of diffusers' dispatcher (None: its default).")
     swap_mode: Literal["fused", "diffusers"] = Field(
         "fused", description="fused: loraswap's swap; diffusers: seed 1's load + fuse per request (a baseline).")
     pristine: Literal["device", "host"] = Field("device", description="Where pristine weight copies live.")
@@ -36,6 +39,13 @@ class EngineConfig(BaseModel):
     prefetch_threads: int = Field(4, ge=1, le=64, description="Threads reading adapters ahead of the GPU worker.")
     source: object | None = Field(None, exclude=True, description="An adapter source object (tests, hub).")
     warmup: bool = Field(True, description="Generate once at start-up (compiles when compile is on).")
+
+    @field_validator("attention")
+    @classmethod
+    def _known_backend(cls, name: str | None) -> str | None:
+        from .attention import check_backend_name
+
+        return check_backend_name(name)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

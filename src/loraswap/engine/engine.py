@@ -6,6 +6,7 @@ pipeline and the weights are driven by exactly one thread (the server's GPU work
 the CLI); adapter reading and the host-to-GPU copies of prefetch run on a thread pool.
 """
 
+import contextlib
 import inspect
 import logging
 import random
@@ -23,6 +24,7 @@ from ..adapters.metadata import refuse_other_base
 from ..adapters.source import AdapterSources, HubAdapterSource, LocalAdapterSource, check_adapter_id
 from ..errors import AdapterNotFound, BadRequest
 from ..models import generation_defaults, load_pipeline, model_name, resolve_device
+from .attention import AttentionBackend
 from .baseline import DiffusersLoadFuse
 from .config import EngineConfig, GenerateRequest
 from .swap import BoundAdapter, FusedSwapper
@@ -64,6 +66,7 @@ class Engine:
         if self.baseline is not None and self.compiled:
             logger.info("--swap-mode diffusers runs eager, as seed 1 did: not compiling")
             self.compiled = False
+        self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
         if self.compiled:
             self._compile()
         if config.warmup:
@@ -236,7 +239,7 @@ class Engine:
         kwargs.update({k: v for k, v in optional.items() if v is not None and k in self._call_parameters})
         # 3. generate
         started = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), self.attention.context() if self.attention else contextlib.nullcontext():
             images = self.pipeline(**kwargs).images
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -249,11 +252,7 @@ class Engine:
         return getattr(self.pipeline, "transformer", None) or self.pipeline.unet
 
     def _compile(self) -> None:
-        denoiser = self.denoiser
-        if getattr(denoiser, "_repeated_blocks", None):
-            denoiser.compile_repeated_blocks(fullgraph=True)
-        else:
-            denoiser.compile(fullgraph=False)
+        compile_denoiser(self.denoiser, self.config.compile_mode)
 
     @staticmethod
     def _graph_count() -> int:
@@ -263,3 +262,15 @@ class Engine:
     def recompiles(self) -> int:
         """Graphs compiled after warm-up: a swap must never add one."""
         return self._graph_count() - self._graphs_after_warmup
+
+
+def compile_denoiser(denoiser: torch.nn.Module, mode: str = "default") -> None:
+    """Regional compile (the repeated blocks, compiled once and reused) by default; the
+    CUDA-graph modes compile the whole denoiser, whose launches they exist to remove.
+    Swaps write weights in place, so compiled code and recorded graphs stay valid."""
+    options = {} if mode == "default" else {"mode": mode}
+    cuda_graphs = mode in ("reduce-overhead", "max-autotune")
+    if not cuda_graphs and getattr(denoiser, "_repeated_blocks", None):
+        denoiser.compile_repeated_blocks(fullgraph=True, **options)
+    else:
+        denoiser.compile(fullgraph=False, **options)

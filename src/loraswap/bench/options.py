@@ -1,0 +1,137 @@
+"""`loraswap bench options`: one denoiser's per-image time under attention backends and
+torch.compile modes, with a LoRA swapped before every image.
+
+Each variant, `ATTENTION@MODE` (`native@default`, `_native_cudnn@default`,
+`native@reduce-overhead`, ...), is its own copy of the same random-weight denoiser (real
+config) with its backend set and compiled in its mode. Rounds are interleaved (the order
+rotates). Before every image a fused swap writes another adapter into the variant's
+weights in place, so the figures are LoRA serving, and the CUDA-graph variants show
+whether a swap re-records a graph (`cuda_graphs_recorded`) or recompiles one.
+"""
+
+import copy
+import logging
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..adapters.formats import load_adapter
+from ..adapters.source import AdapterLocation
+from ..engine.attention import AttentionBackend, check_backend_name
+from ..engine.engine import compile_denoiser
+from ..engine.swap import FusedSwapper
+from ..models import SHAPE_PIPELINES
+from ..models.shapes import build_shape_component
+from .common import environment, plot_bars, print_table, summary, timed, write_random_adapters, write_results
+from .swap import DENOISER, Denoise, denoiser_inputs, graph_count
+
+logger = logging.getLogger(__name__)
+
+MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+
+
+def parse_variant(text: str) -> tuple[str, str]:
+    """`ATTENTION@MODE` -> (backend, compile mode); either part may be left out."""
+    attention, _, mode = text.strip().partition("@")
+    mode = mode or "default"
+    if mode not in MODES:
+        raise ValueError(f"unknown compile mode '{mode}' in '{text}'; choose one of {', '.join(MODES)}")
+    return check_backend_name(attention or "native"), mode
+
+
+def cuda_graphs_recorded() -> int:
+    """CUDA graphs recorded so far by torch.compile's CUDA-graph trees on this device."""
+    if not torch.cuda.is_available():
+        return 0
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    if manager is None or manager.roots is None:
+        return 0
+    count, stack = 0, [node for nodes in manager.roots.values() for node in nodes]
+    while stack:
+        node = stack.pop()
+        count += 1
+        stack.extend(child for children in node.children.values() for child in children)
+    return count
+
+
+class Variant:
+    """One compiled copy of the denoiser, its attention backend and its swapper."""
+
+    def __init__(self, name: str, base: torch.nn.Module, prefix: str, inputs: dict, steps: int):
+        self.name = name
+        attention, mode = parse_variant(name)
+        self.model = copy.deepcopy(base)
+        self.attention = AttentionBackend(attention, {prefix: self.model})
+        compile_denoiser(self.model, mode)
+        self.swapper = FusedSwapper({prefix: self.model})
+        self.denoise = Denoise(self.model, inputs, steps)
+
+    def image(self, steps: int | None = None):
+        with self.attention.context():
+            return self.denoise(steps)
+
+
+def run_options_bench(shape: str = "sdxl", variants: tuple[str, ...] = ("native@default", "_native_cudnn@default"),
+                      width: int = 1024, height: int = 1024, steps: int = 25, rounds: int = 4,
+                      out_dir: Path = Path("bench/results"), workdir: Path | None = None) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for name in variants:
+        parse_variant(name)  # refuse a typo before minutes of building
+    import diffusers
+
+    prefix = DENOISER[shape]
+    results = {"shape": shape, "width": width, "height": height, "steps": steps, "rounds": rounds,
+               "env": environment(), "variants": list(variants), "rows": []}
+    # 1. one random denoiser, copied per variant; two real-size adapters to alternate
+    torch.manual_seed(0)
+    base = build_shape_component(shape, prefix, device=device, dtype=dtype)
+    inputs = denoiser_inputs(shape, width, height, device, dtype)
+    built = {name: Variant(name, base, prefix, inputs, steps) for name in variants}
+    del base
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="loraswap-bench-options-"))
+    paths = write_random_adapters(shape, [(16, "all"), (32, "attn")], workdir)
+    pipeline_cls = getattr(diffusers, SHAPE_PIPELINES[shape])
+    some = next(iter(built.values())).swapper
+    parsed = [load_adapter(AdapterLocation(p.stem, p, None), pipeline_cls, some.component_modules, 2**40)
+              for p in paths]
+    adapters = {name: [v.swapper.bind(a).to(device, dtype) for a in parsed] for name, v in built.items()}
+    # 2. warm-up: compile (and record) with both adapters
+    for name, variant in built.items():
+        for adapter in adapters[name]:
+            variant.swapper.apply([(adapter, 1.0)])
+            results[f"warmup_{name}_s"] = timed(lambda: variant.image(2))[0]
+    graphs, recorded = graph_count(), cuda_graphs_recorded()
+    # 3. interleaved rounds, a swap before each image
+    order = list(variants)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[: r % len(order)]:
+            variant = built[name]
+            swap_s = variant.swapper.apply([(adapters[name][r % 2], 1.0)])
+            image_s, _ = timed(variant.image)
+            results["rows"].append({"round": r, "variant": name, "swap_s": swap_s, "image_s": image_s})
+            logger.info("round %d %-32s swap %.1f ms image %.3f s", r, name, swap_s * 1e3, image_s)
+    results["graphs_compiled_during_rounds"] = graph_count() - graphs
+    results["cuda_graphs_recorded_during_rounds"] = cuda_graphs_recorded() - recorded
+    results["summary"] = {name: summary([row["image_s"] for row in results["rows"] if row["variant"] == name])
+                          for name in variants}
+    _report(results, out_dir)
+    return results
+
+
+def _report(results: dict, out_dir: Path) -> None:
+    s = results["summary"]
+    first = s[results["variants"][0]]["p50"]
+    rows = [[name, f"{d['p50']:.3f}", f"{d['min']:.3f}-{d['max']:.3f}", f"{d['p50'] / first:.3f}"]
+            for name, d in s.items()]
+    name = f"options-{results['shape']}"
+    title = (f"bench options {results['shape']} {results['width']}x{results['height']} {results['steps']} steps, "
+             f"{results['rounds']} rounds, a swap before each image ({results['env'].get('gpu', 'cpu')})")
+    results["table"] = print_table(title, ["attention@mode", "image s p50", "range", "vs first"], rows)
+    print(f"graphs compiled during the rounds: {results['graphs_compiled_during_rounds']}; CUDA graphs recorded "
+          f"during the rounds: {results['cuda_graphs_recorded_during_rounds']}", flush=True)
+    write_results(out_dir, name, results)
+    plot_bars(out_dir / f"{name}.png", title, list(s), [d["p50"] for d in s.values()], "seconds per image (p50)")

@@ -1,0 +1,73 @@
+"""`--attention` and `--compile-mode`: what reaches the model, and what is refused."""
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from helpers import rel_err
+from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.engine import Engine
+
+
+@pytest.fixture(autouse=True)
+def restore_dispatcher_default():
+    """diffusers keeps the last backend set as a process-wide default: put native back."""
+    yield
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    _AttentionBackendRegistry.set_active_backend(AttentionBackendName.NATIVE)
+
+
+def image(model: str, attention: str | None) -> np.ndarray:
+    engine = Engine(EngineConfig(model=model, compile=False, warmup=False, attention=attention))
+    return engine, np.asarray(engine.generate(GenerateRequest(prompt="a fox", seed=4, steps=2)).image, dtype=float)
+
+
+def test_unknown_backend_is_refused_with_the_known_ones():
+    with pytest.raises(ValidationError, match="unknown attention backend 'flashy'.*_native_cudnn.*native"):
+        EngineConfig(attention="flashy")
+    assert EngineConfig(attention="_Native_Math").attention == "_native_math"
+
+
+def test_dispatcher_models_get_the_backend_on_every_processor():
+    engine, chosen = image("tiny-flux", "_native_math")
+    processors = [m.processor for m in engine.components["transformer"].modules() if hasattr(m, "processor")]
+    assert processors and all(str(p._attention_backend.value) == "_native_math" for p in processors)
+    _, default = image("tiny-flux", None)
+    assert rel_err(chosen, default) < 0.02  # the same attention, another kernel: 8-bit rounding apart
+
+
+def test_unet_models_get_the_sdpa_kernel_and_refuse_other_backends():
+    engine, chosen = image("tiny-sd", "_native_math")
+    from torch.nn.attention import SDPBackend
+
+    assert engine.attention._sdpa == SDPBackend.MATH
+    _, default = image("tiny-sd", None)
+    assert rel_err(chosen, default) < 0.02
+    with pytest.raises(ValueError, match="'flash' does not apply to the unet.*choose native or one of _native_cudnn"):
+        Engine(EngineConfig(model="tiny-sd", compile=False, warmup=False, attention="flash"))
+
+
+@pytest.mark.parametrize("mode,regional", [("default", True), ("max-autotune-no-cudagraphs", True),
+                                           ("reduce-overhead", False), ("max-autotune", False)])
+def test_cuda_graph_modes_compile_the_whole_denoiser(monkeypatch, mode, regional):
+    engine = Engine(EngineConfig(model="tiny-flux", compile=False, warmup=False, compile_mode=mode))
+    calls = []
+    denoiser = engine.denoiser
+    monkeypatch.setattr(denoiser, "compile_repeated_blocks", lambda **kw: calls.append(("blocks", kw)))
+    monkeypatch.setattr(denoiser, "compile", lambda **kw: calls.append(("whole", kw)))
+    engine._compile()
+    expected_options = {} if mode == "default" else {"mode": mode}
+    assert calls == [("blocks" if regional else "whole", {"fullgraph": regional, **expected_options})]
+
+
+def test_bench_options_variants_are_checked_before_anything_is_built():
+    from loraswap.bench.options import parse_variant
+
+    assert parse_variant("_native_cudnn@reduce-overhead") == ("_native_cudnn", "reduce-overhead")
+    assert parse_variant("@max-autotune") == ("native", "max-autotune")
+    assert parse_variant("FLEX") == ("flex", "default")
+    with pytest.raises(ValueError, match="unknown compile mode 'turbo'.*reduce-overhead"):
+        parse_variant("native@turbo")
+    with pytest.raises(ValueError, match="unknown attention backend 'fa9'"):
+        parse_variant("fa9@default")
