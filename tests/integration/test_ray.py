@@ -164,15 +164,16 @@ def test_a_killed_replica_is_replaced_and_requests_keep_succeeding(cluster):
     thread.start()
     try:
         wait_for(lambda: len(statuses) >= 5, what="requests before the kill")
-        with ThreadPoolExecutor(1) as pool:  # a long request for the victim's adapter goes to the victim
+        # a long request for the victim's adapter goes to the victim; killed under it, it is sent again
+        # (when it has reached it by then: tests/unit/test_cluster.py checks the retry itself)
+        with ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(generate, url, victim["held"][0], 60, 7)
             time.sleep(0.7)
             os.kill(victim["pid"], signal.SIGKILL)
             killed_at = len(statuses)
             assert in_flight.result().status_code == 200, "the request whose replica died is served by another"
-        assert "sending the request again" in cluster.log()
         fresh = wait_for(lambda: [r for r in replicas(url, SD) if r["replica"] not in {b["replica"] for b in before}],
-                         timeout=90, what="a new replica")
+                         timeout=150, what="a new replica")
         wait_for(lambda: len(statuses) >= killed_at + 10, what="requests after the replacement")
     finally:
         stop.set()

@@ -8,12 +8,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ray.exceptions import ActorDiedError, RayTaskError
+from ray.serve.exceptions import BackPressureError
 
 from loraswap.cluster.app import load_config, replica_gpus
 from loraswap.cluster.config import ClusterConfig, ModelDeploymentConfig
+from loraswap.cluster.ingress import RayBackend
 from loraswap.cluster.replica import adapter_key
 from loraswap.cluster.reports import Reports
-from loraswap.errors import AdapterIncompatible, AdapterNotFound, BadRequest
+from loraswap.engine.config import GenerateRequest
+from loraswap.errors import AdapterIncompatible, AdapterNotFound, BadRequest, Overloaded
 from loraswap.server.backend import EngineFigures
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "ray"
@@ -26,6 +30,16 @@ def test_example_config_files_load():
     assert config.engines[0].deployment_name == "model-stabilityai_stable-diffusion-xl-base-1.0"
     assert config.engines[0].cache.gpu_bytes == 4 * 2**30 and config.scheduler.max_queue == 64
     assert (config.host, config.port, config.max_width) == ("0.0.0.0", 8888, 1536)
+
+
+def test_configs_travel_as_json_and_come_back_equal():
+    """build_app hands replicas JSON-like dicts, validated again there (robust to version skew)."""
+    config = load_config(EXAMPLES / "loraswap.yaml")
+    assert ClusterConfig.model_validate(config.model_dump(mode="json")) == config
+    engine = config.engines[1]
+    assert ModelDeploymentConfig.model_validate(engine.model_dump(mode="json")) == engine
+    older = {k: v for k, v in engine.model_dump(mode="json").items() if k != "max_rank"}  # a field it lacked
+    assert ModelDeploymentConfig.model_validate(older).max_rank == ModelDeploymentConfig().max_rank
 
 
 def test_kuberay_serve_config_is_a_cluster_config(tmp_path):
@@ -122,3 +136,70 @@ def test_reports_evict_reaches_every_live_replica_of_the_deployment():
         assert await reports.evict("model-nothing", "style") == 0
 
     asyncio.run(scenario())
+
+
+class FakeHandle:
+    """A deployment handle whose calls fail with the given errors, then answer `result`."""
+
+    def __init__(self, *errors):
+        self.errors, self.calls, self.ids = list(errors), 0, []
+        self.generate = self
+
+    def options(self, multiplexed_model_id=""):
+        self.ids.append(multiplexed_model_id)
+        return self
+
+    def remote(self, request):
+        self.calls += 1
+        error = self.errors.pop(0) if self.errors else None
+        return FakeResponse(error)
+
+
+class FakeResponse:
+    def __init__(self, error):
+        self.error = error
+
+    def __await__(self):
+        if self.error is not None:
+            raise self.error
+        return "an image"
+        yield
+
+    def cancel(self):
+        pass
+
+
+def ingress_over(handle, tmp_path) -> RayBackend:
+    (tmp_path / "style.safetensors").write_bytes(b"")  # located, never read: one model is hosted
+    backend = RayBackend(ClusterConfig(engines=[ModelDeploymentConfig(adapters=tmp_path)]), [handle], reports=None)
+    backend.names = ["tiny-sd"]
+    return backend
+
+
+async def never_gone():
+    return False
+
+
+def test_ingress_sends_a_request_again_when_its_replica_died(tmp_path):
+    handle = FakeHandle(ActorDiedError(), ActorDiedError())
+    request = GenerateRequest(prompt="x", loras=[("style", 0.5)])
+    assert asyncio.run(ingress_over(handle, tmp_path).generate(request, None, never_gone)) == "an image"
+    assert handle.calls == 3 and handle.ids == ["style"], "the adapter set is the multiplexed model id"
+    handle = FakeHandle(ActorDiedError(), ActorDiedError(), ActorDiedError())
+    with pytest.raises(Overloaded, match="went away"):
+        asyncio.run(ingress_over(handle, tmp_path).generate(request, None, never_gone))
+
+
+def test_ingress_answers_replica_errors_as_its_own(tmp_path):
+    request = GenerateRequest(prompt="x", loras=[("style", 1.0)])
+    refused = AdapterIncompatible("style", "it was made for tiny-flux", "Use another")
+    with pytest.raises(AdapterIncompatible) as raised:
+        asyncio.run(ingress_over(FakeHandle(RayTaskError("generate", "tb", refused)), tmp_path)
+                    .generate(request, None, never_gone))
+    assert raised.value.status == 422 and "tiny-flux" in raised.value.message
+    with pytest.raises(Overloaded, match="queue is full"):
+        asyncio.run(ingress_over(FakeHandle(BackPressureError(num_queued_requests=32, max_queued_requests=32)),
+                                 tmp_path).generate(request, None, never_gone))
+    with pytest.raises(AdapterNotFound):
+        asyncio.run(ingress_over(FakeHandle(), tmp_path).generate(GenerateRequest(prompt="x", loras=[("nope", 1)]),
+                                                                   None, never_gone))

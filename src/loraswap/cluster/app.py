@@ -40,6 +40,8 @@ def replica_gpus(engine: ModelDeploymentConfig) -> float:
 
 
 def build_app(config: ClusterConfig) -> serve.Application:
+    """Configs travel as JSON-like dicts, validated again in each replica: a replica whose
+    loraswap is newer than the deployer's (a field added) still gets a valid config."""
     reports = serve.deployment(Reports, name="reports", num_replicas=1, max_ongoing_requests=10_000,
                                ray_actor_options={"num_cpus": 0},
                                logging_config={"enable_access_log": False}).bind(config.report_interval_s)
@@ -51,11 +53,12 @@ def build_app(config: ClusterConfig) -> serve.Application:
             ray_actor_options={"num_gpus": replica_gpus(engine), "num_cpus": engine.num_cpus},
             health_check_period_s=engine.health_check_period_s,
             graceful_shutdown_timeout_s=engine.graceful_shutdown_timeout_s)
-        models.append(deployment.bind(engine, config.scheduler, reports, config.report_interval_s))
+        models.append(deployment.bind(engine.model_dump(mode="json"), config.scheduler.model_dump(mode="json"),
+                                      reports, config.report_interval_s))
     ingress = serve.deployment(serve.ingress()(Ingress), name="ingress", num_replicas=config.ingress_replicas,
                                max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": 0},
                                graceful_shutdown_timeout_s=max(e.graceful_shutdown_timeout_s for e in config.engines))
-    return ingress.bind(config, models, reports)
+    return ingress.bind(config.model_dump(mode="json"), models, reports)
 
 
 def app_builder(args: dict) -> serve.Application:

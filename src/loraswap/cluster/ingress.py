@@ -190,8 +190,9 @@ async def _result(response):
 class Ingress:
     """The Serve ingress deployment (wrapped by `serve.ingress()` in `cluster.app`)."""
 
-    def __init__(self, config: ClusterConfig, models: list, reports):
+    def __init__(self, config: dict, models: list, reports):
         log_to_stderr()
+        config = ClusterConfig.model_validate(config)
         backend = RayBackend(config, models, reports)
         self._app = create_app(config, backend=backend)
 

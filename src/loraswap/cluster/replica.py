@@ -59,11 +59,11 @@ class _Held:
 
 
 class ModelReplica:
-    async def __init__(self, config: ModelDeploymentConfig, scheduler: SchedulerConfig, reports,
-                       report_interval_s: float):
+    async def __init__(self, config: dict, scheduler: dict, reports, report_interval_s: float):
         # 1. the engine (warm, compiled when on CUDA) and its GPU worker thread
         log_to_stderr()
-        self.config = config
+        self.config = config = ModelDeploymentConfig.model_validate(config)
+        scheduler = SchedulerConfig.model_validate(scheduler)
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.engine = await asyncio.to_thread(Engine, config)
