@@ -1,8 +1,9 @@
 """The HTTP edge: Hugging Face Inference API, OpenAI images API, health, metrics, adapters.
 
-Handlers validate, resolve adapters off the event loop, queue the request for the
-GPU worker and await it; they never run the pipeline. Known errors map to their
-status with `{"error": ...}`; anything else is logged with its traceback and
+Handlers validate and answer; a backend (`backend.py`) routes and generates: the GPU
+workers of this process (`LocalBackend`), or model replicas on Ray Serve
+(`cluster.ingress.RayBackend`). Handlers never run the pipeline. Known errors map to
+their status with `{"error": ...}`; anything else is logged with its traceback and
 answered with a plain 500.
 """
 
