@@ -125,6 +125,7 @@ class FusedSwapper:
         self._copy_stream = None
         self._views: dict[LayerKey, tuple[torch.Tensor, torch.Tensor, bool]] = {}
         self.kernel = kernel  # the one-pass kernel on the layers it runs on (CUDA + Triton); else `addmm`
+        self._fp8: dict[LayerKey, Fp8Weight] = {}  # float8 weights (`--quantize`), also in `_pristine`
 
     # ---------------------------------------------------------------- binding
     def bind(self, parsed: ParsedAdapter, base_models: Sequence[str] = (), dtype: torch.dtype | None = None,
@@ -199,8 +200,12 @@ class FusedSwapper:
         try:
             # 1. weights only the previous adapters touched: back to pristine, one batched copy
             stale = sorted(self._dirty - wanted)
-            if stale:
-                torch._foreach_copy_([self._weight(k) for k in stale], [self._pristine[k] for k in stale])
+            plain = [k for k in stale if k not in self._fp8]
+            if plain:
+                torch._foreach_copy_([self._weight(k) for k in plain], [self._pristine[k] for k in plain])
+            for key in stale:
+                if key in self._fp8:
+                    self._fp8[key].restore()
             self._dirty -= set(stale)
             # 2. pristine copies of weights touched for the first time
             for key in wanted - self._pristine.keys():
@@ -209,6 +214,7 @@ class FusedSwapper:
             #    One call per layer: the loop is launch-bound on models with ~1,000 layers.
             written: set[LayerKey] = set()
             kernel = self.kernel
+            fp8_deltas: dict[LayerKey, list] = {}
             for bound, blend in adapters:
                 factors, ready = self._on_device(bound)
                 stream, last_event = torch.cuda.current_stream() if ready else None, None
@@ -217,6 +223,9 @@ class FusedSwapper:
                     if event is not None and event is not last_event:
                         stream.wait_event(event)
                         last_event = event
+                    if key in self._fp8:  # float8 weights: re-quantized once, with every adapter's delta (4.)
+                        fp8_deltas.setdefault(key, []).append((layer.up, layer.down, blend * layer.scale))
+                        continue
                     weight, pristine, kernel_runs = self._views[key]
                     alpha = blend * layer.scale
                     if key in written:
@@ -227,6 +236,9 @@ class FusedSwapper:
                         weight.copy_(pristine, non_blocking=True).addmm_(layer.up, layer.down, alpha=alpha)
                     if len(adapters) > 1:
                         written.add(key)
+            # 4. float8 weights: W = quantize(dequantize(pristine) + sum of deltas), in place
+            for key, deltas in fp8_deltas.items():
+                self._fp8[key].write(deltas)
             self._dirty |= wanted
         except BaseException:
             self._restore(touched)
@@ -251,6 +263,9 @@ class FusedSwapper:
         return self._modules[key].weight.data
 
     def _save_pristine(self, key: LayerKey, weight: torch.Tensor) -> None:
+        if Fp8Weight.holds(weight):
+            self._fp8[key] = self._pristine[key] = Fp8Weight(weight)
+            return
         if self._pristine_on_host and weight.is_cuda:
             pristine = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)
             pristine.copy_(weight)
@@ -298,7 +313,9 @@ class FusedSwapper:
 
     def _restore(self, keys) -> None:
         for key in keys:
-            if key in self._pristine:
+            if key in self._fp8:
+                self._fp8[key].restore()
+            elif key in self._pristine:
                 self._weight(key).copy_(self._pristine[key])
         self._dirty.clear()
         logger.warning("swap failed; %d touched weights restored to the base model", len(keys))
@@ -306,3 +323,40 @@ class FusedSwapper:
     @property
     def pristine_bytes(self) -> int:
         return sum(t.nbytes for t in self._pristine.values())
+
+
+class Fp8Weight:
+    """A float8 weight (torchao's `Float8Tensor`: `qdata` and its `scale`) and a pristine
+    copy of both. An adapter is fused by de-quantizing the copy, adding the deltas in
+    fp32 and quantizing again with torchao's own rule, written into `qdata` and `scale` in
+    place (compiled code keeps its tensors); `restore` is bitwise."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.qdata, self.scale = weight.qdata, weight.scale
+        self.pristine_qdata, self.pristine_scale = self.qdata.clone(), self.scale.clone()
+        from torchao.quantization import PerRow, PerTensor
+
+        self.granularity = PerRow() if self.scale.numel() == self.qdata.shape[0] > 1 else PerTensor()
+
+    @staticmethod
+    def holds(weight: torch.Tensor) -> bool:
+        return type(weight).__name__ == "Float8Tensor" and hasattr(weight, "qdata") and hasattr(weight, "scale")
+
+    @property
+    def nbytes(self) -> int:
+        return self.pristine_qdata.nbytes + self.pristine_scale.nbytes
+
+    def restore(self) -> None:
+        self.qdata.copy_(self.pristine_qdata)
+        self.scale.copy_(self.pristine_scale)
+
+    def write(self, deltas: list[tuple[torch.Tensor, torch.Tensor, float]]) -> None:
+        from torchao.quantization import Float8Tensor
+
+        rows = self.qdata.shape[0]
+        high = self.pristine_qdata.to(torch.float32) * self.pristine_scale.reshape(rows, -1).to(torch.float32)
+        for up, down, alpha in deltas:
+            high.addmm_(up.to(torch.float32), down.to(torch.float32), alpha=alpha)
+        fresh = Float8Tensor.from_hp(high, float8_dtype=self.qdata.dtype, granularity=self.granularity)
+        self.qdata.copy_(fresh.qdata)
+        self.scale.copy_(fresh.scale.reshape(self.scale.shape))

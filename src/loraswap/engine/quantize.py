@@ -1,0 +1,38 @@
+"""`--quantize`: the denoiser's linear weights in float8, through torchao.
+
+`fp8`: float8 weights and dynamically quantized activations, row-wise scales (float8
+matmuls; CUDA compute capability 8.9 or later). `fp8-weight-only`: float8 weights
+de-quantized in the matmul (half the weight memory, any device). Either way the fused
+swap re-quantizes a touched weight from its pristine float8 copy (`swap.Fp8Weight`).
+"""
+
+import logging
+
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def quantize_denoiser(denoiser: nn.Module, mode: str) -> None:
+    if mode == "none":
+        return
+    try:
+        from torchao.quantization import (
+            Float8DynamicActivationFloat8WeightConfig,
+            Float8WeightOnlyConfig,
+            PerRow,
+            quantize_,
+        )
+    except ImportError:
+        raise ValueError("--quantize needs torchao: pip install 'loraswap[fp8]'") from None
+    if mode == "fp8":
+        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    elif mode == "fp8-weight-only":
+        config = Float8WeightOnlyConfig()
+    else:
+        raise ValueError(f"unknown quantization '{mode}'; choose none, fp8 or fp8-weight-only")
+    try:
+        quantize_(denoiser, config)
+    except AssertionError as e:  # torchao's hardware check
+        raise ValueError(f"--quantize fp8 cannot run here ({e}); use fp8-weight-only") from None
+    logger.info("denoiser quantized: %s", mode)

@@ -1,0 +1,105 @@
+"""Swaps on a float8 base (`--quantize`): re-quantized from a pristine float8 copy.
+
+CPU runs torchao's weight-only float8 (the dynamic-activation mode needs a GPU of compute
+capability 8.9+); the swap path is the same: `Float8Tensor.qdata` and `scale` rewritten."""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import rel_err
+
+pytest.importorskip("torchao", reason="the test extra pins torchao")
+
+from loraswap.engine.config import EngineConfig, GenerateRequest  # noqa: E402
+from loraswap.engine.engine import Engine  # noqa: E402
+
+
+def float8_state(engine: Engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {name: (m.weight.qdata.clone(), m.weight.scale.clone()) for name, m in engine.denoiser.named_modules()
+            if hasattr(getattr(m, "weight", None), "qdata")}
+
+
+def assert_float8_unchanged(engine: Engine, before: dict) -> None:
+    after = float8_state(engine)
+    assert after.keys() == before.keys()
+    changed = [n for n in before if not (torch.equal(before[n][0], after[n][0]) and
+                                         torch.equal(before[n][1], after[n][1]))]
+    assert not changed, f"{len(changed)} float8 weights changed, e.g. {changed[:3]}"
+
+
+@pytest.fixture
+def engines(adapter_factory, tmp_path):
+    adapter_factory("strong", "tiny-flux", rank=8, targets="all", alpha=64.0, seed=70, folder=tmp_path)
+    adapter_factory("other", "tiny-flux", rank=4, targets="attn", alpha=8.0, seed=71, folder=tmp_path)
+    common = dict(model="tiny-flux", adapters=tmp_path, compile=False, warmup=False)
+    return Engine(EngineConfig(**common)), Engine(EngineConfig(**common, quantize="fp8-weight-only"))
+
+
+def image(engine: Engine, loras) -> np.ndarray:
+    return np.asarray(engine.generate(GenerateRequest(prompt="a fox", seed=2, steps=2, loras=loras)).image, float)
+
+
+def test_fp8_swap_adds_the_adapter_and_no_error_beyond_quantization(engines):
+    full, fp8 = engines
+    assert len(float8_state(fp8)) > 20
+    quantization = rel_err(image(fp8, []), image(full, []))
+    with_adapter = rel_err(image(fp8, [("strong", 1.0)]), image(full, [("strong", 1.0)]))
+    effect = rel_err(image(full, [("strong", 1.0)]), image(full, []))
+    assert 0 < quantization < 0.05
+    assert effect > 4 * quantization  # the adapter visibly changes the image ...
+    assert with_adapter < 1.5 * quantization + 0.01  # ... and float8 costs no more with it than without
+
+
+def test_fp8_weights_are_requantized_within_half_a_float8_step(engines):
+    _, fp8 = engines
+    before = float8_state(fp8)
+    bound = fp8.resolve_adapter("strong")
+    fp8.set_adapters([("strong", 1.0)])
+    checked = 0
+    for (component, name), layer in bound.layers.items():
+        if (component, name) not in fp8.swapper._fp8:
+            continue
+        qdata, scale = before[name]
+        exact = qdata.float() * scale.float() + layer.scale * (layer.up.float() @ layer.down.float())
+        weight = fp8.denoiser.get_submodule(name).weight
+        fused = weight.qdata.float() * weight.scale.float()
+        # row-wise e4m3: each row's scale puts its largest value at 448; 3 mantissa bits
+        bound_per_row = exact.abs().amax(dim=1, keepdim=True) * 2**-4 + 1e-6
+        assert ((fused - exact).abs() <= bound_per_row).all(), name
+        assert not torch.equal(weight.qdata, qdata)
+        checked += 1
+    assert checked > 20
+
+
+def test_fp8_blends_failures_and_reset_leave_the_base_bitwise(engines, monkeypatch):
+    _, fp8 = engines
+    before = float8_state(fp8)
+    blended = image(fp8, [("strong", 0.7), ("other", 0.5)])
+    assert not np.array_equal(blended, image(fp8, []))
+    assert_float8_unchanged(fp8, before)  # the base image above reset the weights
+
+    from loraswap.engine import swap
+
+    calls = {"n": 0}
+    real_write = swap.Fp8Weight.write
+
+    def failing_write(self, deltas):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("injected")
+        real_write(self, deltas)
+
+    monkeypatch.setattr(swap.Fp8Weight, "write", failing_write)
+    with pytest.raises(RuntimeError, match="injected"):
+        fp8.set_adapters([("strong", 1.0)])
+    assert_float8_unchanged(fp8, before)
+    monkeypatch.setattr(swap.Fp8Weight, "write", real_write)
+    assert np.array_equal(image(fp8, [("strong", 0.7), ("other", 0.5)]), blended)
+
+
+def test_dynamic_fp8_is_refused_where_the_hardware_lacks_it():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="cannot run here.*use fp8-weight-only"):
+        Engine(EngineConfig(model="tiny-flux", compile=False, warmup=False, quantize="fp8"))
