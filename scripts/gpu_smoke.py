@@ -1,6 +1,10 @@
-"""A quick check of the CUDA-only paths (pinned host tier, GPU tier copies on a side stream,
-chunked host-to-GPU streaming in the swap) on a tiny preset: images from the GPU tier, the
-host tier and an eager diffusers reference agree. Run on a GPU machine:
+"""A quick check of the CUDA-only paths on tiny presets. Run on a GPU machine:
+1. the pinned host tier, GPU tier copies on a side stream and chunked host-to-GPU
+   streaming in the swap: images from the GPU tier and the host tier agree;
+2. CUDA graphs (`--compile-mode reduce-overhead`): images after swaps equal eager ones
+   with the same adapters (the graphs read the swapped weights);
+3. `--quantize fp8` (dynamic float8): images with adapters against bf16 ones.
+
     PYTHONPATH=src python scripts/gpu_smoke.py ADAPTER_DIR
 """
 
@@ -43,6 +47,38 @@ def main(folder: Path) -> None:
     worst = max(float(np.abs(a - b).max()) for a, b in zip(images["gpu-tier"], images["host-tier"]))
     print("max pixel difference gpu-tier vs host-tier:", worst, flush=True)
     assert worst <= 1.0
+    check_modes(folder)
+
+
+def check_modes(folder: Path) -> None:
+    def images(model: str, **options) -> list[np.ndarray]:
+        engine = Engine(EngineConfig(model=model, adapters=folder if model == "tiny-sdxl" else flux, device="cuda",
+                                     dtype="bfloat16", **options))
+        loras = [[("g0", 1.0)], [("g1", 0.8)], [], [("g2", 0.6), ("g3", 0.5)], [("g0", 1.0)]]
+        out = [np.asarray(engine.generate(GenerateRequest(prompt="x", seed=k, steps=3, loras=lo)).image, dtype=float)
+               for k, lo in enumerate(loras)]
+        print(model, options, "recompiles", engine.recompiles, flush=True)
+        return out
+
+    def rel(a, b) -> float:
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    eager = images("tiny-sdxl", compile=False)
+    graphs = images("tiny-sdxl", compile=True, compile_mode="reduce-overhead")
+    worst = max(rel(a, b) for a, b in zip(graphs, eager))
+    print("CUDA graphs vs eager, worst relative image difference over 5 swaps:", worst, flush=True)
+    assert worst < 0.02
+
+    flux = folder / "flux"
+    flux.mkdir(exist_ok=True)
+    _, components = lora_components("tiny-flux")
+    for i in range(4):
+        sd, md = make_random_adapter(components, 8, "all" if i % 2 else "attn", alpha=16.0, seed=10 + i)
+        save_file(sd, str(flux / f"g{i}.safetensors"), metadata=md)
+    bf16 = images("tiny-flux", compile=False)
+    fp8 = images("tiny-flux", compile=False, quantize="fp8")
+    print("fp8 vs bf16 relative image difference per request:", [round(rel(a, b), 4) for a, b in zip(fp8, bf16)],
+          flush=True)
 
 
 if __name__ == "__main__":
