@@ -58,6 +58,10 @@ class ServerProcess:
         self.proc.terminate()
         try:
             return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # never leave a server behind to slow the tests after this one
+            self.proc.wait(30)
+            raise
         finally:
             self._log.close()
 
