@@ -61,6 +61,9 @@ CompileMode = Annotated[str, _opt("--compile-mode", help="torch.compile mode: de
                                   "reduce-overhead or max-autotune (CUDA graphs: the whole denoiser).")]
 Attention = Annotated[str | None, _opt("--attention", help="Attention backend of diffusers' dispatcher (native, "
                                        "_native_cudnn, _native_flash, flex, ...; default: diffusers').")]
+CompileCache = Annotated[Path | None, _opt("--compile-cache", help="Folder for torch.compile's caches (FX graphs, "
+                                           "AOTAutograd, Triton kernels, autotuning), kept across restarts: a "
+                                           "restarted process compiles from it.")]
 
 
 @app.command()
@@ -76,6 +79,7 @@ def serve(
                                          env="LORASWAP_COMPILE")] = None,
     compile_mode: CompileMode = "default",
     attention: Attention = None,
+    compile_cache: CompileCache = None,
     swap_mode: Annotated[str, _opt("--swap-mode", help="fused (loraswap) or diffusers (seed 1's load + fuse per "
                                    "request, eager: a benchmark baseline).")] = "fused",
     max_queue: Annotated[int, _opt("--max-queue", help="Requests waiting before 503.")] = 32,
@@ -134,7 +138,8 @@ def serve(
     try:
         config = config_cls(
             engines=[engine_cls(model=name, adapters=adapters, device=device, dtype=dtype, compile=compile,
-                                compile_mode=compile_mode, attention=attention, swap_mode=swap_mode, hub=hub,
+                                compile_mode=compile_mode, attention=attention, compile_cache=compile_cache,
+                                swap_mode=swap_mode, hub=hub,
                                 hub_allow=hub_allow or ["*"], hub_deny=hub_deny or [], max_blend=max_blend,
                                 max_rank=max_rank, max_adapter_mb=max_adapter_mb,
                                 cache=CacheConfig(host_bytes=int(host_cache_mb * 2**20),
@@ -228,6 +233,7 @@ def generate(
                                          env="LORASWAP_COMPILE")] = None,
     compile_mode: CompileMode = "default",
     attention: Attention = None,
+    compile_cache: CompileCache = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Generate one image, with adapters fused the way the server fuses them."""
@@ -237,7 +243,8 @@ def generate(
     _setup_logging(verbose)
     try:
         engine = Engine(EngineConfig(model=model, adapters=adapters, device=device, compile=compile,
-                                     compile_mode=compile_mode, attention=attention, warmup=False))
+                                     compile_mode=compile_mode, attention=attention, compile_cache=compile_cache,
+                                     warmup=False))
         request = GenerateRequest(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
                                   width=width, height=height, seed=seed,
                                   loras=[_parse_lora(s) for s in lora or []])
@@ -422,6 +429,30 @@ def bench_serve(
     _setup_logging(False)
     run_serve_bench(model, num_ids, requests, concurrency, steps, width, height, workdir, out,
                     tuple(m.strip() for m in modes.split(",")))
+
+
+@bench_app.command("startup")
+def bench_startup(
+    model: Annotated[str, typer.Option("--model", help="sdxl-random, flux-dev-random, sd15-random or a preset.")]
+    = "sdxl-random",
+    compile_cache: Annotated[Path | None, typer.Option("--compile-cache", help="An empty or new folder for the "
+                                                       "caches (default: a new one under --workdir).")] = None,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Cold + warm pairs, each on a new cache.")] = 1,
+    steps: Annotated[int, typer.Option("--steps", help="Steps of the first request after ready.")] = 2,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    serve_args: Annotated[str, typer.Option("--serve-args", help="More loraswap serve flags, e.g. "
+                                            "'--compile-mode max-autotune-no-cudagraphs'.")] = "",
+    out: Annotated[Path, typer.Option("--out", help="Folder for JSON and PNG.")] = Path("bench/results"),
+    workdir: Annotated[Path | None, typer.Option("--workdir", help="Server logs and the default cache.")] = None,
+) -> None:
+    """Time to the first image after a restart: cold, then with the compile cache the cold start filled."""
+    from .bench.startup import run_startup_bench
+
+    _setup_logging(False)
+    try:
+        run_startup_bench(model, compile_cache, rounds, steps, device, serve_args, out, workdir)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 def main() -> None:  # pragma: no cover

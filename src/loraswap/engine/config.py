@@ -29,6 +29,7 @@ class EngineConfig(BaseModel):
     compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"] = Field(
         "default", description="torch.compile mode; the CUDA-graph modes compile the whole denoiser, not its blocks.")
     attention: str | None = Field(None, description="Attention backend of diffusers' dispatcher (None: its default).")
+    compile_cache: Path | None = Field(None, description="Folder of torch.compile's caches, kept across restarts.")
     swap_mode: Literal["fused", "diffusers"] = Field(
         "fused", description="fused: loraswap's swap; diffusers: seed 1's load + fuse per request (a baseline).")
     pristine: Literal["device", "host"] = Field("device", description="Where pristine weight copies live.")

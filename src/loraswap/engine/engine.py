@@ -11,8 +11,10 @@ import inspect
 import logging
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from PIL import Image
@@ -26,11 +28,13 @@ from ..errors import AdapterNotFound, BadRequest
 from ..models import generation_defaults, load_pipeline, model_name, resolve_device
 from .attention import AttentionBackend
 from .baseline import DiffusersLoadFuse
+from .compile_cache import format_lookups, lookup_counts, lookups_since, use_compile_cache, use_fresh_compile_cache
 from .config import EngineConfig, GenerateRequest
 from .swap import BoundAdapter, FusedSwapper
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 Acquired = list[tuple[CacheEntry, float]]  # adapters held in the cache for one request, with weights
 
 
@@ -50,6 +54,9 @@ class Engine:
         started = time.perf_counter()
         logger.info("loading %s on %s (%s)", config.model, self.device, self.dtype)
         self.pipeline = load_pipeline(config.model, device=self.device, dtype=self.dtype)
+        # seconds from the start: load (the pipeline on the device), warmup (compile + warm-up image),
+        # first_image (start to the first image made, the warm-up's or, without warm-up, a request's)
+        self.startup: dict[str, float] = {"load_s": time.perf_counter() - started}
         self.model_name = model_name(self.pipeline, config.model)
         self.components = {name: getattr(self.pipeline, name) for name in self.pipeline._lora_loadable_modules
                            if getattr(self.pipeline, name, None) is not None}
@@ -67,12 +74,18 @@ class Engine:
             logger.info("--swap-mode diffusers runs eager, as seed 1 did: not compiling")
             self.compiled = False
         self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
+        # the compile cache is set before anything compiles (the denoiser, the swap kernel)
+        self.compile_cache = use_compile_cache(config.compile_cache) if config.compile_cache else None
+        self.compile_cache_lookups: dict[str, dict[str, int]] | None = None  # torch's, until the first image
+        self._started, self._lookups_before, self._retried_cold = started, lookup_counts(), False
+        warming = time.perf_counter()
         if self.compiled:
             self._compile()
         if config.warmup:
             logger.info("warming up%s", " (compiling)" if self.compiled else "")
-            self.swapper.warm_up_kernel()
+            self._maybe_retry_cold(self.swapper.warm_up_kernel)
             self.generate(GenerateRequest(prompt="warm-up", seed=0, steps=2))
+            self.startup["warmup_s"] = time.perf_counter() - warming
         self._graphs_after_warmup = self._graph_count()
         logger.info("%s ready in %.1f s", self.model_name, time.perf_counter() - started)
 
@@ -240,13 +253,35 @@ class Engine:
         # 3. generate
         started = time.perf_counter()
         with torch.inference_mode(), self.attention.context() if self.attention else contextlib.nullcontext():
-            images = self.pipeline(**kwargs).images
+            images = self._maybe_retry_cold(lambda: self.pipeline(**kwargs).images)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
+        if "first_image_s" not in self.startup:
+            self._record_first_image()
         return [GenerateResult(image, seed, swap_seconds, seconds) for image, seed in zip(images, seeds)]
 
-    # ---------------------------------------------------------------- compilation
+    # ---------------------------------------------------------------- compilation and start-up
+    def _maybe_retry_cold(self, step: Callable[[], T]) -> T:
+        """`step()`; until the first image, one that fails with a compile cache in use is
+        retried once, compiling cold in a fresh folder (the cache's folder is left as it is)."""
+        if self.compile_cache is None or self._retried_cold or "first_image_s" in self.startup:
+            return step()
+        try:
+            return step()
+        except Exception as e:
+            self._retried_cold = True
+            self.compile_cache = use_fresh_compile_cache(self.compile_cache, e)
+            self._lookups_before = lookup_counts()
+            return step()
+
+    def _record_first_image(self) -> None:
+        self.startup["first_image_s"] = time.perf_counter() - self._started
+        self.compile_cache_lookups = lookups_since(self._lookups_before)
+        logger.info("%s: first image %.1f s after start (load %.1f s); compile cache %s: %s", self.model_name,
+                    self.startup["first_image_s"], self.startup["load_s"], self.compile_cache or "off",
+                    format_lookups(self.compile_cache_lookups))
+
     @property
     def denoiser(self) -> torch.nn.Module:
         return getattr(self.pipeline, "transformer", None) or self.pipeline.unet

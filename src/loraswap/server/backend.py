@@ -44,6 +44,10 @@ class EngineFigures:
     cancelled: int = 0
     ready: bool = False
     replicas: list[dict] = field(default_factory=list)  # Ray: one row per model replica
+    # per model: start-up seconds by phase (`Engine.startup`) and torch's compile cache lookups
+    # until its first image (`Engine.compile_cache_lookups`); the slowest replica's, the lookups summed
+    startup: dict[str, dict[str, float]] = field(default_factory=dict)
+    compile_cache: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
 
     def add(self, other: "EngineFigures", gauges: bool = True) -> None:
         """Add another engine's counters (and its gauges unless it is gone)."""
@@ -56,6 +60,16 @@ class EngineFigures:
             self.queue_depth += other.queue_depth
             for tier, nbytes in other.cache_bytes.items():
                 self.cache_bytes[tier] = self.cache_bytes.get(tier, 0) + nbytes
+            for model, phases in other.startup.items():
+                mine = self.startup.setdefault(model, {})
+                for phase, seconds in phases.items():
+                    mine[phase] = max(mine.get(phase, 0.0), seconds)
+            for model, caches in other.compile_cache.items():
+                mine = self.compile_cache.setdefault(model, {})
+                for cache, results in caches.items():
+                    into = mine.setdefault(cache, {})
+                    for result, n in results.items():
+                        into[result] = into.get(result, 0) + n
 
 
 def engine_figures(engine: Engine, worker: GpuWorker) -> EngineFigures:
@@ -63,7 +77,8 @@ def engine_figures(engine: Engine, worker: GpuWorker) -> EngineFigures:
         recompiles=engine.recompiles, cache_misses=engine.cache.misses, cancelled=worker.skipped_cancelled,
         cache_hits={t.value: engine.cache.hits[t.value] for t in (Tier.HOST, Tier.GPU)},
         cache_bytes={t.value: engine.cache.used(t) for t in (Tier.HOST, Tier.GPU)},
-        queue_depth=worker.queue_depth, ready=True)
+        queue_depth=worker.queue_depth, ready=True, startup={engine.model_name: dict(engine.startup)},
+        compile_cache={engine.model_name: engine.compile_cache_lookups} if engine.compile_cache_lookups else {})
 
 
 class Backend(Protocol):
