@@ -59,6 +59,8 @@ def _quiet_libraries() -> None:
 
 CompileMode = Annotated[str, _opt("--compile-mode", help="torch.compile mode: default, max-autotune-no-cudagraphs, "
                                   "reduce-overhead or max-autotune (CUDA graphs: the whole denoiser).")]
+Quantize = Annotated[str, _opt("--quantize", help="Denoiser weights in float8 (torchao): none, fp8 (weights and "
+                                "activations; CUDA 8.9+) or fp8-weight-only.")]
 Attention = Annotated[str | None, _opt("--attention", help="Attention backend of diffusers' dispatcher (native, "
                                        "_native_cudnn, _native_flash, flex, ...; default: diffusers').")]
 CompileCache = Annotated[Path | None, _opt("--compile-cache", help="Folder for torch.compile's caches (FX graphs, "
@@ -79,6 +81,13 @@ def serve(
                                          env="LORASWAP_COMPILE")] = None,
     compile_mode: CompileMode = "default",
     attention: Attention = None,
+    quantize: Quantize = "none",
+    quantize_text_encoders: Annotated[str, _opt("--quantize-text-encoders", help="Text encoders' weights in float8: "
+                                               "none or fp8-weight-only (the low-memory mode).")] = "none",
+    pristine: Annotated[str, _opt("--pristine", help="Where pristine copies of swapped weights live: device, or "
+                                  "host (pinned RAM; the low-memory mode).")] = "device",
+    max_gpu_memory_gb: Annotated[float | None, _opt("--max-gpu-memory-gb", help="Cap this process's GPU memory "
+                                                    "(a 24 GB card on a larger one).")] = None,
     compile_cache: CompileCache = None,
     swap_mode: Annotated[str, _opt("--swap-mode", help="fused (loraswap) or diffusers (seed 1's load + fuse per "
                                    "request, eager: a benchmark baseline).")] = "fused",
@@ -139,6 +148,8 @@ def serve(
         config = config_cls(
             engines=[engine_cls(model=name, adapters=adapters, device=device, dtype=dtype, compile=compile,
                                 compile_mode=compile_mode, attention=attention, compile_cache=compile_cache,
+                                quantize=quantize, quantize_text_encoders=quantize_text_encoders,
+                                pristine=pristine, max_gpu_memory_gb=max_gpu_memory_gb,
                                 swap_mode=swap_mode, hub=hub,
                                 hub_allow=hub_allow or ["*"], hub_deny=hub_deny or [], max_blend=max_blend,
                                 max_rank=max_rank, max_adapter_mb=max_adapter_mb,
@@ -233,6 +244,7 @@ def generate(
                                          env="LORASWAP_COMPILE")] = None,
     compile_mode: CompileMode = "default",
     attention: Attention = None,
+    quantize: Quantize = "none",
     compile_cache: CompileCache = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
@@ -244,7 +256,7 @@ def generate(
     try:
         engine = Engine(EngineConfig(model=model, adapters=adapters, device=device, compile=compile,
                                      compile_mode=compile_mode, attention=attention, compile_cache=compile_cache,
-                                     warmup=False))
+                                     quantize=quantize, warmup=False))
         request = GenerateRequest(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
                                   width=width, height=height, seed=seed,
                                   loras=[_parse_lora(s) for s in lora or []])

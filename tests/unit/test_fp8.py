@@ -103,3 +103,21 @@ def test_dynamic_fp8_is_refused_where_the_hardware_lacks_it():
         pytest.skip("this machine has a GPU")
     with pytest.raises(ValueError, match="cannot run here.*use fp8-weight-only"):
         Engine(EngineConfig(model="tiny-flux", compile=False, warmup=False, quantize="fp8"))
+
+
+def test_text_encoder_adapters_swap_onto_float8_text_encoders(adapter_factory, tmp_path):
+    adapter_factory("te", "tiny-sdxl", rank=8, targets="attn", text_encoder=True, alpha=32.0, seed=72, folder=tmp_path)
+    engine = Engine(EngineConfig(model="tiny-sdxl", adapters=tmp_path, compile=False, warmup=False,
+                                 quantize_text_encoders="fp8-weight-only"))
+    encoders = [engine.pipeline.text_encoder, engine.pipeline.text_encoder_2]
+    state = lambda: [(m.weight.qdata.clone(), m.weight.scale.clone()) for e in encoders  # noqa: E731
+                     for m in e.modules() if hasattr(getattr(m, "weight", None), "qdata")]
+    before = state()
+    assert len(before) > 10 and not any(hasattr(m.weight, "qdata") for m in engine.denoiser.modules()
+                                        if isinstance(m, torch.nn.Linear))
+    base = image(engine, [])
+    with_adapter = image(engine, [("te", 1.0)])
+    assert sum(c[0] == "text_encoder" for c in engine.swapper._fp8) > 5
+    assert rel_err(with_adapter, base) > 0.01
+    engine.set_adapters([])
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(before, state()))

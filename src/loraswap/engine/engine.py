@@ -30,6 +30,7 @@ from .attention import AttentionBackend
 from .baseline import DiffusersLoadFuse
 from .compile_cache import format_lookups, lookup_counts, lookups_since, use_compile_cache, use_fresh_compile_cache
 from .config import EngineConfig, GenerateRequest
+from .quantize import quantize_module, quantize_text_encoders
 from .swap import BoundAdapter, FusedSwapper
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,17 @@ class Engine:
         self.dtype = config.torch_dtype(self.device)
         started = time.perf_counter()
         logger.info("loading %s on %s (%s)", config.model, self.device, self.dtype)
-        self.pipeline = load_pipeline(config.model, device=self.device, dtype=self.dtype)
+        if config.max_gpu_memory_gb and self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, config.max_gpu_memory_gb * 2**30 / total), self.device)
+        # quantized components are built on the host and quantized layer by layer onto the
+        # GPU, so the full-precision model never has to fit there
+        quantizing = self.device.type == "cuda" and (config.quantize, config.quantize_text_encoders) != ("none", "none")
+        self.pipeline = load_pipeline(config.model, device="cpu" if quantizing else self.device, dtype=self.dtype)
+        quantize_module(self.denoiser, config.quantize, self.device)
+        quantize_text_encoders(self.pipeline, config.quantize_text_encoders, self.device)
+        if quantizing:
+            self.pipeline.to(self.device)
         # seconds from the start: load (the pipeline on the device), warmup (compile + warm-up image),
         # first_image (start to the first image made, the warm-up's or, without warm-up, a request's)
         self.startup: dict[str, float] = {"load_s": time.perf_counter() - started}

@@ -1,4 +1,4 @@
-"""`--quantize`: the denoiser's linear weights in float8, through torchao.
+"""`--quantize` and `--quantize-text-encoders`: linear weights in float8, through torchao.
 
 `fp8`: float8 weights and dynamically quantized activations, row-wise scales (float8
 matmuls; CUDA compute capability 8.9 or later). `fp8-weight-only`: float8 weights
@@ -13,7 +13,21 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def quantize_denoiser(denoiser: nn.Module, mode: str) -> None:
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def quantize_text_encoders(pipeline, mode: str, device=None) -> None:
+    """`--quantize-text-encoders`: the text encoders' linear weights (T5-XXL's 9.5 GB in
+    bf16, say) in float8, as the low-memory mode wants."""
+    for name in TEXT_ENCODERS:
+        encoder = getattr(pipeline, name, None)
+        if encoder is not None:
+            quantize_module(encoder, mode, device)
+
+
+def quantize_module(module: nn.Module, mode: str, device=None) -> None:
+    """Every linear layer of `module` in float8 (`fp8` or `fp8-weight-only`), each moved to
+    `device` as it is quantized; `none`: as it is."""
     if mode == "none":
         return
     try:
@@ -32,7 +46,7 @@ def quantize_denoiser(denoiser: nn.Module, mode: str) -> None:
     else:
         raise ValueError(f"unknown quantization '{mode}'; choose none, fp8 or fp8-weight-only")
     try:
-        quantize_(denoiser, config)
+        quantize_(module, config, device=device)
     except AssertionError as e:  # torchao's hardware check
         raise ValueError(f"--quantize fp8 cannot run here ({e}); use fp8-weight-only") from None
-    logger.info("denoiser quantized: %s", mode)
+    logger.info("%s quantized: %s", type(module).__name__, mode)

@@ -264,7 +264,7 @@ class FusedSwapper:
 
     def _save_pristine(self, key: LayerKey, weight: torch.Tensor) -> None:
         if Fp8Weight.holds(weight):
-            self._fp8[key] = self._pristine[key] = Fp8Weight(weight)
+            self._fp8[key] = self._pristine[key] = Fp8Weight(weight, on_host=self._pristine_on_host)
             return
         if self._pristine_on_host and weight.is_cuda:
             pristine = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)
@@ -329,11 +329,18 @@ class Fp8Weight:
     """A float8 weight (torchao's `Float8Tensor`: `qdata` and its `scale`) and a pristine
     copy of both. An adapter is fused by de-quantizing the copy, adding the deltas in
     fp32 and quantizing again with torchao's own rule, written into `qdata` and `scale` in
-    place (compiled code keeps its tensors); `restore` is bitwise."""
+    place (compiled code keeps its tensors); `restore` is bitwise. With `on_host` the copy
+    lives in pinned host RAM (the low-memory mode) and streams in when needed."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, on_host: bool = False):
         self.qdata, self.scale = weight.qdata, weight.scale
-        self.pristine_qdata, self.pristine_scale = self.qdata.clone(), self.scale.clone()
+        if on_host and self.qdata.is_cuda:
+            self.pristine_qdata = torch.empty(self.qdata.shape, dtype=self.qdata.dtype, pin_memory=True)
+            self.pristine_scale = torch.empty(self.scale.shape, dtype=self.scale.dtype, pin_memory=True)
+            self.pristine_qdata.copy_(self.qdata)
+            self.pristine_scale.copy_(self.scale)
+        else:
+            self.pristine_qdata, self.pristine_scale = self.qdata.clone(), self.scale.clone()
         from torchao.quantization import PerRow, PerTensor
 
         self.granularity = PerRow() if self.scale.numel() == self.qdata.shape[0] > 1 else PerTensor()
@@ -347,14 +354,16 @@ class Fp8Weight:
         return self.pristine_qdata.nbytes + self.pristine_scale.nbytes
 
     def restore(self) -> None:
-        self.qdata.copy_(self.pristine_qdata)
-        self.scale.copy_(self.pristine_scale)
+        self.qdata.copy_(self.pristine_qdata, non_blocking=True)
+        self.scale.copy_(self.pristine_scale, non_blocking=True)
 
     def write(self, deltas: list[tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         from torchao.quantization import Float8Tensor
 
-        rows = self.qdata.shape[0]
-        high = self.pristine_qdata.to(torch.float32) * self.pristine_scale.reshape(rows, -1).to(torch.float32)
+        rows, device = self.qdata.shape[0], self.qdata.device
+        qdata = self.pristine_qdata.to(device, non_blocking=True)
+        scale = self.pristine_scale.to(device, non_blocking=True)
+        high = qdata.to(torch.float32) * scale.reshape(rows, -1).to(torch.float32)
         for up, down, alpha in deltas:
             high.addmm_(up.to(torch.float32), down.to(torch.float32), alpha=alpha)
         fresh = Float8Tensor.from_hp(high, float8_dtype=self.qdata.dtype, granularity=self.granularity)
