@@ -6,6 +6,7 @@ LORASWAP_MODEL, LORASWAP_ADAPTERS, LORASWAP_PORT).
 
 import json
 import logging
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -433,6 +434,8 @@ def bench_serve(
     modes: Annotated[str, typer.Option("--modes", help="fused (loraswap) and/or diffusers (seed 1).")]
     = "fused,diffusers",
     out: Annotated[Path, typer.Option("--out", help="Folder for JSON and PNG.")] = Path("bench/results"),
+    fused_args: Annotated[str, typer.Option("--fused-args", help="Extra `loraswap serve` flags for loraswap's "
+                                            "server only, e.g. '--compile-mode reduce-overhead'.")] = "",
     workdir: Annotated[Path | None, typer.Option("--workdir", help="Adapters and server logs.")] = None,
 ) -> None:
     """Latency and throughput of the HTTP server under a Zipf stream, against seed-1 mode."""
@@ -440,7 +443,7 @@ def bench_serve(
 
     _setup_logging(False)
     run_serve_bench(model, num_ids, requests, concurrency, steps, width, height, workdir, out,
-                    tuple(m.strip() for m in modes.split(",")))
+                    tuple(m.strip() for m in modes.split(",")), fused_args=tuple(shlex.split(fused_args)))
 
 
 @bench_app.command("startup")

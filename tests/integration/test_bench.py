@@ -20,9 +20,12 @@ def test_bench_serve_runs_both_modes(tmp_path):
     result = CliRunner().invoke(app, ["bench", "serve", "--model", "tiny-sd", "--adapters-count", "30",
                                       "--requests", "6", "--concurrency", "2", "--steps", "2", "--width", "64",
                                       "--height", "64", "--out", str(tmp_path / "out"), "--workdir",
-                                      str(tmp_path / "work")])
+                                      str(tmp_path / "work"), "--fused-args", "--attention _native_math"])
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "out" / "serve-tiny-sd.json").read_text())
+    assert report["fused_args"] == ["--attention", "_native_math"]  # loraswap's server only: seed 1 stays seed 1
+    assert "attention backend _native_math" in (tmp_path / "work" / "server-fused.log").read_text()
+    assert "attention backend" not in (tmp_path / "work" / "server-diffusers.log").read_text()
     for mode in ("fused", "diffusers"):
         runs = report["modes"][mode]["runs"]
         assert [r["concurrency"] for r in runs] == [1, 2]

@@ -117,17 +117,19 @@ def _metric(url: str, name: str) -> float:
 def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: int = 24, concurrency: int = 4,
                     steps: int = 25, width: int = 1024, height: int = 1024, workdir: Path | None = None,
                     out_dir: Path = Path("bench/results"), modes: tuple[str, ...] = ("fused", "diffusers"),
-                    extra_args: tuple[str, ...] = ()) -> dict:
+                    extra_args: tuple[str, ...] = (), fused_args: tuple[str, ...] = ()) -> dict:
+    """`extra_args` go to both servers; `fused_args` (speed options: `--compile-mode`,
+    `--quantize`, `--attention`) to loraswap's alone, the baseline staying seed 1."""
     shape = model.removesuffix("-random")
     workdir = Path(workdir or "/tmp/loraswap-bench-serve")
     ids = prepare_adapters(shape, workdir / "adapters", num_ids)
     stream = [ids[k] for k in zipf_stream(num_ids, requests)]
     params = {"num_inference_steps": steps, "width": width, "height": height}
     results = {"model": model, "num_ids": num_ids, "requests": requests, "distinct_in_stream": len(set(stream)),
-               "params": params, "env": environment(), "modes": {}}
+               "params": params, "env": environment(), "fused_args": list(fused_args), "modes": {}}
     for mode in modes:
         proc, url, log, ready_s = _start_server(model, workdir / "adapters", mode, workdir / f"server-{mode}.log",
-                                                list(extra_args))
+                                                [*extra_args, *(fused_args if mode == "fused" else ())])
         try:
             _drive(url, [ids[0]], 1, params)  # one request outside the figures (first-request effects)
             runs = [_drive(url, stream, 1, params), _drive(url, stream, concurrency, params)]
