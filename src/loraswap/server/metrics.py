@@ -26,6 +26,7 @@ class Metrics:
                                           buckets=GENERATE_BUCKETS, registry=self.registry)
         self._engines = _EngineCollector()
         self.registry.register(self._engines)
+        self.registry.register(_GpuMemoryCollector())
         self._lock = threading.Lock()
 
     def render(self, figures) -> bytes:
@@ -33,6 +34,25 @@ class Metrics:
         with self._lock:
             self._engines.figures = figures
             return generate_latest(self.registry)
+
+
+class _GpuMemoryCollector:
+    """This process's GPU memory per device, now and at its peak (torch's allocator): what
+    `--max-gpu-memory-gb` budgets. Nothing without CUDA."""
+
+    def collect(self):
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        allocated = GaugeMetricFamily("loraswap_gpu_memory_bytes", "GPU memory allocated by this process.",
+                                      labels=["device"])
+        peak = GaugeMetricFamily("loraswap_gpu_memory_peak_bytes", "Most GPU memory this process has allocated.",
+                                 labels=["device"])
+        for index in range(torch.cuda.device_count()):
+            allocated.add_metric([str(index)], torch.cuda.memory_allocated(index))
+            peak.add_metric([str(index)], torch.cuda.max_memory_allocated(index))
+        yield from (allocated, peak)
 
 
 class _EngineCollector:
