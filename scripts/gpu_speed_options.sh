@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU runs still owed to the speed and memory options (see BENCHMARKS.md), in the
+# order they matter, each under its own timeout so one hang costs minutes. Run from the
+# repository root on a CUDA machine with PYTHONPATH=src; results go under ${OUT:-out}.
+#   bash scripts/gpu_speed_options.sh [step ...]   # steps: smoke options serve-sdxl serve-flux lowmem startup
+set -uo pipefail
+out=${OUT:-out}/results
+mkdir -p "$out"
+steps=${*:-smoke options serve-sdxl serve-flux lowmem startup}
+run() { echo "== $1 (timeout $2 s)"; shift 2; timeout "$@"; echo "== rc $?"; }
+
+for step in $steps; do
+  case $step in
+    smoke)  # CUDA graphs == eager across swaps; dynamic float8 vs bf16; cache tiers
+      run smoke 240 240 python scripts/gpu_smoke.py 2>&1 | tail -20 ;;
+    options)  # attention backends x compile modes, a swap before each image
+      run options-sdxl 420 420 python -m loraswap bench options --shape sdxl --rounds 3 --out "$out" \
+        --variants native@default,_native_cudnn@default,native@reduce-overhead,_native_cudnn@reduce-overhead
+      run options-flux 540 540 python -m loraswap bench options --shape flux-dev --steps 28 --rounds 3 --out "$out" \
+        --variants native@default,_native_cudnn@default,_native_flash@default ;;
+    serve-sdxl)  # target: >= 3x seed-1 mode with a LoRA per request
+      run serve-sdxl 580 580 python -m loraswap bench serve --model sdxl-random --requests 20 --concurrency 4 \
+        --out "$out" --fused-args "--compile-mode reduce-overhead --attention _native_cudnn" ;;
+    serve-flux)  # target: full FLUX pipeline >= 2.5x seed-1 mode
+      run serve-flux 590 590 python -m loraswap bench serve --model flux-dev-random --requests 12 --concurrency 2 \
+        --steps 28 --out "$out" --fused-args "--quantize fp8 --attention _native_cudnn" ;;
+    lowmem)  # target: peak <= 22 GB under a 24 GB cap (gpu_peak_GiB in the JSON)
+      run lowmem 590 590 python -m loraswap bench serve --model flux-dev-random --requests 6 --concurrency 1 \
+        --steps 28 --modes fused --out "$out/lowmem" --fused-args "--quantize fp8 --quantize-text-encoders \
+fp8-weight-only --pristine host --gpu-cache-mb 0 --max-gpu-memory-gb 24" ;;
+    startup)  # target: first image after a restart with the compile cache <= 1.5x the load time
+      run startup 590 590 python -m loraswap bench startup --model flux-dev-random --rounds 2 --out "$out" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
