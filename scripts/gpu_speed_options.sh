@@ -14,10 +14,14 @@ for step in $steps; do
     smoke)  # CUDA graphs == eager across swaps; dynamic float8 vs bf16; cache tiers
       run smoke 240 240 python scripts/gpu_smoke.py 2>&1 | tail -20 ;;
     options)  # attention backends x compile modes, a swap before each image
-      run options-sdxl 420 420 python -m loraswap bench options --shape sdxl --rounds 3 --out "$out" \
-        --variants native@default,_native_cudnn@default,native@reduce-overhead,_native_cudnn@reduce-overhead
-      run options-flux 540 540 python -m loraswap bench options --shape flux-dev --steps 28 --rounds 3 --out "$out" \
-        --variants native@default,_native_cudnn@default,_native_flash@default ;;
+      for attention in native _native_cudnn _native_flash; do  # one backend per process
+        run "options-sdxl-$attention" 300 300 python -m loraswap bench options --shape sdxl --rounds 3 \
+          --out "$out/sdxl-$attention" --variants "$attention@default,$attention@reduce-overhead"
+      done
+      for attention in native _native_cudnn; do
+        run "options-flux-$attention" 420 420 python -m loraswap bench options --shape flux-dev --steps 28 \
+          --rounds 3 --out "$out/flux-$attention" --variants "$attention@default"
+      done ;;
     serve-sdxl)  # target: >= 3x seed-1 mode with a LoRA per request
       run serve-sdxl 580 580 python -m loraswap bench serve --model sdxl-random --requests 20 --concurrency 4 \
         --out "$out" --fused-args "--compile-mode reduce-overhead --attention _native_cudnn" ;;

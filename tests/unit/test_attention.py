@@ -71,3 +71,7 @@ def test_bench_options_variants_are_checked_before_anything_is_built():
         parse_variant("native@turbo")
     with pytest.raises(ValueError, match="unknown attention backend 'fa9'"):
         parse_variant("fa9@default")
+    from loraswap.bench.options import run_options_bench
+
+    with pytest.raises(ValueError, match="one attention backend per run"):
+        run_options_bench("sdxl", ("native@default", "_native_cudnn@reduce-overhead"))

@@ -79,8 +79,12 @@ def run_options_bench(shape: str = "sdxl", variants: tuple[str, ...] = ("native@
                       out_dir: Path = Path("bench/results"), workdir: Path | None = None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    for name in variants:
-        parse_variant(name)  # refuse a typo before minutes of building
+    attentions = {parse_variant(name)[0] for name in variants}  # refuses a typo before minutes of building
+    if len(attentions) > 1:
+        # the UNets' SDPA kernel is chosen outside the compiled graphs, which do not re-check
+        # it, and copies of one model share compiled blocks: one backend per process
+        raise ValueError(f"one attention backend per run (got {', '.join(sorted(attentions))}): compiled copies "
+                         "of one model share their kernels; run one `bench options` per backend")
     import diffusers
 
     prefix = DENOISER[shape]
@@ -101,9 +105,10 @@ def run_options_bench(shape: str = "sdxl", variants: tuple[str, ...] = ("native@
     adapters = {name: [v.swapper.bind(a).to(device, dtype) for a in parsed] for name, v in built.items()}
     # 2. warm-up: compile (and record) with both adapters
     for name, variant in built.items():
+        results[f"warmup_{name}_s"] = 0.0
         for adapter in adapters[name]:
             variant.swapper.apply([(adapter, 1.0)])
-            results[f"warmup_{name}_s"] = timed(lambda: variant.image(2))[0]
+            results[f"warmup_{name}_s"] += timed(lambda: variant.image(2))[0]
     graphs, recorded = graph_count(), cuda_graphs_recorded()
     # 3. interleaved rounds, a swap before each image
     order = list(variants)

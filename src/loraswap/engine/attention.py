@@ -3,12 +3,17 @@
 Models whose attention processors go through the dispatcher (FLUX) take any backend
 it names (`set_attention_backend`). The UNets of SD 1.5 and SDXL call PyTorch's
 scaled-dot-product attention directly; for them the `native` family is honoured by
-choosing SDPA's kernel around each pipeline call (`torch.nn.attention.sdpa_kernel`),
-and other backends are refused with the ones that apply.
+choosing SDPA's kernel around each pipeline call (`torch.nn.attention.sdpa_kernel`, with
+fallbacks for attention the kernel cannot run), and other backends are refused with the
+ones that apply. That choice is made outside compiled graphs, which do not re-check it:
+it is part of the compile cache key (`engine.py`), and a process runs one choice per
+denoiser class (two UNet models with different choices in one process share compiled
+blocks).
 """
 
 import contextlib
 import logging
+import threading
 
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -61,5 +66,17 @@ class AttentionBackend:
             self._sdpa = SDPA_KERNELS[name]
         logger.info("attention backend %s%s", name, f" (SDPA kernel for the {', '.join(direct)})" if self._sdpa else "")
 
+    # PyTorch's SDPA kernel flags belong to the process, not the thread: engines that force a
+    # kernel take turns, so one engine's exit cannot switch another's kernel mid-image
+    _sdpa_lock = threading.Lock()
+
+    @contextlib.contextmanager
     def context(self):
-        return sdpa_kernel(self._sdpa) if self._sdpa is not None else contextlib.nullcontext()
+        if self._sdpa is None:
+            yield
+            return
+        # the chosen kernel first; attention it cannot run (the VAE's 512-wide head, fp32)
+        # falls back to the memory-efficient kernel, then to math, rather than failing
+        order = list(dict.fromkeys([self._sdpa, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]))
+        with self._sdpa_lock, sdpa_kernel(order, set_priority=True):
+            yield

@@ -2,7 +2,7 @@
 
 `torch.addmm(P, B, A, out=W)` on CUDA is two passes over the weight: a copy of P into
 W, then a GEMM accumulating into W. Swapping is bound by memory bandwidth (a rank-64
-adapter on every linear layer of FLUX.1 rewrites about 23 GB of weights), so the kernel
+adapter on every linear layer of FLUX.1 rewrites 8.6 billion weights, 16 GiB), so the kernel
 reads P and writes W once: each program computes one tile of the rank-r product in
 fp32, adds the tile of P and stores it rounded once, as cuBLAS does with beta=1.
 P may be W itself (a further adapter of a blend, accumulated in place).
@@ -30,8 +30,8 @@ def _kernel():
         return None
 
     # Weights, their copies and packed factors are 16-byte aligned, and row lengths and ranks
-    # mostly multiples of 16: specialized on those (vectorized loads), the kernel has four
-    # variants per dtype, compiled at warm-up (`warm_up`). M and alpha are not specialized.
+    # mostly multiples of 16: specialized on those (vectorized loads), the kernel has six
+    # variants per dtype (rank 1 is one too), compiled at warm-up (`warm_up`). M and alpha are not specialized.
     @triton.jit(do_not_specialize=["M", "alpha"])
     def fused_lora(w_ptr, p_ptr, b_ptr, a_ptr, M, N, K, alpha,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -95,7 +95,7 @@ def warm_up(device: torch.device, dtype: torch.dtype) -> None:
     """Compile the kernel's variants for `dtype` now (row length and rank a multiple of 16
     or not), rather than in a request's first swap (a second or more each)."""
     for n in (32, 24):
-        for k in (16, 8):
+        for k in (16, 8, 1):  # Triton also specializes an argument equal to 1 (rank-1 adapters)
             weight = torch.zeros(2, n, device=device, dtype=dtype)
             up, down = torch.zeros(2, k, device=device, dtype=dtype), torch.zeros(k, n, device=device, dtype=dtype)
             fuse_into(weight, weight.clone(), up, down, 1.0, use_kernel=True)

@@ -253,7 +253,12 @@ class FusedSwapper:
             return
         for device, dtype in {(m.weight.device, m.weight.dtype) for m in self._modules.values()}:
             if kernel_available(torch.empty(0, device=device, dtype=dtype)):
-                warm_up(device, dtype)
+                try:
+                    warm_up(device, dtype)
+                except Exception:  # an old GPU or no C compiler: swaps still work, through addmm
+                    logger.warning("the swap kernel does not compile here; swapping with addmm", exc_info=True)
+                    self.kernel = False
+                    return
 
     def reset(self) -> None:
         """Back to the base model, bitwise."""
@@ -298,6 +303,7 @@ class FusedSwapper:
         side, main = self._copy_stream, torch.cuda.current_stream(device)
         flat = torch.empty_like(bound.packed, device=device)
         side.wait_stream(main)  # `flat` was allocated on the main stream
+        flat.record_stream(side)  # (even if a later line raises, copies in flight keep it)
         ready, chunk_keys, start = {}, [], 0
         for key, (_, _, offset) in zip(bound.layers, _packed_spans(bound.layers.values())):
             chunk_keys.append(key)
@@ -308,7 +314,6 @@ class FusedSwapper:
                     event.record(side)
                 ready.update(dict.fromkeys(chunk_keys, event))
                 chunk_keys, start = [], offset
-        flat.record_stream(side)
         return _with_buffer(bound, flat), ready
 
     def _restore(self, keys) -> None:
@@ -343,7 +348,13 @@ class Fp8Weight:
             self.pristine_qdata, self.pristine_scale = self.qdata.clone(), self.scale.clone()
         from torchao.quantization import PerRow, PerTensor
 
-        self.granularity = PerRow() if self.scale.numel() == self.qdata.shape[0] > 1 else PerTensor()
+        block = list(getattr(weight, "block_size", []))
+        if block == [1, self.qdata.shape[-1]]:
+            self.granularity = PerRow()
+        elif block == list(self.qdata.shape):
+            self.granularity = PerTensor()
+        else:
+            raise ValueError(f"float8 weights with {block} blocks are not supported; quantize per row or tensor")
 
     @staticmethod
     def holds(weight: torch.Tensor) -> bool:
@@ -360,10 +371,10 @@ class Fp8Weight:
     def write(self, deltas: list[tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         from torchao.quantization import Float8Tensor
 
-        rows, device = self.qdata.shape[0], self.qdata.device
+        device = self.qdata.device
         qdata = self.pristine_qdata.to(device, non_blocking=True)
         scale = self.pristine_scale.to(device, non_blocking=True)
-        high = qdata.to(torch.float32) * scale.reshape(rows, -1).to(torch.float32)
+        high = qdata.to(torch.float32) * scale.to(torch.float32)  # [rows, 1] or [1, 1]: broadcast
         for up, down, alpha in deltas:
             high.addmm_(up.to(torch.float32), down.to(torch.float32), alpha=alpha)
         fresh = Float8Tensor.from_hp(high, float8_dtype=self.qdata.dtype, granularity=self.granularity)
