@@ -87,7 +87,8 @@ class Engine:
         self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
         # the compile cache is set before anything compiles (the denoiser, the swap kernel); the
         # UNets' SDPA kernel choice is made outside the graph, so it goes into the cache key
-        torch.compiler.config.cache_key_tag = f"attention={config.attention or 'default'}"
+        if hasattr(torch.compiler.config, "cache_key_tag"):
+            torch.compiler.config.cache_key_tag = f"attention={config.attention or 'default'}"
         self.compile_cache = use_compile_cache(config.compile_cache) if config.compile_cache else None
         self.compile_cache_lookups: dict[str, dict[str, int]] | None = None  # torch's, until the first image
         self._started, self._lookups_before, self._retried_cold = started, lookup_counts(), False
