@@ -37,12 +37,23 @@ def test_dispatcher_models_get_the_backend_on_every_processor():
     assert rel_err(chosen, default) < 0.02  # the same attention, another kernel: 8-bit rounding apart
 
 
-def test_unet_models_get_the_sdpa_kernel_and_refuse_other_backends():
-    engine, chosen = image("tiny-sd", "_native_math")
-    from torch.nn.attention import SDPBackend
+def test_unet_models_get_the_sdpa_kernel_and_refuse_other_backends(monkeypatch):
+    import torch
+    import torch.nn.functional as F
 
-    assert engine.attention._sdpa == SDPBackend.MATH
+    # what SDPA was allowed to use, call by call, while the UNet ran
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append((torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    engine, chosen = image("tiny-sd", "_native_math")
+    assert seen and all(flags == (False, True) for flags in seen)  # flash off, math on: the choice reached SDPA
+    seen.clear()
     _, default = image("tiny-sd", None)
+    assert seen and all(flags == (True, True) for flags in seen)  # and is undone after the call
     assert rel_err(chosen, default) < 0.02
     with pytest.raises(ValueError, match="'flash' does not apply to the unet.*choose native or one of _native_cudnn"):
         Engine(EngineConfig(model="tiny-sd", compile=False, warmup=False, attention="flash"))
