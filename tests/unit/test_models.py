@@ -48,3 +48,25 @@ def test_real_shapes_on_meta_device(shape, params):
     _, components = lora_components(shape)
     assert {name: sum(p.numel() for p in m.parameters()) for name, m in components.items()} == params
     assert all(p.is_meta for m in components.values() for p in m.parameters())
+
+
+def test_random_values_drawn_on_another_device_keep_ties_and_defaults():
+    """`materialize_random` (a random model wanted in host RAM, drawn on the GPU): every
+    parameter real on the target, tied parameters still one tensor, linear weights in
+    PyTorch's default +-1/sqrt(fan_in) range with its spread, norm scales ones, biases zeros."""
+    from loraswap.models.shapes import materialize_random
+    from transformers import T5Config, T5EncoderModel
+
+    with torch.device("meta"):
+        model = T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
+                                        feed_forward_proj="gated-gelu", is_encoder_decoder=False))
+    model = materialize_random(model, torch.device("cpu"), torch.device("cpu"))
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert model.shared.weight is model.encoder.embed_tokens.weight
+    wi = model.encoder.block[0].layer[1].DenseReluDense.wi_0.weight  # (48, 32): fan_in 32
+    assert wi.abs().max() <= 32 ** -0.5 and wi.std() == pytest.approx(32 ** -0.5 / 3 ** 0.5, rel=0.1)
+    assert torch.equal(model.encoder.final_layer_norm.weight, torch.ones(32))
+    out = model(input_ids=torch.tensor([[1, 2, 3]])).last_hidden_state
+    assert torch.isfinite(out).all() and out.abs().max() > 0
+    conv = materialize_random(torch.nn.Conv2d(4, 8, 3, device="meta"), torch.device("cpu"), torch.device("cpu"))
+    assert conv.weight.abs().max() <= 36 ** -0.5 and torch.equal(conv.bias, torch.zeros(8))

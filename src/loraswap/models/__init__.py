@@ -37,7 +37,9 @@ def load_pipeline(name_or_path: str, device: str | torch.device | None = None,
     if name_or_path in PRESETS:
         pipeline = build_preset(name_or_path)
     elif name_or_path.removesuffix(RANDOM_SUFFIX) in SHAPES and name_or_path.endswith(RANDOM_SUFFIX):
-        return build_shape_pipeline(name_or_path.removesuffix(RANDOM_SUFFIX), device, dtype)
+        # a random model wanted in host RAM (to be quantized onto the GPU) draws its values there
+        init_device = "cuda" if device.type == "cpu" and torch.cuda.is_available() else None
+        return build_shape_pipeline(name_or_path.removesuffix(RANDOM_SUFFIX), device, dtype, init_device)
     else:
         pipeline = DiffusionPipeline.from_pretrained(name_or_path, torch_dtype=dtype)
         pipeline.set_progress_bar_config(disable=True)
