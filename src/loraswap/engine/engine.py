@@ -39,6 +39,9 @@ T = TypeVar("T")
 Acquired = list[tuple[CacheEntry, float]]  # adapters held in the cache for one request, with weights
 
 
+ROOMY_GPU_BYTES = 64 * 2**30  # a GPU this large loads a model to quantize in full precision first
+
+
 @dataclass
 class GenerateResult:
     image: Image.Image
@@ -57,13 +60,20 @@ class Engine:
         if config.max_gpu_memory_gb and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, config.max_gpu_memory_gb * 2**30 / total), self.device)
-        # quantized components are built on the host and quantized layer by layer onto the
-        # GPU, so the full-precision model never has to fit there
+        # a model to quantize loads onto a GPU with room for it in full precision and is
+        # quantized in place there (fast); under --max-gpu-memory-gb or on a smaller GPU it is
+        # built on the host and quantized layer by layer onto the GPU, so the full-precision
+        # model never has to fit there
         quantizing = self.device.type == "cuda" and (config.quantize, config.quantize_text_encoders) != ("none", "none")
-        self.pipeline = load_pipeline(config.model, device="cpu" if quantizing else self.device, dtype=self.dtype)
+        via_host = quantizing and (config.max_gpu_memory_gb is not None
+                                   or torch.cuda.get_device_properties(self.device).total_memory < ROOMY_GPU_BYTES)
+        self.pipeline = load_pipeline(config.model, device="cpu" if via_host else self.device, dtype=self.dtype)
+        if quantizing:
+            logger.info("loaded %s on %s in %.1f s; quantizing", config.model, "the host" if via_host else "the GPU",
+                        time.perf_counter() - started)
         quantize_module(self.denoiser, config.quantize, self.device)
         quantize_text_encoders(self.pipeline, config.quantize_text_encoders, self.device)
-        if quantizing:
+        if via_host:
             self.pipeline.to(self.device)
         # seconds from the start: load (the pipeline on the device), warmup (compile + warm-up image),
         # first_image (start to the first image made, the warm-up's or, without warm-up, a request's)
