@@ -39,10 +39,13 @@ def quantize_module(module: nn.Module, mode: str, device=None) -> None:
         )
     except ImportError:
         raise ValueError("--quantize needs torchao: pip install 'loraswap[fp8]'") from None
+    # set_inductor_config=False: torchao would otherwise switch on Inductor's coordinate-descent
+    # tuning for the whole process, which on the H200 added 196 s to FLUX.1's first compile
+    # and 112 s to every restart on a warm compile cache (its results are not reused)
     if mode == "fp8":
-        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
     elif mode == "fp8-weight-only":
-        config = Float8WeightOnlyConfig()
+        config = Float8WeightOnlyConfig(set_inductor_config=False)
     else:
         raise ValueError(f"unknown quantization '{mode}'; choose none, fp8 or fp8-weight-only")
     try:

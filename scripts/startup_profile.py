@@ -1,0 +1,98 @@
+"""Where a server's start-up goes: one engine built under cProfile, on a compile cache.
+
+Run it twice on one folder (cold, then warm) to see what a restart still pays for:
+
+    python scripts/startup_profile.py --model flux-dev-random --quantize fp8 --compile-cache /tmp/cc --out cold.txt
+    python scripts/startup_profile.py --model flux-dev-random --quantize fp8 --compile-cache /tmp/cc --out warm.txt
+
+--from-disk DIR saves the model to DIR first (once) and serves it from there, so that the
+load is a real `from_pretrained` of safetensors files; --images N then times N full images;
+--inductor-tuning restores torchao's process-wide Inductor settings (coordinate-descent
+tuning), which loraswap's quantization no longer applies, for comparison.
+
+Writes the engine's start-up figures, torch.compile's own phase timings and the
+functions that took the most time (cumulative and own) to --out, and prints the first two.
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import logging
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.engine import Engine
+from loraswap.models import load_pipeline
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="flux-dev-random")
+    parser.add_argument("--quantize", default="none")
+    parser.add_argument("--compile-mode", default="default")
+    parser.add_argument("--compile-cache", type=Path, required=True)
+    parser.add_argument("--no-profile", action="store_true", help="time only (cProfile slows tracing)")
+    parser.add_argument("--from-disk", type=Path, help="save the model here once, then load it from here")
+    parser.add_argument("--images", type=int, default=0, help="full images timed after start-up")
+    parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--inductor-tuning", action="store_true", help="torchao's Inductor settings")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    model, saved_s = args.model, None
+    if args.from_disk:
+        model, saved_s = str(args.from_disk), save_once(args.model, args.from_disk)
+    if args.inductor_tuning:
+        from torchao.quantization.utils import recommended_inductor_config_setter
+
+        recommended_inductor_config_setter()
+    config = EngineConfig(model=model, quantize=args.quantize, compile=True, compile_mode=args.compile_mode,
+                          compile_cache=args.compile_cache)
+    profile = None if args.no_profile else cProfile.Profile()
+    started = time.perf_counter()
+    if profile:
+        profile.enable()
+    engine = Engine(config)
+    if profile:
+        profile.disable()
+    total = time.perf_counter() - started
+    report = io.StringIO()
+    figures = {"total_s": round(total, 2), **{k: round(v, 2) for k, v in engine.startup.items()},
+               "lookups": engine.compile_cache_lookups, "torch": torch.__version__, "saved_s": saved_s}
+    if args.images:
+        seconds = [engine.generate(GenerateRequest(prompt="a lighthouse at dusk", seed=i, steps=args.steps,
+                                                   width=1024, height=1024)).generate_seconds
+                   for i in range(args.images)]
+        figures["image_s"] = [round(t, 3) for t in seconds]
+        figures["image_s_median"] = round(statistics.median(seconds), 3)
+    report.write(json.dumps(figures) + "\n\n")
+    report.write(torch._dynamo.utils.compile_times(repr="str", aggregate=True) + "\n\n")
+    print(report.getvalue(), flush=True)
+    if profile:
+        for key in ("cumulative", "tottime"):
+            stats = pstats.Stats(profile, stream=report)
+            stats.sort_stats(key).print_stats(45)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report.getvalue())
+
+
+def save_once(model: str, folder: Path) -> float | None:
+    """Save `model` (built as loraswap builds it) to `folder` unless it is there; seconds taken."""
+    if (folder / "model_index.json").exists():
+        return None
+    started = time.perf_counter()
+    pipeline = load_pipeline(model, device="cuda" if torch.cuda.is_available() else "cpu")
+    pipeline.save_pretrained(folder, safe_serialization=True)
+    del pipeline
+    torch.cuda.empty_cache()
+    return round(time.perf_counter() - started, 1)
+
+
+if __name__ == "__main__":
+    main()
