@@ -1,6 +1,14 @@
 """The benchmarks run end to end (on tiny models here; the figures come from the GPU)."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from typer.testing import CliRunner
 
@@ -31,3 +39,44 @@ def test_bench_serve_runs_both_modes(tmp_path):
         assert [r["concurrency"] for r in runs] == [1, 2]
         assert all(r["errors"] == [] and len(r["latencies"]) == 6 for r in runs)
     assert set(report["speedup_p50"]) == {"1", "2"}
+
+
+def _servers_under(folder: Path) -> list[int]:
+    """PIDs of `loraswap serve` processes whose command line names `folder`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"serve" in cmdline and b"bench" not in cmdline and any(str(folder).encode() in part for part in cmdline):
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="reads /proc")
+def test_bench_serve_stopped_by_sigterm_stops_its_server(tmp_path):
+    """`timeout` stops a bench with SIGTERM: the server it started must not outlive it (on
+    the GPU machine an orphaned server kept the GPU busy under the next run)."""
+    bench = subprocess.Popen([sys.executable, "-m", "loraswap", "bench", "serve", "--model", "tiny-sd",
+                              "--adapters-count", "10", "--requests", "2", "--steps", "2", "--width", "64",
+                              "--height", "64", "--modes", "fused", "--out", str(tmp_path / "out"),
+                              "--workdir", str(tmp_path / "work")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not _servers_under(tmp_path / "work") and time.monotonic() < deadline:
+            assert bench.poll() is None, "the bench ended before starting its server"
+            time.sleep(0.1)
+        servers = _servers_under(tmp_path / "work")
+        assert servers, "no server started"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(90) != 0
+        deadline = time.monotonic() + 30
+        while _servers_under(tmp_path / "work") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _servers_under(tmp_path / "work"), "the server outlived the bench"
+    finally:
+        bench.kill()
+        for pid in _servers_under(tmp_path / "work"):
+            os.kill(pid, signal.SIGKILL)

@@ -14,6 +14,7 @@ its own disk read) without filling the disk.
 import logging
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -62,19 +63,34 @@ def _start_server(model: str, adapters: Path, mode: str, log_path: Path, extra: 
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     started = time.perf_counter()
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{mode} server exited:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.perf_counter() - started > 900:
-            raise TimeoutError(f"{mode} server not ready:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.5)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{mode} server exited:\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - started > 900:
+                raise TimeoutError(f"{mode} server not ready:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+    except BaseException:  # not ready, or the bench itself stopped (SIGTERM): no orphaned server
+        _stop(proc)
+        log.close()
+        raise
     logger.info("%s server ready in %.0f s", mode, time.perf_counter() - started)
     return proc, url, log, time.perf_counter() - started
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a server: SIGTERM, then SIGKILL if it has not exited after 60 s."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _drive(url: str, stream: list[str], concurrency: int, params: dict) -> dict:
@@ -122,6 +138,10 @@ def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: i
     `--quantize`, `--attention`) to loraswap's alone, the baseline staying seed 1."""
     shape = model.removesuffix("-random")
     workdir = Path(workdir or "/tmp/loraswap-bench-serve")
+    if threading.current_thread() is threading.main_thread():
+        # `timeout` or a job scheduler stops the bench with SIGTERM: unwind, so the server it
+        # started is stopped too rather than left holding the GPU
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     ids = prepare_adapters(shape, workdir / "adapters", num_ids)
     stream = [ids[k] for k in zipf_stream(num_ids, requests)]
     params = {"num_inference_steps": steps, "width": width, "height": height}
@@ -143,8 +163,7 @@ def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: i
                             run["latency_s"].get("p50", 0), run["latency_s"].get("p99", 0), run["images_per_s"],
                             run["errors"])
         finally:
-            proc.terminate()
-            proc.wait(60)
+            _stop(proc)
             log.close()
         write_results(out_dir, f"serve-{model}", results)  # partial results survive a later failure
     _report(results, out_dir)
