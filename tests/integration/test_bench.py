@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from typer.testing import CliRunner
 
 from loraswap.bench.serve import zipf_stream

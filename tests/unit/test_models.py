@@ -54,8 +54,9 @@ def test_random_values_drawn_on_another_device_keep_ties_and_defaults():
     """`materialize_random` (a random model wanted in host RAM, drawn on the GPU): every
     parameter real on the target, tied parameters still one tensor, linear weights in
     PyTorch's default +-1/sqrt(fan_in) range with its spread, norm scales ones, biases zeros."""
-    from loraswap.models.shapes import materialize_random
     from transformers import T5Config, T5EncoderModel
+
+    from loraswap.models.shapes import materialize_random
 
     with torch.device("meta"):
         model = T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
