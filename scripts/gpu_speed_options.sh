@@ -2,7 +2,7 @@
 # The GPU runs still owed to the speed and memory options (see BENCHMARKS.md), in the
 # order they matter, each under its own timeout so one hang costs minutes. Run from the
 # repository root on a CUDA machine with PYTHONPATH=src; results go under ${OUT:-out}.
-#   bash scripts/gpu_speed_options.sh [step ...]   # steps: smoke options serve-sdxl serve-flux lowmem startup
+#   bash scripts/gpu_speed_options.sh [step ...]   # steps: smoke options serve-sdxl serve-flux lowmem lowmem-profile startup
 set -uo pipefail
 out=${OUT:-out}/results
 mkdir -p "$out"
@@ -33,6 +33,10 @@ for step in $steps; do
       run lowmem 590 590 python -m loraswap bench serve --model flux-dev-random --requests 6 --concurrency 1 \
         --steps 28 --modes fused --out "$out/lowmem" --workdir "$out/lowmem/work" --fused-args "--quantize fp8 --quantize-text-encoders \
 fp8-weight-only --pristine host --gpu-cache-mb 0 --max-gpu-memory-gb 24" ;;
+    lowmem-profile)  # the same mode in one process: phase timings, peak memory, a swap per image
+      run lowmem-profile 500 500 python scripts/startup_profile.py --model flux-dev-random --quantize fp8 \
+        --quantize-text-encoders fp8-weight-only --pristine host --gpu-cache-mb 0 --max-gpu-memory-gb 24 \
+        --loras 8 --images 4 --compile-cache /tmp/loraswap-cc --no-profile --out "$out/lowmem/profile.txt" ;;
     startup)  # target: first image after a restart with the compile cache <= 1.5x the load time
       run startup 590 590 python -m loraswap bench startup --model flux-dev-random --rounds 2 --out "$out" ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -7,7 +7,9 @@ Run it twice on one folder (cold, then warm) to see what a restart still pays fo
 
 --from-disk DIR saves the model to DIR first (once) and serves it from there, so that the
 load is a real `from_pretrained` of safetensors files; --images N then times N full images;
---inductor-tuning restores torchao's process-wide Inductor settings (coordinate-descent
+--loras N swaps a real-size random adapter before each image; --quantize-text-encoders,
+--pristine, --max-gpu-memory-gb and --gpu-cache-mb give the 24 GB mode (peak GPU memory
+is reported). --inductor-tuning restores torchao's process-wide Inductor settings (coordinate-descent
 tuning), which loraswap's quantization no longer applies, for comparison.
 
 Writes the engine's start-up figures, torch.compile's own phase timings and the
@@ -26,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from loraswap.adapters.cache import CacheConfig
+from loraswap.bench.serve import prepare_adapters
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 from loraswap.models import load_pipeline
@@ -41,6 +45,13 @@ def main() -> None:
     parser.add_argument("--from-disk", type=Path, help="save the model here once, then load it from here")
     parser.add_argument("--images", type=int, default=0, help="full images timed after start-up")
     parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--quantize-text-encoders", default="none")
+    parser.add_argument("--pristine", default="device")
+    parser.add_argument("--max-gpu-memory-gb", type=float)
+    parser.add_argument("--gpu-cache-mb", type=float, default=None)
+    parser.add_argument("--loras", type=int, default=0,
+                        help="real-size random adapters (bench serve's set); each image swaps to the next")
+    parser.add_argument("--adapters-dir", type=Path, default=Path("/tmp/loraswap-profile-adapters"))
     parser.add_argument("--inductor-tuning", action="store_true", help="torchao's Inductor settings")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -52,8 +63,15 @@ def main() -> None:
         from torchao.quantization.utils import recommended_inductor_config_setter
 
         recommended_inductor_config_setter()
+    adapters = ids = None
+    if args.loras:
+        adapters = args.adapters_dir
+        ids = prepare_adapters(args.model.removesuffix("-random"), adapters, args.loras)
+    cache = CacheConfig() if args.gpu_cache_mb is None else CacheConfig(gpu_bytes=int(args.gpu_cache_mb * 2**20))
     config = EngineConfig(model=model, quantize=args.quantize, compile=True, compile_mode=args.compile_mode,
-                          compile_cache=args.compile_cache)
+                          compile_cache=args.compile_cache, quantize_text_encoders=args.quantize_text_encoders,
+                          pristine=args.pristine, max_gpu_memory_gb=args.max_gpu_memory_gb, adapters=adapters,
+                          cache=cache)
     profile = None if args.no_profile else cProfile.Profile()
     started = time.perf_counter()
     if profile:
@@ -66,11 +84,15 @@ def main() -> None:
     figures = {"total_s": round(total, 2), **{k: round(v, 2) for k, v in engine.startup.items()},
                "lookups": engine.compile_cache_lookups, "torch": torch.__version__, "saved_s": saved_s}
     if args.images:
-        seconds = [engine.generate(GenerateRequest(prompt="a lighthouse at dusk", seed=i, steps=args.steps,
-                                                   width=1024, height=1024)).generate_seconds
+        results = [engine.generate(GenerateRequest(prompt="a lighthouse at dusk", seed=i, steps=args.steps,
+                                                   loras=[(ids[i % len(ids)], 1.0)] if ids else []))
                    for i in range(args.images)]
-        figures["image_s"] = [round(t, 3) for t in seconds]
-        figures["image_s_median"] = round(statistics.median(seconds), 3)
+        figures["image_s"] = [round(r.generate_seconds, 3) for r in results]
+        figures["image_s_median"] = round(statistics.median(r.generate_seconds for r in results), 3)
+        figures["swap_ms"] = [round(r.swap_seconds * 1e3, 1) for r in results]
+    if torch.cuda.is_available():
+        figures["gpu_peak_allocated_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        figures["gpu_peak_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
     report.write(json.dumps(figures) + "\n\n")
     report.write(torch._dynamo.utils.compile_times(repr="str", aggregate=True) + "\n\n")
     print(report.getvalue(), flush=True)
