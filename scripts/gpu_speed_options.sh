@@ -7,7 +7,13 @@ set -uo pipefail
 out=${OUT:-out}/results
 mkdir -p "$out"
 steps=${*:-smoke options serve-sdxl serve-flux lowmem startup}
-run() { echo "== $1 (timeout $2 s)"; shift 2; timeout "$@"; echo "== rc $?"; }
+run() {
+  local name=$1
+  echo "== $name (timeout $2 s)"; shift 2; timeout "$@"; echo "== rc $?"
+  # bench serve's server logs (its work folder also holds GBs of adapters, left behind)
+  mkdir -p "$out/logs/$name" && cp /tmp/loraswap-bench-serve/server-*.log "$out/logs/$name/" 2>/dev/null
+  rm -f /tmp/loraswap-bench-serve/server-*.log
+}
 
 for step in $steps; do
   case $step in
@@ -29,14 +35,15 @@ for step in $steps; do
       run serve-flux 590 590 python -m loraswap bench serve --model flux-dev-random --requests 12 --concurrency 2 \
         --steps 28 --out "$out" --fused-args "--quantize fp8" ;;
     lowmem)  # target: peak <= 22 GB under a 24 GB cap (gpu_peak_GiB in the JSON);
-      # the server's log is kept in the work folder (the last attempt timed out without one)
+      # the servers' logs are copied under $out after every serve step (the last attempt left none)
       run lowmem 590 590 python -m loraswap bench serve --model flux-dev-random --requests 6 --concurrency 1 \
-        --steps 28 --modes fused --out "$out/lowmem" --workdir "$out/lowmem/work" --fused-args "--quantize fp8 --quantize-text-encoders \
+        --steps 28 --modes fused --out "$out/lowmem" --fused-args "--quantize fp8 --quantize-text-encoders \
 fp8-weight-only --pristine host --gpu-cache-mb 0 --max-gpu-memory-gb 24" ;;
     lowmem-profile)  # the same mode in one process: phase timings, peak memory, a swap per image
       run lowmem-profile 500 500 python scripts/startup_profile.py --model flux-dev-random --quantize fp8 \
         --quantize-text-encoders fp8-weight-only --pristine host --gpu-cache-mb 0 --max-gpu-memory-gb 24 \
-        --loras 8 --images 4 --compile-cache /tmp/loraswap-cc --no-profile --out "$out/lowmem/profile.txt" ;;
+        --loras 8 --images 4 --compile-cache /tmp/loraswap-cc --no-profile --out "$out/lowmem/profile.txt" \
+        2>&1 | tee "$out/lowmem-profile.log" ;;
     startup)  # target: first image after a restart with the compile cache <= 1.5x the load time
       run startup 590 590 python -m loraswap bench startup --model flux-dev-random --rounds 2 --out "$out" ;;
     *) echo "unknown step $step"; exit 2 ;;
