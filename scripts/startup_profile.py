@@ -72,6 +72,9 @@ def main() -> None:
                           compile_cache=args.compile_cache, quantize_text_encoders=args.quantize_text_encoders,
                           pristine=args.pristine, max_gpu_memory_gb=args.max_gpu_memory_gb, adapters=adapters,
                           cache=cache)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # not the bf16 pipeline `--from-disk` saved
     profile = None if args.no_profile else cProfile.Profile()
     started = time.perf_counter()
     if profile:

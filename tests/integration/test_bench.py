@@ -24,11 +24,13 @@ def test_zipf_stream_is_heavy_headed_and_fixed():
 
 
 def test_bench_serve_runs_both_modes(tmp_path):
+    handler = signal.getsignal(signal.SIGTERM)
     result = CliRunner().invoke(app, ["bench", "serve", "--model", "tiny-sd", "--adapters-count", "30",
                                       "--requests", "6", "--concurrency", "2", "--steps", "2", "--width", "64",
                                       "--height", "64", "--out", str(tmp_path / "out"), "--workdir",
                                       str(tmp_path / "work"), "--fused-args", "--attention _native_math"])
     assert result.exit_code == 0, result.output
+    assert signal.getsignal(signal.SIGTERM) is handler  # the bench's own SIGTERM handler is gone again
     report = json.loads((tmp_path / "out" / "serve-tiny-sd.json").read_text())
     assert report["fused_args"] == ["--attention", "_native_math"]  # loraswap's server only: seed 1 stays seed 1
     assert "attention backend _native_math" in (tmp_path / "work" / "server-fused.log").read_text()
@@ -54,9 +56,10 @@ def _servers_under(folder: Path) -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="reads /proc")
-def test_bench_serve_stopped_by_sigterm_stops_its_server(tmp_path):
-    """`timeout` stops a bench with SIGTERM: the server it started must not outlive it (on
-    the GPU machine an orphaned server kept the GPU busy under the next run)."""
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_bench_serve_stopped_stops_its_server(tmp_path, stop):
+    """`timeout` stops a bench with SIGTERM (then SIGKILL): the server it started must not
+    outlive it (on the GPU machine an orphaned server kept the GPU busy under the next run)."""
     bench = subprocess.Popen([sys.executable, "-m", "loraswap", "bench", "serve", "--model", "tiny-sd",
                               "--adapters-count", "10", "--requests", "2", "--steps", "2", "--width", "64",
                               "--height", "64", "--modes", "fused", "--out", str(tmp_path / "out"),
@@ -69,7 +72,7 @@ def test_bench_serve_stopped_by_sigterm_stops_its_server(tmp_path):
             time.sleep(0.1)
         servers = _servers_under(tmp_path / "work")
         assert servers, "no server started"
-        bench.send_signal(signal.SIGTERM)
+        bench.send_signal(stop)
         assert bench.wait(90) != 0
         deadline = time.monotonic() + 30
         while _servers_under(tmp_path / "work") and time.monotonic() < deadline:

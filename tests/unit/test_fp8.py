@@ -123,7 +123,7 @@ def test_text_encoder_adapters_swap_onto_float8_text_encoders(adapter_factory, t
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(before, state()))
 
 
-def test_quantizing_leaves_inductor_settings_of_the_process_alone():
+def test_quantizing_leaves_inductor_settings_of_the_process_alone(monkeypatch):
     """torchao's default switches on coordinate-descent tuning process-wide (minutes per
     FLUX.1 compile, warm cache or not); loraswap's quantization must not."""
     import torch._inductor.config as inductor_config
@@ -131,8 +131,9 @@ def test_quantizing_leaves_inductor_settings_of_the_process_alone():
     from loraswap.engine.quantize import quantize_module
 
     keys = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions", "force_fuse_int_mm_with_mul")
-    before = {key: getattr(inductor_config, key) for key in keys}
+    for key in keys:  # off whatever ran before in this process
+        monkeypatch.setattr(inductor_config, key, False)
     module = torch.nn.Sequential(torch.nn.Linear(64, 64, dtype=torch.bfloat16))
     quantize_module(module, "fp8-weight-only")
     assert type(module[0].weight).__name__ == "Float8Tensor"
-    assert {key: getattr(inductor_config, key) for key in keys} == before
+    assert {key: getattr(inductor_config, key) for key in keys} == dict.fromkeys(keys, False)

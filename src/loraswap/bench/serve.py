@@ -11,6 +11,8 @@ target sets), so every id is a different adapter to the server (its own cache en
 its own disk read) without filling the disk.
 """
 
+import contextlib
+import ctypes
 import logging
 import os
 import random
@@ -60,7 +62,8 @@ def _start_server(model: str, adapters: Path, mode: str, log_path: Path, extra: 
     log = log_path.open("w")
     proc = subprocess.Popen([sys.executable, "-m", "loraswap", "serve", "--model", model, "--adapters", str(adapters),
                              "--port", str(port), "--swap-mode", mode, "--max-queue", "64", *extra],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     url = f"http://127.0.0.1:{port}"
     started = time.perf_counter()
     try:
@@ -81,6 +84,12 @@ def _start_server(model: str, adapters: Path, mode: str, log_path: Path, extra: 
         raise
     logger.info("%s server ready in %.0f s", mode, time.perf_counter() - started)
     return proc, url, log, time.perf_counter() - started
+
+
+def _die_with_parent() -> None:
+    """Run in the server's process before it starts: the kernel sends it SIGTERM when the
+    bench dies, however it dies (SIGKILL included), so no server is left behind (Linux)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -136,12 +145,30 @@ def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: i
                     extra_args: tuple[str, ...] = (), fused_args: tuple[str, ...] = ()) -> dict:
     """`extra_args` go to both servers; `fused_args` (speed options: `--compile-mode`,
     `--quantize`, `--attention`) to loraswap's alone, the baseline staying seed 1."""
+    with _sigterm_unwinds():
+        return _run_serve_bench(model, num_ids, requests, concurrency, steps, width, height, workdir, out_dir, modes,
+                                extra_args, fused_args)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """`timeout` or a job scheduler stops the bench with SIGTERM: while this is open, that
+    unwinds it (SystemExit), so the server it started is stopped too rather than left
+    holding the GPU. The previous handler is back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _run_serve_bench(model, num_ids, requests, concurrency, steps, width, height, workdir, out_dir, modes,
+                     extra_args, fused_args) -> dict:
     shape = model.removesuffix("-random")
     workdir = Path(workdir or "/tmp/loraswap-bench-serve")
-    if threading.current_thread() is threading.main_thread():
-        # `timeout` or a job scheduler stops the bench with SIGTERM: unwind, so the server it
-        # started is stopped too rather than left holding the GPU
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     ids = prepare_adapters(shape, workdir / "adapters", num_ids)
     stream = [ids[k] for k in zipf_stream(num_ids, requests)]
     params = {"num_inference_steps": steps, "width": width, "height": height}
