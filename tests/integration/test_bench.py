@@ -30,7 +30,7 @@ def test_bench_serve_runs_both_modes(tmp_path):
                                       "--height", "64", "--out", str(tmp_path / "out"), "--workdir",
                                       str(tmp_path / "work"), "--fused-args", "--attention _native_math"])
     assert result.exit_code == 0, result.output
-    assert signal.getsignal(signal.SIGTERM) is handler  # the bench's own SIGTERM handler is gone again
+    assert signal.getsignal(signal.SIGTERM) is handler  # the bench leaves SIGTERM handling alone
     report = json.loads((tmp_path / "out" / "serve-tiny-sd.json").read_text())
     assert report["fused_args"] == ["--attention", "_native_math"]  # loraswap's server only: seed 1 stays seed 1
     assert "attention backend _native_math" in (tmp_path / "work" / "server-fused.log").read_text()

@@ -11,7 +11,6 @@ target sets), so every id is a different adapter to the server (its own cache en
 its own disk read) without filling the disk.
 """
 
-import contextlib
 import ctypes
 import logging
 import os
@@ -78,7 +77,7 @@ def _start_server(model: str, adapters: Path, mode: str, log_path: Path, extra: 
             if time.perf_counter() - started > 900:
                 raise TimeoutError(f"{mode} server not ready:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.5)
-    except BaseException:  # not ready, or the bench itself stopped (SIGTERM): no orphaned server
+    except BaseException:  # not ready (or interrupted): the bench may go on, so stop the server now
         _stop(proc)
         log.close()
         raise
@@ -88,7 +87,8 @@ def _start_server(model: str, adapters: Path, mode: str, log_path: Path, extra: 
 
 def _die_with_parent() -> None:
     """Run in the server's process before it starts: the kernel sends it SIGTERM when the
-    bench dies, however it dies (SIGKILL included), so no server is left behind (Linux)."""
+    bench dies, however it dies (`timeout`'s SIGTERM or SIGKILL), so no server is left
+    holding the GPU behind it (Linux)."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
@@ -145,28 +145,6 @@ def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: i
                     extra_args: tuple[str, ...] = (), fused_args: tuple[str, ...] = ()) -> dict:
     """`extra_args` go to both servers; `fused_args` (speed options: `--compile-mode`,
     `--quantize`, `--attention`) to loraswap's alone, the baseline staying seed 1."""
-    with _sigterm_unwinds():
-        return _run_serve_bench(model, num_ids, requests, concurrency, steps, width, height, workdir, out_dir, modes,
-                                extra_args, fused_args)
-
-
-@contextlib.contextmanager
-def _sigterm_unwinds():
-    """`timeout` or a job scheduler stops the bench with SIGTERM: while this is open, that
-    unwinds it (SystemExit), so the server it started is stopped too rather than left
-    holding the GPU. The previous handler is back afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-
-
-def _run_serve_bench(model, num_ids, requests, concurrency, steps, width, height, workdir, out_dir, modes,
-                     extra_args, fused_args) -> dict:
     shape = model.removesuffix("-random")
     workdir = Path(workdir or "/tmp/loraswap-bench-serve")
     ids = prepare_adapters(shape, workdir / "adapters", num_ids)
