@@ -61,7 +61,8 @@ def _quiet_libraries() -> None:
 CompileMode = Annotated[str, _opt("--compile-mode", help="torch.compile mode: default, max-autotune-no-cudagraphs, "
                                   "reduce-overhead or max-autotune (CUDA graphs: the whole denoiser).")]
 Quantize = Annotated[str, _opt("--quantize", help="Denoiser weights in float8 (torchao): none, fp8 (weights and "
-                                "activations; CUDA 8.9+) or fp8-weight-only.")]
+                                "activations, row-wise scales; CUDA 8.9+), fp8-tensorwise (one scale per "
+                                "tensor) or fp8-weight-only.")]
 Attention = Annotated[str | None, _opt("--attention", help="Attention backend of diffusers' dispatcher (native, "
                                        "_native_cudnn, _native_flash, flex, ...; default: diffusers').")]
 CompileCache = Annotated[Path | None, _opt("--compile-cache", help="Folder for torch.compile's caches (FX graphs, "
@@ -400,8 +401,9 @@ def bench_swap(
 def bench_options(
     shape: Annotated[str, typer.Option("--shape", help="flux-dev, sdxl or sd15 (real config, random weights).")]
     = "sdxl",
-    variants: Annotated[str, typer.Option("--variants", help="Comma-separated ATTENTION@MODE, e.g. native@default,"
-                                          "_native_cudnn@default,native@reduce-overhead.")]
+    variants: Annotated[str, typer.Option("--variants", help="Comma-separated ATTENTION@MODE[@QUANTIZE], e.g. "
+                                          "native@default,_native_cudnn@default,native@reduce-overhead,"
+                                          "native@default@fp8-tensorwise.")]
     = "native@default,_native_cudnn@default,_native_flash@default,native@reduce-overhead",
     width: Annotated[int, typer.Option("--width")] = 1024,
     height: Annotated[int, typer.Option("--height")] = 1024,
@@ -410,7 +412,8 @@ def bench_options(
     out: Annotated[Path, typer.Option("--out", help="Folder for JSON and PNG.")] = Path("bench/results"),
     workdir: Annotated[Path | None, typer.Option("--workdir", help="Where adapters are written.")] = None,
 ) -> None:
-    """Per-image time under attention backends and compile modes, a LoRA swapped before each image."""
+    """Per-image time under attention backends, compile modes and float8 quantization, a LoRA swapped before each
+    image."""
     from .bench.options import run_options_bench
 
     _setup_logging(False)

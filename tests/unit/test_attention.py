@@ -75,11 +75,15 @@ def test_cuda_graph_modes_compile_the_whole_denoiser(monkeypatch, mode, regional
 def test_bench_options_variants_are_checked_before_anything_is_built():
     from loraswap.bench.options import parse_variant
 
-    assert parse_variant("_native_cudnn@reduce-overhead") == ("_native_cudnn", "reduce-overhead")
-    assert parse_variant("@max-autotune") == ("native", "max-autotune")
-    assert parse_variant("FLEX") == ("flex", "default")
+    assert parse_variant("_native_cudnn@reduce-overhead") == ("_native_cudnn", "reduce-overhead", "none")
+    assert parse_variant("@max-autotune") == ("native", "max-autotune", "none")
+    assert parse_variant("FLEX") == ("flex", "default", "none")
+    assert parse_variant("native@@fp8-tensorwise") == ("native", "default", "fp8-tensorwise")
+    assert parse_variant("native@reduce-overhead@fp8") == ("native", "reduce-overhead", "fp8")
     with pytest.raises(ValueError, match="unknown compile mode 'turbo'.*reduce-overhead"):
         parse_variant("native@turbo")
+    with pytest.raises(ValueError, match="unknown quantization 'int4'.*fp8-tensorwise"):
+        parse_variant("native@default@int4")
     with pytest.raises(ValueError, match="unknown attention backend 'fa9'"):
         parse_variant("fa9@default")
     from loraswap.bench.options import run_options_bench

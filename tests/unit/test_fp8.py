@@ -1,7 +1,8 @@
 """Swaps on a float8 base (`--quantize`): re-quantized from a pristine float8 copy.
 
-CPU runs torchao's weight-only float8 (the dynamic-activation mode needs a GPU of compute
-capability 8.9+); the swap path is the same: `Float8Tensor.qdata` and `scale` rewritten."""
+CPU runs torchao's weight-only float8 (the dynamic-activation modes need a GPU of compute
+capability 8.9+); the swap path is the same: `Float8Tensor.qdata` and `scale` rewritten.
+`fp8-tensorwise` runs here as weight-only float8 with its one scale per tensor."""
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from helpers import rel_err
 
 pytest.importorskip("torchao", reason="the test extra pins torchao")
 
+from loraswap.engine import quantize  # noqa: E402
 from loraswap.engine.config import EngineConfig, GenerateRequest  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
 
@@ -28,12 +30,20 @@ def assert_float8_unchanged(engine: Engine, before: dict) -> None:
     assert not changed, f"{len(changed)} float8 weights changed, e.g. {changed[:3]}"
 
 
-@pytest.fixture
-def engines(adapter_factory, tmp_path):
+@pytest.fixture(params=["fp8-weight-only", "fp8-tensorwise"])
+def engines(request, adapter_factory, tmp_path, monkeypatch):
+    if request.param == "fp8-tensorwise":  # its weights (one scale per tensor) without its float8 activations
+        from torchao.quantization import Float8WeightOnlyConfig, PerTensor
+
+        monkeypatch.setattr(quantize, "float8_config", lambda mode: Float8WeightOnlyConfig(
+            granularity=PerTensor(), set_inductor_config=False))
     adapter_factory("strong", "tiny-flux", rank=8, targets="all", alpha=64.0, seed=70, folder=tmp_path)
     adapter_factory("other", "tiny-flux", rank=4, targets="attn", alpha=8.0, seed=71, folder=tmp_path)
     common = dict(model="tiny-flux", adapters=tmp_path, compile=False, warmup=False)
-    return Engine(EngineConfig(**common)), Engine(EngineConfig(**common, quantize="fp8-weight-only"))
+    fp8 = Engine(EngineConfig(**common, quantize=request.param))
+    scales = {m.weight.scale.numel() == 1 for m in fp8.denoiser.modules() if hasattr(getattr(m, "weight", None), "qdata")}
+    assert scales == {request.param == "fp8-tensorwise"}  # one scale per tensor, or one per row
+    return Engine(EngineConfig(**common)), fp8
 
 
 def image(engine: Engine, loras) -> np.ndarray:
@@ -64,9 +74,10 @@ def test_fp8_weights_are_requantized_within_half_a_float8_step(engines):
         exact = qdata.float() * scale.float() + layer.scale * (layer.up.float() @ layer.down.float())
         weight = fp8.denoiser.get_submodule(name).weight
         fused = weight.qdata.float() * weight.scale.float()
-        # row-wise e4m3: each row's scale puts its largest value at 448; 3 mantissa bits
-        bound_per_row = exact.abs().amax(dim=1, keepdim=True) * 2**-4 + 1e-6
-        assert ((fused - exact).abs() <= bound_per_row).all(), name
+        # e4m3: each row's (or the tensor's) scale puts its largest value at 448; 3 mantissa bits
+        per_tensor = weight.scale.numel() == 1
+        bound = exact.abs().amax(dim=(0, 1) if per_tensor else 1, keepdim=True) * 2**-4 + 1e-6
+        assert ((fused - exact).abs() <= bound).all(), name
         assert not torch.equal(weight.qdata, qdata)
         checked += 1
     assert checked > 20
@@ -137,3 +148,14 @@ def test_quantizing_leaves_inductor_settings_of_the_process_alone(monkeypatch):
     quantize_module(module, "fp8-weight-only")
     assert type(module[0].weight).__name__ == "Float8Tensor"
     assert {key: getattr(inductor_config, key) for key in keys} == dict.fromkeys(keys, False)
+
+
+def test_fp8_modes_are_torchaos_dynamic_float8_per_row_or_per_tensor():
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor
+
+    for mode, granularity in (("fp8", PerRow), ("fp8-tensorwise", PerTensor)):
+        config = quantize.float8_config(mode)
+        assert isinstance(config, Float8DynamicActivationFloat8WeightConfig)
+        assert all(isinstance(g, granularity) for g in config.granularity) and not config.set_inductor_config
+    with pytest.raises(ValueError, match="unknown quantization 'int4'; choose one of none, fp8, fp8-tensorwise"):
+        quantize.float8_config("int4")

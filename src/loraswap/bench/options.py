@@ -1,9 +1,11 @@
-"""`loraswap bench options`: one denoiser's per-image time under attention backends and
-torch.compile modes, with a LoRA swapped before every image.
+"""`loraswap bench options`: one denoiser's per-image time under attention backends,
+torch.compile modes and float8 quantization, with a LoRA swapped before every image.
 
-Each variant, `ATTENTION@MODE` (`native@default`, `_native_cudnn@default`,
-`native@reduce-overhead`, ...), is its own copy of the same random-weight denoiser (real
-config) with its backend set and compiled in its mode. Rounds are interleaved (the order
+Each variant, `ATTENTION@MODE[@QUANTIZE]` (`native@default`, `_native_cudnn@default`,
+`native@reduce-overhead`, `native@default@fp8-tensorwise`, ...), is its own copy of the
+same random-weight denoiser (real config) with its backend set, quantized as `--quantize`
+would, and compiled in its mode. Each variant's output with the same adapter is compared
+with the first variant's (`rel_diff_vs_first`). Rounds are interleaved (the order
 rotates). Before every image a fused swap writes another adapter into the variant's
 weights in place, so the figures are LoRA serving, and the CUDA-graph variants show
 whether a swap re-records a graph (`cuda_graphs_recorded`) or recompiles one.
@@ -20,6 +22,8 @@ from ..adapters.formats import load_adapter
 from ..adapters.source import AdapterLocation
 from ..engine.attention import AttentionBackend, check_backend_name
 from ..engine.engine import compile_denoiser
+from ..engine.quantize import MODES as QUANTIZE_MODES
+from ..engine.quantize import quantize_module
 from ..engine.swap import FusedSwapper
 from ..models import SHAPE_PIPELINES
 from ..models.shapes import build_shape_component
@@ -31,13 +35,17 @@ logger = logging.getLogger(__name__)
 MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 
 
-def parse_variant(text: str) -> tuple[str, str]:
-    """`ATTENTION@MODE` -> (backend, compile mode); either part may be left out."""
-    attention, _, mode = text.strip().partition("@")
-    mode = mode or "default"
+def parse_variant(text: str) -> tuple[str, str, str]:
+    """`ATTENTION@MODE[@QUANTIZE]` -> (backend, compile mode, quantization); any part may be
+    left out (native, default, none)."""
+    attention, _, rest = text.strip().partition("@")
+    mode, _, quantize = rest.partition("@")
+    mode, quantize = mode or "default", quantize or "none"
     if mode not in MODES:
         raise ValueError(f"unknown compile mode '{mode}' in '{text}'; choose one of {', '.join(MODES)}")
-    return check_backend_name(attention or "native"), mode
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"unknown quantization '{quantize}' in '{text}'; choose one of {', '.join(QUANTIZE_MODES)}")
+    return check_backend_name(attention or "native"), mode, quantize
 
 
 def cuda_graphs_recorded() -> int:
@@ -58,12 +66,14 @@ def cuda_graphs_recorded() -> int:
 
 
 class Variant:
-    """One compiled copy of the denoiser, its attention backend and its swapper."""
+    """One compiled (and maybe quantized) copy of the denoiser, its attention backend and
+    its swapper."""
 
     def __init__(self, name: str, base: torch.nn.Module, prefix: str, inputs: dict, steps: int):
         self.name = name
-        attention, mode = parse_variant(name)
+        attention, mode, quantize = parse_variant(name)
         self.model = copy.deepcopy(base)
+        quantize_module(self.model, quantize)
         self.attention = AttentionBackend(attention, {prefix: self.model})
         compile_denoiser(self.model, mode)
         self.swapper = FusedSwapper({prefix: self.model})
@@ -121,6 +131,14 @@ def run_options_bench(shape: str = "sdxl", variants: tuple[str, ...] = ("native@
             logger.info("round %d %-32s swap %.1f ms image %.3f s", r, name, swap_s * 1e3, image_s)
     results["graphs_compiled_during_rounds"] = graph_count() - graphs
     results["cuda_graphs_recorded_during_rounds"] = cuda_graphs_recorded() - recorded
+    # 4. numerics: one denoiser call of each variant with the first adapter, against the first variant's
+    outputs = {}
+    for name, variant in built.items():
+        variant.swapper.apply([(adapters[name][0], 1.0)])
+        outputs[name] = variant.image(1).float().clone()  # a CUDA-graph output is overwritten by the next replay
+    reference = outputs[variants[0]]
+    results["rel_diff_vs_first"] = {name: float((out - reference).norm() / reference.norm())
+                                    for name, out in outputs.items()}
     results["summary"] = {name: summary([row["image_s"] for row in results["rows"] if row["variant"] == name])
                           for name in variants}
     _report(results, out_dir)
@@ -130,12 +148,13 @@ def run_options_bench(shape: str = "sdxl", variants: tuple[str, ...] = ("native@
 def _report(results: dict, out_dir: Path) -> None:
     s = results["summary"]
     first = s[results["variants"][0]]["p50"]
-    rows = [[name, f"{d['p50']:.3f}", f"{d['min']:.3f}-{d['max']:.3f}", f"{d['p50'] / first:.3f}"]
-            for name, d in s.items()]
+    rows = [[name, f"{d['p50']:.3f}", f"{d['min']:.3f}-{d['max']:.3f}", f"{d['p50'] / first:.3f}",
+             f"{results['rel_diff_vs_first'][name]:.4f}"] for name, d in s.items()]
     name = f"options-{results['shape']}"
     title = (f"bench options {results['shape']} {results['width']}x{results['height']} {results['steps']} steps, "
              f"{results['rounds']} rounds, a swap before each image ({results['env'].get('gpu', 'cpu')})")
-    results["table"] = print_table(title, ["attention@mode", "image s p50", "range", "vs first"], rows)
+    results["table"] = print_table(title, ["attention@mode@quantize", "image s p50", "range", "vs first",
+                                           "rel. diff vs first"], rows)
     print(f"graphs compiled during the rounds: {results['graphs_compiled_during_rounds']}; CUDA graphs recorded "
           f"during the rounds: {results['cuda_graphs_recorded_during_rounds']}", flush=True)
     write_results(out_dir, name, results)

@@ -29,8 +29,9 @@ class EngineConfig(BaseModel):
     compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"] = Field(
         "default", description="torch.compile mode; the CUDA-graph modes compile the whole denoiser, not its blocks.")
     attention: str | None = Field(None, description="Attention backend of diffusers' dispatcher (None: its default).")
-    quantize: Literal["none", "fp8", "fp8-weight-only"] = Field(
-        "none", description="Denoiser linear weights in float8 (torchao); fp8 also quantizes activations (CUDA).")
+    quantize: Literal["none", "fp8", "fp8-tensorwise", "fp8-weight-only"] = Field(
+        "none", description="Denoiser linear weights in float8 (torchao); fp8 and fp8-tensorwise also quantize "
+                            "activations (CUDA), with scales per row or per tensor.")
     quantize_text_encoders: Literal["none", "fp8-weight-only"] = Field(
         "none", description="Text encoders' linear weights in float8 (T5-XXL: 9.5 GB -> 4.8 GB).")
     max_gpu_memory_gb: float | None = Field(

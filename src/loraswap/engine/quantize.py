@@ -1,9 +1,10 @@
 """`--quantize` and `--quantize-text-encoders`: linear weights in float8, through torchao.
 
 `fp8`: float8 weights and dynamically quantized activations, row-wise scales (float8
-matmuls; CUDA compute capability 8.9 or later). `fp8-weight-only`: float8 weights
-de-quantized in the matmul (half the weight memory, any device). Either way the fused
-swap re-quantizes a touched weight from its pristine float8 copy (`swap.Fp8Weight`).
+matmuls; CUDA compute capability 8.9 or later). `fp8-tensorwise`: the same with one scale
+per tensor (cheaper scaling, coarser). `fp8-weight-only`: float8 weights de-quantized in
+the matmul (half the weight memory, any device). Either way the fused swap re-quantizes a
+touched weight from its pristine float8 copy (`swap.Fp8Weight`).
 """
 
 import logging
@@ -25,31 +26,41 @@ def quantize_text_encoders(pipeline, mode: str, device=None) -> None:
             quantize_module(encoder, mode, device)
 
 
-def quantize_module(module: nn.Module, mode: str, device=None) -> None:
-    """Every linear layer of `module` in float8 (`fp8` or `fp8-weight-only`), each moved to
-    `device` as it is quantized; `none`: as it is."""
-    if mode == "none":
-        return
+MODES = ("none", "fp8", "fp8-tensorwise", "fp8-weight-only")
+
+
+def float8_config(mode: str):
+    """torchao's configuration for a `--quantize` mode other than `none`."""
     try:
         from torchao.quantization import (
             Float8DynamicActivationFloat8WeightConfig,
             Float8WeightOnlyConfig,
             PerRow,
-            quantize_,
+            PerTensor,
         )
     except ImportError:
         raise ValueError("--quantize needs torchao: pip install 'loraswap[fp8]'") from None
     # set_inductor_config=False: torchao would otherwise switch on Inductor's coordinate-descent
     # tuning for the whole process, which on the H200 added 196 s to FLUX.1's first compile
     # and 112 s to every restart on a warm compile cache (its results are not reused)
-    if mode == "fp8":
-        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
-    elif mode == "fp8-weight-only":
-        config = Float8WeightOnlyConfig(set_inductor_config=False)
-    else:
-        raise ValueError(f"unknown quantization '{mode}'; choose none, fp8 or fp8-weight-only")
+    if mode in ("fp8", "fp8-tensorwise"):
+        granularity = PerRow() if mode == "fp8" else PerTensor()
+        return Float8DynamicActivationFloat8WeightConfig(granularity=granularity, set_inductor_config=False)
+    if mode == "fp8-weight-only":
+        return Float8WeightOnlyConfig(set_inductor_config=False)
+    raise ValueError(f"unknown quantization '{mode}'; choose one of {', '.join(MODES)}")
+
+
+def quantize_module(module: nn.Module, mode: str, device=None) -> None:
+    """Every linear layer of `module` in float8 (a mode of `MODES`), each moved to `device`
+    as it is quantized; `none`: as it is."""
+    if mode == "none":
+        return
+    config = float8_config(mode)
+    from torchao.quantization import quantize_
+
     try:
         quantize_(module, config, device=device)
     except AssertionError as e:  # torchao's hardware check
-        raise ValueError(f"--quantize fp8 cannot run here ({e}); use fp8-weight-only") from None
+        raise ValueError(f"--quantize {mode} cannot run here ({e}); use fp8-weight-only") from None
     logger.info("%s quantized: %s", type(module).__name__, mode)
