@@ -386,6 +386,9 @@ def bench_swap(
                                        "adapter, so give it the widest targets and the highest rank.")]
     = "128:all,4:attn,64:all,16:all,32:attn,8:all",
     variants: Annotated[str, typer.Option("--variants")] = "seed1,seed2,loraswap,base",
+    quantize: Annotated[str, typer.Option("--quantize", help="The compiled copies in float8 (fp8, fp8-tensorwise, "
+                                          "fp8-weight-only): seed 2 is then a LoRA kept unfused on them; leave "
+                                          "seed1 out.")] = "none",
     out: Annotated[Path, typer.Option("--out", help="Folder for JSON and PNG.")] = Path("bench/results"),
     workdir: Annotated[Path | None, typer.Option("--workdir", help="Where adapters are written.")] = None,
 ) -> None:
@@ -393,8 +396,11 @@ def bench_swap(
     from .bench.swap import run_swap_bench
 
     _setup_logging(False)
-    run_swap_bench(shape, width, height, steps, rounds, recompile_swaps, out, workdir,
-                   tuple(v.strip() for v in variants.split(",")), _parse_specs(specs))
+    try:
+        run_swap_bench(shape, width, height, steps, rounds, recompile_swaps, out, workdir,
+                       tuple(v.strip() for v in variants.split(",")), _parse_specs(specs), quantize)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 @bench_app.command("options")

@@ -78,3 +78,10 @@ def test_make_random_real_layouts(model, fmt, first_key, tmp_path):
         assert any("te" in k.split(".")[0] or k.startswith("text_encoder") for k in keys)
     result = runner.invoke(app, ["adapters", "inspect", str(out), "--model", model])
     assert result.exit_code == 0, result.output
+
+
+def test_bench_swap_refuses_seed1_on_a_float8_base_before_building_anything(tmp_path):
+    result = runner.invoke(app, ["bench", "swap", "--quantize", "fp8", "--workdir", str(tmp_path / "adapters")])
+    assert result.exit_code == 2
+    assert "seed 1 merges adapters through PEFT" in result.output
+    assert not (tmp_path / "adapters").exists()  # nothing written: refused first

@@ -159,3 +159,24 @@ def test_fp8_modes_are_torchaos_dynamic_float8_per_row_or_per_tensor():
         assert all(isinstance(g, granularity) for g in config.granularity) and not config.set_inductor_config
     with pytest.raises(ValueError, match="unknown quantization 'int4'; choose one of none, fp8, fp8-tensorwise"):
         quantize.float8_config("int4")
+
+
+@pytest.mark.parametrize("device,index", [("cuda", 0), ("cuda:1", 1)])
+def test_the_gpu_memory_cap_names_the_gpu_by_index(monkeypatch, device, index):
+    """torch refuses a memory fraction for a device without an index (plain `cuda`, the
+    default), which stopped `--max-gpu-memory-gb` on the H200 before anything loaded."""
+    from types import SimpleNamespace
+
+    from torch.cuda._utils import _get_device_index
+
+    from loraswap.engine.engine import cap_gpu_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=141 * 2**30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, d: calls.append((fraction, _get_device_index(d))))  # torch's own check
+    cap_gpu_memory(torch.device(device), 24)
+    assert calls == [(pytest.approx(24 / 141), index)]
+    cap_gpu_memory(torch.device(device), 200)
+    assert calls[-1] == (1.0, index)

@@ -1,7 +1,9 @@
-"""The one-pass swap kernel, run by Triton's interpreter on CPU tensors.
+"""The swap kernels (one pass for plain weights, two for float8 ones), run by Triton's
+interpreter on CPU tensors.
 
-On a GPU the same kernel is compiled; `scripts/gpu_smoke.py` checks it there against
-`addmm` in bf16. Here the interpreter checks the indexing, masking and blending."""
+On a GPU the same kernels are compiled; `scripts/gpu_smoke.py` checks them there against
+`addmm` in bf16 and torchao's quantization. Here the interpreter checks the indexing,
+masking, blending and float8 rounding."""
 
 import pytest
 import torch
@@ -19,8 +21,10 @@ def interpreted():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
         kernels._kernel.cache_clear()
+        kernels._float8_kernel.cache_clear()
         yield kernels
     kernels._kernel.cache_clear()
+    kernels._float8_kernel.cache_clear()
 
 
 @pytest.mark.parametrize("dtype,ulps", [(torch.float32, 1e-6), (torch.float16, 2**-10), (torch.bfloat16, 2**-7)])
@@ -67,3 +71,90 @@ def test_swap_through_the_kernel_matches_addmm_and_returns_to_base(interpreted, 
     engines[0].set_adapters([("k2", 1.0)])
     engines[0].set_adapters([])
     assert_bitwise_equal(base, engines[0].components)
+
+
+FLOAT8 = torch.float8_e4m3fn
+
+
+def test_float8_kernel_rounds_to_nearest_even_as_torch_does(interpreted):
+    """Per tensor, with P = 0 and the largest |value| 448, the scale stays 1 and the kernel's
+    float8 values are its own rounding of `values`: ties, carries into the exponent
+    (124.6 -> 128), subnormals (below 2**-6, steps of 2**-9) and their ties."""
+    fp8 = torch.arange(256, dtype=torch.uint8).view(FLOAT8).float()
+    fp8 = fp8[fp8.isfinite()].unique()  # every float8 value, sorted
+    fp8 = fp8[~fp8.signbit() | (fp8 != 0)]  # not -0: 0 + -0 is +0 in the kernel's sum, as in torchao's
+    ties = (fp8[:-1] + fp8[1:]) / 2
+    g = torch.Generator().manual_seed(5)
+    values = torch.cat([ties, ties.nextafter(torch.tensor(0.0)), fp8, torch.tensor([124.57, -31.67, 448.0]),
+                        torch.randn(500, generator=g) * 10, torch.rand(300, generator=g) * 2**-6])
+    m = values.numel()
+    pristine, scale = torch.zeros(m, 4, dtype=FLOAT8), torch.ones(1, 1)
+    up, down = values[:, None].float(), torch.ones(1, 4)
+    qdata, new_scale = torch.empty_like(pristine), torch.empty_like(scale)
+    assert interpreted.float8_kernel_available(qdata)
+    interpreted.requantize_into(qdata, new_scale, pristine, scale, up, down, 1.0)
+    assert new_scale.item() == 1.0
+    expected = values.to(FLOAT8)
+    wrong = (qdata[:, 0].view(torch.uint8) != expected.view(torch.uint8)).nonzero().flatten()
+    assert wrong.numel() == 0, [(values[i].item(), qdata[i, 0].item(), expected[i].item()) for i in wrong[:5]]
+    assert torch.equal(qdata.view(torch.uint8), qdata[:, :1].view(torch.uint8).expand(m, 4))
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+@pytest.mark.parametrize("m,n,k", [(70, 200, 4), (33, 17, 40), (128, 256, 64), (130, 129, 1)])
+def test_float8_kernel_matches_torchaos_requantization(interpreted, per_row, m, n, k):
+    """The kernel's W = float8(dequantize(P) + alpha * B @ A) against torchao's own
+    `Float8Tensor.from_hp` of the same sum in fp32, on weights of widely spread magnitude."""
+    from torchao.quantization import Float8Tensor, PerRow, PerTensor
+
+    granularity = PerRow() if per_row else PerTensor()
+    g = torch.Generator().manual_seed(m + n + k)
+    weight = torch.randn(m, n, generator=g) * torch.exp(torch.randn(m, n, generator=g) * 2)
+    base = Float8Tensor.from_hp(weight, float8_dtype=FLOAT8, granularity=granularity)
+    pristine, scale = base.qdata.clone(), base.scale.clone()
+    up, down = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    high = (pristine.float() * scale).addmm_(up, down, alpha=0.3)
+    expected = Float8Tensor.from_hp(high, float8_dtype=FLOAT8, granularity=granularity)
+
+    qdata, new_scale = torch.empty_like(pristine), torch.full_like(scale, float("nan"))
+    interpreted.requantize_into(qdata, new_scale, pristine, scale, up, down, 0.3)
+    torch.testing.assert_close(new_scale, expected.scale.reshape(scale.shape), rtol=1e-6, atol=0)
+    # fp32 sums in another order can move a value across a rounding boundary, by one step
+    differs = qdata.view(torch.uint8) != expected.qdata.view(torch.uint8)
+    assert differs.float().mean() < 1e-3
+    steps = (qdata.float() - expected.qdata.float()).abs() / expected.qdata.float().abs().clamp(min=2**-9)
+    assert (steps[differs] <= 2**-3 + 1e-6).all()
+    assert torch.equal(pristine, base.qdata)  # the pristine copy is only read
+
+
+def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(interpreted, adapter_factory, tmp_path):
+    pytest.importorskip("torchao", reason="the test extra pins torchao")
+    from loraswap.engine.config import EngineConfig
+    from loraswap.engine.engine import Engine
+
+    adapter_factory("f1", "tiny-flux", rank=8, targets="all", alpha=32.0, seed=92, folder=tmp_path)
+    engines = [Engine(EngineConfig(model="tiny-flux", adapters=tmp_path, compile=False, warmup=False,
+                                   quantize="fp8-weight-only")) for _ in range(2)]
+    engines[1].swapper.kernel = False
+    state = lambda e: {n: (m.weight.qdata.clone(), m.weight.scale.clone())  # noqa: E731
+                       for n, m in e.denoiser.named_modules() if hasattr(getattr(m, "weight", None), "qdata")}
+    base = state(engines[0])
+    calls = []
+    real = interpreted.requantize_into
+    with pytest.MonkeyPatch.context() as patch:
+        from loraswap.engine import swap
+
+        patch.setattr(swap, "requantize_into", lambda *a: calls.append(1) or real(*a))
+        fused = []
+        for engine in engines:
+            engine.set_adapters([("f1", 1.0)])
+            fused.append(state(engine))
+    changed = [n for n in base if not torch.equal(base[n][0], fused[0][n][0])]
+    assert len(changed) > 20 and len(calls) == len(changed)  # every touched float8 weight, by the kernel
+    for name in changed:
+        (q, s), (q_eager, s_eager) = fused[0][name], fused[1][name]
+        torch.testing.assert_close(s, s_eager, rtol=1e-6, atol=0)
+        assert (q.view(torch.uint8) != q_eager.view(torch.uint8)).float().mean() < 1e-2
+    engines[0].set_adapters([])
+    after = state(engines[0])
+    assert all(torch.equal(base[n][0], after[n][0]) and torch.equal(base[n][1], after[n][1]) for n in base)

@@ -9,7 +9,10 @@ Variants, interleaved round by round (the order rotates) and repeated:
             read from disk, from pinned host RAM, or already on the GPU;
 4. base     the compiled denoiser with no LoRA: the ceiling.
 
-Each variant has its own copy of the same random-weight denoiser (real config).
+Each variant has its own copy of the same random-weight denoiser (real config). With
+`quantize` (`--quantize fp8`, say) the compiled copies are float8: seed 2 is then a LoRA
+kept unfused on a float8 base, loraswap re-quantizes the weights it touches (seed 1,
+which merges through PEFT, is left out).
 Per-image time is `steps` denoiser calls on fixed inputs (what LoRA serving changes);
 text encoders and VAE run once per image whatever the variant and are measured by
 `bench serve`. After the rounds, `recompile_swaps` fused swaps of mixed ranks and
@@ -26,6 +29,7 @@ from torch._dynamo.utils import counters
 
 from ..adapters.formats import load_adapter
 from ..adapters.source import AdapterLocation
+from ..engine.quantize import quantize_module
 from ..engine.swap import FusedSwapper
 from ..models import SHAPE_PIPELINES
 from ..models.shapes import build_shape_component
@@ -83,7 +87,10 @@ def make_adapters(shape: str, specs, workdir: Path, kohya_rank: int | None = 64)
 def run_swap_bench(shape: str = "flux-dev", width: int = 1024, height: int = 1024, steps: int = 28,
                    rounds: int = 5, recompile_swaps: int = 60, out_dir: Path = Path("bench/results"),
                    workdir: Path | None = None, variants: tuple[str, ...] = ("seed1", "seed2", "loraswap", "base"),
-                   specs=DEFAULT_SPECS) -> dict:
+                   specs=DEFAULT_SPECS, quantize: str = "none") -> dict:
+    if quantize != "none" and "seed1" in variants:
+        raise ValueError("seed 1 merges adapters through PEFT, which cannot merge into float8 weights: "
+                         "leave seed1 out of --variants with --quantize")
     device, dtype = torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16
     if device.type == "cpu":
         dtype = torch.float32
@@ -94,7 +101,7 @@ def run_swap_bench(shape: str = "flux-dev", width: int = 1024, height: int = 102
     pipeline_cls = getattr(diffusers, SHAPE_PIPELINES[shape])
     prefix = DENOISER[shape]
     results = {"shape": shape, "width": width, "height": height, "steps": steps, "rounds": rounds,
-               "env": environment(), "rows": [], "memory_GiB": {}}
+               "quantize": quantize, "env": environment(), "rows": [], "memory_GiB": {}}
 
     # 1. adapters on disk
     logger.info("writing adapters to %s", workdir)
@@ -106,10 +113,13 @@ def run_swap_bench(shape: str = "flux-dev", width: int = 1024, height: int = 102
     torch.manual_seed(0)
     base_model = build_shape_component(shape, prefix, device=device, dtype=dtype)
     inputs = denoiser_inputs(shape, width, height, device, dtype)
-    models = {"seed1": base_model}
-    for name in ("seed2", "loraswap"):
-        if name in variants:
-            models[name] = copy.deepcopy(base_model)
+    copies = ("seed2", "loraswap") if "seed2" in variants else ("loraswap",)  # base is loraswap's, reset
+    models = {name: copy.deepcopy(base_model) for name in copies}
+    for model in models.values():
+        quantize_module(model, quantize)
+    if "seed1" in variants:
+        models["seed1"] = base_model
+    del base_model
     mem = lambda: torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else 0.0  # noqa: E731
     results["memory_GiB"]["denoiser_copies"] = mem()
 
@@ -144,7 +154,8 @@ def run_swap_bench(shape: str = "flux-dev", width: int = 1024, height: int = 102
             seconds, _ = timed(lambda: denoise[name](2))
             results[f"warmup_{name}_s"] = seconds
             logger.info("warm-up %s: %.1f s", name, seconds)
-    timed(lambda: denoise["seed1"](1))
+    if "seed1" in denoise:
+        timed(lambda: denoise["seed1"](1))
     for adapter in gpu:  # pristine copies are made on first touch: keep that one-time cost out of the rounds
         swapper.apply([(adapter, 1.0)])
     swapper.reset()
@@ -252,9 +263,10 @@ def _report(results: dict, out_dir: Path) -> None:
         if k in d else "-"  # noqa: E731
     rows = [[v, ms(d, "swap_disk_s"), ms(d, "swap_host_s"), ms(d, "swap_gpu_s"), f"{d['image_s']['p50']:.3f}",
              f"{d.get('vs_compiled_base', float('nan')):.3f}"] for v, d in s.items()]
-    name = f"swap-{results['shape']}"
-    title = (f"bench swap {results['shape']} {results['width']}x{results['height']} {results['steps']} steps, "
-             f"{results['rounds']} rounds ({results['env'].get('gpu', 'cpu')})")
+    quantized = "" if results["quantize"] == "none" else f"-{results['quantize']}"
+    name = f"swap-{results['shape']}{quantized}"
+    title = (f"bench swap {results['shape']}{quantized} {results['width']}x{results['height']} {results['steps']} "
+             f"steps, {results['rounds']} rounds ({results['env'].get('gpu', 'cpu')})")
     results["table"] = print_table(title, ["variant", "swap disk ms p50 (range)", "swap host ms", "swap GPU ms",
                                            "image s p50", "vs compiled base"], rows)
     for key in ("swap_r64_all_host", "swap_r64_all_gpu", "swap_r64_all_host_addmm", "swap_r64_all_gpu_addmm",

@@ -58,8 +58,7 @@ class Engine:
         started = time.perf_counter()
         logger.info("loading %s on %s (%s)", config.model, self.device, self.dtype)
         if config.max_gpu_memory_gb and self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, config.max_gpu_memory_gb * 2**30 / total), self.device)
+            cap_gpu_memory(self.device, config.max_gpu_memory_gb)
         # a model to quantize loads onto a GPU with room for it in full precision and is
         # quantized in place there (fast); under --max-gpu-memory-gb or on a smaller GPU it is
         # built on the host and quantized layer by layer onto the GPU, so the full-precision
@@ -321,6 +320,15 @@ class Engine:
     def recompiles(self) -> int:
         """Graphs compiled after warm-up: a swap must never add one."""
         return self._graph_count() - self._graphs_after_warmup
+
+
+def cap_gpu_memory(device: torch.device, gigabytes: float) -> None:
+    """`--max-gpu-memory-gb`: hold this process to that much of the GPU (a 24 GB card on a
+    larger one); torch's allocator refuses beyond it as it would on the smaller card."""
+    index = device.index if device.index is not None else torch.cuda.current_device()  # torch wants an index
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gigabytes * 2**30 / total), index)
+    logger.info("GPU %d capped at %.1f GiB of %.1f GiB", index, min(gigabytes, total / 2**30), total / 2**30)
 
 
 def compile_denoiser(denoiser: torch.nn.Module, mode: str = "default") -> None:

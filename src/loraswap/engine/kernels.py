@@ -62,6 +62,110 @@ def _kernel():
     return fused_lora
 
 
+FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+@cache
+def _float8_kernel():
+    """The float8 re-quantization kernel, or None without Triton (built once, on first use).
+
+    One program per tile of W = dequantize(P) + alpha * B @ A, with P float8 and one fp32
+    scale per row or per tensor. Pass 0 takes each row's (or the tensor's) largest |W|
+    into `amax` (atomic max over the row's tiles); pass 1 computes the tile again (the
+    rank-r product is cheap, W is never stored in fp32) and writes it as float8 with the
+    new scale amax / 448, by torchao's rule: divide, clamp to +-448, round to nearest even.
+    Each pass reads P once: 2 bytes per weight in all, against some 40 through eager ops.
+    """
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _larger(a, b):  # tl.max is a jit function of Triton's own, which its interpreter cannot call
+        return tl.maximum(a, b)
+
+    globals()["_larger"] = _larger  # Triton looks the functions a kernel calls up in its module's globals
+
+    @triton.jit(do_not_specialize=["M", "alpha"])
+    def requantize(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, amax_ptr, M, N, K, alpha, PASS: tl.constexpr,
+                   PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   IEEE: tl.constexpr):
+        tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+        pid = tl.program_id(0)
+        rm = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = tl.max_contiguous(tl.multiple_of(rn, BLOCK_N), BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        in_m, in_n = rm < M, rn < N
+        rows = rm.to(tl.int64)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + rk
+            b = tl.load(b_ptr + rows[:, None] * K + ks[None, :], mask=in_m[:, None] & (ks[None, :] < K), other=0.0)
+            a = tl.load(a_ptr + ks[:, None].to(tl.int64) * N + rn[None, :],
+                        mask=(ks[:, None] < K) & in_n[None, :], other=0.0)
+            if IEEE:  # the CPU interpreter (its bf16 dot is wrong): fp32 products
+                acc += tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(b, a)
+        offsets = rows[:, None] * N + rn[None, :]
+        mask = in_m[:, None] & in_n[None, :]
+        if PER_ROW:
+            scale = tl.load(s_ptr + rows, mask=in_m, other=1.0)[:, None]
+        else:
+            scale = tl.load(s_ptr)
+        w = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * scale + acc * alpha
+        if PASS == 0:
+            row_max = tl.reduce(tl.where(mask, tl.abs(w), 0.0), 1, _larger)
+            if PER_ROW:
+                tl.atomic_max(amax_ptr + rows, row_max, mask=in_m)
+            else:
+                tl.atomic_max(amax_ptr, tl.reduce(row_max, 0, _larger))
+        else:
+            if PER_ROW:
+                amax = tl.load(amax_ptr + rows, mask=in_m, other=1.0)[:, None]
+            else:
+                amax = tl.load(amax_ptr)
+            new_scale = tl.math.div_rn(amax, 448.0)  # IEEE division, as torch's (448: float8 e4m3's largest)
+            q = tl.math.div_rn(w, new_scale)
+            q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+            # round to the nearest float8 value (ties to even) in fp32, then cast exactly (the
+            # interpreter's cast is wrong where rounding carries into the exponent): normal
+            # values keep 3 of fp32's 23 mantissa bits; below 2**-6 the step is 2**-9
+            bits = q.to(tl.int32, bitcast=True)
+            normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+            tiny = ((tl.abs(q) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125  # 1.5 * 2**23 rounds to integers
+            subnormal = (tiny.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # sign
+            q = tl.where(tl.abs(q) < 0.015625, subnormal, normal)
+            tl.store(out_ptr + offsets, q.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return requantize
+
+
+def float8_kernel_available(qdata: torch.Tensor) -> bool:
+    """Whether `requantize_into` runs the kernel for these float8 data (else eager torch)."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    return (qdata.is_cuda or interpret) and qdata.dtype == torch.float8_e4m3fn and _float8_kernel() is not None
+
+
+def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
+                    pristine_scale: torch.Tensor, up: torch.Tensor, down: torch.Tensor, alpha: float) -> None:
+    """qdata, scale = float8(pristine_qdata * pristine_scale + alpha * up @ down), in place,
+    with a scale per row (`scale` of shape [rows, 1]) or per tensor ([1, 1]); all on one device."""
+    m, n = qdata.shape
+    k = down.shape[0]
+    per_row = scale.numel() != 1
+    amax = torch.zeros(m if per_row else 1, device=qdata.device, dtype=torch.float32)
+    grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
+    for step in (0, 1):
+        _float8_kernel()[grid](qdata, pristine_qdata, pristine_scale, up, down, amax, m, n, k, float(alpha),
+                               PASS=step, PER_ROW=per_row, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                               IEEE=up.dtype == torch.float32 or not qdata.is_cuda, num_warps=NUM_WARPS)
+    torch.div(amax, FLOAT8_MAX, out=scale.view(-1))
+
+
 def kernel_available(weight: torch.Tensor) -> bool:
     """Whether `fuse_into` runs the one-pass kernel for this weight (else `addmm`)."""
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -99,6 +203,17 @@ def warm_up(device: torch.device, dtype: torch.dtype) -> None:
             weight = torch.zeros(2, n, device=device, dtype=dtype)
             up, down = torch.zeros(2, k, device=device, dtype=dtype), torch.zeros(k, n, device=device, dtype=dtype)
             fuse_into(weight, weight.clone(), up, down, 1.0, use_kernel=True)
+
+
+def warm_up_float8(device: torch.device, per_tensor: bool, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Compile `requantize_into`'s variants (both passes; row length and rank a multiple of
+    16 or not, rank 1) for float8 weights with `dtype` factors, as `warm_up` does."""
+    for n in (32, 24):
+        for k in (16, 8, 1):
+            pristine = torch.zeros(2, n, device=device, dtype=torch.float8_e4m3fn)
+            scale = torch.ones(1 if per_tensor else 2, 1, device=device)
+            up, down = torch.ones(2, k, device=device, dtype=dtype), torch.ones(k, n, device=device, dtype=dtype)
+            requantize_into(torch.empty_like(pristine), torch.empty_like(scale), pristine, scale, up, down, 1.0)
 
 
 def triton_cdiv(a: int, b: int) -> int:

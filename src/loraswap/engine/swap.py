@@ -25,7 +25,7 @@ from torch import nn
 
 from ..adapters.formats import LoraLayer, ParsedAdapter
 from ..errors import AdapterIncompatible, AdapterInvalid
-from .kernels import fuse_into, kernel_available, warm_up
+from .kernels import float8_kernel_available, fuse_into, kernel_available, requantize_into, warm_up, warm_up_float8
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class FusedSwapper:
                         written.add(key)
             # 4. float8 weights: W = quantize(dequantize(pristine) + sum of deltas), in place
             for key, deltas in fp8_deltas.items():
-                self._fp8[key].write(deltas)
+                self._fp8[key].write(deltas, kernel)
             self._dirty |= wanted
         except BaseException:
             self._restore(touched)
@@ -251,14 +251,18 @@ class FusedSwapper:
         """Compile the swap kernel for this model's weights now (no-op where it does not run)."""
         if not self.kernel:
             return
-        for device, dtype in {(m.weight.device, m.weight.dtype) for m in self._modules.values()}:
-            if kernel_available(torch.empty(0, device=device, dtype=dtype)):
-                try:
+        weights = [m.weight for m in self._modules.values()]
+        float8 = {(w.qdata.device, w.scale.numel() == 1, w.dtype) for w in weights if Fp8Weight.holds(w)}
+        try:
+            for device, dtype in {(w.device, w.dtype) for w in weights if not Fp8Weight.holds(w)}:
+                if kernel_available(torch.empty(0, device=device, dtype=dtype)):
                     warm_up(device, dtype)
-                except Exception:  # an old GPU or no C compiler: swaps still work, through addmm
-                    logger.warning("the swap kernel does not compile here; swapping with addmm", exc_info=True)
-                    self.kernel = False
-                    return
+            for device, per_tensor, dtype in float8:  # a Float8Tensor's dtype is its factors'
+                if float8_kernel_available(torch.empty(0, device=device, dtype=torch.float8_e4m3fn)):
+                    warm_up_float8(device, per_tensor, dtype)
+        except Exception:  # an old GPU or no C compiler: swaps still work, through addmm and eager ops
+            logger.warning("the swap kernels do not compile here; swapping with addmm", exc_info=True)
+            self.kernel = False
 
     def reset(self) -> None:
         """Back to the base model, bitwise."""
@@ -368,12 +372,18 @@ class Fp8Weight:
         self.qdata.copy_(self.pristine_qdata, non_blocking=True)
         self.scale.copy_(self.pristine_scale, non_blocking=True)
 
-    def write(self, deltas: list[tuple[torch.Tensor, torch.Tensor, float]]) -> None:
+    def write(self, deltas: list[tuple[torch.Tensor, torch.Tensor, float]], kernel: bool = False) -> None:
+        """One adapter through `kernels.requantize_into` where it runs (and `kernel`), two
+        passes reading the float8 copy; a blend, or elsewhere, through eager fp32 ops."""
         from torchao.quantization import Float8Tensor
 
         device = self.qdata.device
         qdata = self.pristine_qdata.to(device, non_blocking=True)
         scale = self.pristine_scale.to(device, non_blocking=True)
+        if kernel and len(deltas) == 1 and float8_kernel_available(self.qdata) and self.qdata.is_contiguous():
+            up, down, alpha = deltas[0]
+            requantize_into(self.qdata, self.scale, qdata, scale, up, down, alpha)
+            return
         high = qdata.to(torch.float32) * scale.to(torch.float32)  # [rows, 1] or [1, 1]: broadcast
         for up, down, alpha in deltas:
             high.addmm_(up.to(torch.float32), down.to(torch.float32), alpha=alpha)
