@@ -95,11 +95,11 @@ def test_fp8_blends_failures_and_reset_leave_the_base_bitwise(engines, monkeypat
     calls = {"n": 0}
     real_write = swap.Fp8Weight.write
 
-    def failing_write(self, deltas):
+    def failing_write(self, deltas, kernel=False):
         calls["n"] += 1
         if calls["n"] == 5:
             raise RuntimeError("injected")
-        real_write(self, deltas)
+        real_write(self, deltas, kernel)
 
     monkeypatch.setattr(swap.Fp8Weight, "write", failing_write)
     with pytest.raises(RuntimeError, match="injected"):
@@ -134,7 +134,7 @@ def test_text_encoder_adapters_swap_onto_float8_text_encoders(adapter_factory, t
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(before, state()))
 
 
-def test_quantizing_leaves_inductor_settings_of_the_process_alone(monkeypatch):
+def test_quantizing_leaves_inductor_settings_of_the_process_alone():
     """torchao's default switches on coordinate-descent tuning process-wide (minutes per
     FLUX.1 compile, warm cache or not); loraswap's quantization must not."""
     import torch._inductor.config as inductor_config
@@ -142,12 +142,13 @@ def test_quantizing_leaves_inductor_settings_of_the_process_alone(monkeypatch):
     from loraswap.engine.quantize import quantize_module
 
     keys = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions", "force_fuse_int_mm_with_mul")
-    for key in keys:  # off whatever ran before in this process
-        monkeypatch.setattr(inductor_config, key, False)
-    module = torch.nn.Sequential(torch.nn.Linear(64, 64, dtype=torch.bfloat16))
-    quantize_module(module, "fp8-weight-only")
-    assert type(module[0].weight).__name__ == "Float8Tensor"
-    assert {key: getattr(inductor_config, key) for key in keys} == dict.fromkeys(keys, False)
+    # off whatever ran before in this process, and back afterwards (Inductor's settings are not
+    # plain attributes: monkeypatch's undo deletes them for the rest of the process)
+    with inductor_config.patch(dict.fromkeys(keys, False)):
+        module = torch.nn.Sequential(torch.nn.Linear(64, 64, dtype=torch.bfloat16))
+        quantize_module(module, "fp8-weight-only")
+        assert type(module[0].weight).__name__ == "Float8Tensor"
+        assert {key: getattr(inductor_config, key) for key in keys} == dict.fromkeys(keys, False)
 
 
 def test_fp8_modes_are_torchaos_dynamic_float8_per_row_or_per_tensor():
