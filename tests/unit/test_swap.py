@@ -66,3 +66,20 @@ def test_adapter_replaced_on_disk_is_served_with_its_new_content(adapter_factory
     assert np.array_equal(new, np.asarray(fresh.generate(request).image))
     assert not np.array_equal(new, old)
     assert engine.cache.misses == 2
+
+
+def test_packing_writes_every_element_of_its_buffer(adapter_factory, tmp_path, monkeypatch):
+    """The buffer is allocated uninitialized and written once: factors copied in, the
+    alignment padding between them zeroed, so the NaN check over the whole buffer never
+    sees stale memory. Here fresh buffers come pre-filled with NaN to prove it."""
+    from loraswap.engine import swap
+
+    adapter_factory("odd", "tiny-sdxl", rank=3, targets="all", text_encoder=True, seed=82, folder=tmp_path)
+    engine = Engine(EngineConfig(model="tiny-sdxl", adapters=tmp_path, compile=False, warmup=False))
+    real_empty = torch.empty
+    monkeypatch.setattr(swap.torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    bound = engine.resolve_adapter("odd")  # bound (and checked for NaN) under the NaN-filling allocator
+    factors = sum(layer.down.numel() + layer.up.numel() for layer in bound.layers.values())
+    assert bound.packed.numel() > factors  # rank 3: there is padding
+    assert torch.isfinite(bound.packed).all()
+    assert int((bound.packed == 0).sum()) >= bound.packed.numel() - factors

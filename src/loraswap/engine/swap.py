@@ -69,11 +69,17 @@ class BoundAdapter:
             flat = self.packed.to(device, non_blocking=non_blocking) if not pin_memory else self.packed.pin_memory()
         else:
             spans = _packed_spans(self.layers.values())
-            flat = torch.zeros(spans[-1][-1] if spans else 0, dtype=dtype, device=device,
+            # written once: each factor copied in, only the alignment padding between them zeroed
+            flat = torch.empty(spans[-1][-1] if spans else 0, dtype=dtype, device=device,
                                pin_memory=pin_memory and device.type == "cpu")
-            for layer, (down_at, up_at, _) in zip(self.layers.values(), spans):
-                flat[down_at: down_at + layer.down.numel()].copy_(layer.down.reshape(-1), non_blocking=non_blocking)
-                flat[up_at: up_at + layer.up.numel()].copy_(layer.up.reshape(-1), non_blocking=non_blocking)
+            for layer, (down_at, up_at, end) in zip(self.layers.values(), spans):
+                down_end, up_end = down_at + layer.down.numel(), up_at + layer.up.numel()
+                flat[down_at: down_end].copy_(layer.down.reshape(-1), non_blocking=non_blocking)
+                flat[up_at: up_end].copy_(layer.up.reshape(-1), non_blocking=non_blocking)
+                if up_at > down_end:
+                    flat[down_end: up_at].zero_()
+                if end > up_end:
+                    flat[up_end: end].zero_()
         return _with_buffer(self, flat)
 
 
