@@ -2,7 +2,8 @@
 # The GPU runs still owed to the speed and memory options (see BENCHMARKS.md), in the
 # order they matter, each under its own timeout so one hang costs minutes. Run from the
 # repository root on a CUDA machine with PYTHONPATH=src; results go under ${OUT:-out}.
-#   bash scripts/gpu_speed_options.sh [step ...]   # steps: smoke options serve-sdxl serve-flux lowmem lowmem-profile startup
+#   bash scripts/gpu_speed_options.sh [step ...]
+# steps: smoke fp8-kernel options swap-fp8 serve-sdxl serve-flux lowmem lowmem-profile startup
 set -uo pipefail
 out=${OUT:-out}/results
 mkdir -p "$out"
@@ -19,6 +20,11 @@ for step in $steps; do
   case $step in
     smoke)  # CUDA graphs == eager across swaps; dynamic float8 vs bf16; cache tiers
       run smoke 240 240 python scripts/gpu_smoke.py 2>&1 | tail -20 ;;
+    fp8-kernel)  # the float8 re-quantization kernel against eager torchao, FLUX-sized layers
+      run fp8-kernel 100 100 python scripts/fp8_kernel_check.py "$out/fp8-kernel-check.json" ;;
+    swap-fp8)  # a LoRA kept unfused on float8 (seed 2's hotswap) against re-quantizing it in
+      run swap-fp8 400 400 python -m loraswap bench swap --shape flux-dev --quantize fp8 --rounds 3 \
+        --recompile-swaps 10 --variants seed2,loraswap,base --out "$out" ;;
     options)  # attention backends x compile modes, a swap before each image
       for attention in native _native_cudnn _native_flash; do  # one backend per process
         run "options-sdxl-$attention" 300 300 python -m loraswap bench options --shape sdxl --rounds 3 \
