@@ -85,3 +85,7 @@ def test_bench_swap_refuses_seed1_on_a_float8_base_before_building_anything(tmp_
     assert result.exit_code == 2
     assert "seed 1 merges adapters through PEFT" in result.output
     assert not (tmp_path / "adapters").exists()  # nothing written: refused first
+    result = runner.invoke(app, ["bench", "swap", "--quantize", "int4", "--variants", "loraswap",
+                                 "--workdir", str(tmp_path / "adapters")])
+    assert result.exit_code == 2 and "unknown quantization 'int4'" in result.output
+    assert not (tmp_path / "adapters").exists()

@@ -1,8 +1,9 @@
 """The swap kernels (one pass for plain weights, two for float8 ones), run by Triton's
 interpreter on CPU tensors.
 
-On a GPU the same kernels are compiled; `scripts/gpu_smoke.py` checks them there against
-`addmm` in bf16 and torchao's quantization. Here the interpreter checks the indexing,
+On a GPU the same kernels are compiled; `scripts/gpu_smoke.py` checks the one-pass kernel
+there against `addmm` in bf16, `scripts/fp8_kernel_check.py` the float8 one against
+torchao's quantization. Here the interpreter checks the indexing,
 masking, blending and float8 rounding."""
 
 import pytest
@@ -119,10 +120,11 @@ def test_float8_kernel_matches_torchaos_requantization(interpreted, per_row, m, 
     qdata, new_scale = torch.empty_like(pristine), torch.full_like(scale, float("nan"))
     interpreted.requantize_into(qdata, new_scale, pristine, scale, up, down, 0.3)
     torch.testing.assert_close(new_scale, expected.scale.reshape(scale.shape), rtol=1e-6, atol=0)
+    expected_q = expected.qdata
     # fp32 sums in another order can move a value across a rounding boundary, by one step
-    differs = qdata.view(torch.uint8) != expected.qdata.view(torch.uint8)
+    differs = qdata.view(torch.uint8) != expected_q.view(torch.uint8)
     assert differs.float().mean() < 1e-3
-    steps = (qdata.float() - expected.qdata.float()).abs() / expected.qdata.float().abs().clamp(min=2**-9)
+    steps = (qdata.float() - expected_q.float()).abs() / expected_q.float().abs().clamp(min=2**-9)
     assert (steps[differs] <= 2**-3 + 1e-6).all()
     assert torch.equal(pristine, base.qdata)  # the pristine copy is only read
 
@@ -135,7 +137,7 @@ def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(interpre
     adapter_factory("f1", "tiny-flux", rank=8, targets="all", alpha=32.0, seed=92, folder=tmp_path)
     engines = [Engine(EngineConfig(model="tiny-flux", adapters=tmp_path, compile=False, warmup=False,
                                    quantize="fp8-weight-only")) for _ in range(2)]
-    engines[1].swapper.kernel = False
+    engines[1].swapper.float8_kernel = False
     state = lambda e: {n: (m.weight.qdata.clone(), m.weight.scale.clone())  # noqa: E731
                        for n, m in e.denoiser.named_modules() if hasattr(getattr(m, "weight", None), "qdata")}
     base = state(engines[0])
@@ -156,5 +158,20 @@ def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(interpre
         torch.testing.assert_close(s, s_eager, rtol=1e-6, atol=0)
         assert (q.view(torch.uint8) != q_eager.view(torch.uint8)).float().mean() < 1e-2
     engines[0].set_adapters([])
+    after = state(engines[0])
+    assert all(torch.equal(base[n][0], after[n][0]) and torch.equal(base[n][1], after[n][1]) for n in base)
+    # a kernel call failing halfway through a swap leaves every float8 weight as it was
+    failing = {"n": 0}
+
+    def fail_fifth(*args):
+        failing["n"] += 1
+        if failing["n"] == 5:
+            raise RuntimeError("injected")
+        real(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(swap, "requantize_into", fail_fifth)
+        with pytest.raises(RuntimeError, match="injected"):
+            engines[0].set_adapters([("f1", 0.5)])
     after = state(engines[0])
     assert all(torch.equal(base[n][0], after[n][0]) and torch.equal(base[n][1], after[n][1]) for n in base)

@@ -29,6 +29,7 @@ from torch._dynamo.utils import counters
 
 from ..adapters.formats import load_adapter
 from ..adapters.source import AdapterLocation
+from ..engine.quantize import MODES as QUANTIZE_MODES
 from ..engine.quantize import quantize_module
 from ..engine.swap import FusedSwapper
 from ..models import SHAPE_PIPELINES
@@ -88,6 +89,8 @@ def run_swap_bench(shape: str = "flux-dev", width: int = 1024, height: int = 102
                    rounds: int = 5, recompile_swaps: int = 60, out_dir: Path = Path("bench/results"),
                    workdir: Path | None = None, variants: tuple[str, ...] = ("seed1", "seed2", "loraswap", "base"),
                    specs=DEFAULT_SPECS, quantize: str = "none") -> dict:
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"unknown quantization '{quantize}'; choose one of {', '.join(QUANTIZE_MODES)}")
     if quantize != "none" and "seed1" in variants:
         raise ValueError("seed 1 merges adapters through PEFT, which cannot merge into float8 weights: "
                          "leave seed1 out of --variants with --quantize")
@@ -213,11 +216,11 @@ def run_swap_bench(shape: str = "flux-dev", width: int = 1024, height: int = 102
         for _ in range(10):
             for tier, cache in (("host", host), ("gpu", gpu)):
                 for kernel in (True, False):
-                    swapper.kernel = kernel
+                    swapper.kernel = swapper.float8_kernel = kernel
                     swapper.apply([(cache[other], 1.0)])
                     seconds, _ = timed(lambda: swapper.apply([(cache[r64], 1.0)]))
                     times.setdefault(f"swap_r64_all_{tier}{'' if kernel else '_addmm'}", []).append(seconds)
-        swapper.kernel = True
+        swapper.kernel = swapper.float8_kernel = True
         results.update({key: summary(values) for key, values in times.items()})
     kohya_times = [timed(lambda: swapper.apply([(parse(kohya_path), 1.0)]))[0] for _ in range(3)]
     results["swap_r64_all_kohya_disk"] = summary(kohya_times)

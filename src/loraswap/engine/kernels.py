@@ -71,9 +71,10 @@ def _float8_kernel():
 
     One program per tile of W = dequantize(P) + alpha * B @ A, with P float8 and one fp32
     scale per row or per tensor. Pass 0 takes each row's (or the tensor's) largest |W|
-    into `amax` (atomic max over the row's tiles); pass 1 computes the tile again (the
-    rank-r product is cheap, W is never stored in fp32) and writes it as float8 with the
-    new scale amax / 448, by torchao's rule: divide, clamp to +-448, round to nearest even.
+    into `stats` (atomic max over the row's tiles); torch turns that into the new scale,
+    amax / 448, as torchao does; pass 1 computes the tile again (the rank-r product is
+    cheap, W is never stored in fp32) and writes it as float8 by torchao's rule: divide by
+    the new scale (`stats` now), clamp to +-448, round to nearest even; NaN stays NaN.
     Each pass reads P once: 2 bytes per weight in all, against some 40 through eager ops.
     """
     try:
@@ -89,7 +90,7 @@ def _float8_kernel():
     globals()["_larger"] = _larger  # Triton looks the functions a kernel calls up in its module's globals
 
     @triton.jit(do_not_specialize=["M", "alpha"])
-    def requantize(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, amax_ptr, M, N, K, alpha, PASS: tl.constexpr,
+    def requantize(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, stats_ptr, M, N, K, alpha, PASS: tl.constexpr,
                    PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    IEEE: tl.constexpr):
         tiles_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -120,17 +121,17 @@ def _float8_kernel():
         if PASS == 0:
             row_max = tl.reduce(tl.where(mask, tl.abs(w), 0.0), 1, _larger)
             if PER_ROW:
-                tl.atomic_max(amax_ptr + rows, row_max, mask=in_m)
+                tl.atomic_max(stats_ptr + rows, row_max, mask=in_m)
             else:
-                tl.atomic_max(amax_ptr, tl.reduce(row_max, 0, _larger))
+                tl.atomic_max(stats_ptr, tl.reduce(row_max, 0, _larger))
         else:
             if PER_ROW:
-                amax = tl.load(amax_ptr + rows, mask=in_m, other=1.0)[:, None]
+                new_scale = tl.load(stats_ptr + rows, mask=in_m, other=1.0)[:, None]
             else:
-                amax = tl.load(amax_ptr)
-            new_scale = tl.math.div_rn(amax, 448.0)  # IEEE division, as torch's (448: float8 e4m3's largest)
-            q = tl.math.div_rn(w, new_scale)
-            q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+                new_scale = tl.load(stats_ptr)
+            q = tl.math.div_rn(w, new_scale)  # IEEE division, as torch's tensor / tensor
+            q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                           propagate_nan=tl.PropagateNan.ALL)  # 448: float8 e4m3's largest
             # round to the nearest float8 value (ties to even) in fp32, then cast exactly (the
             # interpreter's cast is wrong where rounding carries into the exponent): normal
             # values keep 3 of fp32's 23 mantissa bits; below 2**-6 the step is 2**-9
@@ -138,16 +139,19 @@ def _float8_kernel():
             normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
             tiny = ((tl.abs(q) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125  # 1.5 * 2**23 rounds to integers
             subnormal = (tiny.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # sign
-            q = tl.where(tl.abs(q) < 0.015625, subnormal, normal)
+            # NaN (0 / 0 in an all-zero row) stays NaN on a GPU, as in torchao (not in the interpreter)
+            q = tl.where(q != q, q, tl.where(tl.abs(q) < 0.015625, subnormal, normal))
             tl.store(out_ptr + offsets, q.to(out_ptr.dtype.element_ty), mask=mask)
 
     return requantize
 
 
 def float8_kernel_available(qdata: torch.Tensor) -> bool:
-    """Whether `requantize_into` runs the kernel for these float8 data (else eager torch)."""
+    """Whether `requantize_into` runs the kernel for these float8 data (else eager torch):
+    Triton has float8 e4m3 on CUDA compute capability 8.9 and later."""
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    return (qdata.is_cuda or interpret) and qdata.dtype == torch.float8_e4m3fn and _float8_kernel() is not None
+    on_gpu = qdata.is_cuda and torch.cuda.get_device_capability(qdata.device) >= (8, 9)
+    return (on_gpu or interpret) and qdata.dtype == torch.float8_e4m3fn and _float8_kernel() is not None
 
 
 def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
@@ -157,13 +161,15 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
     m, n = qdata.shape
     k = down.shape[0]
     per_row = scale.numel() != 1
-    amax = torch.zeros(m if per_row else 1, device=qdata.device, dtype=torch.float32)
+    stats = torch.zeros(m if per_row else 1, device=qdata.device, dtype=torch.float32)
     grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
     for step in (0, 1):
-        _float8_kernel()[grid](qdata, pristine_qdata, pristine_scale, up, down, amax, m, n, k, float(alpha),
+        _float8_kernel()[grid](qdata, pristine_qdata, pristine_scale, up, down, stats, m, n, k, float(alpha),
                                PASS=step, PER_ROW=per_row, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                                IEEE=up.dtype == torch.float32 or not qdata.is_cuda, num_warps=NUM_WARPS)
-    torch.div(amax, FLOAT8_MAX, out=scale.view(-1))
+        if step == 0:  # the largest |W| -> the new scale, by torchao's own op (CUDA divides by 448 as
+            stats = stats / FLOAT8_MAX  # a multiply by its reciprocal, which pass 1 must divide by too)
+    scale.view(-1).copy_(stats)
 
 
 def kernel_available(weight: torch.Tensor) -> bool:

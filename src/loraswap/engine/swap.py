@@ -131,6 +131,7 @@ class FusedSwapper:
         self._copy_stream = None
         self._views: dict[LayerKey, tuple[torch.Tensor, torch.Tensor, bool]] = {}
         self.kernel = kernel  # the one-pass kernel on the layers it runs on (CUDA + Triton); else `addmm`
+        self.float8_kernel = kernel  # float8 weights' re-quantization kernel (CUDA 8.9+); else eager ops
         self._fp8: dict[LayerKey, Fp8Weight] = {}  # float8 weights (`--quantize`), also in `_pristine`
 
     # ---------------------------------------------------------------- binding
@@ -244,7 +245,7 @@ class FusedSwapper:
                         written.add(key)
             # 4. float8 weights: W = quantize(dequantize(pristine) + sum of deltas), in place
             for key, deltas in fp8_deltas.items():
-                self._fp8[key].write(deltas, kernel)
+                self._fp8[key].write(deltas, self.float8_kernel)
             self._dirty |= wanted
         except BaseException:
             self._restore(touched)
@@ -258,17 +259,21 @@ class FusedSwapper:
         if not self.kernel:
             return
         weights = [m.weight for m in self._modules.values()]
-        float8 = {(w.qdata.device, w.scale.numel() == 1, w.dtype) for w in weights if Fp8Weight.holds(w)}
         try:
             for device, dtype in {(w.device, w.dtype) for w in weights if not Fp8Weight.holds(w)}:
                 if kernel_available(torch.empty(0, device=device, dtype=dtype)):
                     warm_up(device, dtype)
-            for device, per_tensor, dtype in float8:  # a Float8Tensor's dtype is its factors'
+        except Exception:  # an old GPU or no C compiler: swaps still work, through addmm
+            logger.warning("the swap kernel does not compile here; swapping with addmm", exc_info=True)
+            self.kernel = False
+        try:  # a Float8Tensor's dtype is its factors'
+            for device, per_tensor, dtype in {(w.qdata.device, w.scale.numel() == 1, w.dtype)
+                                              for w in weights if Fp8Weight.holds(w)}:
                 if float8_kernel_available(torch.empty(0, device=device, dtype=torch.float8_e4m3fn)):
                     warm_up_float8(device, per_tensor, dtype)
-        except Exception:  # an old GPU or no C compiler: swaps still work, through addmm and eager ops
-            logger.warning("the swap kernels do not compile here; swapping with addmm", exc_info=True)
-            self.kernel = False
+        except Exception:
+            logger.warning("the float8 swap kernel does not compile here; re-quantizing eagerly", exc_info=True)
+            self.float8_kernel = False
 
     def reset(self) -> None:
         """Back to the base model, bitwise."""
