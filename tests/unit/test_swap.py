@@ -83,3 +83,22 @@ def test_packing_writes_every_element_of_its_buffer(adapter_factory, tmp_path, m
     assert bound.packed.numel() > factors  # rank 3: there is padding
     assert torch.isfinite(bound.packed).all()
     assert int((bound.packed == 0).sum()) >= bound.packed.numel() - factors
+
+
+def test_host_pristine_copies_are_all_made_at_start_up(adapter_factory, tmp_path):
+    """`--pristine host` copies every weight an adapter may touch at start-up (pinning host
+    RAM inside a request's swap took seconds on the H200); swaps then add none and give the
+    same weights as lazily made device copies."""
+    adapter_factory("h1", "tiny-flux", rank=8, targets="all", alpha=32.0, seed=83, folder=tmp_path)
+    common = dict(model="tiny-flux", adapters=tmp_path, compile=False, warmup=False)
+    host, device = (Engine(EngineConfig(**common, pristine=where)) for where in ("host", "device"))
+    assert host.swapper._pristine.keys() == host.swapper._modules.keys()
+    assert device.swapper.pristine_bytes == 0
+    made = host.swapper.pristine_bytes
+    base = weights_snapshot(host.components)
+    for engine in (host, device):
+        engine.set_adapters([("h1", 0.8)])
+    assert host.swapper.pristine_bytes == made
+    assert_bitwise_equal(weights_snapshot(device.components), host.components)
+    host.set_adapters([])
+    assert_bitwise_equal(base, host.components)

@@ -82,6 +82,11 @@ class Engine:
                            if getattr(self.pipeline, name, None) is not None}
         self.unet_config = self.components["unet"].config if "unet" in self.components else None
         self.swapper = FusedSwapper(self.components, pristine=config.pristine, max_rank=config.max_rank)
+        if config.pristine == "host":  # pinned at start-up, not in the first requests' swaps
+            pinning = time.perf_counter()
+            self.swapper.save_all_pristine()
+            logger.info("pristine copies in host RAM: %.2f GiB in %.1f s", self.swapper.pristine_bytes / 2**30,
+                        time.perf_counter() - pinning)
         self.source = config.source or self._sources(config)
         self.cache = AdapterCache(config.cache, self.device)
         self._prefetcher = ThreadPoolExecutor(config.prefetch_threads, thread_name_prefix="loraswap-prefetch")
