@@ -29,12 +29,11 @@ def _kernel():
     except ImportError:
         return None
 
-    # Weights, their copies and packed factors are 16-byte aligned, and row lengths and ranks
-    # mostly multiples of 16: specialized on those (vectorized loads), the kernel has six
-    # variants per dtype (rank 1 is one too), compiled at warm-up (`warm_up`). M and alpha are not specialized.
-    @triton.jit(do_not_specialize=["M", "alpha"])
-    def fused_lora(w_ptr, p_ptr, b_ptr, a_ptr, M, N, K, alpha,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    @triton.jit
+    def _lora_tile(b_ptr, a_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   IEEE: tl.constexpr):
+        # this program's tile of B @ A in fp32 (one tile of an M x N weight per program), with
+        # its rows (int64), row mask, offsets into the weight and mask
         tiles_n = (N + BLOCK_N - 1) // BLOCK_N
         pid = tl.program_id(0)
         rm = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -53,8 +52,17 @@ def _kernel():
                 acc += tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(b, a)
-        offsets = rows[:, None] * N + rn[None, :]
-        mask = in_m[:, None] & in_n[None, :]
+        return acc, rows, in_m, rows[:, None] * N + rn[None, :], in_m[:, None] & in_n[None, :]
+
+    globals()["_lora_tile"] = _lora_tile  # Triton looks the functions a kernel calls up in its module's globals
+
+    # Weights, their copies and packed factors are 16-byte aligned, and row lengths and ranks
+    # mostly multiples of 16: specialized on those (vectorized loads), the kernel has six
+    # variants per dtype (rank 1 is one too), compiled at warm-up (`warm_up`). M and alpha are not specialized.
+    @triton.jit(do_not_specialize=["M", "alpha"])
+    def fused_lora(w_ptr, p_ptr, b_ptr, a_ptr, M, N, K, alpha,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        acc, rows, in_m, offsets, mask = _lora_tile(b_ptr, a_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
         p = tl.load(p_ptr + offsets, mask=mask)
         w = p.to(tl.float32) + acc * alpha
         tl.store(w_ptr + offsets, w.to(w_ptr.dtype.element_ty), mask=mask)
@@ -82,37 +90,19 @@ def _float8_kernel():
         import triton.language as tl
     except ImportError:
         return None
+    _kernel()  # defines `_lora_tile`, the tile of B @ A both kernels compute
 
     @triton.jit
     def _larger(a, b):  # tl.max is a jit function of Triton's own, which its interpreter cannot call
         return tl.maximum(a, b)
 
-    globals()["_larger"] = _larger  # Triton looks the functions a kernel calls up in its module's globals
+    globals()["_larger"] = _larger
 
     @triton.jit(do_not_specialize=["M", "alpha"])
     def requantize(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, stats_ptr, M, N, K, alpha, PASS: tl.constexpr,
                    PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    IEEE: tl.constexpr):
-        tiles_n = (N + BLOCK_N - 1) // BLOCK_N
-        pid = tl.program_id(0)
-        rm = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rn = tl.max_contiguous(tl.multiple_of(rn, BLOCK_N), BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        in_m, in_n = rm < M, rn < N
-        rows = rm.to(tl.int64)
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + rk
-            b = tl.load(b_ptr + rows[:, None] * K + ks[None, :], mask=in_m[:, None] & (ks[None, :] < K), other=0.0)
-            a = tl.load(a_ptr + ks[:, None].to(tl.int64) * N + rn[None, :],
-                        mask=(ks[:, None] < K) & in_n[None, :], other=0.0)
-            if IEEE:  # the CPU interpreter (its bf16 dot is wrong): fp32 products
-                acc += tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(b, a)
-        offsets = rows[:, None] * N + rn[None, :]
-        mask = in_m[:, None] & in_n[None, :]
+        acc, rows, in_m, offsets, mask = _lora_tile(b_ptr, a_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
         if PER_ROW:
             scale = tl.load(s_ptr + rows, mask=in_m, other=1.0)[:, None]
         else:
