@@ -41,7 +41,8 @@ def engines(request, adapter_factory, tmp_path, monkeypatch):
     adapter_factory("other", "tiny-flux", rank=4, targets="attn", alpha=8.0, seed=71, folder=tmp_path)
     common = dict(model="tiny-flux", adapters=tmp_path, compile=False, warmup=False)
     fp8 = Engine(EngineConfig(**common, quantize=request.param))
-    scales = {m.weight.scale.numel() == 1 for m in fp8.denoiser.modules() if hasattr(getattr(m, "weight", None), "qdata")}
+    scales = {m.weight.scale.numel() == 1 for m in fp8.denoiser.modules()
+              if hasattr(getattr(m, "weight", None), "qdata")}
     assert scales == {request.param == "fp8-tensorwise"}  # one scale per tensor, or one per row
     return Engine(EngineConfig(**common)), fp8
 

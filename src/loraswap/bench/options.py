@@ -22,8 +22,7 @@ from ..adapters.formats import load_adapter
 from ..adapters.source import AdapterLocation
 from ..engine.attention import AttentionBackend, check_backend_name
 from ..engine.engine import compile_denoiser
-from ..engine.quantize import MODES as QUANTIZE_MODES
-from ..engine.quantize import quantize_module
+from ..engine.quantize import check_mode, quantize_module
 from ..engine.swap import FusedSwapper
 from ..models import SHAPE_PIPELINES
 from ..models.shapes import build_shape_component
@@ -40,12 +39,10 @@ def parse_variant(text: str) -> tuple[str, str, str]:
     left out (native, default, none)."""
     attention, _, rest = text.strip().partition("@")
     mode, _, quantize = rest.partition("@")
-    mode, quantize = mode or "default", quantize or "none"
+    mode = mode or "default"
     if mode not in MODES:
         raise ValueError(f"unknown compile mode '{mode}' in '{text}'; choose one of {', '.join(MODES)}")
-    if quantize not in QUANTIZE_MODES:
-        raise ValueError(f"unknown quantization '{quantize}' in '{text}'; choose one of {', '.join(QUANTIZE_MODES)}")
-    return check_backend_name(attention or "native"), mode, quantize
+    return check_backend_name(attention or "native"), mode, check_mode(quantize or "none")
 
 
 def cuda_graphs_recorded() -> int:

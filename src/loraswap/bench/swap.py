@@ -29,8 +29,7 @@ from torch._dynamo.utils import counters
 
 from ..adapters.formats import load_adapter
 from ..adapters.source import AdapterLocation
-from ..engine.quantize import MODES as QUANTIZE_MODES
-from ..engine.quantize import quantize_module
+from ..engine.quantize import check_mode, quantize_module
 from ..engine.swap import FusedSwapper
 from ..models import SHAPE_PIPELINES
 from ..models.shapes import build_shape_component
@@ -89,9 +88,7 @@ def run_swap_bench(shape: str = "flux-dev", width: int = 1024, height: int = 102
                    rounds: int = 5, recompile_swaps: int = 60, out_dir: Path = Path("bench/results"),
                    workdir: Path | None = None, variants: tuple[str, ...] = ("seed1", "seed2", "loraswap", "base"),
                    specs=DEFAULT_SPECS, quantize: str = "none") -> dict:
-    if quantize not in QUANTIZE_MODES:
-        raise ValueError(f"unknown quantization '{quantize}'; choose one of {', '.join(QUANTIZE_MODES)}")
-    if quantize != "none" and "seed1" in variants:
+    if check_mode(quantize) != "none" and "seed1" in variants:
         raise ValueError("seed 1 merges adapters through PEFT, which cannot merge into float8 weights: "
                          "leave seed1 out of --variants with --quantize")
     device, dtype = torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16

@@ -7,6 +7,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..adapters.cache import CacheConfig
+from .quantize import QuantizeMode
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -29,7 +30,7 @@ class EngineConfig(BaseModel):
     compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"] = Field(
         "default", description="torch.compile mode; the CUDA-graph modes compile the whole denoiser, not its blocks.")
     attention: str | None = Field(None, description="Attention backend of diffusers' dispatcher (None: its default).")
-    quantize: Literal["none", "fp8", "fp8-tensorwise", "fp8-weight-only"] = Field(
+    quantize: QuantizeMode = Field(
         "none", description="Denoiser linear weights in float8 (torchao); fp8 and fp8-tensorwise also quantize "
                             "activations (CUDA), with scales per row or per tensor.")
     quantize_text_encoders: Literal["none", "fp8-weight-only"] = Field(

@@ -23,6 +23,7 @@ NUM_WARPS = 4
 @cache
 def _kernel():
     """The compiled Triton kernel, or None without Triton (built once, on first use)."""
+    global _lora_tile  # Triton looks the functions a kernel calls up in its module's globals
     try:
         import triton
         import triton.language as tl
@@ -54,8 +55,6 @@ def _kernel():
                 acc += tl.dot(b, a)
         return acc, rows, in_m, rows[:, None] * N + rn[None, :], in_m[:, None] & in_n[None, :]
 
-    globals()["_lora_tile"] = _lora_tile  # Triton looks the functions a kernel calls up in its module's globals
-
     # Weights, their copies and packed factors are 16-byte aligned, and row lengths and ranks
     # mostly multiples of 16: specialized on those (vectorized loads), the kernel has six
     # variants per dtype (rank 1 is one too), compiled at warm-up (`warm_up`). M and alpha are not specialized.
@@ -85,6 +84,7 @@ def _float8_kernel():
     the new scale (`stats` now), clamp to +-448, round to nearest even; NaN stays NaN.
     Each pass reads P once: 2 bytes per weight in all, against some 40 through eager ops.
     """
+    global _larger  # (as `_lora_tile`)
     try:
         import triton
         import triton.language as tl
@@ -95,8 +95,6 @@ def _float8_kernel():
     @triton.jit
     def _larger(a, b):  # tl.max is a jit function of Triton's own, which its interpreter cannot call
         return tl.maximum(a, b)
-
-    globals()["_larger"] = _larger
 
     @triton.jit(do_not_specialize=["M", "alpha"])
     def requantize(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, stats_ptr, M, N, K, alpha, PASS: tl.constexpr,
@@ -191,25 +189,28 @@ def fuse_into(weight: torch.Tensor, pristine: torch.Tensor, up: torch.Tensor, do
                     num_warps=NUM_WARPS)
 
 
+# (row length, rank) of one weight per variant Triton compiles: each a multiple of 16 or not,
+# and rank 1 (Triton also specializes an argument equal to 1: rank-1 adapters)
+VARIANTS = [(n, k) for n in (32, 24) for k in (16, 8, 1)]
+
+
 def warm_up(device: torch.device, dtype: torch.dtype) -> None:
-    """Compile the kernel's variants for `dtype` now (row length and rank a multiple of 16
-    or not), rather than in a request's first swap (a second or more each)."""
-    for n in (32, 24):
-        for k in (16, 8, 1):  # Triton also specializes an argument equal to 1 (rank-1 adapters)
-            weight = torch.zeros(2, n, device=device, dtype=dtype)
-            up, down = torch.zeros(2, k, device=device, dtype=dtype), torch.zeros(k, n, device=device, dtype=dtype)
-            fuse_into(weight, weight.clone(), up, down, 1.0, use_kernel=True)
+    """Compile the kernel's variants for `dtype` now, rather than in a request's first swap
+    (a second or more each)."""
+    for n, k in VARIANTS:
+        weight = torch.zeros(2, n, device=device, dtype=dtype)
+        up, down = torch.zeros(2, k, device=device, dtype=dtype), torch.zeros(k, n, device=device, dtype=dtype)
+        fuse_into(weight, weight.clone(), up, down, 1.0, use_kernel=True)
 
 
 def warm_up_float8(device: torch.device, per_tensor: bool, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Compile `requantize_into`'s variants (both passes; row length and rank a multiple of
-    16 or not, rank 1) for float8 weights with `dtype` factors, as `warm_up` does."""
-    for n in (32, 24):
-        for k in (16, 8, 1):
-            pristine = torch.zeros(2, n, device=device, dtype=torch.float8_e4m3fn)
-            scale = torch.ones(1 if per_tensor else 2, 1, device=device)
-            up, down = torch.ones(2, k, device=device, dtype=dtype), torch.ones(k, n, device=device, dtype=dtype)
-            requantize_into(torch.empty_like(pristine), torch.empty_like(scale), pristine, scale, up, down, 1.0)
+    """Compile `requantize_into`'s variants (both passes) for float8 weights with `dtype`
+    factors, as `warm_up` does."""
+    for n, k in VARIANTS:
+        pristine = torch.zeros(2, n, device=device, dtype=torch.float8_e4m3fn)
+        scale = torch.ones(1 if per_tensor else 2, 1, device=device)
+        up, down = torch.ones(2, k, device=device, dtype=dtype), torch.ones(k, n, device=device, dtype=dtype)
+        requantize_into(torch.empty_like(pristine), torch.empty_like(scale), pristine, scale, up, down, 1.0)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -8,6 +8,7 @@ touched weight from its pristine float8 copy (`swap.Fp8Weight`).
 """
 
 import logging
+from typing import Literal, get_args
 
 from torch import nn
 
@@ -26,7 +27,15 @@ def quantize_text_encoders(pipeline, mode: str, device=None) -> None:
             quantize_module(encoder, mode, device)
 
 
-MODES = ("none", "fp8", "fp8-tensorwise", "fp8-weight-only")
+QuantizeMode = Literal["none", "fp8", "fp8-tensorwise", "fp8-weight-only"]
+MODES: tuple[str, ...] = get_args(QuantizeMode)
+
+
+def check_mode(mode: str) -> str:
+    """`mode` if it is a `--quantize` mode, else a ValueError naming them."""
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization '{mode}'; choose one of {', '.join(MODES)}")
+    return mode
 
 
 def float8_config(mode: str):
@@ -46,9 +55,9 @@ def float8_config(mode: str):
     if mode in ("fp8", "fp8-tensorwise"):
         granularity = PerRow() if mode == "fp8" else PerTensor()
         return Float8DynamicActivationFloat8WeightConfig(granularity=granularity, set_inductor_config=False)
-    if mode == "fp8-weight-only":
+    if check_mode(mode) == "fp8-weight-only":
         return Float8WeightOnlyConfig(set_inductor_config=False)
-    raise ValueError(f"unknown quantization '{mode}'; choose one of {', '.join(MODES)}")
+    raise ValueError("--quantize none has no float8 configuration")
 
 
 def quantize_module(module: nn.Module, mode: str, device=None) -> None:
