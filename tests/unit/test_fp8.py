@@ -178,7 +178,33 @@ def test_the_gpu_memory_cap_names_the_gpu_by_index(monkeypatch, device, index):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=141 * 2**30))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda fraction, d: calls.append((fraction, _get_device_index(d))))  # torch's own check
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda settings: None)
     cap_gpu_memory(torch.device(device), 24)
     assert calls == [(pytest.approx(24 / 141), index)]
     cap_gpu_memory(torch.device(device), 200)
     assert calls[-1] == (1.0, index)
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, ["expandable_segments:True"]),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, ["expandable_segments:True"]),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, []),  # the operator's choice stands
+    ({"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8,expandable_segments:True"}, []),
+])
+def test_the_gpu_memory_cap_grows_expandable_segments(monkeypatch, env, expected):
+    """Fixed segments held 2.2 GiB reserved beyond the allocated peak in the 24 GB mode on
+    the H200; under a cap the allocator grows expandable segments instead, unless told."""
+    from types import SimpleNamespace
+
+    from loraswap.engine.engine import cap_gpu_memory
+
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=141 * 2**30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, d: None)
+    cap_gpu_memory(torch.device("cuda:0"), 24)
+    assert settings == expected

@@ -1,0 +1,110 @@
+"""Where one request's time goes: adapter read, swap, text encoders, denoiser, VAE, image encoding.
+
+Builds one engine, then makes images one at a time, each with an adapter it has not read
+yet (bench serve's real-size random set: the cold path a stream of many adapters takes),
+then the same adapters again (cached). Each phase is timed with a CUDA synchronize around
+it, which costs a little; the total is also timed without the wrappers.
+
+    PYTHONPATH=src python scripts/request_profile.py --model sdxl-random --compile-mode reduce-overhead --out r.json
+"""
+
+import argparse
+import functools
+import io
+import json
+import logging
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from loraswap.bench.serve import SPECS, prepare_adapters
+from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.engine import Engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="sdxl-random")
+    parser.add_argument("--compile-mode", default="default")
+    parser.add_argument("--quantize", default="none")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--compile-cache", type=Path)
+    parser.add_argument("--adapters-dir", type=Path, default=Path("/tmp/loraswap-profile-adapters"))
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    shape = args.model.removesuffix("-random")
+    ids = prepare_adapters(shape, args.adapters_dir, len(SPECS))
+    engine = Engine(EngineConfig(model=args.model, adapters=args.adapters_dir, compile_mode=args.compile_mode,
+                                 quantize=args.quantize, compile_cache=args.compile_cache))
+    phases: dict[str, list[float]] = defaultdict(list)
+    timed = _Timers(phases)
+    pipeline = engine.pipeline
+    pipeline.encode_prompt = timed("text encoders", pipeline.encode_prompt)
+    pipeline.vae.decode = timed("vae decode", pipeline.vae.decode)
+    pipeline.image_processor.postprocess = timed("to PIL", pipeline.image_processor.postprocess)
+    rows = []
+    for round_name in ("cold", "cached"):
+        for i, adapter_id in enumerate(ids):
+            timed.reset()
+            started = time.perf_counter()
+            acquired = engine.acquire_adapters([(adapter_id, 1.0)])
+            read = time.perf_counter() - started
+            try:
+                result = engine.generate(GenerateRequest(prompt="a lighthouse at dusk", seed=i, steps=args.steps,
+                                                         loras=[(adapter_id, 1.0)]), acquired)
+            finally:
+                engine.release_adapters(acquired)
+            encoding = time.perf_counter()
+            buffer = io.BytesIO()
+            result.image.save(buffer, format="JPEG", quality=95)
+            jpeg = time.perf_counter() - encoding
+            row = {"round": round_name, "adapter": SPECS[i], "read_s": read, "swap_s": result.swap_seconds,
+                   "pipeline_s": result.generate_seconds, **timed.last, "jpeg_s": jpeg,
+                   "total_s": time.perf_counter() - started}
+            row["denoise and rest_s"] = row["pipeline_s"] - sum(timed.last.values())
+            rows.append(row)
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    summary = {}
+    for round_name in ("cold", "cached"):
+        mine = [r for r in rows if r["round"] == round_name]
+        summary[round_name] = {k: round(statistics.median(r[k] for r in mine), 4)
+                               for k in mine[0] if k.endswith("_s") or k in timed.names}
+    report = {"model": args.model, "compile_mode": args.compile_mode, "quantize": args.quantize,
+              "torch": torch.__version__, "medians": summary, "rows": rows}
+    print(json.dumps(report["medians"], indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+
+
+class _Timers:
+    """Wraps functions to add their synchronized wall time to `last[name]`."""
+
+    def __init__(self, phases):
+        self.phases, self.last, self.names = phases, {}, []
+
+    def reset(self):
+        self.last = {name: 0.0 for name in self.names}
+
+    def __call__(self, name, fn):
+        self.names.append(name)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.last[name] = self.last.get(name, 0.0) + time.perf_counter() - started
+        return timed
+
+
+if __name__ == "__main__":
+    main()
