@@ -175,3 +175,24 @@ def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(interpre
             engines[0].set_adapters([("f1", 0.5)])
     after = state(engines[0])
     assert all(torch.equal(base[n][0], after[n][0]) and torch.equal(base[n][1], after[n][1]) for n in base)
+
+
+def test_warm_up_compiles_the_variants_the_models_row_lengths_need(interpreted, monkeypatch):
+    """Triton specializes row lengths that are multiples of 16 (and 1): a model whose rows
+    all are (every real one) warms three variants, one per class of rank, not six; a model
+    with other row lengths (a 3x3 conv over 3 channels: 27) gets those variants too."""
+    from torch import nn
+
+    from loraswap.engine import swap
+
+    assert interpreted.variants([3072, 12288, 64]) == [(32, 16), (32, 8), (32, 1)]
+    assert interpreted.variants([320, 27, 1]) == [(32, 16), (32, 8), (32, 1), (24, 16), (24, 8), (24, 1),
+                                                  (1, 16), (1, 8), (1, 1)]
+    assert interpreted.variants([]) == []
+    calls = []
+    monkeypatch.setattr(swap, "warm_up", lambda device, dtype, lengths: calls.append((dtype, sorted(lengths))))
+    model = nn.Sequential(nn.Linear(64, 32), nn.Conv2d(3, 16, 3), nn.Linear(32, 8).to(torch.bfloat16))
+    swap.FusedSwapper({"unet": model}).warm_up_kernel()
+    assert sorted(calls, key=str) == sorted([(torch.float32, [27, 64]), (torch.bfloat16, [32])], key=str)
+
+    interpreted.warm_up(torch.device("cpu"), torch.float32, [27, 64])  # the real one runs its variants

@@ -112,9 +112,10 @@ class Engine:
             self._compile()
         if config.warmup:
             logger.info("warming up%s", " (compiling)" if self.compiled else "")
-            kernels = time.perf_counter()
-            self._maybe_retry_cold(self.swapper.warm_up_kernel)
-            logger.info("swap kernels ready in %.2f s", time.perf_counter() - kernels)
+            if self.baseline is None:  # seed-1 mode swaps through diffusers, not the kernels
+                kernels = time.perf_counter()
+                self._maybe_retry_cold(self.swapper.warm_up_kernel)
+                logger.info("swap kernels ready in %.2f s", time.perf_counter() - kernels)
             self.generate(GenerateRequest(prompt="warm-up", seed=0, steps=2))
             self.startup["warmup_s"] = time.perf_counter() - warming
         self._graphs_after_warmup = self._graph_count()

@@ -12,6 +12,7 @@ Used on CUDA when Triton is installed; everywhere else `fuse_into` falls back to
 """
 
 import os
+from collections.abc import Iterable
 from functools import cache
 
 import torch
@@ -189,24 +190,33 @@ def fuse_into(weight: torch.Tensor, pristine: torch.Tensor, up: torch.Tensor, do
                     num_warps=NUM_WARPS)
 
 
-# (row length, rank) of one weight per variant Triton compiles: each a multiple of 16 or not,
-# and rank 1 (Triton also specializes an argument equal to 1: rank-1 adapters)
-VARIANTS = [(n, k) for n in (32, 24) for k in (16, 8, 1)]
+RANKS = (16, 8, 1)  # one rank per variant: a multiple of 16, not one, and 1
 
 
-def warm_up(device: torch.device, dtype: torch.dtype) -> None:
-    """Compile the kernel's variants for `dtype` now, rather than in a request's first swap
-    (a second or more each)."""
-    for n, k in VARIANTS:
+def variants(row_lengths: Iterable[int]) -> list[tuple[int, int]]:
+    """(row length, rank) of one small weight per kernel variant that weights with these row
+    lengths need: Triton specializes an integer argument that is a multiple of 16 (vectorized
+    loads) and one equal to 1, so each class of row length present, times each class of rank
+    (adapters come later, any rank). Real models' row lengths are all multiples of 16: three
+    variants, not six, compiled at start-up (1-2 s each without Triton's cache)."""
+    classes = {1 if n == 1 else 32 if n % 16 == 0 else 24 for n in row_lengths}
+    return [(n, k) for n in sorted(classes, reverse=True) for k in RANKS]
+
+
+def warm_up(device: torch.device, dtype: torch.dtype, row_lengths: Iterable[int]) -> None:
+    """Compile the kernel's variants for `dtype` weights with these row lengths now, rather
+    than in a request's first swap (a second or more each)."""
+    for n, k in variants(row_lengths):
         weight = torch.zeros(2, n, device=device, dtype=dtype)
         up, down = torch.zeros(2, k, device=device, dtype=dtype), torch.zeros(k, n, device=device, dtype=dtype)
         fuse_into(weight, weight.clone(), up, down, 1.0, use_kernel=True)
 
 
-def warm_up_float8(device: torch.device, per_tensor: bool, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Compile `requantize_into`'s variants (both passes) for float8 weights with `dtype`
-    factors, as `warm_up` does."""
-    for n, k in VARIANTS:
+def warm_up_float8(device: torch.device, per_tensor: bool, row_lengths: Iterable[int],
+                   dtype: torch.dtype = torch.bfloat16) -> None:
+    """Compile `requantize_into`'s variants (both passes) for float8 weights with these row
+    lengths and `dtype` factors, as `warm_up` does."""
+    for n, k in variants(row_lengths):
         pristine = torch.zeros(2, n, device=device, dtype=torch.float8_e4m3fn)
         scale = torch.ones(1 if per_tensor else 2, 1, device=device)
         up, down = torch.ones(2, k, device=device, dtype=dtype), torch.ones(k, n, device=device, dtype=dtype)

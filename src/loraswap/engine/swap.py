@@ -255,22 +255,29 @@ class FusedSwapper:
         return time.perf_counter() - start
 
     def warm_up_kernel(self) -> None:
-        """Compile the swap kernel for this model's weights now (no-op where it does not run)."""
+        """Compile the swap kernels' variants this model's weights need now (no-op where they
+        do not run)."""
         if not self.kernel:
             return
-        weights = [m.weight for m in self._modules.values()]
+        plain: dict[tuple, set[int]] = {}  # (device, dtype) -> row lengths
+        float8: dict[tuple, set[int]] = {}  # (device, per tensor, factors' dtype) -> row lengths
+        for module in self._modules.values():
+            w = module.weight
+            if Fp8Weight.holds(w):  # a Float8Tensor's dtype is its factors'
+                float8.setdefault((w.qdata.device, w.scale.numel() == 1, w.dtype), set()).add(w.qdata.shape[1])
+            else:
+                plain.setdefault((w.device, w.dtype), set()).add(w[0].numel())
         try:
-            for device, dtype in {(w.device, w.dtype) for w in weights if not Fp8Weight.holds(w)}:
+            for (device, dtype), lengths in plain.items():
                 if kernel_available(torch.empty(0, device=device, dtype=dtype)):
-                    warm_up(device, dtype)
+                    warm_up(device, dtype, lengths)
         except Exception:  # an old GPU or no C compiler: swaps still work, through addmm
             logger.warning("the swap kernel does not compile here; swapping with addmm", exc_info=True)
             self.kernel = False
-        try:  # a Float8Tensor's dtype is its factors'
-            for device, per_tensor, dtype in {(w.qdata.device, w.scale.numel() == 1, w.dtype)
-                                              for w in weights if Fp8Weight.holds(w)}:
+        try:
+            for (device, per_tensor, dtype), lengths in float8.items():
                 if float8_kernel_available(torch.empty(0, device=device, dtype=torch.float8_e4m3fn)):
-                    warm_up_float8(device, per_tensor, dtype)
+                    warm_up_float8(device, per_tensor, lengths, dtype)
         except Exception:
             logger.warning("the float8 swap kernel does not compile here; re-quantizing eagerly", exc_info=True)
             self.float8_kernel = False
