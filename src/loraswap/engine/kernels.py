@@ -57,8 +57,9 @@ def _kernel():
         return acc, rows, in_m, rows[:, None] * N + rn[None, :], in_m[:, None] & in_n[None, :]
 
     # Weights, their copies and packed factors are 16-byte aligned, and row lengths and ranks
-    # mostly multiples of 16: specialized on those (vectorized loads), the kernel has six
-    # variants per dtype (rank 1 is one too), compiled at warm-up (`warm_up`). M and alpha are not specialized.
+    # mostly multiples of 16: specialized on those (vectorized loads), the kernel has up to six
+    # variants per dtype (rank 1 is one too); warm-up compiles those a model needs (`variants`).
+    # M and alpha are not specialized.
     @triton.jit(do_not_specialize=["M", "alpha"])
     def fused_lora(w_ptr, p_ptr, b_ptr, a_ptr, M, N, K, alpha,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
