@@ -13,6 +13,8 @@ import sys
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
+from loraswap.bench.common import cuda_ms_per_call
+
 # (name, batch, query tokens, key tokens, heads, head dim); the dispatcher's layout is B, S, H, D
 SHAPES = [
     ("flux-dev joint attention", 1, 4608, 4608, 24, 128),
@@ -22,16 +24,6 @@ SHAPES = [
     ("sd15 self-attention 64x64 (512 px)", 2, 4096, 4096, 8, 40),
 ]
 BACKENDS = ["native", "_native_flash", "_native_cudnn", "_native_efficient", "_native_math"]
-
-
-def timed(fn, repeats: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def main(out: str | None) -> None:
@@ -55,7 +47,7 @@ def main(out: str | None) -> None:
             rows[backend] = {"relative_error_vs_math": round(error, 5), "ms": []}
         for _ in range(5):  # interleaved rounds
             for backend, call in calls.items():
-                rows[backend]["ms"].append(timed(call, 3 if backend == "_native_math" else 20))
+                rows[backend]["ms"].append(cuda_ms_per_call(call, 3 if backend == "_native_math" else 20))
         for backend in calls:
             rows[backend]["median_ms"] = round(statistics.median(rows[backend].pop("ms")), 4)
         fastest = min(calls, key=lambda b: rows[b]["median_ms"])

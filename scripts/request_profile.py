@@ -2,8 +2,8 @@
 
 Builds one engine, then makes images one at a time, each with an adapter it has not read
 yet (bench serve's real-size random set: the cold path a stream of many adapters takes),
-then the same adapters again (cached). Each phase is timed with a CUDA synchronize around
-it, which costs a little; the total is also timed without the wrappers.
+then the same adapters again (cached). Each phase is timed with a CUDA synchronize before
+and after it (`bench.common.timed`), which costs a little.
 
     PYTHONPATH=src python scripts/request_profile.py --model sdxl-random --compile-mode reduce-overhead --out r.json
 """
@@ -15,11 +15,11 @@ import json
 import logging
 import statistics
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
+from loraswap.bench.common import timed
 from loraswap.bench.serve import SPECS, prepare_adapters
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
@@ -40,16 +40,15 @@ def main() -> None:
     ids = prepare_adapters(shape, args.adapters_dir, len(SPECS))
     engine = Engine(EngineConfig(model=args.model, adapters=args.adapters_dir, compile_mode=args.compile_mode,
                                  quantize=args.quantize, compile_cache=args.compile_cache))
-    phases: dict[str, list[float]] = defaultdict(list)
-    timed = _Timers(phases)
+    timers = _Timers()
     pipeline = engine.pipeline
-    pipeline.encode_prompt = timed("text encoders", pipeline.encode_prompt)
-    pipeline.vae.decode = timed("vae decode", pipeline.vae.decode)
-    pipeline.image_processor.postprocess = timed("to PIL", pipeline.image_processor.postprocess)
+    pipeline.encode_prompt = timers("text encoders", pipeline.encode_prompt)
+    pipeline.vae.decode = timers("vae decode", pipeline.vae.decode)
+    pipeline.image_processor.postprocess = timers("to PIL", pipeline.image_processor.postprocess)
     rows = []
     for round_name in ("cold", "cached"):
         for i, adapter_id in enumerate(ids):
-            timed.reset()
+            timers.reset()
             started = time.perf_counter()
             acquired = engine.acquire_adapters([(adapter_id, 1.0)])
             read = time.perf_counter() - started
@@ -63,16 +62,16 @@ def main() -> None:
             result.image.save(buffer, format="JPEG", quality=95)
             jpeg = time.perf_counter() - encoding
             row = {"round": round_name, "adapter": SPECS[i], "read_s": read, "swap_s": result.swap_seconds,
-                   "pipeline_s": result.generate_seconds, **timed.last, "jpeg_s": jpeg,
+                   "pipeline_s": result.generate_seconds, **timers.last, "jpeg_s": jpeg,
                    "total_s": time.perf_counter() - started}
-            row["denoise and rest_s"] = row["pipeline_s"] - sum(timed.last.values())
+            row["denoise and rest_s"] = row["pipeline_s"] - sum(timers.last.values())
             rows.append(row)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     summary = {}
     for round_name in ("cold", "cached"):
         mine = [r for r in rows if r["round"] == round_name]
         summary[round_name] = {k: round(statistics.median(r[k] for r in mine), 4)
-                               for k in mine[0] if k.endswith("_s") or k in timed.names}
+                               for k in mine[0] if k.endswith("_s") or k in timers.names}
     report = {"model": args.model, "compile_mode": args.compile_mode, "quantize": args.quantize,
               "torch": torch.__version__, "medians": summary, "rows": rows}
     print(json.dumps(report["medians"], indent=1))
@@ -83,8 +82,8 @@ def main() -> None:
 class _Timers:
     """Wraps functions to add their synchronized wall time to `last[name]`."""
 
-    def __init__(self, phases):
-        self.phases, self.last, self.names = phases, {}, []
+    def __init__(self):
+        self.last, self.names = {}, []
 
     def reset(self):
         self.last = {name: 0.0 for name in self.names}
@@ -93,17 +92,11 @@ class _Timers:
         self.names.append(name)
 
         @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                self.last[name] = self.last.get(name, 0.0) + time.perf_counter() - started
-        return timed
+        def wrapped(*args, **kwargs):
+            seconds, result = timed(lambda: fn(*args, **kwargs))
+            self.last[name] = self.last.get(name, 0.0) + seconds
+            return result
+        return wrapped
 
 
 if __name__ == "__main__":

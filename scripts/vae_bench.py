@@ -13,20 +13,11 @@ import sys
 
 import torch
 
+from loraswap.bench.common import cuda_ms_per_call
 from loraswap.models.shapes import build_shape_component
 
 VARIANTS = ["eager", "channels_last", "cudnn_benchmark", "channels_last+cudnn_benchmark", "compile",
             "compile+channels_last"]
-
-
-def timed(fn, repeats: int = 3) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 @torch.inference_mode()
@@ -54,7 +45,7 @@ def main(out: str | None) -> None:
         for _ in range(5):
             for variant, (decode, benchmark) in decoders.items():
                 torch.backends.cudnn.benchmark = benchmark
-                times[variant].append(timed(lambda: decode(latents)))
+                times[variant].append(cuda_ms_per_call(lambda: decode(latents), 3))
         torch.backends.cudnn.benchmark = False
         eager = outputs["eager"]
         rows = {v: {"ms": round(statistics.median(times[v]), 2),

@@ -25,6 +25,17 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - started, result
 
 
+def cuda_ms_per_call(fn: Callable[[], object], repeats: int) -> float:
+    """Milliseconds per call of `fn`, `repeats` calls back to back between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def summary(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
