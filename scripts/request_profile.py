@@ -3,7 +3,9 @@
 Builds one engine, then makes images one at a time, each with an adapter it has not read
 yet (bench serve's real-size random set: the cold path a stream of many adapters takes),
 then the same adapters again (cached). Each phase is timed with a CUDA synchronize before
-and after it (`bench.common.timed`), which costs a little.
+and after it (`bench.common.timed`), which costs a little. An adapter's first read is
+broken down too (file read, conversion, check and pack into pinned RAM, copy to the GPU
+tier), and fresh pinned and pageable host buffers of each adapter's size are timed alone.
 
     PYTHONPATH=src python scripts/request_profile.py --model sdxl-random --compile-mode reduce-overhead --out r.json
 """
@@ -19,8 +21,10 @@ from pathlib import Path
 
 import torch
 
+from loraswap.adapters import formats
 from loraswap.bench.common import timed
 from loraswap.bench.serve import SPECS, prepare_adapters
+from loraswap.engine import swap
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 
@@ -45,13 +49,21 @@ def main() -> None:
     pipeline.encode_prompt = timers("text encoders", pipeline.encode_prompt)
     pipeline.vae.decode = timers("vae decode", pipeline.vae.decode)
     pipeline.image_processor.postprocess = timers("to PIL", pipeline.image_processor.postprocess)
+    reads = _Timers()  # the first read's phases (nested: "pack" is inside "bind" and "gpu copy")
+    formats.read_safetensors = reads("file read", formats.read_safetensors)
+    formats.parse_adapter = reads("convert", formats.parse_adapter)
+    engine.swapper.bind = reads("bind", engine.swapper.bind)
+    swap.BoundAdapter.to = reads("pack", swap.BoundAdapter.to)
+    engine.cache.maybe_copy_to_gpu = reads("gpu copy", engine.cache.maybe_copy_to_gpu)
     rows = []
     for round_name in ("cold", "cached"):
         for i, adapter_id in enumerate(ids):
             timers.reset()
+            reads.reset()
             started = time.perf_counter()
             acquired = engine.acquire_adapters([(adapter_id, 1.0)])
             read = time.perf_counter() - started
+            read_phases = dict(reads.last)
             try:
                 result = engine.generate(GenerateRequest(prompt="a lighthouse at dusk", seed=i, steps=args.steps,
                                                          loras=[(adapter_id, 1.0)]), acquired)
@@ -61,7 +73,9 @@ def main() -> None:
             buffer = io.BytesIO()
             result.image.save(buffer, format="JPEG", quality=95)
             jpeg = time.perf_counter() - encoding
-            row = {"round": round_name, "adapter": SPECS[i], "read_s": read, "swap_s": result.swap_seconds,
+            row = {"round": round_name, "adapter": SPECS[i], "read_s": read,
+                   "mb": acquired[0][0].host.nbytes / 2**20,
+                   **{f"read: {k}_s": v for k, v in read_phases.items()}, "swap_s": result.swap_seconds,
                    "pipeline_s": result.generate_seconds, **timers.last, "jpeg_s": jpeg,
                    "total_s": time.perf_counter() - started}
             row["denoise and rest_s"] = row["pipeline_s"] - sum(timers.last.values())
@@ -72,11 +86,34 @@ def main() -> None:
         mine = [r for r in rows if r["round"] == round_name]
         summary[round_name] = {k: round(statistics.median(r[k] for r in mine), 4)
                                for k in mine[0] if k.endswith("_s") or k in timers.names}
+    entries = [engine.cache.get(i) for i in ids]
+    summary["host copies pinned"] = sum(bool(e and e.host.packed.is_pinned()) for e in entries)
+    summary["host buffers"] = host_buffers([r["mb"] for r in rows if r["round"] == "cold"])
     report = {"model": args.model, "compile_mode": args.compile_mode, "quantize": args.quantize,
               "torch": torch.__version__, "medians": summary, "rows": rows}
     print(json.dumps(report["medians"], indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
+
+
+def host_buffers(sizes_mb: list[float]) -> list[dict]:
+    """Seconds to allocate (and fill) a fresh host buffer of each size, pinned and pageable.
+
+    Sizes are nudged so that none is served from torch's cache of freed pinned blocks."""
+    rows = []
+    for i, mb in enumerate(sizes_mb):
+        numel = int(mb * 2**20) // 2 + 4096 * (i + 1)
+        row = {"mb": round(mb, 1)}
+        for name, pinned in (("pinned", True), ("pageable", False))[0 if torch.cuda.is_available() else 1:]:
+            started = time.perf_counter()
+            buffer = torch.empty(numel, dtype=torch.bfloat16, pin_memory=pinned)
+            row[f"{name} alloc_s"] = time.perf_counter() - started
+            buffer.fill_(1.0)
+            row[f"{name} alloc+fill_s"] = time.perf_counter() - started
+            del buffer
+        rows.append({k: round(v, 4) for k, v in row.items()})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 class _Timers:

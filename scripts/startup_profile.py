@@ -13,7 +13,8 @@ is reported). --inductor-tuning restores torchao's process-wide Inductor setting
 tuning), which loraswap's quantization no longer applies, for comparison.
 
 Writes the engine's start-up figures, torch.compile's own phase timings and the
-functions that took the most time (cumulative and own) to --out, and prints the first two.
+functions that took the most time (cumulative and own) to --out (the whole profile beside
+it, as OUT.prof), and prints the first two.
 """
 
 import argparse
@@ -52,9 +53,11 @@ def main() -> None:
     parser.add_argument("--loras", type=int, default=0,
                         help="real-size random adapters (bench serve's set); each image swaps to the next")
     parser.add_argument("--adapters-dir", type=Path, default=Path("/tmp/loraswap-profile-adapters"))
+    parser.add_argument("--no-compile-vae", action="store_true", help="leave the VAE decoder eager")
     parser.add_argument("--inductor-tuning", action="store_true", help="torchao's Inductor settings")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     model, saved_s = args.model, None
     if args.from_disk:
@@ -71,7 +74,7 @@ def main() -> None:
     config = EngineConfig(model=model, quantize=args.quantize, compile=True, compile_mode=args.compile_mode,
                           compile_cache=args.compile_cache, quantize_text_encoders=args.quantize_text_encoders,
                           pristine=args.pristine, max_gpu_memory_gb=args.max_gpu_memory_gb, adapters=adapters,
-                          cache=cache)
+                          cache=cache, compile_vae=not args.no_compile_vae)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # not the bf16 pipeline `--from-disk` saved
@@ -100,10 +103,10 @@ def main() -> None:
     report.write(torch._dynamo.utils.compile_times(repr="str", aggregate=True) + "\n\n")
     print(report.getvalue(), flush=True)
     if profile:
+        profile.dump_stats(args.out.with_suffix(".prof"))  # for pstats' callers and callees
         for key in ("cumulative", "tottime"):
             stats = pstats.Stats(profile, stream=report)
-            stats.sort_stats(key).print_stats(45)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+            stats.sort_stats(key).print_stats(70)
     args.out.write_text(report.getvalue())
 
 

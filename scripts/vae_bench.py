@@ -3,7 +3,7 @@ channels-last memory format, cuDNN's algorithm search (`cudnn.benchmark`), torch
 SDXL's and FLUX.1's VAE (random weights, real configs), bf16, batch 1; interleaved rounds,
 median per decode, and each variant's largest difference from eager.
 
-    PYTHONPATH=src python scripts/vae_bench.py [OUT.json]
+    PYTHONPATH=src python scripts/vae_bench.py [OUT.json] [SHAPE ...]
 """
 
 import copy
@@ -21,10 +21,11 @@ VARIANTS = ["eager", "channels_last", "cudnn_benchmark", "channels_last+cudnn_be
 
 
 @torch.inference_mode()
-def main(out: str | None) -> None:
+def main(out: str | None, shapes: list[str]) -> None:
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
-    for shape, channels in (("sdxl", 4), ("flux-dev", 16)):
+    for shape in shapes:
+        channels = {"sdxl": 4, "sd15": 4, "flux-dev": 16}[shape]
         vae = build_shape_component(shape, "vae", "cuda")
         latents = torch.randn(1, channels, 128, 128, device="cuda", dtype=torch.bfloat16)
         decoders = {}
@@ -62,4 +63,4 @@ def main(out: str | None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    main(sys.argv[1] if len(sys.argv) > 1 else None, sys.argv[2:] or ["sdxl", "flux-dev"])

@@ -65,6 +65,8 @@ Quantize = Annotated[str, _opt("--quantize", help="Denoiser weights in float8 (t
                                 "tensor) or fp8-weight-only.")]
 Attention = Annotated[str | None, _opt("--attention", help="Attention backend of diffusers' dispatcher (native, "
                                        "_native_cudnn, _native_flash, flex, ...; default: diffusers').")]
+CompileVae = Annotated[bool, _opt("--compile-vae/--no-compile-vae", help="With --compile, also compile the VAE "
+                                  "decoder (faster decode; a longer first compile).")]
 CompileCache = Annotated[Path | None, _opt("--compile-cache", help="Folder for torch.compile's caches (FX graphs, "
                                            "AOTAutograd, Triton kernels, autotuning), kept across restarts: a "
                                            "restarted process compiles from it.")]
@@ -82,6 +84,7 @@ def serve(
     compile: Annotated[bool | None, _opt("--compile/--no-compile", help="Regional torch.compile (default: on CUDA).",
                                          env="LORASWAP_COMPILE")] = None,
     compile_mode: CompileMode = "default",
+    compile_vae: CompileVae = True,
     attention: Attention = None,
     quantize: Quantize = "none",
     quantize_text_encoders: Annotated[str, _opt("--quantize-text-encoders", help="Text encoders' weights in float8: "
@@ -149,7 +152,8 @@ def serve(
     try:
         config = config_cls(
             engines=[engine_cls(model=name, adapters=adapters, device=device, dtype=dtype, compile=compile,
-                                compile_mode=compile_mode, attention=attention, compile_cache=compile_cache,
+                                compile_mode=compile_mode, compile_vae=compile_vae, attention=attention,
+                                compile_cache=compile_cache,
                                 quantize=quantize, quantize_text_encoders=quantize_text_encoders,
                                 pristine=pristine, max_gpu_memory_gb=max_gpu_memory_gb,
                                 swap_mode=swap_mode, hub=hub,
@@ -245,6 +249,7 @@ def generate(
     compile: Annotated[bool | None, _opt("--compile/--no-compile", help="Regional torch.compile (default: on CUDA).",
                                          env="LORASWAP_COMPILE")] = None,
     compile_mode: CompileMode = "default",
+    compile_vae: CompileVae = True,
     attention: Attention = None,
     quantize: Quantize = "none",
     compile_cache: CompileCache = None,
@@ -257,8 +262,8 @@ def generate(
     _setup_logging(verbose)
     try:
         engine = Engine(EngineConfig(model=model, adapters=adapters, device=device, compile=compile,
-                                     compile_mode=compile_mode, attention=attention, compile_cache=compile_cache,
-                                     quantize=quantize, warmup=False))
+                                     compile_mode=compile_mode, compile_vae=compile_vae, attention=attention,
+                                     compile_cache=compile_cache, quantize=quantize, warmup=False))
         request = GenerateRequest(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
                                   width=width, height=height, seed=seed,
                                   loras=[_parse_lora(s) for s in lora or []])

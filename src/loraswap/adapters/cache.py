@@ -1,9 +1,9 @@
 """The tiered adapter cache: host RAM, then GPU, each with a byte budget.
 
 Adapters ready to fuse (bound, packed factors) live in the host tier (pinned memory on
-CUDA); the hottest also have a copy in the GPU tier, so a swap needs no host-to-GPU
-copy. The GPU tier is a subset of the host tier, and its budget may not exceed the
-host budget (checked when the config is built).
+CUDA, once the engine has pinned a fresh read); the hottest also have a copy in the GPU
+tier, so a swap needs no host-to-GPU copy. The GPU tier is a subset of the host tier,
+and its budget may not exceed the host budget (checked when the config is built).
 
 Eviction is least-recently-used by bytes and never touches an entry that is pinned
 (`POST /adapters/{id}/load`) or in use (acquired by a queued request until its swap is
@@ -180,6 +180,22 @@ class AdapterCache:
     def get(self, adapter_id: str) -> CacheEntry | None:
         with self._lock:
             return self._entries.get(adapter_id)
+
+    def holds(self, entry: CacheEntry) -> bool:
+        with self._lock:
+            return self._entries.get(entry.adapter_id) is entry
+
+    def replace_host(self, entry: CacheEntry, host: BoundAdapter) -> bool:
+        """Give a cached entry another host copy of the same factors (pinned for pageable);
+        False, changing nothing, once the entry has left the cache. A swap already using the
+        old copy keeps it alive until done."""
+        if host.nbytes != entry.host.nbytes or host.adapter_id != entry.adapter_id:
+            raise ValueError(f"not the same factors as adapter {entry.adapter_id}'s host copy")
+        with self._lock:
+            if self._entries.get(entry.adapter_id) is not entry:
+                return False
+            entry.host = host
+            return True
 
     def _used(self, tier: Tier) -> int:
         entries = self._entries.values()

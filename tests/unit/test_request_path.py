@@ -1,0 +1,116 @@
+"""The request path's own costs: images made 8-bit on the device, adapters read into pageable
+RAM and pinned afterwards, the VAE decoder compiled with the denoiser."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from diffusers.image_processor import VaeImageProcessor
+
+from loraswap.adapters.cache import AdapterCache, CacheConfig
+from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.engine import Engine, to_pil
+from loraswap.engine.swap import BoundAdapter
+from test_cache import adapter
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_to_pil_gives_diffusers_pixels_bitwise(dtype):
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand(3, 3, 16, 24, generator=generator)
+    # ties: x * 255 lands exactly on .5 (rounded to even), and the ends of the range
+    images[0, 0, 0, :8] = torch.tensor([0.5, 1.5, 2.5, 253.5, 254.5, 0.0, 255.0, 127.5]) / 255
+    images = images.to(dtype)
+    ours = to_pil(images)
+    theirs = VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(images))
+    assert len(ours) == 3
+    for a, b in zip(ours, theirs):
+        assert a.mode == b.mode == "RGB" and a.size == b.size == (24, 16)
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    gray = to_pil(images[:, :1])
+    assert gray[0].mode == "L" and np.array_equal(np.asarray(gray[0]), np.asarray(
+        VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(images[:1, :1]))[0]))
+
+
+def test_engine_image_equals_the_pipelines_own_pil_image(adapter_factory):
+    adapter_factory("path-a", "tiny-sd", rank=8, seed=3)
+    engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
+    request = GenerateRequest(prompt="a red bicycle", seed=11, steps=2, width=64, height=64,
+                              loras=[("path-a", 1.0)])
+    ours = engine.generate(request).image
+    theirs = engine.pipeline("a red bicycle", generator=torch.Generator("cpu").manual_seed(11),
+                             num_inference_steps=2, width=64, height=64).images[0]
+    assert np.array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+def _fake_pinning(monkeypatch, calls: list, fail: bool = False):
+    """CPU torch cannot pin: `Tensor.pin_memory` becomes a copy (or an error), recorded."""
+    def pin_memory(self):
+        calls.append(self.nbytes)
+        if fail:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return self.clone()
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+
+
+def test_fresh_reads_are_pageable_then_pinned_off_the_request_path(adapter_factory, monkeypatch):
+    adapter_factory("path-b", "tiny-sd", rank=16, targets="all", seed=5)
+    engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
+    engine.pin_host = True  # as on CUDA
+    calls = []
+    _fake_pinning(monkeypatch, calls)
+    entry = engine.acquire_adapter("path-b")
+    read = entry.host
+    engine._pinner.submit(lambda: None).result()  # the pin job ran after the read
+    assert calls == [read.packed.nbytes], "the packed buffer was pinned once, after the read"
+    assert entry.host is not read and torch.equal(entry.host.packed, read.packed)
+    assert all(torch.equal(entry.host.layers[k].down, read.layers[k].down) for k in read.layers)
+
+    swapped = engine.set_adapters([("path-b", 1.0)], [(entry, 1.0)])
+    engine.release_adapters([(entry, 1.0)])
+    assert swapped > 0
+    # the same entry, pinned since: no second swap; and a cached lookup pins nothing again
+    assert engine.set_adapters([("path-b", 1.0)]) == 0.0
+    engine._pinner.submit(lambda: None).result()
+    assert len(calls) == 1
+
+
+def test_a_failed_pin_leaves_the_pageable_copy_serving(adapter_factory, monkeypatch, caplog):
+    adapter_factory("path-c", "tiny-sd", rank=4, seed=6)
+    engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
+    engine.pin_host = True
+    calls = []
+    _fake_pinning(monkeypatch, calls, fail=True)
+    with caplog.at_level(logging.WARNING, logger="loraswap.engine.engine"):
+        entry = engine.acquire_adapter("path-c")
+        read = entry.host
+        engine.release_adapters([(entry, 1.0)])
+        engine._pinner.submit(lambda: None).result()
+    assert calls and entry.host is read
+    assert "could not pin adapter path-c" in caplog.text
+    assert engine.set_adapters([("path-c", 1.0)]) > 0
+
+
+def test_replace_host_only_for_the_cached_entry_and_the_same_bytes():
+    cache = AdapterCache(CacheConfig(host_bytes=8 * 2**20, gpu_bytes=0), torch.device("cpu"))
+    entry = cache.insert("a", adapter("a", 2), (1,))
+    cache.release(entry)
+    with pytest.raises(ValueError, match="not the same factors"):
+        cache.replace_host(entry, adapter("a", 1))
+    copy = BoundAdapter("a", entry.host.layers).to("cpu")
+    assert cache.replace_host(entry, copy) and entry.host is copy
+    cache.unpin("a")  # evicted: a late pin changes nothing
+    assert not cache.holds(entry)
+    assert not cache.replace_host(entry, BoundAdapter("a", entry.host.layers).to("cpu"))
+    assert entry.host is copy
+
+
+@pytest.mark.parametrize("mode,compile_vae,compiled", [("fused", True, True), ("fused", False, False),
+                                                       ("diffusers", True, False)])
+def test_vae_decoder_compiled_with_the_denoiser(mode, compile_vae, compiled):
+    engine = Engine(EngineConfig(model="tiny-sd", compile=True, compile_vae=compile_vae, swap_mode=mode,
+                                 warmup=False))
+    assert (engine.pipeline.vae.decoder._compiled_call_impl is not None) is compiled
+    unet_compiled = any(m._compiled_call_impl is not None for m in engine.pipeline.unet.modules())
+    assert unet_compiled is (mode == "fused")
