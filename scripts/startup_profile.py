@@ -7,7 +7,8 @@ Run it twice on one folder (cold, then warm) to see what a restart still pays fo
 
 --from-disk DIR saves the model to DIR first (once) and serves it from there, so that the
 load is a real `from_pretrained` of safetensors files; --images N then times N full images;
---loras N swaps a real-size random adapter before each image; --quantize-text-encoders,
+--drop-page-cache evicts its files from the page cache first (a load from the disk, not
+from RAM); --loras N swaps a real-size random adapter before each image; --quantize-text-encoders,
 --pristine, --max-gpu-memory-gb and --gpu-cache-mb give the 24 GB mode (peak GPU memory
 is reported). --inductor-tuning restores torchao's process-wide Inductor settings (coordinate-descent
 tuning), which loraswap's quantization no longer applies, for comparison.
@@ -22,6 +23,7 @@ import cProfile
 import io
 import json
 import logging
+import os
 import pstats
 import statistics
 import time
@@ -44,6 +46,9 @@ def main() -> None:
     parser.add_argument("--compile-cache", type=Path, required=True)
     parser.add_argument("--no-profile", action="store_true", help="time only (cProfile slows tracing)")
     parser.add_argument("--from-disk", type=Path, help="save the model here once, then load it from here")
+    parser.add_argument("--drop-page-cache", action="store_true",
+                        help="with --from-disk: evict the model's files from the page cache first (a restart on a "
+                             "host that has not read them lately)")
     parser.add_argument("--images", type=int, default=0, help="full images timed after start-up")
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--quantize-text-encoders", default="none")
@@ -62,6 +67,8 @@ def main() -> None:
     model, saved_s = args.model, None
     if args.from_disk:
         model, saved_s = str(args.from_disk), save_once(args.model, args.from_disk)
+        if args.drop_page_cache:
+            print(f"evicted {drop_page_cache(args.from_disk) / 2**30:.1f} GiB of files from the page cache")
     if args.inductor_tuning:
         from torchao.quantization.utils import recommended_inductor_config_setter
 
@@ -108,6 +115,22 @@ def main() -> None:
             stats = pstats.Stats(profile, stream=report)
             stats.sort_stats(key).print_stats(70)
     args.out.write_text(report.getvalue())
+
+
+def drop_page_cache(folder: Path) -> int:
+    """Ask the kernel to drop the folder's files from the page cache (posix_fadvise
+    DONTNEED: clean pages go, so the next read comes from the disk); bytes covered."""
+    total = 0
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                total += path.stat().st_size
+            finally:
+                os.close(fd)
+    return total
 
 
 def save_once(model: str, folder: Path) -> float | None:
