@@ -65,8 +65,9 @@ Quantize = Annotated[str, _opt("--quantize", help="Denoiser weights in float8 (t
                                 "tensor) or fp8-weight-only.")]
 Attention = Annotated[str | None, _opt("--attention", help="Attention backend of diffusers' dispatcher (native, "
                                        "_native_cudnn, _native_flash, flex, ...; default: diffusers').")]
-CompileVae = Annotated[bool, _opt("--compile-vae/--no-compile-vae", help="With --compile, also compile the VAE "
-                                  "decoder (faster decode; a longer first compile).")]
+CompileVae = Annotated[bool | None, _opt("--compile-vae/--no-compile-vae", help="With --compile, also compile the "
+                                         "VAE decoder: a faster decode, a longer start-up (default: with the "
+                                         "CUDA-graph compile modes only).")]
 CompileCache = Annotated[Path | None, _opt("--compile-cache", help="Folder for torch.compile's caches (FX graphs, "
                                            "AOTAutograd, Triton kernels, autotuning), kept across restarts: a "
                                            "restarted process compiles from it.")]
@@ -84,7 +85,7 @@ def serve(
     compile: Annotated[bool | None, _opt("--compile/--no-compile", help="Regional torch.compile (default: on CUDA).",
                                          env="LORASWAP_COMPILE")] = None,
     compile_mode: CompileMode = "default",
-    compile_vae: CompileVae = True,
+    compile_vae: CompileVae = None,
     attention: Attention = None,
     quantize: Quantize = "none",
     quantize_text_encoders: Annotated[str, _opt("--quantize-text-encoders", help="Text encoders' weights in float8: "
@@ -249,7 +250,7 @@ def generate(
     compile: Annotated[bool | None, _opt("--compile/--no-compile", help="Regional torch.compile (default: on CUDA).",
                                          env="LORASWAP_COMPILE")] = None,
     compile_mode: CompileMode = "default",
-    compile_vae: CompileVae = True,
+    compile_vae: CompileVae = None,
     attention: Attention = None,
     quantize: Quantize = "none",
     compile_cache: CompileCache = None,

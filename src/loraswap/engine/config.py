@@ -29,7 +29,9 @@ class EngineConfig(BaseModel):
     compile: bool | None = Field(None, description="Regional torch.compile of the denoiser; None: on for CUDA only.")
     compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"] = Field(
         "default", description="torch.compile mode; the CUDA-graph modes compile the whole denoiser, not its blocks.")
-    compile_vae: bool = Field(True, description="With compile on, also compile the VAE decoder (not in seed-1 mode).")
+    compile_vae: bool | None = Field(
+        None, description="With compile on, also compile the VAE decoder (not in seed-1 mode); None: with the "
+                          "CUDA-graph compile modes only (short requests, where the decode counts).")
     attention: str | None = Field(None, description="Attention backend of diffusers' dispatcher (None: its default).")
     quantize: QuantizeMode = Field(
         "none", description="Denoiser linear weights in float8 (torchao); fp8 and fp8-tensorwise also quantize "
