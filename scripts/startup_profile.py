@@ -81,7 +81,7 @@ def main() -> None:
     config = EngineConfig(model=model, quantize=args.quantize, compile=True, compile_mode=args.compile_mode,
                           compile_cache=args.compile_cache, quantize_text_encoders=args.quantize_text_encoders,
                           pristine=args.pristine, max_gpu_memory_gb=args.max_gpu_memory_gb, adapters=adapters,
-                          cache=cache, compile_vae=not args.no_compile_vae)
+                          cache=cache, compile_vae=False if args.no_compile_vae else None)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # not the bf16 pipeline `--from-disk` saved
