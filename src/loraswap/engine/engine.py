@@ -351,7 +351,7 @@ class Engine:
         """Whether the VAE decoder is compiled with the denoiser. By default only with the
         CUDA-graph modes: a 1024x1024 decode is 86 ms eager and 35 ms compiled on an H200,
         a twentieth of an SDXL request but under 2 % of a FLUX.1 image, whose restart it
-        would lengthen by about 4 s (18 s for a cold start)."""
+        would lengthen by about 3 s (18 s for a cold start)."""
         if self.config.compile_vae is not None:
             return self.config.compile_vae
         return self.config.compile_mode in CUDA_GRAPH_MODES
