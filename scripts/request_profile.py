@@ -4,7 +4,7 @@ Builds one engine, then makes images one at a time, each with an adapter it has 
 yet (bench serve's real-size random set: the cold path a stream of many adapters takes),
 then the same adapters again (cached). Each phase is timed with a CUDA synchronize before
 and after it (`bench.common.timed`), which costs a little. An adapter's first read is
-broken down too (file read, conversion, check and pack into pinned RAM, copy to the GPU
+broken down too (file read, conversion, check and pack into host RAM, copy to the GPU
 tier), and fresh pinned and pageable host buffers of each adapter's size are timed alone.
 
     PYTHONPATH=src python scripts/request_profile.py --model sdxl-random --compile-mode reduce-overhead --out r.json

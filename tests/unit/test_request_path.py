@@ -1,7 +1,10 @@
 """The request path's own costs: images made 8-bit on the device, adapters read into pageable
 RAM and pinned afterwards, the VAE decoder compiled with the denoiser."""
 
+import gc
 import logging
+import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -60,8 +63,12 @@ def test_fresh_reads_are_pageable_then_pinned_off_the_request_path(adapter_facto
     engine.pin_host = True  # as on CUDA
     calls = []
     _fake_pinning(monkeypatch, calls)
+    gate = threading.Event()
+    engine._pinner.submit(gate.wait, 30)  # the pinner busy: the read must not wait for it
     entry = engine.acquire_adapter("path-b")
     read = entry.host
+    assert calls == [] and entry.host is read, "the read returned before any pinning"
+    gate.set()
     engine._pinner.submit(lambda: None).result()  # the pin job ran after the read
     assert calls == [read.packed.nbytes], "the packed buffer was pinned once, after the read"
     assert entry.host is not read and torch.equal(entry.host.packed, read.packed)
@@ -107,7 +114,7 @@ def test_replace_host_only_for_the_cached_entry_and_the_same_bytes():
 
 
 @pytest.mark.parametrize("mode,compile_mode,compile_vae,compiled", [
-    ("fused", "default", None, False),  # regional compile (FLUX.1): a restart 4 s sooner matters more
+    ("fused", "default", None, False),  # regional compile (FLUX.1): a restart 3 s sooner matters more
     ("fused", "reduce-overhead", None, True),  # CUDA graphs (SDXL, SD 1.5): the decode is a twentieth of a request
     ("fused", "default", True, True),
     ("fused", "reduce-overhead", False, False),
@@ -120,3 +127,23 @@ def test_vae_decoder_compiled_with_the_denoiser(mode, compile_mode, compile_vae,
     assert (engine.pipeline.vae.decoder._compiled_call_impl is not None) is compiled
     unet_compiled = any(m._compiled_call_impl is not None for m in engine.pipeline.unet.modules())
     assert unet_compiled is (mode == "fused")
+
+
+def test_an_entry_evicted_before_its_pin_is_neither_pinned_nor_kept(adapter_factory, monkeypatch):
+    adapter_factory("path-d", "tiny-sd", rank=8, seed=7)
+    engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
+    engine.pin_host = True
+    calls = []
+    _fake_pinning(monkeypatch, calls)
+    gate = threading.Event()
+    engine._pinner.submit(gate.wait, 30)
+    entry = engine.acquire_adapter("path-d")
+    engine.release_adapters([(entry, 1.0)])
+    engine.unpin_adapter("path-d")  # evicted while its pin job waits
+    gone = weakref.ref(entry)
+    del entry
+    gc.collect()
+    assert gone() is None, "the queued pin job does not keep the evicted entry (and its buffer) alive"
+    gate.set()
+    engine._pinner.submit(lambda: None).result()
+    assert calls == []

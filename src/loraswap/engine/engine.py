@@ -12,12 +12,14 @@ import logging
 import os
 import random
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
+from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 from torch._dynamo.utils import counters
 
@@ -98,6 +100,10 @@ class Engine:
         self._pinner = ThreadPoolExecutor(1, thread_name_prefix="loraswap-pin")
         self._applied: list[tuple[CacheEntry, float]] = []  # the cache entries fused now
         self._call_parameters = set(inspect.signature(self.pipeline.__call__).parameters)
+        # pipelines that postprocess with diffusers' VaeImageProcessor (SD, SDXL, FLUX.1) return
+        # "pt" images as (batch, channels, height, width) in [0, 1]; others keep their PIL output
+        self._images_on_device = "output_type" in self._call_parameters and isinstance(
+            getattr(self.pipeline, "image_processor", None), VaeImageProcessor)
         self.defaults = generation_defaults(config.model)
         self.baseline = DiffusersLoadFuse(self.pipeline) if config.swap_mode == "diffusers" else None
         self.compiled = config.compile if config.compile is not None else self.device.type == "cuda"
@@ -161,16 +167,21 @@ class Engine:
             refuse_other_base(adapter_id, parsed.base_models, [self.model_name])
             bound = self.swapper.bind(parsed, base_models=parsed.base_models, dtype=self.dtype)
             entry = self.cache.insert(adapter_id, bound, stamp)
-            self.cache.maybe_copy_to_gpu(entry)
             if self.pin_host and entry.cached and entry.host is bound:
-                self._pinner.submit(self._pin_later, entry)
-            return entry
-        self.cache.maybe_copy_to_gpu(entry)
+                # by reference only: an entry evicted before its turn frees its pageable copy
+                self._pinner.submit(self._pin_later, weakref.ref(entry))
+        try:
+            self.cache.maybe_copy_to_gpu(entry)
+        except BaseException:
+            self.cache.release(entry)  # (held by the lookup or insert above)
+            raise
         return entry
 
-    def _pin_later(self, entry: CacheEntry) -> None:
-        """Replace the entry's pageable host copy by a pinned one (unless it left the cache)."""
-        if not self.cache.holds(entry):
+    def _pin_later(self, ref: "weakref.ref[CacheEntry]") -> None:
+        """Replace the entry's pageable host copy by a pinned one (unless it left the cache).
+        For a moment the adapter is in host RAM twice, pageable and pinned."""
+        entry = ref()
+        if entry is None or not self.cache.holds(entry):
             return
         try:
             self.cache.replace_host(entry, entry.host.to("cpu", pin_memory=True))
@@ -295,7 +306,7 @@ class Engine:
         seeds = [r.seed if r.seed is not None else random.randrange(2**31) for r in requests]
         kwargs = dict(prompt=[r.prompt for r in requests],
                       generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds])
-        if "output_type" in self._call_parameters:
+        if self._images_on_device:
             kwargs["output_type"] = "pt"  # made 8-bit on the device (`to_pil`), not as floats on the host
         defaults = self.defaults
         optional = dict(guidance_scale=first.guidance, num_inference_steps=first.steps or defaults.get("steps"),
@@ -307,7 +318,7 @@ class Engine:
         started = time.perf_counter()
         with torch.inference_mode(), self.attention.context() if self.attention else contextlib.nullcontext():
             images = self._maybe_retry_cold(lambda: self.pipeline(**kwargs).images)
-        if isinstance(images, torch.Tensor):
+        if self._images_on_device:
             images = to_pil(images)
         seconds = time.perf_counter() - started
         if "first_image_s" not in self.startup:
@@ -371,7 +382,7 @@ def to_pil(images: torch.Tensor) -> list[Image.Image]:
     PIL images, bitwise the pixels diffusers' own "pil" output gives (float32, times 255,
     rounded half to even), computed where the images are: 1 byte per pixel and channel
     crosses to the host instead of floats converted there (16 ms of a 1024x1024 SDXL request)."""
-    pixels = (images.float() * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    pixels = (images.float() * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu().numpy()
     return [Image.fromarray(p.squeeze(-1) if p.shape[-1] == 1 else p) for p in pixels]
 
 
