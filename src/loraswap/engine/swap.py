@@ -135,10 +135,11 @@ class FusedSwapper:
         self._fp8: dict[LayerKey, Fp8Weight] = {}  # float8 weights (`--quantize`), also in `_pristine`
 
     # ---------------------------------------------------------------- binding
-    def bind(self, parsed: ParsedAdapter, base_models: Sequence[str] = (), dtype: torch.dtype | None = None,
-             pin_memory: bool = False) -> BoundAdapter:
+    def bind(self, parsed: ParsedAdapter, base_models: Sequence[str] = (),
+             dtype: torch.dtype | None = None) -> BoundAdapter:
         """Check every layer of `parsed` against this model, raising on the first misfit,
-        and pack its factors into one host buffer of `dtype` (pinned if asked)."""
+        and pack its factors into one pageable host buffer of `dtype` (the engine pins it
+        later, off the request's path)."""
         layers = {}
         aid = parsed.adapter_id
         for component, modules in parsed.layers.items():
@@ -155,7 +156,7 @@ class FusedSwapper:
                 layers[key] = layer
         if not layers:
             raise AdapterInvalid(aid, "it touches no layer of this model", "Use an adapter for this base model")
-        bound = BoundAdapter(aid, layers, tuple(base_models)).to("cpu", dtype, pin_memory=pin_memory)
+        bound = BoundAdapter(aid, layers, tuple(base_models)).to("cpu", dtype)
         low, high = torch.aminmax(bound.packed)  # one pass (NaN propagates); then find the layer to name it
         if not (torch.isfinite(low) and torch.isfinite(high)):
             where = next(f"{c}.{n}" for (c, n), layer in bound.layers.items()
