@@ -41,6 +41,7 @@ def test_engine_image_equals_the_pipelines_own_pil_image(adapter_factory):
     engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
     request = GenerateRequest(prompt="a red bicycle", seed=11, steps=2, width=64, height=64,
                               loras=[("path-a", 1.0)])
+    assert engine._images_on_device, "tiny-sd postprocesses with VaeImageProcessor: images made by to_pil"
     ours = engine.generate(request).image
     theirs = engine.pipeline("a red bicycle", generator=torch.Generator("cpu").manual_seed(11),
                              num_inference_steps=2, width=64, height=64).images[0]
@@ -60,16 +61,16 @@ def _fake_pinning(monkeypatch, calls: list, fail: bool = False):
 def test_fresh_reads_are_pageable_then_pinned_off_the_request_path(adapter_factory, monkeypatch):
     adapter_factory("path-b", "tiny-sd", rank=16, targets="all", seed=5)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
-    engine.pin_host = True  # as on CUDA
+    engine.cache.pin_host = True  # as on CUDA
     calls = []
     _fake_pinning(monkeypatch, calls)
     gate = threading.Event()
-    engine._pinner.submit(gate.wait, 30)  # the pinner busy: the read must not wait for it
+    engine.cache._pinner.submit(gate.wait, 30)  # the pinner busy: the read must not wait for it
     entry = engine.acquire_adapter("path-b")
     read = entry.host
     assert calls == [] and entry.host is read, "the read returned before any pinning"
     gate.set()
-    engine._pinner.submit(lambda: None).result()  # the pin job ran after the read
+    engine.cache._pinner.submit(lambda: None).result()  # the pin job ran after the read
     assert calls == [read.packed.nbytes], "the packed buffer was pinned once, after the read"
     assert entry.host is not read and torch.equal(entry.host.packed, read.packed)
     assert all(torch.equal(entry.host.layers[k].down, read.layers[k].down) for k in read.layers)
@@ -79,21 +80,21 @@ def test_fresh_reads_are_pageable_then_pinned_off_the_request_path(adapter_facto
     assert swapped > 0
     # the same entry, pinned since: no second swap; and a cached lookup pins nothing again
     assert engine.set_adapters([("path-b", 1.0)]) == 0.0
-    engine._pinner.submit(lambda: None).result()
+    engine.cache._pinner.submit(lambda: None).result()
     assert len(calls) == 1
 
 
 def test_a_failed_pin_leaves_the_pageable_copy_serving(adapter_factory, monkeypatch, caplog):
     adapter_factory("path-c", "tiny-sd", rank=4, seed=6)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
-    engine.pin_host = True
+    engine.cache.pin_host = True
     calls = []
     _fake_pinning(monkeypatch, calls, fail=True)
-    with caplog.at_level(logging.WARNING, logger="loraswap.engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="loraswap.adapters.cache"):
         entry = engine.acquire_adapter("path-c")
         read = entry.host
         engine.release_adapters([(entry, 1.0)])
-        engine._pinner.submit(lambda: None).result()
+        engine.cache._pinner.submit(lambda: None).result()
     assert calls and entry.host is read
     assert "could not pin adapter path-c" in caplog.text
     assert engine.set_adapters([("path-c", 1.0)]) > 0
@@ -132,11 +133,11 @@ def test_vae_decoder_compiled_with_the_denoiser(mode, compile_mode, compile_vae,
 def test_an_entry_evicted_before_its_pin_is_neither_pinned_nor_kept(adapter_factory, monkeypatch):
     adapter_factory("path-d", "tiny-sd", rank=8, seed=7)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
-    engine.pin_host = True
+    engine.cache.pin_host = True
     calls = []
     _fake_pinning(monkeypatch, calls)
     gate = threading.Event()
-    engine._pinner.submit(gate.wait, 30)
+    engine.cache._pinner.submit(gate.wait, 30)
     entry = engine.acquire_adapter("path-d")
     engine.release_adapters([(entry, 1.0)])
     engine.unpin_adapter("path-d")  # evicted while its pin job waits
@@ -145,5 +146,5 @@ def test_an_entry_evicted_before_its_pin_is_neither_pinned_nor_kept(adapter_fact
     gc.collect()
     assert gone() is None, "the queued pin job does not keep the evicted entry (and its buffer) alive"
     gate.set()
-    engine._pinner.submit(lambda: None).result()
+    engine.cache._pinner.submit(lambda: None).result()
     assert calls == []

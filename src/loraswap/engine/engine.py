@@ -12,7 +12,6 @@ import logging
 import os
 import random
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -94,10 +93,6 @@ class Engine:
         self.source = config.source or self._sources(config)
         self.cache = AdapterCache(config.cache, self.device)
         self._prefetcher = ThreadPoolExecutor(config.prefetch_threads, thread_name_prefix="loraswap-prefetch")
-        # adapters read from disk are packed in pageable RAM (pinning 0.6 ms/MB would double a cold
-        # read) and pinned afterwards, one at a time, for fast swaps from the host tier
-        self.pin_host = self.device.type == "cuda"
-        self._pinner = ThreadPoolExecutor(1, thread_name_prefix="loraswap-pin")
         self._applied: list[tuple[CacheEntry, float]] = []  # the cache entries fused now
         self._call_parameters = set(inspect.signature(self.pipeline.__call__).parameters)
         # pipelines that postprocess with diffusers' VaeImageProcessor (SD, SDXL, FLUX.1) return
@@ -152,9 +147,8 @@ class Engine:
         """The adapter ready to fuse, held in the cache until `release_adapters`.
 
         From the cache when the file is unchanged (size, mtime, ctime, inode), else read, converted,
-        checked against this model and packed into host RAM; then copied to the GPU tier when
-        its budget allows. On CUDA a freshly read adapter's host copy is pinned afterwards, off
-        the request's path (`_pin_later`).
+        checked against this model and packed into host RAM (pinned later by the cache, off
+        the request's path); then copied to the GPU tier when its budget allows.
         """
         location = self.locate(adapter_id)
         stat = location.weights.stat()
@@ -167,27 +161,12 @@ class Engine:
             refuse_other_base(adapter_id, parsed.base_models, [self.model_name])
             bound = self.swapper.bind(parsed, base_models=parsed.base_models, dtype=self.dtype)
             entry = self.cache.insert(adapter_id, bound, stamp)
-            if self.pin_host and entry.cached and entry.host is bound:
-                # by reference only: an entry evicted before its turn frees its pageable copy
-                self._pinner.submit(self._pin_later, weakref.ref(entry))
         try:
             self.cache.maybe_copy_to_gpu(entry)
         except BaseException:
             self.cache.release(entry)  # (held by the lookup or insert above)
             raise
         return entry
-
-    def _pin_later(self, ref: "weakref.ref[CacheEntry]") -> None:
-        """Replace the entry's pageable host copy by a pinned one (unless it left the cache).
-        For a moment the adapter is in host RAM twice, pageable and pinned."""
-        entry = ref()
-        if entry is None or not self.cache.holds(entry):
-            return
-        try:
-            self.cache.replace_host(entry, entry.host.to("cpu", pin_memory=True))
-        except Exception:  # out of pinnable memory, say: the pageable copy still serves
-            logger.warning("could not pin adapter %s in host RAM; it stays pageable", entry.adapter_id,
-                           exc_info=True)
 
     def acquire_adapters(self, loras: list[tuple[str, float]]) -> Acquired:
         self._check_blend(loras)
