@@ -43,6 +43,9 @@ def load_pipeline(name_or_path: str, device: str | torch.device | None = None,
     else:
         pipeline = DiffusionPipeline.from_pretrained(name_or_path, torch_dtype=dtype)
         pipeline.set_progress_bar_config(disable=True)
+        for component in pipeline.components.values():  # served, never trained (as the presets are)
+            if isinstance(component, torch.nn.Module):
+                component.eval().requires_grad_(False)
     pipeline.to(device=device)
     if pipeline.dtype != dtype:
         pipeline.to(dtype=dtype)

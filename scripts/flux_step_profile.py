@@ -1,0 +1,138 @@
+"""Where the FLUX.1 transformer's step time goes on the GPU, by kernel, and what fused QKV
+projections change.
+
+Builds the FLUX.1-dev transformer (real config, random weights) once, then one copy per
+variant: `unfused` (as loraswap serves it today) and `fused-qkv` (diffusers'
+`fuse_qkv_projections`: one q/k/v matmul per stream instead of three, the separate
+projections dropped), each quantized (`--quantize`) and compiled as the engine would
+(regional compile). Times `--steps` denoiser calls per image in interleaved rounds, compares
+one call's output, and profiles `--profile-steps` calls of each variant with
+torch.profiler: GPU time per step in matmuls, attention, Inductor's fused (Triton)
+kernels and the rest, and the slowest kernels.
+
+    PYTHONPATH=src python scripts/flux_step_profile.py --out flux-steps.json
+"""
+
+import argparse
+import copy
+import json
+import logging
+import re
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from loraswap.bench.common import environment, timed
+from loraswap.bench.swap import Denoise, denoiser_inputs
+from loraswap.engine.engine import compile_denoiser
+from loraswap.engine.quantize import quantize_module
+from loraswap.models.shapes import build_shape_component
+
+VARIANTS = ("unfused", "fused-qkv")
+SEPARATE_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+CATEGORIES = (  # first match wins; kernel names of cuBLAS, CUTLASS, FlashAttention, cuDNN, Inductor
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|sm90_|nvjet|scaled_mm|f8f8|cublas|matmul", re.I)),
+    ("inductor (triton)", re.compile(r"^triton_", re.I)),
+)
+
+
+def category(kernel: str) -> str:
+    return next((name for name, pattern in CATEGORIES if pattern.search(kernel)), "other")
+
+
+def build(base: torch.nn.Module, variant: str, quantize: str, device) -> torch.nn.Module:
+    model = copy.deepcopy(base)
+    if variant == "fused-qkv":
+        model.fuse_qkv_projections()
+        for module in model.modules():  # the fused copies replace them; keep the memory
+            if getattr(module, "fused_projections", False):
+                for name in SEPARATE_PROJECTIONS:
+                    if hasattr(module, name):
+                        delattr(module, name)
+    elif variant != "unfused":
+        raise ValueError(f"unknown variant {variant}; choose from {', '.join(VARIANTS)}")
+    quantize_module(model, quantize, device)
+    compile_denoiser(model, "default")
+    return model
+
+
+def kernel_profile(denoise: Denoise, steps: int) -> dict:
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        denoise(steps)
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] += event.time_range.elapsed_us() / 1e3 / steps
+            counts[event.name] += 1
+    by_category: dict[str, float] = defaultdict(float)
+    for name, ms in per_kernel.items():
+        by_category[category(name)] += ms
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
+    return {"ms_per_step": sum(per_kernel.values()),
+            "by_category_ms_per_step": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+            "launches_per_step": sum(counts.values()) / steps,
+            "top_kernels": [{"name": name[:160], "category": category(name), "ms_per_step": ms,
+                             "calls_per_step": counts[name] / steps} for name, ms in top]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quantize", default="fp8")
+    parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    results = {"env": environment(), "quantize": args.quantize, "steps": args.steps, "size": args.size,
+               "variants": variants, "rows": []}
+
+    def save():
+        args.out.write_text(json.dumps(results, indent=2))
+
+    torch.manual_seed(0)
+    base = build_shape_component("flux-dev", "transformer", device=device, dtype=dtype)
+    inputs = denoiser_inputs("flux-dev", args.size, args.size, device, dtype)
+    models = {}
+    for name in variants:
+        models[name] = Denoise(build(base, name, args.quantize, device), inputs, args.steps)
+        results[f"compile_{name}_s"] = timed(lambda: models[name](2))[0]
+        print(f"{name}: built and compiled, warm-up {results[f'compile_{name}_s']:.1f} s", flush=True)
+    del base
+    torch.cuda.empty_cache()
+    outputs = {name: denoise(1).float().clone() for name, denoise in models.items()}
+    first = outputs[variants[0]]
+    results["rel_diff_vs_first"] = {name: float((out - first).norm() / first.norm()) for name, out in outputs.items()}
+    for r in range(args.rounds):
+        for name in variants[r % len(variants):] + variants[: r % len(variants)]:
+            seconds = timed(models[name])[0]
+            results["rows"].append({"round": r, "variant": name, "image_s": seconds})
+            print(f"round {r} {name}: {seconds:.3f} s per image", flush=True)
+        save()
+    results["median_image_s"] = {name: statistics.median(row["image_s"] for row in results["rows"]
+                                                           if row["variant"] == name) for name in variants}
+    for name in variants:
+        results[f"profile_{name}"] = profile = kernel_profile(models[name], args.profile_steps)
+        print(f"{name}: {profile['ms_per_step']:.1f} ms GPU per step, {profile['launches_per_step']:.0f} launches; "
+              + ", ".join(f"{k} {v:.1f}" for k, v in profile["by_category_ms_per_step"].items()), flush=True)
+        for row in profile["top_kernels"][:12]:
+            print(f"   {row['ms_per_step']:7.2f} ms x{row['calls_per_step']:.0f} {row['category']:18} "
+                  f"{row['name'][:90]}")
+        save()
+    results["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    save()
+    print(json.dumps({"median_image_s": results["median_image_s"], "rel_diff_vs_first": results["rel_diff_vs_first"]}))
+
+
+if __name__ == "__main__":
+    main()

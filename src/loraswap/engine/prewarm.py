@@ -1,0 +1,154 @@
+"""Compiling while the model loads: a start's compile work overlapped with its weight load.
+
+With regional compile (the compile modes without CUDA graphs), torch.compile traces each
+kind of repeated block once (per input layout) and every block of that kind runs the same
+compiled code. So a stand-in for the denoiser (its class and config with a few blocks, random
+weights, quantized and compiled as the real one will be) compiles the graphs the real model
+needs, or on a warm compile cache loads them, and Triton compiles or loads the swap
+kernels for the same row lengths. `Prewarm` does that on a thread while the main thread
+loads the pipeline; when the real model's warm-up image runs, its blocks find their code
+compiled and the kernels ready, and the start-up pays little more than the load.
+
+Only denoisers whose block inputs are known here have a stand-in (FLUX.1); the others, and
+the CUDA-graph modes (which compile the whole denoiser), compile at warm-up as before. A
+stand-in that cannot be built or run costs a warning: the warm-up compiles what it missed.
+"""
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention import AttentionBackend
+from .quantize import quantize_module
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StandIn:
+    layers: dict[str, int]  # config keys set to build one block of each kind
+    inputs: Callable[[dict, int, int, torch.device, torch.dtype], dict]  # (config, width, height, ...) -> kwargs
+    default_size: int  # the pipeline's width and height when a request gives none
+
+
+def _flux_inputs(config: dict, width: int, height: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """FluxPipeline's transformer call for one image: packed latents (2x2 patches of the
+    8x-downsampled image), 512 T5 tokens (its default max_sequence_length), and the empty
+    joint_attention_kwargs it passes (the blocks' guards tell None from {})."""
+    tokens, text = (height // 16) * (width // 16), 512
+    guidance = torch.full([1], 3.5, device=device) if config.get("guidance_embeds") else None
+    return dict(hidden_states=torch.randn(1, tokens, config["in_channels"], device=device, dtype=dtype),
+                encoder_hidden_states=torch.randn(1, text, config["joint_attention_dim"], device=device, dtype=dtype),
+                pooled_projections=torch.randn(1, config["pooled_projection_dim"], device=device, dtype=dtype),
+                timestep=torch.full([1], 0.5, device=device, dtype=dtype), guidance=guidance,
+                img_ids=torch.zeros(tokens, 3, device=device, dtype=dtype),
+                txt_ids=torch.zeros(text, 3, device=device, dtype=dtype), joint_attention_kwargs={},
+                return_dict=False)
+
+
+# two single blocks: the first takes the double blocks' contiguous output, the others a view
+# of the previous single block's (a second graph, for its strides)
+STAND_INS = {"FluxTransformer2DModel": StandIn({"num_layers": 1, "num_single_layers": 2}, _flux_inputs, 1024)}
+
+
+def denoiser_config(model: str) -> tuple[type[nn.Module], dict] | None:
+    """The class and config of `--model`'s denoiser, read without loading its weights (a
+    preset is built: it is tiny); None when they cannot be read."""
+    import diffusers
+
+    from ..models.presets import PRESETS, build_preset
+    from ..models.shapes import RANDOM_SUFFIX, SHAPES, build_shape_component
+
+    shape = model.removesuffix(RANDOM_SUFFIX)
+    if model in PRESETS:
+        pipeline = build_preset(model)
+        denoiser = getattr(pipeline, "transformer", None) or pipeline.unet
+        return type(denoiser), dict(denoiser.config)
+    if model.endswith(RANDOM_SUFFIX) and shape in SHAPES:
+        name = "transformer" if "transformer" in SHAPES[shape] else "unet"
+        denoiser = build_shape_component(shape, name)  # on the meta device: no memory
+        return type(denoiser), dict(denoiser.config)
+    try:
+        index = diffusers.DiffusionPipeline.load_config(model)
+        for name in ("transformer", "unet"):
+            if isinstance(index.get(name), (list, tuple)) and index[name][1]:
+                cls = getattr(diffusers, index[name][1])
+                return cls, dict(cls.load_config(model, subfolder=name))
+    except Exception as e:  # not a diffusers folder, or offline without it cached: the load will say
+        logger.debug("no denoiser config for %s before loading: %s", model, e)
+    return None
+
+
+class Prewarm:
+    """The stand-in's compile and the swap kernels' warm-up, on a thread started at once;
+    `join()` waits for it and says what it did (never raises: the warm-up covers a miss)."""
+
+    def __init__(self, denoiser: tuple[type[nn.Module], dict], *, device: torch.device, dtype: torch.dtype,
+                 quantize: str, compile_mode: str, attention: str | None, size: tuple[int, int] | None):
+        cls, config = denoiser
+        if device.type == "cuda" and device.index is None:  # the thread's current device is its own
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.stand_in = STAND_INS[cls.__name__]
+        # built and quantized here, before the load starts: diffusers' and transformers' loaders
+        # patch module and parameter construction process-wide while they run
+        with torch.device(device):
+            # without gradients, as loaded pipelines are: the blocks' guards check requires_grad
+            model = cls.from_config({**config, **self.stand_in.layers}).to(dtype).eval().requires_grad_(False)
+        quantize_module(model, quantize, device)
+        width, height = size or (self.stand_in.default_size,) * 2
+        inputs = self.stand_in.inputs(dict(model.config), width, height, device, dtype)
+        plain = nn.Linear(16, 16, device=device, dtype=dtype)  # full-precision weights' swap kernels
+        self._args = (model, plain, inputs, device, compile_mode, attention)
+        self.seconds: float | None = None  # how long the thread took, once it has finished without error
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="loraswap-prewarm", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def applies(denoiser: tuple[type[nn.Module], dict] | None) -> bool:
+        return denoiser is not None and denoiser[0].__name__ in STAND_INS
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._warm(*self._args)
+            self.seconds = time.perf_counter() - started
+        except BaseException as e:  # noqa: BLE001 - reported by join(); the warm-up compiles instead
+            self.error = e
+        finally:
+            self._args = ()  # the stand-in's memory goes back
+
+    @staticmethod
+    def _warm(model, plain, inputs, device, compile_mode, attention) -> None:
+        from .engine import compile_denoiser
+        from .swap import FusedSwapper
+
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = AttentionBackend(attention, {"denoiser": model}) if attention else None
+        compile_denoiser(model, compile_mode)
+        with torch.inference_mode(), backend.context() if backend else contextlib.nullcontext():
+            model(**inputs)
+        # the swap kernels for the denoiser's row lengths (in its dtype, or float8) and for
+        # full-precision weights (the text encoders' when the denoiser is quantized)
+        FusedSwapper({"denoiser": model, "plain": plain}).warm_up_kernel()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread; whether it compiled the stand-in (a failure is logged)."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("compiling while loading is still running after %.0f s; the warm-up goes on", timeout)
+            return False
+        if self.error is not None:
+            logger.warning("compiling while loading failed (%s: %s); the warm-up compiles instead",
+                           type(self.error).__name__, str(self.error)[:300])
+            return False
+        logger.info("compiled while loading: the stand-in's blocks and the swap kernels in %.1f s", self.seconds)
+        return True
+
