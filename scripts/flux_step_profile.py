@@ -32,10 +32,11 @@ from loraswap.models.shapes import build_shape_component
 
 VARIANTS = ("unfused", "fused-qkv")
 SEPARATE_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
-CATEGORIES = (  # first match wins; kernel names of cuBLAS, CUTLASS, FlashAttention, cuDNN, Inductor
-    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
-    ("matmul", re.compile(r"gemm|cutlass|sm90_|nvjet|scaled_mm|f8f8|cublas|matmul", re.I)),
+CATEGORIES = (  # first match wins; Inductor names its kernels after the ops they fuse (`_scaled_mm` for
+    # an activation's float8 scaling), so its own come first; then cuDNN/FlashAttention, cuBLAS/CUTLASS
     ("inductor (triton)", re.compile(r"^triton_", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|sm90_|nvjet|f8f8|cublas", re.I)),
 )
 
 

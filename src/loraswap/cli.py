@@ -68,9 +68,6 @@ Attention = Annotated[str | None, _opt("--attention", help="Attention backend of
 CompileVae = Annotated[bool | None, _opt("--compile-vae/--no-compile-vae", help="With --compile, also compile the "
                                          "VAE decoder: a faster decode, a longer start-up (default: with the "
                                          "CUDA-graph compile modes only).")]
-Prewarm = Annotated[bool, _opt("--prewarm/--no-prewarm", help="With regional compile, compile a small stand-in "
-                                "for the denoiser while the model loads (FLUX.1), so a start pays little beyond the "
-                                "load.")]
 CompileCache = Annotated[Path | None, _opt("--compile-cache", help="Folder for torch.compile's caches (FX graphs, "
                                            "AOTAutograd, Triton kernels, autotuning), kept across restarts: a "
                                            "restarted process compiles from it.")]
@@ -89,7 +86,6 @@ def serve(
                                          env="LORASWAP_COMPILE")] = None,
     compile_mode: CompileMode = "default",
     compile_vae: CompileVae = None,
-    prewarm: Prewarm = True,
     attention: Attention = None,
     quantize: Quantize = "none",
     quantize_text_encoders: Annotated[str, _opt("--quantize-text-encoders", help="Text encoders' weights in float8: "
@@ -157,8 +153,8 @@ def serve(
     try:
         config = config_cls(
             engines=[engine_cls(model=name, adapters=adapters, device=device, dtype=dtype, compile=compile,
-                                compile_mode=compile_mode, compile_vae=compile_vae, prewarm=prewarm,
-                                attention=attention, compile_cache=compile_cache,
+                                compile_mode=compile_mode, compile_vae=compile_vae, attention=attention,
+                                compile_cache=compile_cache,
                                 quantize=quantize, quantize_text_encoders=quantize_text_encoders,
                                 pristine=pristine, max_gpu_memory_gb=max_gpu_memory_gb,
                                 swap_mode=swap_mode, hub=hub,

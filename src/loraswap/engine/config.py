@@ -51,8 +51,6 @@ class EngineConfig(BaseModel):
     prefetch_threads: int = Field(4, ge=1, le=64, description="Threads reading adapters ahead of the GPU worker.")
     source: object | None = Field(None, exclude=True, description="An adapter source object (tests, hub).")
     warmup: bool = Field(True, description="Generate once at start-up (compiles when compile is on).")
-    prewarm: bool = Field(True, description="With regional compile, compile a small stand-in for the denoiser "
-                                            "while the model loads (FLUX.1), so a start pays little beyond the load.")
 
     @field_validator("attention")
     @classmethod

@@ -32,7 +32,6 @@ from .attention import AttentionBackend
 from .baseline import DiffusersLoadFuse
 from .compile_cache import format_lookups, lookup_counts, lookups_since, use_compile_cache, use_fresh_compile_cache
 from .config import EngineConfig, GenerateRequest
-from .prewarm import Prewarm, denoiser_config
 from .quantize import quantize_module, quantize_text_encoders
 from .swap import BoundAdapter, FusedSwapper
 
@@ -70,17 +69,6 @@ class Engine:
         quantizing = self.device.type == "cuda" and (config.quantize, config.quantize_text_encoders) != ("none", "none")
         via_host = quantizing and (config.max_gpu_memory_gb is not None
                                    or torch.cuda.get_device_properties(self.device).total_memory < ROOMY_GPU_BYTES)
-        self.compiled = config.compile if config.compile is not None else self.device.type == "cuda"
-        if config.swap_mode == "diffusers" and self.compiled:
-            logger.info("--swap-mode diffusers runs eager, as seed 1 did: not compiling")
-            self.compiled = False
-        # the compile cache is set before anything compiles (the denoiser, the swap kernel); the
-        # UNets' SDPA kernel choice is made outside the graph, so it goes into the cache key
-        if hasattr(torch.compiler.config, "cache_key_tag"):
-            torch.compiler.config.cache_key_tag = f"attention={config.attention or 'default'}"
-        self.compile_cache = use_compile_cache(config.compile_cache) if config.compile_cache else None
-        self._lookups_before = lookup_counts()
-        self.prewarm = self._start_prewarm(config, spare_gpu=not via_host)
         self.pipeline = load_pipeline(config.model, device="cpu" if via_host else self.device, dtype=self.dtype)
         if quantizing:
             logger.info("loaded %s on %s in %.1f s; quantizing", config.model, "the host" if via_host else "the GPU",
@@ -113,12 +101,19 @@ class Engine:
             getattr(self.pipeline, "image_processor", None), VaeImageProcessor)
         self.defaults = generation_defaults(config.model)
         self.baseline = DiffusersLoadFuse(self.pipeline) if config.swap_mode == "diffusers" else None
+        self.compiled = config.compile if config.compile is not None else self.device.type == "cuda"
+        if self.baseline is not None and self.compiled:
+            logger.info("--swap-mode diffusers runs eager, as seed 1 did: not compiling")
+            self.compiled = False
         self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
+        # the compile cache is set before anything compiles (the denoiser, the swap kernel); the
+        # UNets' SDPA kernel choice is made outside the graph, so it goes into the cache key
+        if hasattr(torch.compiler.config, "cache_key_tag"):
+            torch.compiler.config.cache_key_tag = f"attention={config.attention or 'default'}"
+        self.compile_cache = use_compile_cache(config.compile_cache) if config.compile_cache else None
         self.compile_cache_lookups: dict[str, dict[str, int]] | None = None  # torch's, until the first image
-        self._started, self._retried_cold = started, False
+        self._started, self._lookups_before, self._retried_cold = started, lookup_counts(), False
         warming = time.perf_counter()
-        if self.prewarm is not None:
-            self.startup["prewarmed"] = float(self.prewarm.join())
         if self.compiled:
             self._compile()
         if config.warmup:
@@ -333,21 +328,6 @@ class Engine:
     @property
     def denoiser(self) -> torch.nn.Module:
         return getattr(self.pipeline, "transformer", None) or self.pipeline.unet
-
-    def _start_prewarm(self, config: EngineConfig, spare_gpu: bool) -> Prewarm | None:
-        """Compile a stand-in for the denoiser on a thread while the pipeline loads (`prewarm.py`):
-        with regional compile, and on a GPU with room for it beside the model (not under
-        `--max-gpu-memory-gb`); None where that does not apply."""
-        if not (self.compiled and config.prewarm and spare_gpu and config.max_gpu_memory_gb is None
-                and config.compile_mode not in CUDA_GRAPH_MODES):
-            return None
-        denoiser = denoiser_config(config.model)
-        if not Prewarm.applies(denoiser):
-            return None
-        defaults = generation_defaults(config.model)
-        size = (defaults["width"], defaults["height"]) if "width" in defaults else None
-        return Prewarm(denoiser, device=self.device, dtype=self.dtype, quantize=config.quantize,
-                       compile_mode=config.compile_mode, attention=config.attention, size=size)
 
     def _compile(self) -> None:
         compile_denoiser(self.denoiser, self.config.compile_mode)
