@@ -36,7 +36,7 @@ def test_local_folder_goes_through_from_pretrained(tmp_path):
     assert type(loaded) is StableDiffusionXLPipeline
     assert (image_array(loaded) == image_array(preset)).all()
     assert model_name(loaded, str(tmp_path / "my-model")) == loaded.config._name_or_path
-    # served as the presets are: eval mode, no gradients (compiled graphs are the same either way)
+    # served as the presets are, eval mode and no gradients: compiled blocks' guards check requires_grad
     modules = [c for c in loaded.components.values() if isinstance(c, torch.nn.Module)]
     assert modules and not any(m.training for c in modules for m in c.modules())
     assert not any(p.requires_grad for c in modules for p in c.parameters())
