@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # FLUX.1-dev float8 served from safetensors: a cold start on an empty compile cache, then
-# restarts on it, each a fresh process timed to its first image (scripts/startup_profile.py).
+# restarts on it, each a fresh process timed to its first image (scripts/startup_profile.py),
+# alternately plain and with --compile-while-loading.
 # Packages are byte-compiled first, as a pip install leaves them. Run on a CUDA machine from
 # the repository root with PYTHONPATH=src (EXTRA_SITE: more package folders to byte-compile);
 # results under ${OUT:-out}.
@@ -15,12 +16,13 @@ echo "compileall rc $? in $(( $(date +%s) - started )) s"
 rm -rf "$cache"  # the first start is cold
 profile="python scripts/startup_profile.py --model flux-dev-random --quantize fp8 --images 1 --no-profile
   --compile-cache $cache --from-disk ${MODEL_DIR:-/tmp/flux}"
-start() {  # name
+start() {  # name, extra flags
   echo "== $1"
-  timeout 200 $profile --out "$out/$1.txt" 2>&1 |
-    grep -E "first image|ready in|swap kernels|^\{|Error|error" | cut -c1-400
+  timeout 200 $profile --out "$out/$1.txt" ${2:-} 2>&1 |
+    grep -E "compil.* while loading|from_pretrained|first image|ready in|swap kernels|^\{|Error|error" | cut -c1-400
 }
 start cold
 for round in $(seq 1 "${ROUNDS:-3}"); do
   start "warm-$round"
+  start "warm-while-loading-$round" --compile-while-loading
 done

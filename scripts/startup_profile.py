@@ -59,6 +59,8 @@ def main() -> None:
                         help="real-size random adapters (bench serve's set); each image swaps to the next")
     parser.add_argument("--adapters-dir", type=Path, default=Path("/tmp/loraswap-profile-adapters"))
     parser.add_argument("--no-compile-vae", action="store_true", help="leave the VAE decoder eager")
+    parser.add_argument("--compile-while-loading", action="store_true",
+                        help="with --from-disk: build, then compile a stand-in while the weights are copied in")
     parser.add_argument("--inductor-tuning", action="store_true", help="torchao's Inductor settings")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -81,7 +83,8 @@ def main() -> None:
     config = EngineConfig(model=model, quantize=args.quantize, compile=True, compile_mode=args.compile_mode,
                           compile_cache=args.compile_cache, quantize_text_encoders=args.quantize_text_encoders,
                           pristine=args.pristine, max_gpu_memory_gb=args.max_gpu_memory_gb, adapters=adapters,
-                          cache=cache, compile_vae=False if args.no_compile_vae else None)
+                          cache=cache, compile_vae=False if args.no_compile_vae else None,
+                          compile_while_loading=args.compile_while_loading)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # not the bf16 pipeline `--from-disk` saved

@@ -68,6 +68,10 @@ Attention = Annotated[str | None, _opt("--attention", help="Attention backend of
 CompileVae = Annotated[bool | None, _opt("--compile-vae/--no-compile-vae", help="With --compile, also compile the "
                                          "VAE decoder: a faster decode, a longer start-up (default: with the "
                                          "CUDA-graph compile modes only).")]
+CompileWhileLoading = Annotated[bool, _opt("--compile-while-loading/--no-compile-while-loading", help="A local "
+                                            "diffusers folder with regional compile: build the modules, then "
+                                            "compile a stand-in for the denoiser (FLUX.1) while the weights are "
+                                            "copied in (experimental; default off).")]
 CompileCache = Annotated[Path | None, _opt("--compile-cache", help="Folder for torch.compile's caches (FX graphs, "
                                            "AOTAutograd, Triton kernels, autotuning), kept across restarts: a "
                                            "restarted process compiles from it.")]
@@ -86,6 +90,7 @@ def serve(
                                          env="LORASWAP_COMPILE")] = None,
     compile_mode: CompileMode = "default",
     compile_vae: CompileVae = None,
+    compile_while_loading: CompileWhileLoading = False,
     attention: Attention = None,
     quantize: Quantize = "none",
     quantize_text_encoders: Annotated[str, _opt("--quantize-text-encoders", help="Text encoders' weights in float8: "
@@ -153,7 +158,8 @@ def serve(
     try:
         config = config_cls(
             engines=[engine_cls(model=name, adapters=adapters, device=device, dtype=dtype, compile=compile,
-                                compile_mode=compile_mode, compile_vae=compile_vae, attention=attention,
+                                compile_mode=compile_mode, compile_vae=compile_vae,
+                                compile_while_loading=compile_while_loading, attention=attention,
                                 compile_cache=compile_cache,
                                 quantize=quantize, quantize_text_encoders=quantize_text_encoders,
                                 pristine=pristine, max_gpu_memory_gb=max_gpu_memory_gb,

@@ -51,6 +51,9 @@ class EngineConfig(BaseModel):
     prefetch_threads: int = Field(4, ge=1, le=64, description="Threads reading adapters ahead of the GPU worker.")
     source: object | None = Field(None, exclude=True, description="An adapter source object (tests, hub).")
     warmup: bool = Field(True, description="Generate once at start-up (compiles when compile is on).")
+    compile_while_loading: bool = Field(
+        False, description="A local diffusers folder with regional compile: build the modules, then compile a "
+                           "stand-in for the denoiser (FLUX.1) on a thread while the weights are copied in.")
 
     @field_validator("attention")
     @classmethod

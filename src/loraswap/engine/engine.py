@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -28,10 +29,12 @@ from ..adapters.metadata import refuse_other_base
 from ..adapters.source import AdapterSources, HubAdapterSource, LocalAdapterSource, check_adapter_id
 from ..errors import AdapterNotFound, BadRequest
 from ..models import generation_defaults, load_pipeline, model_name, resolve_device
+from ..models.staged import Unsupported, build_pipeline, fill_pipeline
 from .attention import AttentionBackend
 from .baseline import DiffusersLoadFuse
 from .compile_cache import format_lookups, lookup_counts, lookups_since, use_compile_cache, use_fresh_compile_cache
 from .config import EngineConfig, GenerateRequest
+from .prewarm import Prewarm, denoiser_config
 from .quantize import quantize_module, quantize_text_encoders
 from .swap import BoundAdapter, FusedSwapper
 
@@ -69,7 +72,18 @@ class Engine:
         quantizing = self.device.type == "cuda" and (config.quantize, config.quantize_text_encoders) != ("none", "none")
         via_host = quantizing and (config.max_gpu_memory_gb is not None
                                    or torch.cuda.get_device_properties(self.device).total_memory < ROOMY_GPU_BYTES)
-        self.pipeline = load_pipeline(config.model, device="cpu" if via_host else self.device, dtype=self.dtype)
+        self.compiled = config.compile if config.compile is not None else self.device.type == "cuda"
+        if config.swap_mode == "diffusers" and self.compiled:
+            logger.info("--swap-mode diffusers runs eager, as seed 1 did: not compiling")
+            self.compiled = False
+        # the compile cache is set before anything compiles (the denoiser, the swap kernel); the
+        # UNets' SDPA kernel choice is made outside the graph, so it goes into the cache key
+        if hasattr(torch.compiler.config, "cache_key_tag"):
+            torch.compiler.config.cache_key_tag = f"attention={config.attention or 'default'}"
+        self.compile_cache = use_compile_cache(config.compile_cache) if config.compile_cache else None
+        self._lookups_before = lookup_counts()
+        self.prewarm: Prewarm | None = None  # the stand-in compiled while loading, if any
+        self.pipeline = self._load(config, via_host)
         if quantizing:
             logger.info("loaded %s on %s in %.1f s; quantizing", config.model, "the host" if via_host else "the GPU",
                         time.perf_counter() - started)
@@ -101,19 +115,13 @@ class Engine:
             getattr(self.pipeline, "image_processor", None), VaeImageProcessor)
         self.defaults = generation_defaults(config.model)
         self.baseline = DiffusersLoadFuse(self.pipeline) if config.swap_mode == "diffusers" else None
-        self.compiled = config.compile if config.compile is not None else self.device.type == "cuda"
-        if self.baseline is not None and self.compiled:
-            logger.info("--swap-mode diffusers runs eager, as seed 1 did: not compiling")
-            self.compiled = False
         self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
-        # the compile cache is set before anything compiles (the denoiser, the swap kernel); the
-        # UNets' SDPA kernel choice is made outside the graph, so it goes into the cache key
-        if hasattr(torch.compiler.config, "cache_key_tag"):
-            torch.compiler.config.cache_key_tag = f"attention={config.attention or 'default'}"
-        self.compile_cache = use_compile_cache(config.compile_cache) if config.compile_cache else None
         self.compile_cache_lookups: dict[str, dict[str, int]] | None = None  # torch's, until the first image
-        self._started, self._lookups_before, self._retried_cold = started, lookup_counts(), False
+        self._started, self._retried_cold = started, False
         warming = time.perf_counter()
+        if self.prewarm is not None and (seconds := self.prewarm.join()) is not None:
+            self.startup["prewarm_s"] = seconds
+        self.prewarm = None
         if self.compiled:
             self._compile()
         if config.warmup:
@@ -328,6 +336,40 @@ class Engine:
     @property
     def denoiser(self) -> torch.nn.Module:
         return getattr(self.pipeline, "transformer", None) or self.pipeline.unet
+
+    def _load(self, config: EngineConfig, via_host: bool):
+        """The pipeline (`models.load_pipeline`). With `--compile-while-loading`, a local
+        diffusers folder and regional compile, in two stages instead (`models/staged.py`):
+        modules built, then a stand-in for the denoiser compiled on a thread
+        (`engine/prewarm.py`) while the weights are copied in; a folder the stages do not
+        load exactly as `from_pretrained` would goes through `from_pretrained`."""
+        device = torch.device("cpu") if via_host else self.device
+        if not (config.compile_while_loading and self.compiled and not via_host and Path(config.model).is_dir()
+                and config.compile_mode not in CUDA_GRAPH_MODES):
+            return load_pipeline(config.model, device=device, dtype=self.dtype)
+        try:
+            pipeline = build_pipeline(config.model, device, self.dtype)
+        except Unsupported as e:
+            logger.info("loading through from_pretrained (%s)", e)
+            return load_pipeline(config.model, device=device, dtype=self.dtype)
+        denoiser = denoiser_config(config.model)
+        if Prewarm.applies(denoiser):
+            try:
+                self.prewarm = Prewarm(denoiser, device=device, dtype=self.dtype, quantize=config.quantize,
+                                       compile_mode=config.compile_mode, attention=config.attention, size=None)
+            except Exception as e:  # no room for the stand-in, say: the warm-up compiles
+                logger.warning("no stand-in to compile while loading (%s: %s)", type(e).__name__, e)
+        try:
+            fill_pipeline(pipeline, config.model)
+            return pipeline
+        except Exception as e:
+            # from_pretrained changes process-wide state that the stand-in's compile restores: not beside it
+            if self.prewarm is not None:
+                self.prewarm.join()
+                self.prewarm = None
+            logger.info("loading through from_pretrained (%s: %s)", type(e).__name__, e)
+            del pipeline
+            return load_pipeline(config.model, device=device, dtype=self.dtype)
 
     def _compile(self) -> None:
         compile_denoiser(self.denoiser, self.config.compile_mode)

@@ -1,0 +1,161 @@
+"""Compiling while loading: the staged load (modules built, then weights copied in) gives
+the pipeline `from_pretrained` gives, bitwise; what it cannot load exactly it refuses before
+copying anything; and the stand-in compiled beside the copy compiles every graph the
+model's warm-up runs, while the model computes with its own weights."""
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+import torch._dynamo
+from safetensors.torch import load_file, save_file
+
+from helpers import image_array, rel_err
+from loraswap.engine.config import EngineConfig
+from loraswap.engine.engine import Engine
+from loraswap.engine.prewarm import Prewarm, denoiser_config
+from loraswap.models import load_pipeline
+from loraswap.models.staged import Unsupported, build_pipeline, fill_pipeline
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("staged")
+    for preset in ("tiny-sd", "tiny-sdxl", "tiny-flux"):
+        load_pipeline(preset, device="cpu").save_pretrained(root / preset)
+    return root
+
+
+def _staged(folder, dtype):
+    pipeline = build_pipeline(folder, torch.device("cpu"), dtype)
+    fill_pipeline(pipeline, folder)
+    return pipeline
+
+
+@pytest.mark.parametrize("preset", ["tiny-sd", "tiny-sdxl", "tiny-flux"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_staged_load_is_from_pretrained_bitwise(folders, preset, dtype):
+    reference = load_pipeline(str(folders / preset), device="cpu", dtype=dtype)
+    staged = _staged(folders / preset, dtype)
+    assert type(staged) is type(reference) and dict(staged.config) == dict(reference.config)
+    for name, module in reference.components.items():
+        ours = staged.components[name]
+        if not isinstance(module, torch.nn.Module):
+            assert type(ours) is type(module), name
+            continue
+        for kind in ("named_parameters", "named_buffers"):  # buffers: the non-persistent ones too
+            theirs, mine = dict(getattr(module, kind)()), dict(getattr(ours, kind)())
+            assert theirs.keys() == mine.keys(), (name, kind)
+            for key, value in theirs.items():
+                assert mine[key].dtype == value.dtype and torch.equal(mine[key], value), (name, key)
+        assert len(list(ours.parameters())) == len(list(module.parameters())), f"{name}: tied weights tied"
+        assert not ours.training and not any(p.requires_grad for p in ours.parameters())
+
+
+def _copy(folders, tmp_path, preset="tiny-flux"):
+    shutil.copytree(folders / preset, tmp_path / preset)
+    return tmp_path / preset
+
+
+def test_a_folder_it_cannot_load_exactly_is_refused_before_any_copy(folders, tmp_path):
+    folder = _copy(folders, tmp_path)
+    weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    pipeline = build_pipeline(folder, torch.device("cpu"), torch.float32)
+    before = {k: v.clone() for k, v in pipeline.transformer.state_dict().items()}
+    # a key that is no weight of the model (from_pretrained would drop or warn), then a missing one
+    save_file({**tensors, "stray.weight": torch.zeros(2)}, weights)
+    with pytest.raises(Unsupported, match="stray.weight"):
+        fill_pipeline(pipeline, folder)
+    save_file({k: v for k, v in tensors.items() if not k.startswith("decoder.conv_out")}, weights)
+    with pytest.raises(Unsupported, match="lacks 2 weights"):
+        fill_pipeline(pipeline, folder)
+    after = pipeline.transformer.state_dict()  # checked before copying: not even the first component filled
+    assert all(torch.equal(after[k].nan_to_num(), v.nan_to_num()) for k, v in before.items())
+    save_file(tensors, weights)
+    shutil.copy(weights, folder / "vae" / "diffusion_pytorch_model.fp16.safetensors")  # a variant
+    with pytest.raises(Unsupported, match="2 safetensors files"):
+        fill_pipeline(pipeline, folder)
+    (folder / "vae" / "diffusion_pytorch_model.fp16.safetensors").unlink()
+    fill_pipeline(pipeline, folder)  # the folder as saved loads
+    (folder / "transformer" / "config.json").write_text(
+        json.dumps({**json.loads((folder / "transformer" / "config.json").read_text()), "num_layers": 2}))
+    with pytest.raises(Unsupported, match="lacks"):
+        fill_pipeline(build_pipeline(folder, torch.device("cpu"), torch.float32), folder)
+
+
+@pytest.fixture(scope="module")
+def eager_image(folders):
+    return image_array(load_pipeline(str(folders / "tiny-flux"), device="cpu"))
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_the_stand_in_compiles_every_graph_the_warm_up_runs_and_the_model_keeps_its_weights(
+        folders, monkeypatch, eager_image):
+    torch._dynamo.reset()
+    seen = {"before": _graphs()}
+    join = Prewarm.join
+
+    def counting_join(self):
+        seconds = join(self)
+        seen["after_stand_in"] = _graphs()
+        return seconds
+
+    monkeypatch.setattr(Prewarm, "join", counting_join)
+    engine = Engine(EngineConfig(model=str(folders / "tiny-flux"), compile=True, compile_while_loading=True))
+    assert engine.startup["prewarm_s"] > 0
+    assert seen["after_stand_in"] > seen["before"], "the stand-in's blocks were compiled"
+    assert _graphs() == seen["after_stand_in"], "the warm-up image compiled nothing more"
+    assert rel_err(image_array(engine.pipeline), eager_image) <= 1e-4, "the model's own weights"
+
+
+def test_a_stand_in_that_fails_leaves_the_compile_to_the_warm_up(folders, monkeypatch, caplog, eager_image):
+    torch._dynamo.reset()
+    before = _graphs()
+
+    def broken(*args):
+        raise RuntimeError("no room for the stand-in")
+
+    monkeypatch.setattr(Prewarm, "_warm", staticmethod(broken))
+    with caplog.at_level(logging.WARNING, logger="loraswap.engine.prewarm"):
+        engine = Engine(EngineConfig(model=str(folders / "tiny-flux"), compile=True, compile_while_loading=True))
+    assert "prewarm_s" not in engine.startup
+    assert "compiling while loading failed (RuntimeError: no room for the stand-in)" in caplog.text
+    assert _graphs() > before, "the warm-up compiled the blocks itself"
+    assert rel_err(image_array(engine.pipeline), eager_image) <= 1e-4
+
+
+def test_a_refused_folder_loads_through_from_pretrained_after_the_stand_in(folders, tmp_path, monkeypatch,
+                                                                            eager_image):
+    folder = _copy(folders, tmp_path)
+    shutil.copy(folder / "vae" / "diffusion_pytorch_model.safetensors",
+                folder / "vae" / "diffusion_pytorch_model.fp16.safetensors")
+    order = []
+    join, load = Prewarm.join, load_pipeline
+    monkeypatch.setattr(Prewarm, "join", lambda self: order.append("stand-in done") or join(self))
+    monkeypatch.setattr("loraswap.engine.engine.load_pipeline",
+                        lambda *a, **k: order.append("from_pretrained") or load(*a, **k))
+    engine = Engine(EngineConfig(model=str(folder), compile=True, compile_while_loading=True))
+    assert order[:2] == ["stand-in done", "from_pretrained"], "from_pretrained never runs beside a compile"
+    assert rel_err(image_array(engine.pipeline), eager_image) <= 1e-4
+
+
+def test_nothing_is_compiled_while_loading_unless_asked_for_a_folder_with_regional_compile(folders, monkeypatch):
+    started = []
+    monkeypatch.setattr(Prewarm, "__init__", lambda self, *a, **k: started.append(a))
+    folder = str(folders / "tiny-flux")
+    assert Engine(EngineConfig(model=folder, compile=True, warmup=False)).startup.get("prewarm_s") is None
+    Engine(EngineConfig(model=folder, compile=False, compile_while_loading=True, warmup=False))
+    Engine(EngineConfig(model="tiny-flux", compile=True, compile_while_loading=True, warmup=False))
+    Engine(EngineConfig(model=folder, compile=True, compile_while_loading=True, swap_mode="diffusers",
+                        warmup=False))
+    assert not started
+    cls, config = denoiser_config(folder)
+    assert cls.__name__ == "FluxTransformer2DModel" and Prewarm.applies((cls, config))
+    cls, _ = denoiser_config(str(folders / "tiny-sdxl"))
+    assert cls.__name__ == "UNet2DConditionModel" and not Prewarm.applies((cls, {}))
