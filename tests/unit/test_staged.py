@@ -17,7 +17,7 @@ from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.prewarm import Prewarm, denoiser_config
 from loraswap.models import load_pipeline
-from loraswap.models.staged import Unsupported, build_pipeline, fill_pipeline
+from loraswap.models.staged import Unsupported, build_pipeline, fill_pipeline, plan_fill
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +25,19 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("staged")
     for preset in ("tiny-sd", "tiny-sdxl", "tiny-flux"):
         load_pipeline(preset, device="cpu").save_pretrained(root / preset)
+    # as FLUX.1-dev is published: the large modules in shards named by an index
+    load_pipeline("tiny-flux", device="cpu").save_pretrained(root / "tiny-flux-sharded", max_shard_size="20KB")
+    assert len(list((root / "tiny-flux-sharded" / "transformer").glob("*.safetensors"))) > 1
     return root
 
 
 def _staged(folder, dtype):
-    pipeline = build_pipeline(folder, torch.device("cpu"), dtype)
-    fill_pipeline(pipeline, folder)
+    pipeline = build_pipeline(str(folder), torch.device("cpu"), dtype)
+    fill_pipeline(plan_fill(pipeline, folder))
     return pipeline
 
 
-@pytest.mark.parametrize("preset", ["tiny-sd", "tiny-sdxl", "tiny-flux"])
+@pytest.mark.parametrize("preset", ["tiny-sd", "tiny-sdxl", "tiny-flux", "tiny-flux-sharded"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_staged_load_is_from_pretrained_bitwise(folders, preset, dtype):
     reference = load_pipeline(str(folders / preset), device="cpu", dtype=dtype)
@@ -45,6 +48,9 @@ def test_the_staged_load_is_from_pretrained_bitwise(folders, preset, dtype):
         if not isinstance(module, torch.nn.Module):
             assert type(ours) is type(module), name
             continue
+        config = (lambda m: dict(m.config)) if hasattr(module, "register_to_config") else (
+            lambda m: m.config.to_dict())
+        assert config(ours) == config(module), name
         for kind in ("named_parameters", "named_buffers"):  # buffers: the non-persistent ones too
             theirs, mine = dict(getattr(module, kind)()), dict(getattr(ours, kind)())
             assert theirs.keys() == mine.keys(), (name, kind)
@@ -61,29 +67,36 @@ def _copy(folders, tmp_path, preset="tiny-flux"):
 
 def test_a_folder_it_cannot_load_exactly_is_refused_before_any_copy(folders, tmp_path):
     folder = _copy(folders, tmp_path)
-    weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
     tensors = load_file(weights)
     pipeline = build_pipeline(folder, torch.device("cpu"), torch.float32)
-    before = {k: v.clone() for k, v in pipeline.transformer.state_dict().items()}
-    # a key that is no weight of the model (from_pretrained would drop or warn), then a missing one
+    assert plan_fill(pipeline, folder)  # as saved: planned
+    # a key that is no weight of the model (from_pretrained would drop it), then missing ones:
+    # refused by the plan, from the files' headers, so fill_pipeline never starts copying
     save_file({**tensors, "stray.weight": torch.zeros(2)}, weights)
     with pytest.raises(Unsupported, match="stray.weight"):
-        fill_pipeline(pipeline, folder)
-    save_file({k: v for k, v in tensors.items() if not k.startswith("decoder.conv_out")}, weights)
+        plan_fill(pipeline, folder)
+    save_file({k: v for k, v in tensors.items() if not k.startswith("proj_out")}, weights)
     with pytest.raises(Unsupported, match="lacks 2 weights"):
-        fill_pipeline(pipeline, folder)
-    after = pipeline.transformer.state_dict()  # checked before copying: not even the first component filled
-    assert all(torch.equal(after[k].nan_to_num(), v.nan_to_num()) for k, v in before.items())
+        plan_fill(pipeline, folder)
+    # a variant beside the plain file is not read (from_pretrained without a variant does not)...
     save_file(tensors, weights)
-    shutil.copy(weights, folder / "vae" / "diffusion_pytorch_model.fp16.safetensors")  # a variant
-    with pytest.raises(Unsupported, match="2 safetensors files"):
-        fill_pipeline(pipeline, folder)
-    (folder / "vae" / "diffusion_pytorch_model.fp16.safetensors").unlink()
-    fill_pipeline(pipeline, folder)  # the folder as saved loads
+    shutil.copy(weights, weights.with_name("diffusion_pytorch_model.fp16.safetensors"))
+    assert plan_fill(pipeline, folder)
+    # ...and a variant alone is refused
+    weights.unlink()
+    with pytest.raises(Unsupported, match="neither"):
+        plan_fill(pipeline, folder)
+    save_file(tensors, weights)
     (folder / "transformer" / "config.json").write_text(
         json.dumps({**json.loads((folder / "transformer" / "config.json").read_text()), "num_layers": 2}))
     with pytest.raises(Unsupported, match="lacks"):
-        fill_pipeline(build_pipeline(folder, torch.device("cpu"), torch.float32), folder)
+        plan_fill(build_pipeline(folder, torch.device("cpu"), torch.float32), folder)
+    # a class from a pipeline module (SD 1.5's safety checker) is not built here
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "vae": ["flux", "AutoencoderKL"]}))
+    with pytest.raises(Unsupported, match="flux.AutoencoderKL"):
+        build_pipeline(folder, torch.device("cpu"), torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +125,7 @@ def test_the_stand_in_compiles_every_graph_the_warm_up_runs_and_the_model_keeps_
     assert seen["after_stand_in"] > seen["before"], "the stand-in's blocks were compiled"
     assert _graphs() == seen["after_stand_in"], "the warm-up image compiled nothing more"
     assert rel_err(image_array(engine.pipeline), eager_image) <= 1e-4, "the model's own weights"
+    assert torch.get_default_dtype() is torch.float32, "the process's default dtype is as it was"
 
 
 def test_a_stand_in_that_fails_leaves_the_compile_to_the_warm_up(folders, monkeypatch, caplog, eager_image):
@@ -133,15 +147,15 @@ def test_a_stand_in_that_fails_leaves_the_compile_to_the_warm_up(folders, monkey
 def test_a_refused_folder_loads_through_from_pretrained_after_the_stand_in(folders, tmp_path, monkeypatch,
                                                                             eager_image):
     folder = _copy(folders, tmp_path)
-    shutil.copy(folder / "vae" / "diffusion_pytorch_model.safetensors",
-                folder / "vae" / "diffusion_pytorch_model.fp16.safetensors")
+    weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    save_file({**load_file(weights), "stray.weight": torch.zeros(2)}, weights)
     order = []
     join, load = Prewarm.join, load_pipeline
     monkeypatch.setattr(Prewarm, "join", lambda self: order.append("stand-in done") or join(self))
     monkeypatch.setattr("loraswap.engine.engine.load_pipeline",
                         lambda *a, **k: order.append("from_pretrained") or load(*a, **k))
     engine = Engine(EngineConfig(model=str(folder), compile=True, compile_while_loading=True))
-    assert order[:2] == ["stand-in done", "from_pretrained"], "from_pretrained never runs beside a compile"
+    assert order == ["from_pretrained"], "refused by the plan: no stand-in started, from_pretrained alone"
     assert rel_err(image_array(engine.pipeline), eager_image) <= 1e-4
 
 
@@ -159,3 +173,24 @@ def test_nothing_is_compiled_while_loading_unless_asked_for_a_folder_with_region
     assert cls.__name__ == "FluxTransformer2DModel" and Prewarm.applies((cls, config))
     cls, _ = denoiser_config(str(folders / "tiny-sdxl"))
     assert cls.__name__ == "UNet2DConditionModel" and not Prewarm.applies((cls, {}))
+
+
+def test_a_copy_that_fails_waits_for_the_stand_in_then_loads_through_from_pretrained(folders, monkeypatch,
+                                                                                    caplog, eager_image):
+    order = []
+    join, load = Prewarm.join, load_pipeline
+
+    def failing_copy(plan):
+        order.append("copy failed")
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(Prewarm, "join", lambda self: order.append("stand-in done") or join(self))
+    monkeypatch.setattr("loraswap.engine.engine.fill_pipeline", failing_copy)
+    monkeypatch.setattr("loraswap.engine.engine.load_pipeline",
+                        lambda *a, **k: order.append("from_pretrained") or load(*a, **k))
+    with caplog.at_level(logging.WARNING, logger="loraswap.engine.engine"):
+        engine = Engine(EngineConfig(model=str(folders / "tiny-flux"), compile=True, compile_while_loading=True))
+    assert order == ["copy failed", "stand-in done", "from_pretrained"], "from_pretrained never beside a compile"
+    assert "copying" in caplog.text and "OSError: disk gone" in caplog.text
+    assert "prewarm_s" not in engine.startup
+    assert rel_err(image_array(engine.pipeline), eager_image) <= 1e-4

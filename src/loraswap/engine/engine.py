@@ -7,6 +7,7 @@ the CLI); adapter reading and the host-to-GPU copies of prefetch run on a thread
 """
 
 import contextlib
+import gc
 import inspect
 import logging
 import os
@@ -29,7 +30,7 @@ from ..adapters.metadata import refuse_other_base
 from ..adapters.source import AdapterSources, HubAdapterSource, LocalAdapterSource, check_adapter_id
 from ..errors import AdapterNotFound, BadRequest
 from ..models import generation_defaults, load_pipeline, model_name, resolve_device
-from ..models.staged import Unsupported, build_pipeline, fill_pipeline
+from ..models.staged import build_pipeline, fill_pipeline, plan_fill
 from .attention import AttentionBackend
 from .baseline import DiffusersLoadFuse
 from .compile_cache import format_lookups, lookup_counts, lookups_since, use_compile_cache, use_fresh_compile_cache
@@ -82,7 +83,7 @@ class Engine:
             torch.compiler.config.cache_key_tag = f"attention={config.attention or 'default'}"
         self.compile_cache = use_compile_cache(config.compile_cache) if config.compile_cache else None
         self._lookups_before = lookup_counts()
-        self.prewarm: Prewarm | None = None  # the stand-in compiled while loading, if any
+        self._prewarm_s: float | None = None  # the stand-in's compile beside the weights' copy, if it ran
         self.pipeline = self._load(config, via_host)
         if quantizing:
             logger.info("loaded %s on %s in %.1f s; quantizing", config.model, "the host" if via_host else "the GPU",
@@ -92,8 +93,11 @@ class Engine:
         if via_host:
             self.pipeline.to(self.device)
         # seconds from the start: load (the pipeline on the device), warmup (compile + warm-up image),
-        # first_image (start to the first image made, the warm-up's or, without warm-up, a request's)
+        # first_image (start to the first image made, the warm-up's or, without warm-up, a request's);
+        # prewarm_s: how long the stand-in's thread ran, within the load (--compile-while-loading)
         self.startup: dict[str, float] = {"load_s": time.perf_counter() - started}
+        if self._prewarm_s is not None:
+            self.startup["prewarm_s"] = self._prewarm_s
         self.model_name = model_name(self.pipeline, config.model)
         self.components = {name: getattr(self.pipeline, name) for name in self.pipeline._lora_loadable_modules
                            if getattr(self.pipeline, name, None) is not None}
@@ -119,9 +123,6 @@ class Engine:
         self.compile_cache_lookups: dict[str, dict[str, int]] | None = None  # torch's, until the first image
         self._started, self._retried_cold = started, False
         warming = time.perf_counter()
-        if self.prewarm is not None and (seconds := self.prewarm.join()) is not None:
-            self.startup["prewarm_s"] = seconds
-        self.prewarm = None
         if self.compiled:
             self._compile()
         if config.warmup:
@@ -339,37 +340,54 @@ class Engine:
 
     def _load(self, config: EngineConfig, via_host: bool):
         """The pipeline (`models.load_pipeline`). With `--compile-while-loading`, a local
-        diffusers folder and regional compile, in two stages instead (`models/staged.py`):
-        modules built, then a stand-in for the denoiser compiled on a thread
-        (`engine/prewarm.py`) while the weights are copied in; a folder the stages do not
-        load exactly as `from_pretrained` would goes through `from_pretrained`."""
+        diffusers folder whose denoiser has a stand-in (FLUX.1) and regional compile, in two
+        stages instead (`models/staged.py`): every module built and every file checked, then
+        the stand-in compiled on a thread (`engine/prewarm.py`) beside the weights' copy only,
+        and joined before anything else runs. A folder the stages refuse, or a copy that fails,
+        goes through `from_pretrained`, never beside the thread."""
         device = torch.device("cpu") if via_host else self.device
-        if not (config.compile_while_loading and self.compiled and not via_host and Path(config.model).is_dir()
-                and config.compile_mode not in CUDA_GRAPH_MODES):
-            return load_pipeline(config.model, device=device, dtype=self.dtype)
+        wanted = (config.compile_while_loading and self.compiled and not via_host and Path(config.model).is_dir()
+                  and config.compile_mode not in CUDA_GRAPH_MODES)
+        staged = self._load_staged(config, device) if wanted else None
+        return staged if staged is not None else load_pipeline(config.model, device=device, dtype=self.dtype)
+
+    def _load_staged(self, config: EngineConfig, device: torch.device):
+        """The staged load with its stand-in (`_load`); None, every staged module freed, when
+        the folder must go through `from_pretrained`."""
+        pipeline = plan = None
         try:
+            denoiser = denoiser_config(config.model)
+            if not Prewarm.applies(denoiser):
+                return None
             pipeline = build_pipeline(config.model, device, self.dtype)
-        except Unsupported as e:
-            logger.info("loading through from_pretrained (%s)", e)
-            return load_pipeline(config.model, device=device, dtype=self.dtype)
-        denoiser = denoiser_config(config.model)
-        if Prewarm.applies(denoiser):
-            try:
-                self.prewarm = Prewarm(denoiser, device=device, dtype=self.dtype, quantize=config.quantize,
-                                       compile_mode=config.compile_mode, attention=config.attention, size=None)
-            except Exception as e:  # no room for the stand-in, say: the warm-up compiles
-                logger.warning("no stand-in to compile while loading (%s: %s)", type(e).__name__, e)
-        try:
-            fill_pipeline(pipeline, config.model)
-            return pipeline
-        except Exception as e:
-            # from_pretrained changes process-wide state that the stand-in's compile restores: not beside it
-            if self.prewarm is not None:
-                self.prewarm.join()
-                self.prewarm = None
-            logger.info("loading through from_pretrained (%s: %s)", type(e).__name__, e)
+            plan = plan_fill(pipeline, config.model)
+        except Exception as e:  # Unsupported, or anything the folder holds that the stages do not expect
+            logger.info("loading %s through from_pretrained (%s: %s)", config.model, type(e).__name__, e)
+        if plan is None:  # out of the except clause: the exception's frames no longer hold the modules
             del pipeline
-            return load_pipeline(config.model, device=device, dtype=self.dtype)
+            _release_memory(device)
+            return None
+        try:
+            prewarm = Prewarm(denoiser, device=device, dtype=self.dtype, quantize=config.quantize,
+                              compile_mode=config.compile_mode, attention=config.attention, size=None)
+        except Exception as e:  # no room for the stand-in, say: the warm-up compiles
+            logger.warning("no stand-in to compile while loading (%s: %s)", type(e).__name__, e)
+            prewarm = None
+        failed = None
+        try:
+            fill_pipeline(plan)
+        except Exception as e:
+            failed = f"{type(e).__name__}: {e}"  # not the exception: its frames would keep the modules
+        finally:
+            seconds = prewarm.join() if prewarm is not None else None
+        if failed is None:
+            if seconds is not None:
+                self._prewarm_s = seconds
+            return pipeline
+        logger.warning("copying %s's weights failed (%s); loading through from_pretrained", config.model, failed)
+        del pipeline, plan
+        _release_memory(device)
+        return None
 
     def _compile(self) -> None:
         compile_denoiser(self.denoiser, self.config.compile_mode)
@@ -396,6 +414,13 @@ class Engine:
     def recompiles(self) -> int:
         """Graphs compiled after warm-up: a swap must never add one."""
         return self._graph_count() - self._graphs_after_warmup
+
+
+def _release_memory(device: torch.device) -> None:
+    """Give back what dropped modules held before a second load takes their place."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def to_pil(images: torch.Tensor) -> list[Image.Image]:

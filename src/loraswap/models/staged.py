@@ -4,15 +4,17 @@
 replaced by a no-op, parameters made on the meta device. Code running beside it that reads or
 restores that state sees it half-changed; dynamo, for one, writes back the default dtype and the
 random state after every frame it traces. `build_pipeline` makes all of those changes (through
-diffusers' and transformers' own helpers) and undoes them; `fill_pipeline` then only copies
-tensors from the safetensors files into the modules' parameters and buffers, so the engine can
-compile beside it (`engine/prewarm.py`).
+diffusers' and transformers' own helpers) and undoes them; `plan_fill` checks every file from
+its header; `fill_pipeline` then only copies tensors from the safetensors files into the
+modules' parameters and buffers, so the engine can compile beside it (`engine/prewarm.py`).
 
 Only folders that come out as `from_pretrained` makes them are loaded so (tested bitwise on
-the presets saved as folders): safetensors weights (one file per component, or an index of
-shards), every checkpoint key a parameter or persistent buffer of the same shape, every
-parameter and persistent buffer filled, no module kept in float32. Anything else raises
-`Unsupported`, before any weight is copied, and the caller loads through `from_pretrained`.
+the presets saved as folders, one file and sharded): diffusers and transformers classes; the
+plain safetensors file of each module or the shards its index names; every checkpoint key a
+parameter or persistent buffer of the same shape and every one of those filled; every
+floating parameter in the wanted dtype, none kept in float32, no floating buffer computed at
+build time. Anything else raises `Unsupported` from `build_pipeline` or `plan_fill`, before
+any weight is copied, and the caller loads through `from_pretrained`.
 """
 
 import importlib
@@ -32,12 +34,16 @@ class Unsupported(Exception):
     """This folder is not one `fill_pipeline` loads exactly as `from_pretrained` would."""
 
 
+LIBRARIES = ("diffusers", "transformers")  # where the index may name a component's class
+WEIGHTS = {"diffusers": "diffusion_pytorch_model.safetensors", "transformers": "model.safetensors"}
+
+
 def build_pipeline(folder: str | Path, device: torch.device, dtype: torch.dtype) -> DiffusionPipeline:
     """The folder's pipeline with its modules built on `device` in `dtype`, their weights not
-    yet read (`fill_pipeline` reads them); tokenizers and schedulers loaded as usual."""
-    folder = Path(folder)
+    yet read (`plan_fill`, then `fill_pipeline`); tokenizers and schedulers loaded as usual."""
+    name_or_path, folder = str(folder), Path(folder)
     index = DiffusionPipeline.load_config(folder)
-    pipeline_cls = _import(index.get("_library", "diffusers"), index["_class_name"])
+    pipeline_cls = _import("diffusers", index.get("_class_name", ""))
     components = {}
     for name, entry in index.items():
         if name.startswith("_") or not isinstance(entry, (list, tuple)) or len(entry) != 2:
@@ -48,7 +54,7 @@ def build_pipeline(folder: str | Path, device: torch.device, dtype: torch.dtype)
             continue
         cls = _import(library, class_name)
         if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
-            components[name] = _empty_module(cls, folder / name, device, dtype)
+            components[name] = _empty_module(cls, library, folder / name, device, dtype)
         else:
             components[name] = cls.from_pretrained(folder / name)
     # the pipeline's other arguments saved in the index (requires_safety_checker, say)
@@ -56,18 +62,30 @@ def build_pipeline(folder: str | Path, device: torch.device, dtype: torch.dtype)
     options = {name: value for name, value in index.items()
                if not name.startswith("_") and name not in components and name in accepted}
     pipeline = pipeline_cls(**components, **options)
-    pipeline.register_to_config(_name_or_path=str(folder))
+    pipeline.register_to_config(_name_or_path=name_or_path)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
 
 
-def fill_pipeline(pipeline: DiffusionPipeline, folder: str | Path) -> None:
-    """Copy every module's weights from its safetensors files (all checked first)."""
+Plan = list[tuple[dict[str, torch.Tensor], dict[Path, list[str]]]]  # per module: targets, file -> keys
+
+
+def plan_fill(pipeline: DiffusionPipeline, folder: str | Path) -> Plan:
+    """What `fill_pipeline` will copy, once every file of every module has been checked
+    (from the safetensors headers alone); `Unsupported` otherwise."""
     folder = Path(folder)
-    plans = [(_targets(module), _checked_files(module, folder / name, _targets(module)))
-             for name, module in pipeline.components.items() if isinstance(module, torch.nn.Module)]
+    plan = []
+    for name, module in pipeline.components.items():
+        if isinstance(module, torch.nn.Module):
+            targets = _targets(module)
+            plan.append((targets, _checked_files(module, folder / name, targets)))
+    return plan
+
+
+def fill_pipeline(plan: Plan) -> None:
+    """Copy the planned tensors from the safetensors files into the modules: tensor copies only."""
     with torch.no_grad():
-        for targets, files in plans:
+        for targets, files in plan:
             for file, keys in files.items():
                 with safe_open(file, "pt", device="cpu") as f:
                     for key in keys:
@@ -75,19 +93,20 @@ def fill_pipeline(pipeline: DiffusionPipeline, folder: str | Path) -> None:
 
 
 def _import(library: str, class_name: str):
+    if library not in LIBRARIES:  # a pipeline module's own class (SD 1.5's safety checker, say)
+        raise Unsupported(f"{library}.{class_name} is not a diffusers or transformers class")
     module = importlib.import_module(library)
-    if not hasattr(module, class_name):
-        raise Unsupported(f"{library} has no {class_name}")
+    if not class_name or not hasattr(module, class_name):
+        raise Unsupported(f"{library} has no {class_name!r}")
     return getattr(module, class_name)
 
 
-def _empty_module(cls: type, folder: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """`cls` built from its config on `device` in `dtype`, its parameters left uninitialized."""
-    if issubclass(cls, ModelMixin):
+def _empty_module(cls: type, library: str, folder: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """`cls` built from its config on `device` in `dtype`, its parameters left uninitialized;
+    `Unsupported` when `from_pretrained` would keep some of it in another dtype."""
+    if library == "diffusers" and issubclass(cls, ModelMixin):
         from diffusers.models.modeling_utils import no_init_weights
 
-        if cls._keep_in_fp32_modules and dtype != torch.float32:
-            raise Unsupported(f"{cls.__name__} keeps modules in float32")
         config = cls.load_config(folder)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -96,22 +115,32 @@ def _empty_module(cls: type, folder: Path, device: torch.device, dtype: torch.dt
                 module = cls.from_config(config)
         finally:
             torch.set_default_dtype(previous)
-    elif issubclass(cls, PreTrainedModel):
+        module.register_to_config(_name_or_path=str(folder))
+        kept = module._keep_in_fp32_modules if dtype != torch.float32 else None
+    elif library == "transformers" and issubclass(cls, PreTrainedModel):
         from transformers import initialization
 
-        kept = (cls._keep_in_fp32_modules if dtype == torch.float16 else None,
-                cls._keep_in_fp32_modules_strict if dtype in (torch.float16, torch.bfloat16) else None)
-        if any(kept):
-            raise Unsupported(f"{cls.__name__} keeps modules in float32")
         config = cls.config_class.from_pretrained(folder)
         with torch.device(device), initialization.no_init_weights():
-            module = cls._from_config(config, torch_dtype=dtype)
+            module = cls._from_config(config, dtype=dtype)
         module.tie_weights()  # as from_pretrained does: tied weights are one parameter, stored once
+        module.config._name_or_path = str(folder)
+        # the instance's sets, which gather its submodels' (post_init)
+        kept = (getattr(module, "_keep_in_fp32_modules", None) if dtype == torch.float16 else None) or (
+            getattr(module, "_keep_in_fp32_modules_strict", None) if dtype in (torch.float16, torch.bfloat16)
+            else None)
     else:
         raise Unsupported(f"{cls.__name__} is neither a diffusers nor a transformers model")
+    if kept:
+        raise Unsupported(f"{cls.__name__} keeps {sorted(kept)} in float32")
+    other = [n for n, p in module.named_parameters() if p.is_floating_point() and p.dtype != dtype]
+    if other:
+        raise Unsupported(f"{cls.__name__} builds {other[0]} in another dtype")
+    computed = [f"{prefix}.{n}" for prefix, sub in module.named_modules() for n, b in sub._buffers.items()
+                if b is not None and b.is_floating_point() and n in sub._non_persistent_buffers_set]
+    if computed:  # computed where it is built: from_pretrained may compute it elsewhere
+        raise Unsupported(f"{cls.__name__} computes the float buffer {computed[0]} at build time")
     return module.eval().requires_grad_(False)
-
-
 def _targets(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and persistent buffer by state-dict name (tied ones under each name)."""
     targets = dict(module.named_parameters(remove_duplicate=False))
@@ -123,17 +152,17 @@ def _targets(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _checked_files(module: torch.nn.Module, folder: Path, targets: dict[str, torch.Tensor]) -> dict[Path, list[str]]:
-    """file -> its keys, once every key is known to fit a target and every target is covered."""
-    indexes = sorted(folder.glob(f"*{INDEX_SUFFIX}"))
-    if len(indexes) > 1:
-        raise Unsupported(f"{folder} has {len(indexes)} shard indexes")
-    if indexes:
-        names = sorted(set(json.loads(indexes[0].read_text())["weight_map"].values()))
-        files = [folder / name for name in names]
+    """file -> its keys, once every key is known to fit a target and every target is covered.
+    The files are those `from_pretrained` reads without a variant: the plain weights file,
+    or the shards its index names."""
+    single = folder / WEIGHTS["diffusers" if isinstance(module, ModelMixin) else "transformers"]
+    index = single.with_name(single.name.removesuffix(".safetensors") + INDEX_SUFFIX)
+    if single.is_file() == index.is_file():
+        raise Unsupported(f"{folder} has {'both' if single.is_file() else 'neither'} {single.name} and {index.name}")
+    if index.is_file():
+        files = [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     else:
-        files = sorted(folder.glob("*.safetensors"))
-        if len(files) != 1:
-            raise Unsupported(f"{folder} has {len(files)} safetensors files (variants?), not one")
+        files = [single]
     plan, covered = {}, set()
     for file in files:
         with safe_open(file, "pt", device="cpu") as f:
