@@ -369,7 +369,7 @@ class Engine:
             return None
         try:
             prewarm = Prewarm(denoiser, device=device, dtype=self.dtype, quantize=config.quantize,
-                              compile_mode=config.compile_mode, attention=config.attention, size=None)
+                              compile_mode=config.compile_mode, attention=config.attention)
         except Exception as e:  # no room for the stand-in, say: the warm-up compiles
             logger.warning("no stand-in to compile while loading (%s: %s)", type(e).__name__, e)
             prewarm = None

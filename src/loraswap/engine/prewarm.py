@@ -81,7 +81,7 @@ class Prewarm:
     `join()` waits for it and says what it did (never raises: the warm-up covers a miss)."""
 
     def __init__(self, denoiser: tuple[type[nn.Module], dict], *, device: torch.device, dtype: torch.dtype,
-                 quantize: str, compile_mode: str, attention: str | None, size: tuple[int, int] | None):
+                 quantize: str, compile_mode: str, attention: str | None):
         cls, config = denoiser
         if device.type == "cuda" and device.index is None:  # a new thread starts on device 0: name ours
             device = torch.device("cuda", torch.cuda.current_device())
@@ -96,8 +96,8 @@ class Prewarm:
         finally:
             torch.set_default_dtype(previous)
         quantize_module(model, quantize, device)
-        width, height = size or (self.stand_in.default_size,) * 2
-        inputs = self.stand_in.inputs(dict(model.config), width, height, device, dtype)
+        size = self.stand_in.default_size  # the warm-up image's: the pipeline's default
+        inputs = self.stand_in.inputs(dict(model.config), size, size, device, dtype)
         plain = nn.Linear(16, 16, device=device, dtype=dtype)  # full-precision weights' swap kernels
         self._args = (model, plain, inputs, device, compile_mode, attention)
         self.seconds: float | None = None  # how long the thread took, once it has finished without error
