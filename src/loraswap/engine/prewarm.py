@@ -85,19 +85,19 @@ class Prewarm:
         cls, config = denoiser
         if device.type == "cuda" and device.index is None:  # a new thread starts on device 0: name ours
             device = torch.device("cuda", torch.cuda.current_device())
-        self.stand_in = STAND_INS[cls.__name__]
+        stand_in = STAND_INS[cls.__name__]
         # built and quantized here, before the thread starts (building sets the default dtype),
         # without gradients as loaded pipelines are: the blocks' guards check requires_grad
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                model = cls.from_config({**config, **self.stand_in.layers}).eval().requires_grad_(False)
+                model = cls.from_config({**config, **stand_in.layers}).eval().requires_grad_(False)
         finally:
             torch.set_default_dtype(previous)
         quantize_module(model, quantize, device)
-        size = self.stand_in.default_size  # the warm-up image's: the pipeline's default
-        inputs = self.stand_in.inputs(dict(model.config), size, size, device, dtype)
+        size = stand_in.default_size  # the warm-up image's: the pipeline's default
+        inputs = stand_in.inputs(dict(model.config), size, size, device, dtype)
         plain = nn.Linear(16, 16, device=device, dtype=dtype)  # full-precision weights' swap kernels
         self._args = (model, plain, inputs, device, compile_mode, attention)
         self.seconds: float | None = None  # how long the thread took, once it has finished without error

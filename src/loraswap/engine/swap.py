@@ -138,8 +138,8 @@ class FusedSwapper:
     def bind(self, parsed: ParsedAdapter, base_models: Sequence[str] = (),
              dtype: torch.dtype | None = None) -> BoundAdapter:
         """Check every layer of `parsed` against this model, raising on the first misfit,
-        and pack its factors into one pageable host buffer of `dtype` (the engine pins it
-        later, off the request's path)."""
+        and pack its factors into one pageable host buffer of `dtype` (the adapter cache
+        pins it later, off the request's path)."""
         layers = {}
         aid = parsed.adapter_id
         for component, modules in parsed.layers.items():

@@ -77,7 +77,8 @@ def plan_fill(pipeline: DiffusionPipeline, folder: str | Path) -> Plan:
     plan = []
     for name, module in pipeline.components.items():
         if isinstance(module, torch.nn.Module):
-            targets = _targets(module)
+            # every parameter and persistent buffer by state-dict name, tied ones under each name
+            targets = module.state_dict(keep_vars=True)
             plan.append((targets, _checked_files(module, folder / name, targets)))
     return plan
 
@@ -141,16 +142,6 @@ def _empty_module(cls: type, library: str, folder: Path, device: torch.device, d
     if computed:  # computed where it is built: from_pretrained may compute it elsewhere
         raise Unsupported(f"{cls.__name__} computes the float buffer {computed[0]} at build time")
     return module.eval().requires_grad_(False)
-def _targets(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer by state-dict name (tied ones under each name)."""
-    targets = dict(module.named_parameters(remove_duplicate=False))
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for name, buffer in sub._buffers.items():
-            if buffer is not None and name not in sub._non_persistent_buffers_set:
-                targets[f"{prefix}.{name}" if prefix else name] = buffer
-    return targets
-
-
 def _checked_files(module: torch.nn.Module, folder: Path, targets: dict[str, torch.Tensor]) -> dict[Path, list[str]]:
     """file -> its keys, once every key is known to fit a target and every target is covered.
     The files are those `from_pretrained` reads without a variant: the plain weights file,
