@@ -4,7 +4,8 @@
 # alternately plain and with --compile-while-loading.
 # Packages are byte-compiled first, as a pip install leaves them. Run on a CUDA machine from
 # the repository root with PYTHONPATH=src (EXTRA_SITE: more package folders to byte-compile);
-# results under ${OUT:-out}.
+# results under ${OUT:-out}. FLAGS: more startup_profile.py flags for every start
+# (--drop-page-cache: each restart reads the weights from the disk, not the page cache).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 cache=${CACHE:-/tmp/loraswap-cc}
@@ -15,11 +16,11 @@ timeout 150 python -m compileall -q -j 16 "$site/torch" "$site/triton" "$site/tr
 echo "compileall rc $? in $(( $(date +%s) - started )) s"
 rm -rf "$cache"  # the first start is cold
 profile="python scripts/startup_profile.py --model flux-dev-random --quantize fp8 --images 1 --no-profile
-  --compile-cache $cache --from-disk ${MODEL_DIR:-/tmp/flux}"
+  --compile-cache $cache --from-disk ${MODEL_DIR:-/tmp/flux} ${FLAGS:-}"
 start() {  # name, extra flags
   echo "== $1"
   timeout 200 $profile --out "$out/$1.txt" ${2:-} 2>&1 |
-    grep -E "compil.* while loading|from_pretrained|first image|ready in|swap kernels|^\{|Error|error" | cut -c1-400
+    grep -E "compil.* while loading|copied|evicted|from_pretrained|first image|ready in|swap kernels|^\{|Error|error" | cut -c1-400
 }
 start cold
 for round in $(seq 1 "${ROUNDS:-3}"); do

@@ -60,6 +60,20 @@ def test_the_staged_load_is_from_pretrained_bitwise(folders, preset, dtype):
         assert not ours.training and not any(p.requires_grad for p in ours.parameters())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: each piece converted from the file's fp32
+def test_weights_copied_in_pieces_equal_weights_copied_whole(folders, monkeypatch, dtype):
+    reference = _staged(folders / "tiny-flux", dtype)
+    monkeypatch.setattr("loraswap.models.staged.COPY_BYTES", 100)  # pieces of 25 or 50 elements, the last one short
+    pieces = _staged(folders / "tiny-flux", dtype)
+    largest = max(p.nbytes for p in pieces.transformer.parameters())
+    assert largest > 100 and largest % 100, "some weight is copied in several pieces, the last one short"
+    for name, module in reference.components.items():
+        if isinstance(module, torch.nn.Module):
+            mine = pieces.components[name].state_dict()
+            for key, value in module.state_dict().items():
+                assert torch.equal(mine[key], value), (name, key)
+
+
 def _copy(folders, tmp_path, preset="tiny-flux"):
     shutil.copytree(folders / preset, tmp_path / preset)
     return tmp_path / preset

@@ -373,9 +373,10 @@ class Engine:
         except Exception as e:  # no room for the stand-in, say: the warm-up compiles
             logger.warning("no stand-in to compile while loading (%s: %s)", type(e).__name__, e)
             prewarm = None
-        failed = None
+        failed, copying = None, time.perf_counter()
         try:
             fill_pipeline(plan)
+            logger.info("copied %s's weights in %.1f s", config.model, time.perf_counter() - copying)
         except Exception as e:
             failed = f"{type(e).__name__}: {e}"  # not the exception: its frames would keep the modules
         finally:
