@@ -292,8 +292,7 @@ class Engine:
         swap_seconds = self.set_adapters(first.loras, acquired)
         # 2. build the pipeline call; seeds drive CPU generators, as the HF image does
         seeds = [r.seed if r.seed is not None else random.randrange(2**31) for r in requests]
-        kwargs = dict(prompt=[r.prompt for r in requests],
-                      generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds])
+        kwargs = dict(prompt=[r.prompt for r in requests])
         if self._images_on_device:
             kwargs["output_type"] = "pt"  # made 8-bit on the device (`to_pil`), not as floats on the host
         defaults = self.defaults
@@ -302,10 +301,13 @@ class Engine:
         if any(r.negative_prompt for r in requests):
             optional["negative_prompt"] = [r.negative_prompt or "" for r in requests]
         kwargs.update({k: v for k, v in optional.items() if v is not None and k in self._call_parameters})
-        # 3. generate
+        # 3. generate (generators made per attempt: a call retried cold starts from the seeds again)
+        def generators() -> list[torch.Generator]:
+            return [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
+
         started = time.perf_counter()
         with torch.inference_mode(), self.attention.context() if self.attention else contextlib.nullcontext():
-            images = self._maybe_retry_cold(lambda: self.pipeline(**kwargs).images)
+            images = self._maybe_retry_cold(lambda: self.pipeline(**kwargs, generator=generators()).images)
         if self._images_on_device:
             images = to_pil(images)
         seconds = time.perf_counter() - started
