@@ -38,6 +38,19 @@ def load_server(adapter_factory, tmp_path_factory):
     process.stop()
 
 
+def _one_client_rate(url: str, requests: int = 3 * (ADAPTERS + 1)) -> float:
+    """Images per second for one client sending the test's requests one after another."""
+    with httpx.Client(base_url=url, timeout=120) as http:
+        started = time.perf_counter()
+        for i in range(requests):
+            adapter = i % (ADAPTERS + 1) - 1  # the base, then each adapter: a swap per request
+            response = http.post("/", json={"inputs": "a fox", "parameters": {
+                "seed": 0, "num_inference_steps": 1, "width": 16, "height": 16}},
+                headers={"accept": "image/png", **({"lora": f"l{adapter}"} if adapter >= 0 else {})})
+            assert response.status_code == 200, response.text
+        return requests / (time.perf_counter() - started)
+
+
 @pytest.mark.load
 def test_16_clients_x_100_requests(load_server):
     url = load_server.url
@@ -79,7 +92,9 @@ def test_16_clients_x_100_requests(load_server):
                         depths.append(float(line.split()[1]))
                 time.sleep(0.1)
 
+    alone = _one_client_rate(url)
     swaps_before = load_server.metric("loraswap_adapter_swap_seconds_count")
+    served_before = load_server.metric("loraswap_requests_total", '{route="/",status="200"}')
     watcher = threading.Thread(target=watch_queue)
     watcher.start()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
@@ -96,11 +111,14 @@ def test_16_clients_x_100_requests(load_server):
     p50, p99 = (float(np.percentile(latencies, q)) * 1e3 for q in (50, 99))
     swaps = load_server.metric("loraswap_adapter_swap_seconds_count") - swaps_before
     print(f"\nload: {CLIENTS} clients x {REQUESTS} requests in {wall:.1f} s: {ok} x 200, {statuses[503]} x 503 "
-          f"(queue full), {ok / wall:.1f} images/s; latency of 200s p50 {p50:.0f} ms, p99 {p99:.0f} ms; "
-          f"{swaps:.0f} swaps; queue depth max {max(depths):.0f} of {MAX_QUEUE} ({len(depths)} samples)")
+          f"(queue full), {ok / wall:.1f} images/s (one client alone: {alone:.1f}); latency of 200s p50 {p50:.0f} "
+          f"ms, p99 {p99:.0f} ms; {swaps:.0f} swaps; queue depth max {max(depths):.0f} of {MAX_QUEUE} "
+          f"({len(depths)} samples)")
     assert not unexpected, unexpected[:5]
     assert sum(statuses.values()) == CLIENTS * REQUESTS and set(statuses) <= {200, 503}, statuses
-    assert ok >= CLIENTS * REQUESTS // 4, f"only {ok} requests served"
+    # overrun, the server keeps its worker busy: at least half the rate of one client waiting for
+    # each answer (idle between requests), measured on this machine just before
+    assert ok / wall >= alone / 2, f"{ok / wall:.1f} images/s under load against {alone:.1f} for one client"
     assert statuses[503] > 0, "16 clients never overran a queue of 8: the 503 path was not exercised"
     assert depths and max(depths) <= MAX_QUEUE
     assert swaps > 100, "the server swapped adapters all along"
@@ -112,5 +130,5 @@ def test_16_clients_x_100_requests(load_server):
         by_seed[seed].append(next(iter(images)))
     assert all(len(set(images)) == len(images) for images in by_seed.values())
     assert load_server.proc.poll() is None
-    assert load_server.metric("loraswap_requests_total", '{route="/",status="200"}') == ok
+    assert load_server.metric("loraswap_requests_total", '{route="/",status="200"}') - served_before == ok
     assert load_server.metric("loraswap_requests_total", '{route="/",status="500"}') == 0
