@@ -7,6 +7,7 @@ the CLI); adapter reading and the host-to-GPU copies of prefetch run on a thread
 """
 
 import contextlib
+import functools
 import gc
 import inspect
 import logging
@@ -57,6 +58,22 @@ class GenerateResult:
     generate_seconds: float
 
 
+def on_device(device: torch.device):
+    """`device` made the thread's current CUDA device for the block: Triton's launches (the
+    swap kernels), `current_stream()` and `synchronize()` go to the current device, not the
+    tensors' (`--device cuda:1` from a thread whose current device is 0)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _on_its_device(method):
+    """An Engine method run with the engine's device current (`on_device`)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with on_device(self.device):
+            return method(self, *args, **kwargs)
+    return run
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -83,7 +100,10 @@ class Engine:
             torch.compiler.config.cache_key_tag = f"attention={config.attention or 'default'}"
         self.compile_cache = use_compile_cache(config.compile_cache) if config.compile_cache else None
         self._lookups_before = lookup_counts()
-        self._prewarm_s: float | None = None  # the stand-in's compile beside the weights' copy, if it ran
+        # seconds from the start: load (the pipeline on the device), warmup (compile + warm-up image),
+        # first_image (start to the first image made, the warm-up's or, without warm-up, a request's);
+        # prewarm_s: how long the stand-in's thread ran, within the load (--compile-while-loading)
+        self.startup: dict[str, float] = {}
         self.pipeline = self._load(config, via_host)
         if quantizing:
             logger.info("loaded %s on %s in %.1f s; quantizing", config.model, "the host" if via_host else "the GPU",
@@ -92,12 +112,7 @@ class Engine:
         quantize_text_encoders(self.pipeline, config.quantize_text_encoders, self.device)
         if via_host:
             self.pipeline.to(self.device)
-        # seconds from the start: load (the pipeline on the device), warmup (compile + warm-up image),
-        # first_image (start to the first image made, the warm-up's or, without warm-up, a request's);
-        # prewarm_s: how long the stand-in's thread ran, within the load (--compile-while-loading)
-        self.startup: dict[str, float] = {"load_s": time.perf_counter() - started}
-        if self._prewarm_s is not None:
-            self.startup["prewarm_s"] = self._prewarm_s
+        self.startup["load_s"] = time.perf_counter() - started
         self.model_name = model_name(self.pipeline, config.model)
         self.components = {name: getattr(self.pipeline, name) for name in self.pipeline._lora_loadable_modules
                            if getattr(self.pipeline, name, None) is not None}
@@ -129,7 +144,8 @@ class Engine:
             logger.info("warming up%s", " (compiling)" if self.compiled else "")
             if self.baseline is None:  # seed-1 mode swaps through diffusers, not the kernels
                 kernels = time.perf_counter()
-                self._maybe_retry_cold(self.swapper.warm_up_kernel)
+                with on_device(self.device):
+                    self._maybe_retry_cold(self.swapper.warm_up_kernel)
                 logger.info("swap kernels ready in %.2f s", time.perf_counter() - kernels)
             self.generate(GenerateRequest(prompt="warm-up", seed=0, steps=2))
             self.startup["warmup_s"] = time.perf_counter() - warming
@@ -248,6 +264,7 @@ class Engine:
             return self.baseline.applied_ids
         return tuple((entry.adapter_id, weight) for entry, weight in self._applied)
 
+    @_on_its_device
     def set_adapters(self, loras: list[tuple[str, float]], acquired: Acquired | None = None) -> float:
         """Apply exactly these adapters (id, weight); seconds spent swapping (0 if already so).
 
@@ -280,6 +297,7 @@ class Engine:
     def generate(self, request: GenerateRequest, acquired: Acquired | None = None) -> GenerateResult:
         return self.generate_batch([request], acquired)[0]
 
+    @_on_its_device
     def generate_batch(self, requests: list[GenerateRequest], acquired: Acquired | None = None) \
             -> list[GenerateResult]:
         """Images for requests sharing adapters and parameters, in one pipeline call.
@@ -385,7 +403,7 @@ class Engine:
             seconds = prewarm.join() if prewarm is not None else None
         if failed is None:
             if seconds is not None:
-                self._prewarm_s = seconds
+                self.startup["prewarm_s"] = seconds
             return pipeline
         logger.warning("copying %s's weights failed (%s); loading through from_pretrained", config.model, failed)
         del pipeline, plan

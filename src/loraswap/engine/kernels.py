@@ -9,11 +9,8 @@ P may be W itself (a further adapter of a blend, accumulated in place).
 
 Used on CUDA when Triton is installed; everywhere else `fuse_into` falls back to
 `addmm`. `TRITON_INTERPRET=1` runs the kernel on CPU tensors (the unit tests do).
-Triton launches on the thread's current CUDA device, so every launch here is made on the
-weight's own (`--device cuda:1` from a thread whose current device is 0).
 """
 
-import contextlib
 import os
 from collections.abc import Iterable
 from functools import cache
@@ -157,10 +154,9 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
     stats = torch.zeros(m if per_row else 1, device=qdata.device, dtype=torch.float32)
     grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
     for step in (0, 1):
-        with _on(qdata.device):
-            _float8_kernel()[grid](qdata, pristine_qdata, pristine_scale, up, down, stats, m, n, k, float(alpha),
-                                   PASS=step, PER_ROW=per_row, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                   IEEE=up.dtype == torch.float32 or not qdata.is_cuda, num_warps=NUM_WARPS)
+        _float8_kernel()[grid](qdata, pristine_qdata, pristine_scale, up, down, stats, m, n, k, float(alpha),
+                               PASS=step, PER_ROW=per_row, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                               IEEE=up.dtype == torch.float32 or not qdata.is_cuda, num_warps=NUM_WARPS)
         if step == 0:  # the largest |W| -> the new scale, by torchao's own op (CUDA divides by 448 as
             stats = stats / FLOAT8_MAX  # a multiply by its reciprocal, which pass 1 must divide by too)
     scale.view(-1).copy_(stats)
@@ -190,15 +186,9 @@ def fuse_into(weight: torch.Tensor, pristine: torch.Tensor, up: torch.Tensor, do
     m, n = weight.shape
     k = down.shape[0]
     grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
-    with _on(weight.device):
-        _kernel()[grid](weight, pristine, up, down, m, n, k, float(alpha), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                        BLOCK_K=BLOCK_K, IEEE=weight.dtype == torch.float32 or not weight.is_cuda,
-                        num_warps=NUM_WARPS)
-
-
-def _on(device: torch.device):
-    """The weight's CUDA device made current for a launch (Triton launches on the current one)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    _kernel()[grid](weight, pristine, up, down, m, n, k, float(alpha), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                    BLOCK_K=BLOCK_K, IEEE=weight.dtype == torch.float32 or not weight.is_cuda,
+                    num_warps=NUM_WARPS)
 
 
 RANKS = (16, 8, 1)  # one rank per variant: a multiple of 16, not one, and 1

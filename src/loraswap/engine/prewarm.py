@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models.shapes import default_dtype_set_to
 from .attention import AttentionBackend
 from .quantize import quantize_module
 
@@ -88,13 +89,8 @@ class Prewarm:
         stand_in = STAND_INS[cls.__name__]
         # built and quantized here, before the thread starts (building sets the default dtype),
         # without gradients as loaded pipelines are: the blocks' guards check requires_grad
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = cls.from_config({**config, **stand_in.layers}).eval().requires_grad_(False)
-        finally:
-            torch.set_default_dtype(previous)
+        with default_dtype_set_to(dtype), torch.device(device):
+            model = cls.from_config({**config, **stand_in.layers}).eval().requires_grad_(False)
         quantize_module(model, quantize, device)
         size = stand_in.default_size  # the warm-up image's: the pipeline's default
         inputs = stand_in.inputs(dict(model.config), size, size, device, dtype)

@@ -5,6 +5,8 @@ key layouts and shapes, e.g. `adapters make-random`) or fills them with random
 weights on a real device (for benchmarks: same compute, same memory).
 """
 
+import contextlib
+
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
@@ -119,6 +121,17 @@ SCHEDULERS = {
 }
 
 
+@contextlib.contextmanager
+def default_dtype_set_to(dtype: torch.dtype):
+    """torch's process-wide default dtype set to `dtype` for the block, and put back after."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def build_shape_pipeline(shape: str, device: str | torch.device, dtype: torch.dtype,
                          init_device: str | torch.device | None = None):
     """The full pipeline of a real architecture with random weights (`<shape>-random` models).
@@ -132,13 +145,9 @@ def build_shape_pipeline(shape: str, device: str | torch.device, dtype: torch.dt
     from . import SHAPE_PIPELINES
     from .tokenizers import make_clip_tokenizer, make_t5_tokenizer
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # initialise straight in the serving dtype
-    try:
+    with default_dtype_set_to(dtype):  # initialise straight in the serving dtype
         components = {name: build_shape_component(shape, name, device=device, dtype=dtype, init_device=init_device)
                       for name in SHAPES[shape]}
-    finally:
-        torch.set_default_dtype(previous)
     scheduler_cls, scheduler_config = SCHEDULERS[shape]
     components["scheduler"] = getattr(diffusers, scheduler_cls)(**scheduler_config)
     components["tokenizer"] = make_clip_tokenizer()

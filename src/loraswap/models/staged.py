@@ -28,6 +28,8 @@ from diffusers import DiffusionPipeline, ModelMixin
 from safetensors import safe_open
 from transformers import PreTrainedModel
 
+from .shapes import default_dtype_set_to
+
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
@@ -130,13 +132,8 @@ def _empty_module(cls: type, library: str, folder: Path, device: torch.device, d
         from diffusers.models.modeling_utils import no_init_weights
 
         config = cls.load_config(folder)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device), no_init_weights():
-                module = cls.from_config(config)
-        finally:
-            torch.set_default_dtype(previous)
+        with default_dtype_set_to(dtype), torch.device(device), no_init_weights():
+            module = cls.from_config(config)
         module.register_to_config(_name_or_path=str(folder))
         kept = module._keep_in_fp32_modules if dtype != torch.float32 else None
     elif library == "transformers" and issubclass(cls, PreTrainedModel):
@@ -163,6 +160,8 @@ def _empty_module(cls: type, library: str, folder: Path, device: torch.device, d
     if computed:  # computed where it is built: from_pretrained may compute it elsewhere
         raise Unsupported(f"{cls.__name__} computes the float buffer {computed[0]} at build time")
     return module.eval().requires_grad_(False)
+
+
 def _checked_files(module: torch.nn.Module, folder: Path, targets: dict[str, torch.Tensor]) -> dict[Path, list[str]]:
     """file -> its keys, once every key is known to fit a target and every target is covered.
     The files are those `from_pretrained` reads without a variant: the plain weights file,
