@@ -171,7 +171,7 @@ def _assert_refused(response, status: int, phrase: str, adapter_id: str | None):
 def _assert_unchanged(engine, base):
     assert_bitwise_equal(base, engine.components)
     assert engine.applied_ids == (("good", 1.0),)
-    assert all(row["in_use"] == 0 for row in engine.cache.table())
+    assert all(row["in_use"] == 0 for row in engine.adapters.cache.table())
 
 
 @pytest.mark.parametrize("adapter_id", list(CASES))
@@ -181,7 +181,7 @@ def test_hostile_adapter_is_refused_and_changes_nothing(served, adapter_id):
     response = client.post("/", json=GOOD_REQUEST, headers={"lora": adapter_id})
     _assert_refused(response, status, phrase, adapter_id)
     _assert_unchanged(engine, base)
-    assert engine.cache.get(adapter_id) is None, "a refused adapter was cached"
+    assert engine.adapters.cache.get(adapter_id) is None, "a refused adapter was cached"
 
 
 @pytest.mark.parametrize("adapter_id", ["pickled-bin", "linked", "nan", "other-base", "same-weight-twice"])
@@ -194,7 +194,7 @@ def test_hostile_adapter_is_refused_on_every_route(served, adapter_id):
     for response in (by_path, by_openai, by_load):
         _assert_refused(response, status, phrase, adapter_id)
     _assert_unchanged(engine, base)
-    assert engine.cache.get(adapter_id) is None, "a refused adapter was cached or pinned"
+    assert engine.adapters.cache.get(adapter_id) is None, "a refused adapter was cached or pinned"
 
 
 @pytest.mark.parametrize("bad_id", BAD_IDS)

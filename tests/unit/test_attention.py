@@ -5,6 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from helpers import rel_err
+from loraswap.engine.compile import compile_pipeline
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 
@@ -67,7 +68,7 @@ def test_cuda_graph_modes_compile_the_whole_denoiser(monkeypatch, mode, regional
     denoiser = engine.denoiser
     monkeypatch.setattr(denoiser, "compile_repeated_blocks", lambda **kw: calls.append(("blocks", kw)))
     monkeypatch.setattr(denoiser, "compile", lambda **kw: calls.append(("whole", kw)))
-    engine._compile()
+    compile_pipeline(engine.pipeline, mode, compile_vae=False)
     expected_options = {} if mode == "default" else {"mode": mode}
     assert calls == [("blocks" if regional else "whole", {"fullgraph": regional, **expected_options})]
 

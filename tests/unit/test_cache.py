@@ -5,9 +5,9 @@ import threading
 import pytest
 import torch
 
+from loraswap.adapters.bound import BoundAdapter
 from loraswap.adapters.cache import AdapterCache, CacheConfig, Tier
 from loraswap.adapters.formats import LoraLayer
-from loraswap.engine.swap import BoundAdapter
 
 MB = 2**20
 
@@ -20,7 +20,7 @@ def adapter(name: str, mib: int) -> BoundAdapter:
 
 
 def rows(cache):
-    return [(r["id"], r["tier"], r["bytes"] // MB, r["pinned"], r["in_use"]) for r in cache.table()]
+    return [(r["id"], r["tier"], r["bytes"] // MB, r["kept"], r["in_use"]) for r in cache.table()]
 
 
 def test_gpu_budget_may_not_exceed_host_budget():
@@ -43,8 +43,8 @@ def test_lru_by_bytes_with_pins_and_in_use():
     # c does not fit: the least recently used (b) goes
     c = cache.insert("c", adapter("c", 4), (1,))
     assert rows(cache) == [("c", "host", 4, False, 1), ("a", "host", 4, False, 0)]
-    # pin a, keep c in use: d cannot make room, and waits instead of overshooting
-    assert cache.pin("a")
+    # keep a, hold c in use: d cannot make room, and waits instead of overshooting
+    assert cache.keep("a")
     assert rows(cache) == [("c", "host", 4, False, 1), ("a", "host", 4, True, 0)]
     with pytest.raises(TimeoutError):
         cache.insert("d", adapter("d", 4), (1,), timeout=0.2)
@@ -55,8 +55,8 @@ def test_lru_by_bytes_with_pins_and_in_use():
     assert rows(cache) == [("d", "host", 4, False, 1), ("a", "host", 4, True, 0)]
     assert cache.used(Tier.HOST) == 8 * MB <= 10 * MB
     assert cache.peak_bytes["host"] == 8 * MB
-    # unpin evicts; a stale file version is a miss and replaces the entry
-    cache.unpin("a")
+    # evict drops it; a stale file version is a miss and replaces the entry
+    cache.evict("a")
     assert rows(cache) == [("d", "host", 4, False, 1)]
     cache.release(d)
     assert cache.lookup("d", (2,)) is None

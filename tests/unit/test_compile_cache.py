@@ -12,7 +12,7 @@ import torch._functorch.config
 import torch._inductor.config
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraswap.engine.compile_cache import use_compile_cache
+from loraswap.engine.compile import use_compile_cache
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 from loraswap.server.backend import EngineFigures

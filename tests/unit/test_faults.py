@@ -27,7 +27,7 @@ def test_replaced_file_with_the_same_size_and_mtime_is_read_again(adapter_factor
     assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
 
     engine.set_adapters([("kept-mtime", 1.0)])
-    assert engine.cache.misses == 2, "the replaced file was read again"
+    assert engine.adapters.cache.misses == 2, "the replaced file was read again"
     fresh = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))
     fresh.set_adapters([("kept-mtime", 1.0)])
     assert_bitwise_equal(weights_snapshot(fresh.components), engine.components)

@@ -50,29 +50,29 @@ def hub_engine(tmp_path, adapter_factory, monkeypatch):
 
 def test_hub_ids_revisions_and_weight_choice(hub_engine):
     engine, a, b = hub_engine
-    location = engine.locate("alice/watercolor")
+    location = engine.adapters.locate("alice/watercolor")
     assert location.weights.name == "pytorch_lora_weights.safetensors"
     assert location.weights.read_bytes() == a.read_bytes()
-    assert engine.locate("alice/watercolor@v2").weights.read_bytes() == b.read_bytes()
-    assert engine.locate(f"alice/watercolor@{OTHER}").weights.read_bytes() == b.read_bytes()
-    assert engine.locate("bob/single").weights.name == "bob_style.safetensors"
+    assert engine.adapters.locate("alice/watercolor@v2").weights.read_bytes() == b.read_bytes()
+    assert engine.adapters.locate(f"alice/watercolor@{OTHER}").weights.read_bytes() == b.read_bytes()
+    assert engine.adapters.locate("bob/single").weights.name == "bob_style.safetensors"
     # served, with the model card's base model honoured
     engine.set_adapters([("alice/watercolor", 1.0)])
-    assert engine.resolve_adapter("alice/watercolor").base_models == ("tiny-sd",)
+    assert engine.adapters.resolve("alice/watercolor").base_models == ("tiny-sd",)
     # local ids still win; local ids cannot take a revision
-    assert engine.locate("styles/local").weights.name == "local.safetensors"
+    assert engine.adapters.locate("styles/local").weights.name == "local.safetensors"
 
 
 def test_hub_refusals(hub_engine):
     engine, _, _ = hub_engine
     with pytest.raises(AdapterInvalid, match=r"2 safetensors files \(x.safetensors, y.safetensors\)"):
-        engine.locate("bob/two")
+        engine.adapters.locate("bob/two")
     with pytest.raises(AdapterNotFound, match="not found on the hub or in its cache"):
-        engine.locate("nobody/nothing")
+        engine.adapters.locate("nobody/nothing")
     with pytest.raises(AdapterNotFound):
-        engine.locate("alice/watercolor@nope")
+        engine.adapters.locate("alice/watercolor@nope")
     with pytest.raises(AdapterForbidden, match="allow/deny"):
-        engine.locate("mallory/evil")
+        engine.adapters.locate("mallory/evil")
     with pytest.raises(Exception, match="hosts tiny-sd"):
         engine.set_adapters([("carol/sdxl", 1.0)])
 

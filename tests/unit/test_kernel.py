@@ -211,15 +211,15 @@ def test_warm_up_compiles_the_variants_the_models_row_lengths_need(interpreted, 
     assert calls == [(torch.bfloat16, [16])]  # the layer left in bf16
 
 
-def test_seed1_mode_does_not_warm_the_swap_kernels(monkeypatch):
-    """Seed-1 mode swaps through diffusers' load + fuse and never calls the kernels, so its
-    start-up does not compile them (16.5 s of a cold SDXL start on the H200)."""
+def test_load_and_fuse_mode_does_not_warm_the_swap_kernels(monkeypatch):
+    """The load-and-fuse baseline swaps through diffusers' load + fuse and never calls the
+    kernels, so its start-up does not compile them (seconds of a cold start on a GPU)."""
     from loraswap.engine import swap
     from loraswap.engine.config import EngineConfig
     from loraswap.engine.engine import Engine
 
     warmed = []
     monkeypatch.setattr(swap.FusedSwapper, "warm_up_kernel", lambda self: warmed.append(self))
-    for mode in ("diffusers", "fused"):
+    for mode in ("load-and-fuse", "fused"):
         Engine(EngineConfig(model="tiny-sd", compile=False, swap_mode=mode))
         assert len(warmed) == (mode == "fused")

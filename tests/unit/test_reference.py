@@ -40,7 +40,7 @@ def test_matches_diffusers_load_lora_weights(preset, fmt, adapter_factory):
     assert rel_err(theirs, base) >= 1e-2, "the adapter must visibly change the image"
     assert rel_err(ours, theirs) <= 1e-4
     # text encoder layers were fused too (the reference loads them as well)
-    assert any(c.startswith("text_encoder") for c, _ in engine.resolve_adapter(path.stem).layers)
+    assert any(c.startswith("text_encoder") for c, _ in engine.adapters.resolve(path.stem).layers)
 
 
 @pytest.mark.parametrize("preset", ["tiny-sd", "tiny-flux"])
@@ -74,7 +74,7 @@ def test_mixed_alphas_per_layer_scale_each_layer(adapter_factory, tmp_path):
         state_dict[key] = torch.tensor(float(1 + i % 5), dtype=torch.float16)
     save_file(state_dict, str(tmp_path / "mixed.safetensors"))
     engine = engine_for("tiny-sd", tmp_path)
-    bound = engine.resolve_adapter("mixed")
+    bound = engine.adapters.resolve("mixed")
     scales = {layer.scale for layer in bound.layers.values()}
     assert scales == {(1 + i) / 8 for i in range(5)}
 
@@ -108,13 +108,13 @@ def test_ten_swaps_then_base_is_bitwise_original(adapter_factory):
     assert list(again.getdata()) == list(base_image.getdata())
 
 
-def test_seed1_baseline_mode_matches_the_fused_swap(adapter_factory, tmp_path):
-    """`--swap-mode diffusers` (the benchmark baseline) serves the same images."""
+def test_load_and_fuse_baseline_matches_the_fused_swap(adapter_factory, tmp_path):
+    """`--swap-mode load-and-fuse` (the benchmark baseline) serves the same images."""
     adapter_factory("b1", "tiny-sd", rank=8, targets="all", text_encoder=True, alpha=16.0, seed=90, folder=tmp_path)
     adapter_factory("b2", "tiny-sd", rank=4, targets="attn", alpha=8.0, seed=91, folder=tmp_path)
     fused = engine_for("tiny-sd", tmp_path)
-    baseline = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, swap_mode="diffusers", warmup=False))
+    baseline = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, swap_mode="load-and-fuse", warmup=False))
     for loras in ([("b1", 1.0)], [("b2", 1.0)], [("b1", 0.7), ("b2", 0.4)], []):
         ours, theirs = engine_image(fused, loras), engine_image(baseline, loras)
         assert rel_err(ours, theirs) <= 1e-4, loras
-    assert baseline.baseline.applied_ids == ()
+    assert baseline.applied_ids == ()

@@ -12,10 +12,10 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from test_cache import adapter
 
+from loraswap.adapters.bound import BoundAdapter
 from loraswap.adapters.cache import AdapterCache, CacheConfig
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine, to_pil
-from loraswap.engine.swap import BoundAdapter
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -61,40 +61,40 @@ def _fake_pinning(monkeypatch, calls: list, fail: bool = False):
 def test_fresh_reads_are_pageable_then_pinned_off_the_request_path(adapter_factory, monkeypatch):
     adapter_factory("path-b", "tiny-sd", rank=16, targets="all", seed=5)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
-    engine.cache.pin_host = True  # as on CUDA
+    engine.adapters.cache.pin_host = True  # as on CUDA
     calls = []
     _fake_pinning(monkeypatch, calls)
     gate = threading.Event()
-    engine.cache._pinner.submit(gate.wait, 30)  # the pinner busy: the read must not wait for it
-    entry = engine.acquire_adapter("path-b")
+    engine.adapters.cache._pinner.submit(gate.wait, 30)  # the pinner busy: the read must not wait for it
+    entry = engine.adapters.acquire_one("path-b")
     read = entry.host
     assert calls == [] and entry.host is read, "the read returned before any pinning"
     gate.set()
-    engine.cache._pinner.submit(lambda: None).result()  # the pin job ran after the read
+    engine.adapters.cache._pinner.submit(lambda: None).result()  # the pin job ran after the read
     assert calls == [read.packed.nbytes], "the packed buffer was pinned once, after the read"
     assert entry.host is not read and torch.equal(entry.host.packed, read.packed)
     assert all(torch.equal(entry.host.layers[k].down, read.layers[k].down) for k in read.layers)
 
     swapped = engine.set_adapters([("path-b", 1.0)], [(entry, 1.0)])
-    engine.release_adapters([(entry, 1.0)])
+    engine.adapters.release([(entry, 1.0)])
     assert swapped > 0
     # the same entry, pinned since: no second swap; and a cached lookup pins nothing again
     assert engine.set_adapters([("path-b", 1.0)]) == 0.0
-    engine.cache._pinner.submit(lambda: None).result()
+    engine.adapters.cache._pinner.submit(lambda: None).result()
     assert len(calls) == 1
 
 
 def test_a_failed_pin_leaves_the_pageable_copy_serving(adapter_factory, monkeypatch, caplog):
     adapter_factory("path-c", "tiny-sd", rank=4, seed=6)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
-    engine.cache.pin_host = True
+    engine.adapters.cache.pin_host = True
     calls = []
     _fake_pinning(monkeypatch, calls, fail=True)
     with caplog.at_level(logging.WARNING, logger="loraswap.adapters.cache"):
-        entry = engine.acquire_adapter("path-c")
+        entry = engine.adapters.acquire_one("path-c")
         read = entry.host
-        engine.release_adapters([(entry, 1.0)])
-        engine.cache._pinner.submit(lambda: None).result()
+        engine.adapters.release([(entry, 1.0)])
+        engine.adapters.cache._pinner.submit(lambda: None).result()
     assert calls and entry.host is read
     assert "could not pin adapter path-c" in caplog.text
     assert engine.set_adapters([("path-c", 1.0)]) > 0
@@ -108,7 +108,7 @@ def test_replace_host_only_for_the_cached_entry_and_the_same_bytes():
         cache.replace_host(entry, adapter("a", 1))
     copy = BoundAdapter("a", entry.host.layers).to("cpu")
     assert cache.replace_host(entry, copy) and entry.host is copy
-    cache.unpin("a")  # evicted: a late pin changes nothing
+    cache.evict("a")  # evicted: a late pin changes nothing
     assert not cache.holds(entry)
     assert not cache.replace_host(entry, BoundAdapter("a", entry.host.layers).to("cpu"))
     assert entry.host is copy
@@ -119,7 +119,7 @@ def test_replace_host_only_for_the_cached_entry_and_the_same_bytes():
     ("fused", "reduce-overhead", None, True),  # CUDA graphs (SDXL, SD 1.5): the decode is a twentieth of a request
     ("fused", "default", True, True),
     ("fused", "reduce-overhead", False, False),
-    ("diffusers", "default", True, False),  # seed-1 mode runs eager
+    ("load-and-fuse", "default", True, False),  # the load-and-fuse baseline runs eager
 ])
 def test_vae_decoder_compiled_with_the_denoiser(mode, compile_mode, compile_vae, compiled):
     # (compile is lazy: nothing is traced before a forward, so this stays fast on CPU)
@@ -133,18 +133,18 @@ def test_vae_decoder_compiled_with_the_denoiser(mode, compile_mode, compile_vae,
 def test_an_entry_evicted_before_its_pin_is_neither_pinned_nor_kept(adapter_factory, monkeypatch):
     adapter_factory("path-d", "tiny-sd", rank=8, seed=7)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
-    engine.cache.pin_host = True
+    engine.adapters.cache.pin_host = True
     calls = []
     _fake_pinning(monkeypatch, calls)
     gate = threading.Event()
-    engine.cache._pinner.submit(gate.wait, 30)
-    entry = engine.acquire_adapter("path-d")
-    engine.release_adapters([(entry, 1.0)])
-    engine.unpin_adapter("path-d")  # evicted while its pin job waits
+    engine.adapters.cache._pinner.submit(gate.wait, 30)
+    entry = engine.adapters.acquire_one("path-d")
+    engine.adapters.release([(entry, 1.0)])
+    engine.adapters.evict("path-d")  # evicted while its pin job waits
     gone = weakref.ref(entry)
     del entry
     gc.collect()
     assert gone() is None, "the queued pin job does not keep the evicted entry (and its buffer) alive"
     gate.set()
-    engine.cache._pinner.submit(lambda: None).result()
+    engine.adapters.cache._pinner.submit(lambda: None).result()
     assert calls == []

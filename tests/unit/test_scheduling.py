@@ -119,7 +119,7 @@ def test_fairness_under_a_continuous_stream_of_the_applied_adapter(many_adapters
 
 def test_32_threads_40_adapters_through_a_10_adapter_budget(many_adapters):
     probe = Engine(EngineConfig(model="tiny-sd", adapters=many_adapters, warmup=False))
-    size = probe.resolve_adapter("m00").nbytes
+    size = probe.adapters.resolve("m00").nbytes
     budget = 10 * size
     engine = Engine(EngineConfig(model="tiny-sd", adapters=many_adapters, warmup=False,
                                  cache=CacheConfig(host_bytes=budget, gpu_bytes=0)))
@@ -143,8 +143,8 @@ def test_32_threads_40_adapters_through_a_10_adapter_budget(many_adapters):
     worker.stop()
     assert errors == []
     assert len(results) == 64
-    assert engine.cache.peak_bytes["host"] <= budget
-    assert engine.cache.used(Tier.HOST) <= budget
+    assert engine.adapters.cache.peak_bytes["host"] <= budget
+    assert engine.adapters.cache.used(Tier.HOST) <= budget
     assert len({aid for aid, _ in results}) > 10, "more adapters than the budget holds"
     for (adapter_id, seed), result in results.items():
         alone = probe.generate(request(adapter_id, seed=seed))

@@ -35,7 +35,7 @@ def test_1000_swaps_over_50_adapters_keep_memory_flat_and_the_base_exact(adapter
         adapter_factory(f"a{i:02d}", "tiny-sd", rank=rank, targets=targets, fmt=fmt, text_encoder=text_encoder,
                         alpha=2.0 * rank, seed=1000 + i, folder=tmp_path)
     sizing = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))
-    total = sum(sizing.resolve_adapter(f"a{i:02d}").nbytes for i in range(ADAPTERS))
+    total = sum(sizing.adapters.resolve(f"a{i:02d}").nbytes for i in range(ADAPTERS))
     del sizing
     budget = total // 3
     engine = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False,
@@ -57,14 +57,14 @@ def test_1000_swaps_over_50_adapters_keep_memory_flat_and_the_base_exact(adapter
         previous = loras
         # what the GPU worker does for a request: its prefetched adapters held in the cache,
         # the swap, every 10th time a 1-step 16x16 image, then the release
-        acquired = engine.prefetch(loras).result(timeout=60)
+        acquired = engine.adapters.prefetch(loras).result(timeout=60)
         try:
             swaps += engine.set_adapters(loras, acquired) > 0
             if i % 10 == 0:
                 request = GenerateRequest(prompt="soak", seed=i, steps=1, width=16, height=16, loras=loras)
                 images += engine.generate(request, acquired).image.size == (16, 16)
         finally:
-            engine.release_adapters(acquired)
+            engine.adapters.release(acquired)
         if i == 0:
             first_a00 = weights_snapshot(engine.components)
         if i + 1 == WARMUP or (i + 1) % 100 == 0:
@@ -73,16 +73,17 @@ def test_1000_swaps_over_50_adapters_keep_memory_flat_and_the_base_exact(adapter
     seconds = time.perf_counter() - started
 
     growth = rss[SWAPS] / rss[WARMUP] - 1
-    table = engine.cache.table()
+    cache = engine.adapters.cache
+    table = cache.table()
     print(f"\nsoak: {swaps} swaps and {images} images in {seconds:.1f} s, "
           f"RSS after warm-up {rss[WARMUP] / 2**20:.1f} MiB, at the end {rss[SWAPS] / 2**20:.1f} MiB "
-          f"({growth * 100:+.2f} %), cache misses {engine.cache.misses}, hits {sum(engine.cache.hits.values())}; "
+          f"({growth * 100:+.2f} %), cache misses {cache.misses}, hits {sum(cache.hits.values())}; "
           f"RSS MiB by request: {', '.join(f'{k}: {v / 2**20:.1f}' for k, v in rss.items())}")
     assert swaps == SWAPS and images == SWAPS // 10, "every step swapped; every 10th generated"
-    assert engine.cache.misses > 2 * ADAPTERS, "adapters were evicted and read again"
+    assert engine.adapters.cache.misses > 2 * ADAPTERS, "adapters were evicted and read again"
     assert growth < MAX_RSS_GROWTH, f"RSS grew {growth * 100:.2f} % after warm-up"
     assert all(row["in_use"] == 0 for row in table), "a request left an adapter held in the cache"
-    assert engine.cache.peak_bytes[Tier.HOST.value] <= budget
+    assert engine.adapters.cache.peak_bytes[Tier.HOST.value] <= budget
     # the same adapter fuses to the same bits as the first time; no drift in 1,000 swaps
     engine.set_adapters([("a00", 1.0)])
     assert_bitwise_equal(first_a00, engine.components)

@@ -166,7 +166,7 @@ def test_a_refused_folder_loads_through_from_pretrained_after_the_stand_in(folde
     order = []
     join, load = Prewarm.join, load_pipeline
     monkeypatch.setattr(Prewarm, "join", lambda self: order.append("stand-in done") or join(self))
-    monkeypatch.setattr("loraswap.engine.engine.load_pipeline",
+    monkeypatch.setattr("loraswap.engine.startup.load_pipeline",
                         lambda *a, **k: order.append("from_pretrained") or load(*a, **k))
     engine = Engine(EngineConfig(model=str(folder), compile=True, compile_while_loading=True))
     assert order == ["from_pretrained"], "refused by the plan: no stand-in started, from_pretrained alone"
@@ -180,7 +180,7 @@ def test_nothing_is_compiled_while_loading_unless_asked_for_a_folder_with_region
     assert Engine(EngineConfig(model=folder, compile=True, warmup=False)).startup.get("prewarm_s") is None
     Engine(EngineConfig(model=folder, compile=False, compile_while_loading=True, warmup=False))
     Engine(EngineConfig(model="tiny-flux", compile=True, compile_while_loading=True, warmup=False))
-    Engine(EngineConfig(model=folder, compile=True, compile_while_loading=True, swap_mode="diffusers",
+    Engine(EngineConfig(model=folder, compile=True, compile_while_loading=True, swap_mode="load-and-fuse",
                         warmup=False))
     assert not started
     cls, config = denoiser_config(folder)
@@ -199,10 +199,10 @@ def test_a_copy_that_fails_waits_for_the_stand_in_then_loads_through_from_pretra
         raise OSError("disk gone")
 
     monkeypatch.setattr(Prewarm, "join", lambda self: order.append("stand-in done") or join(self))
-    monkeypatch.setattr("loraswap.engine.engine.fill_pipeline", failing_copy)
-    monkeypatch.setattr("loraswap.engine.engine.load_pipeline",
+    monkeypatch.setattr("loraswap.engine.startup.fill_pipeline", failing_copy)
+    monkeypatch.setattr("loraswap.engine.startup.load_pipeline",
                         lambda *a, **k: order.append("from_pretrained") or load(*a, **k))
-    with caplog.at_level(logging.WARNING, logger="loraswap.engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="loraswap.engine.startup"):
         engine = Engine(EngineConfig(model=str(folders / "tiny-flux"), compile=True, compile_while_loading=True))
     assert order == ["copy failed", "stand-in done", "from_pretrained"], "from_pretrained never beside a compile"
     assert "copying" in caplog.text and "OSError: disk gone" in caplog.text

@@ -12,7 +12,7 @@ def test_packed_factors_fuse_exactly_like_unpacked(adapter_factory, tmp_path):
     adapter_factory("p2", "tiny-sdxl", rank=4, targets="attn", seed=81, folder=tmp_path)
     engine = Engine(EngineConfig(model="tiny-sdxl", adapters=tmp_path, compile=False, warmup=False))
     base = weights_snapshot(engine.components)
-    p1, p2 = engine.resolve_adapter("p1"), engine.resolve_adapter("p2")
+    p1, p2 = engine.adapters.resolve("p1"), engine.adapters.resolve("p2")
     engine.swapper.apply([(p1, 0.7), (p2, 0.4)])
     unpacked = weights_snapshot(engine.components)
 
@@ -36,7 +36,7 @@ def test_packed_factors_fuse_exactly_like_unpacked(adapter_factory, tmp_path):
 def test_pristine_copies_cover_exactly_the_touched_weights(adapter_factory, tmp_path):
     adapter_factory("attn", "tiny-sd", rank=8, targets="attn", seed=82, folder=tmp_path)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))
-    bound = engine.resolve_adapter("attn")
+    bound = engine.adapters.resolve("attn")
     before = weights_snapshot(engine.components)
     engine.set_adapters([("attn", 1.0)])
     after = weights_snapshot(engine.components)
@@ -65,7 +65,7 @@ def test_adapter_replaced_on_disk_is_served_with_its_new_content(adapter_factory
     fresh = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))
     assert np.array_equal(new, np.asarray(fresh.generate(request).image))
     assert not np.array_equal(new, old)
-    assert engine.cache.misses == 2
+    assert engine.adapters.cache.misses == 2
 
 
 def test_packing_writes_every_element_of_its_buffer(adapter_factory, tmp_path, monkeypatch):
@@ -78,7 +78,7 @@ def test_packing_writes_every_element_of_its_buffer(adapter_factory, tmp_path, m
     engine = Engine(EngineConfig(model="tiny-sdxl", adapters=tmp_path, compile=False, warmup=False))
     real_empty = torch.empty
     monkeypatch.setattr(swap.torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
-    bound = engine.resolve_adapter("odd")  # bound (and checked for NaN) under the NaN-filling allocator
+    bound = engine.adapters.resolve("odd")  # bound (and checked for NaN) under the NaN-filling allocator
     factors = sum(layer.down.numel() + layer.up.numel() for layer in bound.layers.values())
     assert bound.packed.numel() > factors  # rank 3: there is padding
     assert torch.isfinite(bound.packed).all()

@@ -7,7 +7,7 @@ off the request's path: pinning costs about 0.6 ms per MB, more than the read, a
 swaps from the host tier need it. The GPU tier is a subset of the host tier,
 and its budget may not exceed the host budget (checked when the config is built).
 
-Eviction is least-recently-used by bytes and never touches an entry that is pinned
+Eviction is least-recently-used by bytes and never touches an entry that is kept
 (`POST /adapters/{id}/load`) or in use (acquired by a queued request until its swap is
 done). When nothing can be evicted, `insert` waits for space instead of overshooting;
 an adapter larger than the whole host budget is served without being cached.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel, Field, model_validator
 
-from ..engine.swap import BoundAdapter
+from .bound import BoundAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class CacheEntry:
     host: BoundAdapter
     gpu: BoundAdapter | None = None
     gpu_ready: object = None  # torch.cuda.Event after which `gpu` holds the factors
-    pinned: bool = False
+    kept: bool = False  # never evicted until `evict` (POST /adapters/{id}/load)
     in_use: int = 0
     last_used: int = 0
     cached: bool = True  # False: larger than the host budget, served once and dropped
@@ -161,26 +161,27 @@ class AdapterCache:
             entry.gpu, entry.gpu_ready = gpu, event
             self.peak_bytes[Tier.GPU.value] = max(self.peak_bytes[Tier.GPU.value], self._used(Tier.GPU))
 
-    # ---------------------------------------------------------------- use and pins
+    # ---------------------------------------------------------------- use, keep and evict
     def release(self, entry: CacheEntry) -> None:
         with self._lock:
             entry.in_use = max(0, entry.in_use - 1)
             self._lock.notify_all()
 
-    def pin(self, adapter_id: str) -> bool:
+    def keep(self, adapter_id: str) -> bool:
+        """Never evict the adapter (until `evict`); False when it is not cached."""
         with self._lock:
             entry = self._entries.get(adapter_id)
             if entry is None:
                 return False
-            entry.pinned = True
+            entry.kept = True
             return True
 
-    def unpin(self, adapter_id: str) -> None:
-        """Unpin and drop (unless a queued request still holds it)."""
+    def evict(self, adapter_id: str) -> None:
+        """Stop keeping the adapter and drop it (unless a queued request still holds it)."""
         with self._lock:
             entry = self._entries.get(adapter_id)
             if entry is not None:
-                entry.pinned = False
+                entry.kept = False
                 if entry.in_use == 0:
                     self._drop(entry)
             self._lock.notify_all()
@@ -194,12 +195,16 @@ class AdapterCache:
         """One row per cached adapter, most recently used first."""
         with self._lock:
             rows = sorted(self._entries.values(), key=lambda e: -e.last_used)
-            return [{"id": e.adapter_id, "tier": e.tier.value, "bytes": e.nbytes, "pinned": e.pinned,
+            return [{"id": e.adapter_id, "tier": e.tier.value, "bytes": e.nbytes, "kept": e.kept,
                      "in_use": e.in_use} for e in rows]
 
     def get(self, adapter_id: str) -> CacheEntry | None:
         with self._lock:
             return self._entries.get(adapter_id)
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
 
     def holds(self, entry: CacheEntry) -> bool:
         with self._lock:
@@ -229,7 +234,7 @@ class AdapterCache:
         if self._used(tier) + nbytes <= budget:
             return True
         holders = [e for e in self._entries.values() if (tier is Tier.HOST or e.gpu is not None)
-                   and not e.pinned and e.in_use == 0]
+                   and not e.kept and e.in_use == 0]
         for victim in sorted(holders, key=lambda e: e.last_used):
             if tier is Tier.HOST:
                 self._drop(victim)

@@ -18,16 +18,13 @@ from pathlib import Path
 
 import torch
 
-from ..adapters.formats import load_adapter
-from ..adapters.source import AdapterLocation
 from ..engine.attention import AttentionBackend, check_backend_name
-from ..engine.engine import compile_denoiser
+from ..engine.compile import compile_denoiser, graph_count
 from ..engine.quantize import check_mode, quantize_module
 from ..engine.swap import FusedSwapper
-from ..models import SHAPE_PIPELINES
-from ..models.shapes import build_shape_component
 from .common import environment, plot_bars, print_table, summary, timed, write_random_adapters, write_results
-from .swap import DENOISER, Denoise, denoiser_inputs, graph_count
+from .swap import Denoise
+from .swap_setup import bound_reader, build_denoiser, denoiser_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -92,24 +89,17 @@ def run_options_bench(shape: str = "sdxl", variants: tuple[str, ...] = ("native@
         # it, and copies of one model share compiled blocks: one backend per process
         raise ValueError(f"one attention backend per run (got {', '.join(sorted(attentions))}): compiled copies "
                          "of one model share their kernels; run one `bench options` per backend")
-    import diffusers
-
-    prefix = DENOISER[shape]
     results = {"shape": shape, "width": width, "height": height, "steps": steps, "rounds": rounds,
                "env": environment(), "variants": list(variants), "rows": []}
     # 1. one random denoiser, copied per variant; two real-size adapters to alternate
-    torch.manual_seed(0)
-    base = build_shape_component(shape, prefix, device=device, dtype=dtype)
-    inputs = denoiser_inputs(shape, width, height, device, dtype)
+    base, prefix, pipeline_cls = build_denoiser(shape, device, dtype)
+    inputs = denoiser_inputs(base, width, height, device, dtype)
     built = {name: Variant(name, base, prefix, inputs, steps) for name in variants}
     del base
     workdir = Path(workdir or tempfile.mkdtemp(prefix="loraswap-bench-options-"))
     paths = write_random_adapters(shape, [(16, "all"), (32, "attn")], workdir)
-    pipeline_cls = getattr(diffusers, SHAPE_PIPELINES[shape])
-    some = next(iter(built.values())).swapper
-    parsed = [load_adapter(AdapterLocation(p.stem, p, None), pipeline_cls, some.component_modules, 2**40)
-              for p in paths]
-    adapters = {name: [v.swapper.bind(a).to(device, dtype) for a in parsed] for name, v in built.items()}
+    adapters = {name: [bound_reader(pipeline_cls, prefix, v.model, v.swapper.layers)(p).to(device, dtype)
+                       for p in paths] for name, v in built.items()}
     # 2. warm-up: compile (and record) with both adapters
     for name, variant in built.items():
         results[f"warmup_{name}_s"] = 0.0

@@ -30,8 +30,8 @@ class EngineConfig(BaseModel):
     compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"] = Field(
         "default", description="torch.compile mode; the CUDA-graph modes compile the whole denoiser, not its blocks.")
     compile_vae: bool | None = Field(
-        None, description="With compile on, also compile the VAE decoder (not in seed-1 mode); None: with the "
-                          "CUDA-graph compile modes only (short requests, where the decode counts).")
+        None, description="With compile on, also compile the VAE decoder; None: with the CUDA-graph compile "
+                          "modes only (short requests, where the decode counts).")
     attention: str | None = Field(None, description="Attention backend of diffusers' dispatcher (None: its default).")
     quantize: QuantizeMode = Field(
         "none", description="Denoiser linear weights in float8 (torchao); fp8 and fp8-tensorwise also quantize "
@@ -41,8 +41,11 @@ class EngineConfig(BaseModel):
     max_gpu_memory_gb: float | None = Field(
         None, gt=0, description="Cap on this process's GPU memory (a 24 GB card on a larger one).")
     compile_cache: Path | None = Field(None, description="Folder of torch.compile's caches, kept across restarts.")
-    swap_mode: Literal["fused", "diffusers"] = Field(
-        "fused", description="fused: loraswap's swap; diffusers: seed 1's load + fuse per request (a baseline).")
+    swap_mode: Literal["fused", "load-and-fuse", "hotswap"] = Field(
+        "fused", description="fused: loraswap's swap; load-and-fuse: diffusers' load_lora_weights + fuse_lora per "
+                             "request, eager; hotswap: diffusers + PEFT hotswap (the two baselines).")
+    hotswap_rank: int = Field(128, ge=1, le=1024, description="--swap-mode hotswap: the highest rank served "
+                                                               "(every adapter is padded to it).")
     pristine: Literal["device", "host"] = Field("device", description="Where pristine weight copies live.")
     max_adapter_mb: float = Field(2048, gt=0, description="Largest adapter file accepted, MiB.")
     max_rank: int = Field(1024, ge=1, description="Highest LoRA rank accepted.")

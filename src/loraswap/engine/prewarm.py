@@ -31,7 +31,9 @@ from torch import nn
 
 from ..models.shapes import default_dtype_set_to
 from .attention import AttentionBackend
+from .compile import compile_denoiser
 from .quantize import quantize_module
+from .swap import FusedSwapper
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +119,6 @@ class Prewarm:
 
     @staticmethod
     def _warm(model, plain, inputs, device, compile_mode, attention) -> None:
-        from .engine import compile_denoiser
-        from .swap import FusedSwapper
-
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = AttentionBackend(attention, {"denoiser": model}) if attention else None

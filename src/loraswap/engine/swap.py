@@ -8,124 +8,41 @@ weight tensors never move, so a compiled model stays valid: any rank, any target
 several adapters blended, text encoders too, no per-step cost, and an exact (bitwise)
 return to the base model.
 
-Everything that can be checked is checked in `bind`, before any weight is touched; if
+Everything that can be checked is checked when the adapter is bound
+(`adapters.bound.bind_adapter`), before any weight is touched; if
 `apply` still fails halfway (out of memory, say), every touched weight is restored
 from its pristine copy before the error propagates, so the model is the base model.
 """
 
 import logging
-import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
-from ..adapters.formats import LoraLayer, ParsedAdapter
-from ..errors import AdapterIncompatible, AdapterInvalid
+from ..adapters.bound import BoundAdapter, LayerKey, ModelLayers, packed_spans, with_buffer
+from ..adapters.cache import CacheEntry
 from .kernels import float8_kernel_available, fuse_into, kernel_available, requantize_into, warm_up, warm_up_float8
 
 logger = logging.getLogger(__name__)
 
-LayerKey = tuple[str, str]  # (component, module name)
 _CHUNK_BYTES = 16 * 2**20  # host-to-GPU copies are split so fusing starts before the copy ends
-
-
-@dataclass(frozen=True)
-class BoundAdapter:
-    """An adapter checked against one model: every layer exists and every shape fits.
-
-    `packed` is set when all factors are views into one flat buffer (see `to`), so the
-    adapter moves between host and GPU in a single copy.
-    """
-
-    adapter_id: str
-    layers: dict[LayerKey, LoraLayer]
-    base_models: tuple[str, ...] = ()
-    packed: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        if self.packed is not None:
-            return self.packed.nbytes
-        return sum(layer.nbytes for layer in self.layers.values())
-
-    @property
-    def device(self) -> torch.device:
-        return next(iter(self.layers.values())).down.device
-
-    def to(self, device: str | torch.device, dtype: torch.dtype | None = None, pin_memory: bool = False,
-           non_blocking: bool = False) -> "BoundAdapter":
-        """A copy whose factors live in one flat buffer on `device` (pinned host RAM if asked).
-
-        From a packed adapter of the same dtype this is one copy (asynchronous from
-        pinned memory with `non_blocking`); otherwise the factors are packed first.
-        """
-        device = torch.device(device)
-        dtype = dtype or next(iter(self.layers.values())).down.dtype
-        if self.packed is not None and self.packed.dtype == dtype:
-            flat = self.packed.to(device, non_blocking=non_blocking) if not pin_memory else self.packed.pin_memory()
-        else:
-            spans = _packed_spans(self.layers.values())
-            # written once: each factor copied in, only the alignment padding between them zeroed
-            flat = torch.empty(spans[-1][-1] if spans else 0, dtype=dtype, device=device,
-                               pin_memory=pin_memory and device.type == "cpu")
-            for layer, (down_at, up_at, end) in zip(self.layers.values(), spans):
-                down_end, up_end = down_at + layer.down.numel(), up_at + layer.up.numel()
-                flat[down_at: down_end].copy_(layer.down.reshape(-1), non_blocking=non_blocking)
-                flat[up_at: up_end].copy_(layer.up.reshape(-1), non_blocking=non_blocking)
-                if up_at > down_end:
-                    flat[down_end: up_at].zero_()
-                if end > up_end:
-                    flat[up_end: end].zero_()
-        return _with_buffer(self, flat)
-
-
-_ALIGN = 8  # elements: every factor starts 16-byte aligned (bf16), so the swap kernel's loads are vectorized
-
-
-def _packed_spans(layers) -> list[tuple[int, int, int]]:
-    """Per layer, where its down and up factors start in the packed buffer and where the
-    layer's span ends (padded so the next factor starts aligned)."""
-    spans, offset = [], 0
-    align = lambda n: -(-n // _ALIGN) * _ALIGN  # noqa: E731
-    for layer in layers:
-        down_at = offset
-        up_at = align(down_at + layer.down.numel())
-        offset = align(up_at + layer.up.numel())
-        spans.append((down_at, up_at, offset))
-    return spans
-
-
-def _with_buffer(bound: BoundAdapter, flat: torch.Tensor) -> BoundAdapter:
-    """`bound` with its factors as 2-D views into `flat` (packed in layer order: down, up).
-
-    Down is viewed [rank, fan_in] and up [out, rank], conv factors included: the shapes
-    `addmm` takes, so a swap reshapes nothing."""
-    layers = {}
-    for (key, layer), (down_at, up_at, _) in zip(bound.layers.items(), _packed_spans(bound.layers.values())):
-        down = flat[down_at: down_at + layer.down.numel()].view(layer.down.shape[0], -1)
-        up = flat[up_at: up_at + layer.up.numel()].view(layer.up.shape[0], -1)
-        layers[key] = LoraLayer(down=down, up=up, scale=layer.scale)
-    return BoundAdapter(bound.adapter_id, layers, bound.base_models, flat)
 
 
 class FusedSwapper:
     """Owns the LoRA state of one model's weights: what is applied, and the pristine copies."""
 
+    reads_adapters = True  # the adapter store reads, checks and caches adapters for it
+    compiles = True  # modules never change: a compiled model stays valid
+
     def __init__(self, components: dict[str, nn.Module], pristine: Literal["device", "host"] = "device",
-                 max_rank: int = 1024, kernel: bool = True):
-        self._modules: dict[LayerKey, nn.Module] = {
-            (component, name): module
-            for component, root in components.items()
-            for name, module in root.named_modules()
-            if isinstance(module, (nn.Linear, nn.Conv2d))
-        }
-        self.component_modules = {c: {n for (cc, n) in self._modules if cc == c} for c in components}
+                 kernel: bool = True):
+        self.layers = ModelLayers(components)
+        self._modules = self.layers.modules
+        self.component_modules = self.layers.component_modules
         self._pristine_on_host = pristine == "host"
-        self.max_rank = max_rank
         self._pristine: dict[LayerKey, torch.Tensor] = {}
         self._dirty: set[LayerKey] = set()
         self._copy_stream = None
@@ -134,63 +51,16 @@ class FusedSwapper:
         self.float8_kernel = kernel  # float8 weights' re-quantization kernel (CUDA 8.9+); else eager ops
         self._fp8: dict[LayerKey, Fp8Weight] = {}  # float8 weights (`--quantize`), also in `_pristine`
 
-    # ---------------------------------------------------------------- binding
-    def bind(self, parsed: ParsedAdapter, base_models: Sequence[str] = (),
-             dtype: torch.dtype | None = None) -> BoundAdapter:
-        """Check every layer of `parsed` against this model, raising on the first misfit,
-        and pack its factors into one pageable host buffer of `dtype` (the adapter cache
-        pins it later, off the request's path)."""
-        layers = {}
-        aid = parsed.adapter_id
-        for component, modules in parsed.layers.items():
-            if component not in self.component_modules:
-                raise AdapterIncompatible(aid, f"it targets the {component}, which this model does not have",
-                                          "Use an adapter made for this base model")
-            for name, layer in modules.items():
-                key = (component, name)
-                module = self._modules.get(key)
-                if module is None:
-                    raise AdapterIncompatible(aid, f"layer '{component}.{name}' does not exist in this model",
-                                              "Use an adapter trained on this base model")
-                self._check_layer(aid, f"{component}.{name}", module, layer)
-                layers[key] = layer
-        if not layers:
-            raise AdapterInvalid(aid, "it touches no layer of this model", "Use an adapter for this base model")
-        bound = BoundAdapter(aid, layers, tuple(base_models)).to("cpu", dtype)
-        low, high = torch.aminmax(bound.packed)  # one pass (NaN propagates); then find the layer to name it
-        if not (torch.isfinite(low) and torch.isfinite(high)):
-            where = next(f"{c}.{n}" for (c, n), layer in bound.layers.items()
-                         if not (torch.isfinite(layer.down).all() and torch.isfinite(layer.up).all()))
-            raise AdapterInvalid(aid, f"layer '{where}' has NaN or infinite values"
-                                 f"{' in ' + str(dtype).removeprefix('torch.') if dtype else ''}",
-                                 "The adapter is corrupt (or overflows the model's dtype): train or export it again")
-        return bound
+    # ---------------------------------------------------------------- the swapper interface
+    def swap(self, adapters: Sequence[tuple[CacheEntry, float]]) -> float:
+        """Apply cache entries (their GPU copy when they have one); seconds taken."""
+        return self.apply([(held.best(), weight) for held, weight in adapters])
 
-    def _check_layer(self, aid: str, where: str, module: nn.Module, layer: LoraLayer) -> None:
-        weight = module.weight
-        down, up = layer.down, layer.up
-        if not (down.is_floating_point() and up.is_floating_point()):
-            raise AdapterInvalid(aid, f"layer '{where}' has non-float weights ({down.dtype})",
-                                 "Export the adapter in float16, bfloat16 or float32")
-        rank = layer.rank
-        if isinstance(module, nn.Linear):
-            fits = down.shape == (rank, weight.shape[1]) and up.shape == (weight.shape[0], rank)
-        else:
-            if module.groups != 1:
-                raise AdapterIncompatible(aid, f"layer '{where}' is a grouped convolution",
-                                          "Remove that layer from the adapter")
-            fits = down.shape == (rank, *weight.shape[1:]) and up.shape in ((weight.shape[0], rank, 1, 1),
-                                                                              (weight.shape[0], rank))
-        if down.ndim == 0 or not fits:
-            raise AdapterIncompatible(
-                aid, f"layer '{where}' has A {tuple(down.shape)} and B {tuple(up.shape)}, which do not fit its "
-                f"weight {tuple(weight.shape)}", "Use an adapter trained on this base model")
-        if rank > self.max_rank:
-            raise AdapterInvalid(aid, f"layer '{where}' has rank {rank}, over the limit of {self.max_rank}",
-                                 "Use a lower-rank adapter or raise --max-rank")
-        if not math.isfinite(layer.scale):
-            raise AdapterInvalid(aid, f"layer '{where}' has a NaN or infinite alpha",
-                                 "The adapter is corrupt: train or export it again")
+    def prepare_to_compile(self) -> None:
+        """Nothing: the fused swap never changes a module, so it compiles as the base model."""
+
+    def warm_up(self) -> None:
+        self.warm_up_kernel()
 
     # ---------------------------------------------------------------- applying
     @torch.no_grad()
@@ -206,44 +76,13 @@ class FusedSwapper:
         wanted = {key for bound, _ in adapters for key in bound.layers}
         touched = self._dirty | wanted
         try:
-            # 1. weights only the previous adapters touched: back to pristine, one batched copy
-            stale = sorted(self._dirty - wanted)
-            plain = [k for k in stale if k not in self._fp8]
-            if plain:
-                torch._foreach_copy_([self._weight(k) for k in plain], [self._pristine[k] for k in plain])
-            for key in stale:
-                if key in self._fp8:
-                    self._fp8[key].restore()
-            self._dirty -= set(stale)
+            # 1. weights only the previous adapters touched: back to pristine
+            self._restore_stale(sorted(self._dirty - wanted))
             # 2. pristine copies of weights touched for the first time
             for key in wanted - self._pristine.keys():
                 self._save_pristine(key, self._weight(key))
-            # 3. W = pristine + weight * scale * B @ A (further adapters on the same W: in place).
-            #    One call per layer: the loop is launch-bound on models with ~1,000 layers.
-            written: set[LayerKey] = set()
-            kernel = self.kernel
-            fp8_deltas: dict[LayerKey, list] = {}
-            for bound, blend in adapters:
-                factors, ready = self._on_device(bound)
-                stream, last_event = torch.cuda.current_stream() if ready else None, None
-                for key, layer in factors.layers.items():
-                    event = ready.get(key) if ready else None
-                    if event is not None and event is not last_event:
-                        stream.wait_event(event)
-                        last_event = event
-                    if key in self._fp8:  # float8 weights: re-quantized once, with every adapter's delta (4.)
-                        fp8_deltas.setdefault(key, []).append((layer.up, layer.down, blend * layer.scale))
-                        continue
-                    weight, pristine, kernel_runs = self._views[key]
-                    alpha = blend * layer.scale
-                    if key in written:
-                        fuse_into(weight, weight, layer.up, layer.down, alpha, kernel and kernel_runs)
-                    elif pristine.device == weight.device:
-                        fuse_into(weight, pristine, layer.up, layer.down, alpha, kernel and kernel_runs)
-                    else:
-                        weight.copy_(pristine, non_blocking=True).addmm_(layer.up, layer.down, alpha=alpha)
-                    if len(adapters) > 1:
-                        written.add(key)
+            # 3. W = pristine + weight * scale * B @ A; float8 weights collect their deltas
+            fp8_deltas = self._write(adapters)
             # 4. float8 weights: W = quantize(dequantize(pristine) + sum of deltas), in place
             for key, deltas in fp8_deltas.items():
                 self._fp8[key].write(deltas, self.float8_kernel)
@@ -254,6 +93,48 @@ class FusedSwapper:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter() - start
+
+    def _restore_stale(self, stale: list[LayerKey]) -> None:
+        """Weights no adapter touches any more back to pristine: plain ones in one batched copy."""
+        plain = [k for k in stale if k not in self._fp8]
+        if plain:
+            torch._foreach_copy_([self._weight(k) for k in plain], [self._pristine[k] for k in plain])
+        for key in stale:
+            if key in self._fp8:
+                self._fp8[key].restore()
+        self._dirty -= set(stale)
+
+    def _write(self, adapters: Sequence[tuple[BoundAdapter, float]]) -> dict[LayerKey, list]:
+        """Fuse every plain weight's layers (one call per layer: the loop is launch-bound on
+        models with ~1,000 layers; further adapters on the same W add in place); the float8
+        weights' deltas are returned, to be re-quantized once with all of them."""
+        written: set[LayerKey] = set()
+        fp8_deltas: dict[LayerKey, list] = {}
+        for bound, blend in adapters:
+            factors, ready = self._on_device(bound)
+            stream, last_event = torch.cuda.current_stream() if ready else None, None
+            for key, layer in factors.layers.items():
+                event = ready.get(key) if ready else None
+                if event is not None and event is not last_event:
+                    stream.wait_event(event)
+                    last_event = event
+                if key in self._fp8:
+                    fp8_deltas.setdefault(key, []).append((layer.up, layer.down, blend * layer.scale))
+                    continue
+                self._fuse_layer(key, layer, blend * layer.scale, in_place=key in written)
+                if len(adapters) > 1:
+                    written.add(key)
+        return fp8_deltas
+
+    def _fuse_layer(self, key: LayerKey, layer, alpha: float, in_place: bool) -> None:
+        weight, pristine, kernel_runs = self._views[key]
+        runs = self.kernel and kernel_runs
+        if in_place:
+            fuse_into(weight, weight, layer.up, layer.down, alpha, runs)
+        elif pristine.device == weight.device:
+            fuse_into(weight, pristine, layer.up, layer.down, alpha, runs)
+        else:
+            weight.copy_(pristine, non_blocking=True).addmm_(layer.up, layer.down, alpha=alpha)
 
     def warm_up_kernel(self) -> None:
         """Compile the swap kernels' variants this model's weights need now (no-op where they
@@ -328,7 +209,7 @@ class FusedSwapper:
         side.wait_stream(main)  # `flat` was allocated on the main stream
         flat.record_stream(side)  # (even if a later line raises, copies in flight keep it)
         ready, chunk_keys, start = {}, [], 0
-        for key, (_, _, offset) in zip(bound.layers, _packed_spans(bound.layers.values())):
+        for key, (_, _, offset) in zip(bound.layers, packed_spans(bound.layers.values())):
             chunk_keys.append(key)
             if (offset - start) * flat.element_size() >= _CHUNK_BYTES or key == next(reversed(bound.layers)):
                 with torch.cuda.stream(side):
@@ -337,7 +218,7 @@ class FusedSwapper:
                     event.record(side)
                 ready.update(dict.fromkeys(chunk_keys, event))
                 chunk_keys, start = [], offset
-        return _with_buffer(bound, flat), ready
+        return with_buffer(bound, flat), ready
 
     def _restore(self, keys) -> None:
         for key in keys:

@@ -66,8 +66,8 @@ class GpuWorker:
         self._thread.start()
 
     def submit(self, request: GenerateRequest, prefetch: Future | None = None) -> Future:
-        """Queue a request; `prefetch` (from `engine.prefetch`) holds its adapters."""
-        prefetch = prefetch or self.engine.prefetch(request.loras)
+        """Queue a request; `prefetch` (from `engine.adapters.prefetch`) holds its adapters."""
+        prefetch = prefetch or self.engine.adapters.prefetch(request.loras)
         job = Job(request, prefetch)
         with self._cond:
             if self._stopping:
@@ -177,7 +177,7 @@ class GpuWorker:
                     job.future.set_exception(e)
         finally:
             for acquired in held:
-                self.engine.release_adapters(acquired)
+                self.engine.adapters.release(acquired)
             self.completed += len(jobs)
             self.batches += 1
 
@@ -186,5 +186,5 @@ def _release_when_done(engine: Engine, job: Job) -> None:
     """Give back a dropped job's adapters once its prefetch has finished."""
     def release(future: Future) -> None:
         if not future.cancelled() and future.exception() is None:
-            engine.release_adapters(future.result())
+            engine.adapters.release(future.result())
     job.prefetch.add_done_callback(release)

@@ -1,6 +1,13 @@
-"""The persistent compile cache: torch.compile's on-disk caches in a folder that outlives the process.
+"""Compiling the denoiser: regional compile or the CUDA-graph modes, and the persistent
+compile cache.
 
-`use_compile_cache(DIR)` points them at DIR before the engine compiles anything:
+Regional compile (the repeated blocks, compiled once and reused) is the default; the
+CUDA-graph modes compile the whole denoiser, whose launches they exist to remove. Swaps
+write weights in place, so compiled code and recorded graphs stay valid; `graph_count`
+lets the engine check that no swap ever adds a graph.
+
+The persistent compile cache keeps torch.compile's on-disk caches in a folder that
+outlives the process. `use_compile_cache(DIR)` points them at DIR before the engine compiles anything:
 
 - `DIR/inductor` (TORCHINDUCTOR_CACHE_DIR): Inductor's FX graph cache and the AOTAutograd
   cache (both switched on here; they are on by default), the compiled C++ and Triton
@@ -33,6 +40,8 @@ import torch._inductor.config
 from torch._dynamo.utils import counters
 
 logger = logging.getLogger(__name__)
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
 
 # our name for each cache -> (torch's counter group, its counter prefix), and the results counted
 LOOKUPS = {"fxgraph": ("inductor", "fxgraph_cache_"), "aotautograd": ("aot_autograd", "autograd_cache_")}
@@ -106,3 +115,34 @@ def _clear_inductor_memory() -> None:
     clear = getattr(inductor_utils, "clear_caches", None) or getattr(inductor_utils, "clear_inductor_caches", None)
     if clear is not None:
         clear()
+
+
+def compile_denoiser(denoiser: torch.nn.Module, mode: str = "default") -> None:
+    """Regional compile by default; the whole denoiser in the CUDA-graph modes."""
+    options = {} if mode == "default" else {"mode": mode}
+    cuda_graphs = mode in CUDA_GRAPH_MODES
+    if not cuda_graphs and getattr(denoiser, "_repeated_blocks", None):
+        denoiser.compile_repeated_blocks(fullgraph=True, **options)
+    else:
+        denoiser.compile(fullgraph=False, **options)
+
+
+def compile_pipeline(pipeline, mode: str, compile_vae: bool) -> None:
+    """The denoiser, and the VAE decoder when asked (`EngineConfig.compile_vae`)."""
+    compile_denoiser(getattr(pipeline, "transformer", None) or pipeline.unet, mode)
+    vae = getattr(pipeline, "vae", None)
+    if compile_vae and vae is not None and hasattr(vae, "decoder"):
+        # CUDA graphs would hold the decoder's large activations in their own pool: default mode
+        vae.decoder.compile()
+
+
+def wants_compiled_vae(setting: bool | None, mode: str) -> bool:
+    """Whether the VAE decoder is compiled with the denoiser: as set, else with the
+    CUDA-graph modes only. Their requests are short, so the decode counts; with regional
+    compile (long FLUX.1 images) it would cost a restart more than it saves (BENCHMARKS.md)."""
+    return setting if setting is not None else mode in CUDA_GRAPH_MODES
+
+
+def graph_count() -> int:
+    """Graphs dynamo has compiled in this process."""
+    return counters["stats"]["unique_graphs"]

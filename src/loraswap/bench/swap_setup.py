@@ -1,0 +1,112 @@
+"""What the swap and options benchmarks build: a random denoiser of a real architecture
+(or a tiny preset's), its fixed inputs, adapters on disk, and the baselines driving it."""
+
+from pathlib import Path
+
+import torch
+
+from ..adapters.bound import ModelLayers, bind_adapter
+from ..adapters.formats import load_adapter
+from ..adapters.source import AdapterLocation
+from ..engine.baselines import HotswapSwapper, LoadAndFuseSwapper
+from ..models import SHAPE_PIPELINES
+from ..models.presets import PRESETS, build_preset
+from ..models.shapes import build_shape_component
+from .common import write_random_adapters
+
+DENOISER = {"flux-dev": "transformer", "sdxl": "unet", "sd15": "unet"}
+
+
+def build_denoiser(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, str, type]:
+    """(denoiser, its component name, the pipeline class): a real architecture with random
+    weights (`flux-dev`, `sdxl`, `sd15`) or a tiny preset's denoiser (`tiny-sd`, ...)."""
+    import diffusers
+
+    if shape in PRESETS:
+        pipeline = build_preset(shape)
+        prefix = "transformer" if getattr(pipeline, "transformer", None) is not None else "unet"
+        return getattr(pipeline, prefix).to(device, dtype), prefix, type(pipeline)
+    torch.manual_seed(0)
+    prefix = DENOISER[shape]
+    return (build_shape_component(shape, prefix, device=device, dtype=dtype), prefix,
+            getattr(diffusers, SHAPE_PIPELINES[shape]))
+
+
+def denoiser_inputs(model: torch.nn.Module, width: int, height: int, device, dtype) -> dict:
+    """Fixed inputs of one denoiser call, shaped by the model's config: a FLUX.1 transformer
+    for one image, a UNet for one image with classifier-free guidance (batch 2)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
+    config = model.config
+    if "joint_attention_dim" in config:
+        tokens, text = (height // 16) * (width // 16), 512
+        guidance = torch.tensor([3.5], device=device, dtype=dtype) if config.get("guidance_embeds") else None
+        return dict(hidden_states=rand(1, tokens, config.in_channels),
+                    encoder_hidden_states=rand(1, text, config.joint_attention_dim),
+                    pooled_projections=rand(1, config.pooled_projection_dim),
+                    timestep=torch.tensor([0.5], device=device, dtype=dtype),
+                    img_ids=torch.zeros(tokens, 3, device=device, dtype=dtype),
+                    txt_ids=torch.zeros(text, 3, device=device, dtype=dtype), guidance=guidance, return_dict=False)
+    inputs = dict(sample=rand(2, config.in_channels, height // 8, width // 8),
+                  timestep=torch.tensor([500.0], device=device),
+                  encoder_hidden_states=rand(2, 77, config.cross_attention_dim), return_dict=False)
+    if config.get("addition_embed_type") == "text_time":  # SDXL: pooled text and six time ids
+        time_ids = 6 * config.addition_time_embed_dim
+        inputs["added_cond_kwargs"] = {"text_embeds": rand(2, config.projection_class_embeddings_input_dim - time_ids),
+                                       "time_ids": rand(2, 6)}
+    return inputs
+
+
+def make_adapters(shape: str, specs, workdir: Path, kohya_rank: int | None = 64) -> list[Path]:
+    """Random adapters of real size (diffusers format; one kohya copy last, to time conversion)."""
+    paths = write_random_adapters(shape, specs, workdir)
+    if kohya_rank:
+        paths += write_random_adapters(shape, [(kohya_rank, "all")], workdir, fmt="kohya", seed=99)
+    return paths
+
+
+def bound_reader(pipeline_cls: type, prefix: str, model: torch.nn.Module, layers: ModelLayers):
+    """path -> the adapter read, converted and bound to `model`, as the adapter store does it."""
+    unet_config = model.config if prefix == "unet" else None  # SDXL kohya files number blocks as SGM does
+
+    def read(path: Path):
+        parsed = load_adapter(DenoiserLoRA.location(path), pipeline_cls, layers.component_modules, 2**40, unet_config)
+        return bind_adapter(parsed, layers)
+    return read
+
+
+class DenoiserLoRA:
+    """A bare denoiser behind the pipeline LoRA methods the baselines call, so the bench
+    measures the engine's own baseline swappers without text encoders or a VAE."""
+
+    def __init__(self, model: torch.nn.Module, prefix: str):
+        self.model, self.prefix = model, prefix
+        setattr(self, prefix, model)  # the baselines find the denoiser as `transformer` or `unet`
+
+    @staticmethod
+    def location(path: Path) -> AdapterLocation:
+        return AdapterLocation(path.stem, path, None)
+
+    def load_lora_weights(self, source, adapter_name: str, hotswap: bool = False) -> None:
+        self.model.load_lora_adapter(source, prefix=self.prefix, adapter_name=adapter_name, hotswap=hotswap)
+
+    def enable_lora_hotswap(self, target_rank: int) -> None:
+        self.model.enable_lora_hotswap(target_rank=target_rank)
+
+    def set_adapters(self, names: list[str], weights: list[float]) -> None:
+        self.model.set_adapters(names, weights)
+
+    def fuse_lora(self, adapter_names: list[str]) -> None:
+        self.model.fuse_lora(adapter_names=adapter_names)
+
+    def unfuse_lora(self) -> None:
+        self.model.unfuse_lora()
+
+    def unload_lora_weights(self) -> None:
+        self.model.unload_lora()
+
+
+def make_baseline(name: str, target: DenoiserLoRA, target_rank: int):
+    if name == "load-and-fuse":
+        return LoadAndFuseSwapper(target)
+    return HotswapSwapper(target, target_rank)

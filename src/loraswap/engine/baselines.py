@@ -1,0 +1,120 @@
+"""The two ways of serving a LoRA that loraswap is measured against, as swappers.
+
+- load-and-fuse (`--swap-mode load-and-fuse`): what the Hugging Face Inference API image
+  does per request. Unfuse and unload the previous adapter, `load_lora_weights` and
+  `fuse_lora` the new one, on an eager model; no cache: the file is read every time.
+- hotswap (`--swap-mode hotswap`): diffusers + PEFT hotswap. Before compiling,
+  `enable_lora_hotswap(target_rank)` and a first adapter (here: zeros on every layer an
+  adapter may target, so the base model is served too); each request then loads its
+  adapter into that slot with `hotswap=True`, and the compiled model never recompiles.
+  One adapter at a time, weight 1, denoiser layers only, ranks up to the target rank:
+  diffusers fails on the others after the denoiser was already swapped, so they are
+  refused from the file's header first.
+
+Both implement the swapper interface of `swap.FusedSwapper` (`reads_adapters`,
+`compiles`, `prepare_to_compile`, `warm_up`, `swap`), so the engine never branches on
+which one it drives. They receive the adapters' files (`AdapterLocation`), not parsed
+adapters: diffusers reads them itself.
+"""
+
+import time
+from collections.abc import Sequence
+
+import torch
+from diffusers import DiffusionPipeline
+from safetensors import safe_open
+
+from ..adapters.random import make_random_adapter
+from ..adapters.source import AdapterLocation
+from ..errors import AdapterIncompatible, BadRequest
+
+HOTSWAP_SLOT = "hotswap"  # the one adapter name every hotswap loads into
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class LoadAndFuseSwapper:
+    reads_adapters = False  # diffusers reads the file itself, every time
+    compiles = False  # PEFT replaces modules at each load: a compiled model would recompile
+
+    def __init__(self, pipeline: DiffusionPipeline):
+        self.pipeline = pipeline
+        self._loaded = False
+
+    def prepare_to_compile(self) -> None:
+        """Nothing: this baseline runs eager."""
+
+    def warm_up(self) -> None:
+        """Nothing to warm: diffusers' own ops."""
+
+    def swap(self, adapters: Sequence[tuple[AdapterLocation, float]]) -> float:
+        start = time.perf_counter()
+        pipeline = self.pipeline
+        if self._loaded:
+            pipeline.unfuse_lora()
+            pipeline.unload_lora_weights()
+            self._loaded = False
+        names = [f"lora{i}" for i in range(len(adapters))]
+        for name, (location, _) in zip(names, adapters):
+            pipeline.load_lora_weights(str(location.weights), adapter_name=name)
+            self._loaded = True
+        if names:
+            pipeline.set_adapters(names, [weight for _, weight in adapters])
+            pipeline.fuse_lora(adapter_names=names)
+        _synchronize()
+        return time.perf_counter() - start
+
+
+class HotswapSwapper:
+    reads_adapters = False
+    compiles = True
+
+    def __init__(self, pipeline: DiffusionPipeline, target_rank: int):
+        self.pipeline = pipeline
+        self.target_rank = target_rank
+        self._denoiser = "transformer" if getattr(pipeline, "transformer", None) is not None else "unet"
+        self._placeholder: dict[str, torch.Tensor] | None = None
+
+    def prepare_to_compile(self) -> None:
+        """Hotswap enabled and the placeholder loaded: what the compiled graphs will see."""
+        denoiser = getattr(self.pipeline, self._denoiser)
+        state_dict, _ = make_random_adapter({self._denoiser: denoiser}, self.target_rank, "all",
+                                            dtype=denoiser.dtype)
+        self._placeholder = {k: torch.zeros_like(v) if ".lora_B." in k else v for k, v in state_dict.items()}
+        self.pipeline.enable_lora_hotswap(target_rank=self.target_rank)
+        self.pipeline.load_lora_weights(dict(self._placeholder), adapter_name=HOTSWAP_SLOT)
+
+    def warm_up(self) -> None:
+        """Nothing to warm beyond the compiled model."""
+
+    def swap(self, adapters: Sequence[tuple[AdapterLocation, float]]) -> float:
+        if self._placeholder is None:
+            self.prepare_to_compile()
+        if len(adapters) > 1:
+            raise BadRequest("the hotswap baseline serves one adapter at a time; name one adapter")
+        if adapters:
+            self._check(*adapters[0])
+        start = time.perf_counter()
+        source = str(adapters[0][0].weights) if adapters else dict(self._placeholder)
+        self.pipeline.load_lora_weights(source, adapter_name=HOTSWAP_SLOT, hotswap=True)
+        _synchronize()
+        return time.perf_counter() - start
+
+    def _check(self, location: AdapterLocation, weight: float) -> None:
+        """Refuse, from the header alone, what diffusers' hotswap would fail on halfway."""
+        aid = location.adapter_id
+        if weight != 1.0:
+            raise BadRequest(f"adapter '{aid}': the hotswap baseline applies adapters at weight 1 only "
+                             "(a weight goes through set_adapters, which recompiles)")
+        with safe_open(str(location.weights), "pt") as f:
+            for key in f.keys():
+                if key.startswith(("text_encoder", "lora_te")):
+                    raise AdapterIncompatible(aid, f"key '{key}' targets a text encoder, which hotswap cannot "
+                                              "swap", "Use --swap-mode fused for text-encoder adapters")
+                is_down = ".lora_A." in key or ".lora_down." in key
+                if is_down and f.get_slice(key).get_shape()[0] > self.target_rank:
+                    raise AdapterIncompatible(aid, f"key '{key}' has a rank over the hotswap target rank "
+                                              f"{self.target_rank}", "Raise --hotswap-rank")
