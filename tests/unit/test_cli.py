@@ -1,9 +1,13 @@
 """The `loraswap` command line: generate, adapters inspect, adapters make-random."""
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
+import typer
+import yaml
 from PIL import Image
 from safetensors import safe_open
 from typer.testing import CliRunner
@@ -80,12 +84,88 @@ def test_make_random_real_layouts(model, fmt, first_key, tmp_path):
     assert result.exit_code == 0, result.output
 
 
-def test_bench_swap_refuses_seed1_on_a_float8_base_before_building_anything(tmp_path):
+def test_bench_swap_refuses_load_and_fuse_on_a_float8_base_before_building_anything(tmp_path):
     result = runner.invoke(app, ["bench", "swap", "--quantize", "fp8", "--workdir", str(tmp_path / "adapters")])
     assert result.exit_code == 2
-    assert "seed 1 merges adapters through PEFT" in result.output
+    assert "load-and-fuse merges adapters through PEFT" in result.output
     assert not (tmp_path / "adapters").exists()  # nothing written: refused first
-    result = runner.invoke(app, ["bench", "swap", "--quantize", "int4", "--variants", "loraswap",
+    result = runner.invoke(app, ["bench", "swap", "--quantize", "int4", "--variants", "fused",
                                  "--workdir", str(tmp_path / "adapters")])
     assert result.exit_code == 2 and "unknown quantization 'int4'" in result.output
     assert not (tmp_path / "adapters").exists()
+
+
+def _printed(args: list[str], env: dict | None = None) -> dict:
+    result = runner.invoke(app, ["serve", *args, "--print-config"], env=env)
+    assert result.exit_code == 0, result.output
+    return yaml.safe_load(result.output)
+
+
+def test_serve_settings_precedence_file_then_env_then_flags(tmp_path):
+    config = tmp_path / "serve.toml"
+    config.write_text('port = 9000\nmax-queue = 64\nmax_batch = 2\nmodel = ["tiny-sd", "tiny-sdxl"]\nhub = true\n')
+    printed = _printed(["--config", str(config)])
+    assert (printed["port"], printed["max-queue"], printed["max-batch"]) == (9000, 64, 2)
+    assert printed["model"] == ["tiny-sd", "tiny-sdxl"] and printed["max-wait-s"] == 30.0  # a default
+    env = {"LORASWAP_MAX_QUEUE": "7", "LORASWAP_MAX_BATCH": "5"}
+    printed = _printed(["--config", str(config), "--max-batch", "3", "--no-hub", "--model", "tiny-flux"], env)
+    assert (printed["port"], printed["max-queue"], printed["max-batch"]) == (9000, 7, 3)
+    assert printed["hub"] is False and printed["model"] == ["tiny-flux"]
+    printed = _printed([], env={"LORASWAP_CONFIG": str(config)})
+    assert printed["port"] == 9000
+
+
+def test_serve_never_prints_keys(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("api-key: [sk-from-file]\n")
+    result = runner.invoke(app, ["serve", "--config", str(config), "--admin-key", "adm-from-flag", "--print-config"],
+                           env={"LORASWAP_API_KEY": "sk-env-1 sk-env-2"})
+    assert result.exit_code == 0, result.output
+    assert "sk-" not in result.output and "adm-" not in result.output
+    assert "# api-key: 2 not printed" in result.output  # the variable's two keys, over the file's one
+    assert "# admin-key: 1 not printed" in result.output
+    config.write_text("api-key: [sk-from-file]\nmax-queue: 0\n")
+    result = runner.invoke(app, ["serve", "--config", str(config)])
+    assert result.exit_code == 2 and "--max-queue" in result.output and "sk-" not in result.output
+
+
+def test_serve_builds_the_config_it_serves(monkeypatch):
+    import loraswap.cli.serve
+
+    served = []
+    monkeypatch.setattr(loraswap.cli.serve, "_serve_http", served.append)
+    examples = Path(__file__).parents[2] / "examples"
+    result = runner.invoke(app, ["serve", "--config", str(examples / "serve.toml"), "--no-demo-adapters",
+                                 "--swap-mode", "load-and-fuse", "--max-images", "2"],
+                           env={"LORASWAP_API_KEY": "k1 k2", "LORASWAP_ADMIN_KEY": "a1"})
+    assert result.exit_code == 0, result.output
+    [config] = served
+    assert [e.model for e in config.engines] == ["tiny-sd", "tiny-sdxl"]
+    assert all(e.swap_mode == "load-and-fuse" and e.max_rank == 256 for e in config.engines)
+    assert (config.scheduler.max_queue, config.max_images) == (64, 2)
+    assert (config.api_keys, config.admin_keys) == (["k1", "k2"], ["a1"])
+    result = runner.invoke(app, ["serve", "--demo-adapters"])
+    assert result.exit_code == 2 and "--demo-adapters needs --adapters DIR" in result.output
+
+
+def _options(*path: str) -> dict:
+    command = typer.main.get_command(app)
+    for name in path:
+        command = command.commands[name]
+    return {param.name: param for param in command.params}
+
+
+def test_shared_flags_are_defined_once():
+    serve, generate, inspect = _options("serve"), _options("generate"), _options("adapters", "inspect")
+    for name in ("compile", "compile_mode", "attention", "quantize", "device", "adapters"):
+        assert serve[name].help == generate[name].help and serve[name].opts == generate[name].opts, name
+    assert serve["max_rank"].help == inspect["max_rank"].help
+    assert serve["model"].multiple and not generate["model"].multiple
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate"], ["deploy"], ["adapters", "inspect"],
+                                     ["bench", "swap"], ["bench", "serve"], ["bench", "options"]])
+def test_help_names_no_seed(command):
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert not re.search(r"seed[ _-]?[12]\b", result.output, re.IGNORECASE)

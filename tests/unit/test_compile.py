@@ -5,7 +5,7 @@ import torch._dynamo
 
 from helpers import image_array, rel_err
 from loraswap.engine.compile import graph_count
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 
 SPECS = [(4, "attn"), (64, "all"), (16, "attn"), (128, "all"), (8, "all"), (32, "attn")]
@@ -38,3 +38,15 @@ def test_twelve_swaps_of_mixed_ranks_and_targets_never_recompile(adapter_factory
             assert rel_err(ours, base) >= 1e-3, "the compiled model sees the swapped weights"
     assert compiled.recompiles == 0
     assert graph_count() == graphs_after_warmup
+
+
+def test_a_flux_warm_up_compiles_one_graph_per_block_kind_and_layout():
+    """The double block once, the single block once per input layout (contiguous after the
+    double blocks, a slice after a single block: see engine/compile.py); nothing else, and
+    nothing more on a second image."""
+    torch._dynamo.reset()
+    before = graph_count()
+    engine = Engine(EngineConfig(model="tiny-flux", compile=True))
+    assert graph_count() - before == 3
+    engine.generate(GenerateRequest(prompt="a second image", seed=1))
+    assert engine.recompiles == 0

@@ -85,7 +85,12 @@ class HotswapSwapper:
                                             dtype=denoiser.dtype)
         self._placeholder = {k: torch.zeros_like(v) if ".lora_B." in k else v for k, v in state_dict.items()}
         self.pipeline.enable_lora_hotswap(target_rank=self.target_rank)
-        self.pipeline.load_lora_weights(dict(self._placeholder), adapter_name=HOTSWAP_SLOT)
+        self.pipeline.load_lora_weights(self._fresh_placeholder(), adapter_name=HOTSWAP_SLOT)
+
+    def _fresh_placeholder(self) -> dict[str, torch.Tensor]:
+        """A copy of the placeholder's tensors: PEFT may keep the loaded tensors as the slot's
+        parameters, which each hotswap then overwrites in place."""
+        return {key: tensor.clone() for key, tensor in self._placeholder.items()}
 
     def warm_up(self) -> None:
         """Nothing to warm beyond the compiled model."""
@@ -98,7 +103,7 @@ class HotswapSwapper:
         if adapters:
             self._check(*adapters[0])
         start = time.perf_counter()
-        source = str(adapters[0][0].weights) if adapters else dict(self._placeholder)
+        source = str(adapters[0][0].weights) if adapters else self._fresh_placeholder()
         self.pipeline.load_lora_weights(source, adapter_name=HOTSWAP_SLOT, hotswap=True)
         _synchronize()
         return time.perf_counter() - start

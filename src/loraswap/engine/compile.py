@@ -6,6 +6,13 @@ CUDA-graph modes compile the whole denoiser, whose launches they exist to remove
 write weights in place, so compiled code and recorded graphs stay valid; `graph_count`
 lets the engine check that no swap ever adds a graph.
 
+The warm-up compiles FLUX.1's single-stream block twice, and that is not a fault: the
+first single block takes the double blocks' contiguous output, every later one a slice
+of its predecessor's output (`hidden_states[:, text_len:]`), whose batch stride differs.
+Dynamo guards on strides, so the two layouts get a graph each. A contiguous copy per
+block would cost memory traffic on every step, and re-viewing the slice with contiguous
+strides inside the compiled block is refused by dynamo (as_strided of a graph output).
+
 The persistent compile cache keeps torch.compile's on-disk caches in a folder that
 outlives the process. `use_compile_cache(DIR)` points them at DIR before the engine compiles anything:
 

@@ -1,0 +1,114 @@
+"""`loraswap adapters inspect` and `loraswap adapters make-random`."""
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..errors import LoraswapError
+from .options import setup_logging, with_settings
+from .settings import defaults, one_model, pick
+
+adapters_app = typer.Typer(no_args_is_help=True, help="Inspect adapters and make random ones.")
+
+INSPECT_SETTINGS = [one_model(), *pick("adapters", "max-rank")]
+
+
+@adapters_app.command("inspect")
+@with_settings(*INSPECT_SETTINGS)
+def inspect_adapter(
+    path_or_id: Annotated[str, typer.Argument(help="A .safetensors file, or an id under --adapters.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    *,
+    given: dict,
+) -> None:
+    """Format, base model, ranks, alphas, targets, size; exit 1 if it does not fit --model."""
+    setup_logging(False)
+    values = {**defaults(INSPECT_SETTINGS), **given}
+    location = _locate(path_or_id, values["adapters"])
+    report = _inspect(location, path_or_id, values["model"], values["adapters"], values["max-rank"])
+    if as_json:
+        typer.echo(json.dumps(report, indent=1))
+    else:
+        for key, value in report.items():
+            if key == "targets":
+                for component, names in value.items():
+                    typer.echo(f"targets.{component}: {len(names)} layers, e.g. {', '.join(names[:3])}")
+            else:
+                typer.echo(f"{key}: {value}")
+    raise typer.Exit(0 if report["fits"] else 1)
+
+
+def _locate(path_or_id: str, adapters: Path | None):
+    """The location of a file given by path; None for an id (looked up under `adapters` later)."""
+    from ..adapters.source import AdapterLocation
+
+    path = Path(path_or_id)
+    if path.is_file():
+        return AdapterLocation(path.stem, path, path.parent if path.name == "pytorch_lora_weights.safetensors"
+                               else None)
+    if adapters is None:
+        typer.echo(f"error: {path_or_id} is not a file; give --adapters DIR to look up an id", err=True)
+        raise typer.Exit(2)
+    return None
+
+
+def _inspect(location, path_or_id: str, model: str, adapters: Path | None, max_rank: int) -> dict:
+    """What the adapter is, and whether (else why not) it fits `model`."""
+    from ..adapters.bound import ModelLayers, bind_adapter
+    from ..adapters.formats import load_adapter
+    from ..adapters.metadata import refuse_other_base
+    from ..adapters.source import LocalAdapterSource
+    from ..models import lora_components
+
+    pipeline_cls, components = lora_components(model)
+    layers = ModelLayers(components)
+    report: dict = {"adapter": path_or_id, "model": model}
+    try:
+        location = location or LocalAdapterSource(adapters).locate(path_or_id)
+        unet = components.get("unet")
+        parsed = load_adapter(location, pipeline_cls, layers.component_modules, 2**40, unet.config if unet else None)
+        report.update(
+            format=parsed.format, base_models=parsed.base_models, bytes=location.weights.stat().st_size,
+            ranks=parsed.ranks, layers=parsed.num_layers,
+            scales=sorted({round(layer.scale, 6) for mods in parsed.layers.values() for layer in mods.values()}),
+            targets={c: sorted(mods) for c, mods in parsed.layers.items()},
+        )
+        bind_adapter(parsed, layers, max_rank=max_rank)
+        refuse_other_base(parsed.adapter_id, parsed.base_models, [model])
+    except LoraswapError as e:
+        return {**report, "fits": False, "problem": e.message}
+    return {**report, "fits": True, "problem": None}
+
+
+@adapters_app.command("make-random")
+def make_random(
+    model: Annotated[str, typer.Option("--model", help="Preset, or a real shape: sd15, sdxl, flux-dev.")],
+    rank: Annotated[int, typer.Option("--rank", min=1, help="LoRA rank.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="The .safetensors file to write.")],
+    targets: Annotated[str, typer.Option("--targets", help="attn or all.")] = "attn",
+    fmt: Annotated[str, typer.Option("--format", help="diffusers or kohya.")] = "diffusers",
+    text_encoder: Annotated[bool, typer.Option("--text-encoder", help="Also target the text encoder(s).")] = False,
+    base_model: Annotated[str | None, typer.Option("--base-model", help="Declare this base model.")] = None,
+    alpha: Annotated[float | None, typer.Option("--alpha", help="LoRA alpha (default: the rank).")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    dtype: Annotated[str, typer.Option("--dtype", help="float16, bfloat16 or float32.")] = "float16",
+) -> None:
+    """Write a random adapter with a real key layout, for tests and benchmarks."""
+    from safetensors.torch import save_file
+
+    from ..adapters.random import make_random_adapter
+    from ..engine.config import DTYPES
+    from ..models import lora_components
+
+    for name, value, allowed in (("--targets", targets, ("attn", "all")), ("--format", fmt, ("diffusers", "kohya")),
+                                 ("--dtype", dtype, tuple(DTYPES))):
+        if value not in allowed:
+            raise typer.BadParameter(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+    _, components = lora_components(model)
+    state_dict, metadata = make_random_adapter(components, rank, targets, fmt, text_encoder=text_encoder, alpha=alpha,
+                                               base_model=base_model, dtype=DTYPES[dtype], seed=seed)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state_dict, str(output), metadata=metadata)
+    typer.echo(f"{output}: {len(state_dict)} tensors, {output.stat().st_size / 2**20:.1f} MiB")

@@ -1,0 +1,115 @@
+"""`loraswap serve` (HTTP, or Ray Serve with --ray) and `loraswap deploy` (Ray Serve from a YAML file)."""
+
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .options import Verbose, env_option, setup_logging, with_settings
+from .settings import SETTINGS, SettingsError, defaults, printable, read_config_file, server_config
+
+ConfigFile = Annotated[Path | None, env_option(
+    "--config", help="A TOML or YAML file of these settings: its keys are the flags' names (max-queue = 64; "
+    "examples/serve.toml). LORASWAP_* variables and flags override it.", exists=True, dir_okay=False)]
+PrintConfig = Annotated[bool, typer.Option("--print-config", help="Print the settings as a config file (API keys "
+                                           "left out) and exit.")]
+
+
+@with_settings(*SETTINGS)
+def serve(config_file: ConfigFile = None, print_config: PrintConfig = False, verbose: Verbose = False, *,
+          given: dict) -> None:
+    """Serve the model over HTTP (Hugging Face Inference API and OpenAI images API)."""
+    # 1. the settings: the file's, then LORASWAP_* variables and flags over them
+    try:
+        given = {**(read_config_file(config_file) if config_file else {}), **given}
+    except SettingsError as e:
+        raise typer.BadParameter(str(e), param_hint="--config") from None
+    values = {**defaults(), **given}
+    # 2. the typed configuration, checked before anything is printed, written or loaded
+    cluster = _import_cluster() if values["ray"] else None
+    try:
+        config = server_config(given, ray=values["ray"])
+    except SettingsError as e:
+        raise typer.BadParameter(str(e)) from None
+    if print_config:
+        typer.echo(printable(values), nl=False)
+        return
+    setup_logging(verbose)
+    if values["demo-adapters"]:
+        if values["adapters"] is None:
+            raise typer.BadParameter("--demo-adapters needs --adapters DIR to write into")
+        write_demo_adapters(config.engines[0].model, values["adapters"])
+    # 3. serve until stopped
+    if cluster is not None:
+        cluster.run(config, address=values["ray-address"])
+        return
+    _serve_http(config)
+
+
+def _serve_http(config) -> None:
+    import uvicorn
+
+    from ..server.app import create_app
+
+    # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal to the handler
+    # it found: make that one a clean exit, so a graceful stop exits 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info",
+                timeout_graceful_shutdown=60)
+
+
+def deploy(
+    config_file: Annotated[Path, typer.Argument(help="YAML: a ClusterConfig (server fields, `engines` with "
+                                                "replicas), or a Serve config file using "
+                                                "loraswap.cluster:app_builder.", exists=True, dir_okay=False)],
+    address: Annotated[str | None, env_option("--address", help="The Ray cluster (default: RAY_ADDRESS, else a "
+                                              "new local one).", env="RAY_ADDRESS")] = None,
+    detach: Annotated[bool, typer.Option("--detach", help="Return once healthy and leave it running on the "
+                                         "cluster (needs --address).")] = False,
+    verbose: Verbose = False,
+) -> None:
+    """Deploy loraswap on Ray Serve from a YAML file and serve until SIGTERM (docs/ray.md)."""
+    setup_logging(verbose)
+    cluster = _import_cluster()
+    try:
+        config = cluster.load_config(config_file)
+    except ValueError as e:  # pydantic's errors are ValueErrors too
+        raise typer.BadParameter(str(e)) from None
+    try:
+        cluster.run(config, address=address, detach=detach)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def _import_cluster():
+    try:
+        from .. import cluster
+    except ImportError as e:
+        typer.echo(f"error: Ray Serve is not installed ({e}); pip install 'loraswap[ray]'", err=True)
+        raise typer.Exit(2) from None
+    return cluster
+
+
+DEMO_ADAPTERS = (("demo/watercolor", 4, "attn"), ("demo/neon", 16, "all"), ("demo/sketch", 64, "all"))
+
+
+def write_demo_adapters(model: str, folder: Path) -> None:
+    """A few random adapters for `model`, written once (a folder with adapters is left alone)."""
+    from safetensors.torch import save_file
+
+    from ..adapters.random import make_random_adapter
+    from ..models import lora_components
+
+    if folder.exists() and any(folder.rglob("*.safetensors")):
+        return
+    _, components = lora_components(model)
+    for i, (adapter_id, rank, targets) in enumerate(DEMO_ADAPTERS):
+        path = folder / f"{adapter_id}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state_dict, metadata = make_random_adapter(components, rank, targets, text_encoder=True, alpha=2.0 * rank,
+                                                   seed=i)
+        save_file(state_dict, str(path), metadata=metadata)
+    logging.getLogger(__name__).info("wrote demo adapters %s into %s", [a for a, _, _ in DEMO_ADAPTERS], folder)
