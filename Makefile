@@ -17,7 +17,10 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/loraswap serve --adapters demo-adapters --demo-adapters
 
+# the layering and the size of functions are checked before the tests run
 test: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/python -m pytest -q tests
 
 clean:

@@ -32,10 +32,10 @@ def test_bench_serve_runs_both_modes(tmp_path):
     assert result.exit_code == 0, result.output
     assert signal.getsignal(signal.SIGTERM) is handler  # the bench leaves SIGTERM handling alone
     report = json.loads((tmp_path / "out" / "serve-tiny-sd.json").read_text())
-    assert report["fused_args"] == ["--attention", "_native_math"]  # loraswap's server only: seed 1 stays seed 1
+    assert report["fused_args"] == ["--attention", "_native_math"]  # loraswap's server only, not the baseline's
     assert "attention backend _native_math" in (tmp_path / "work" / "server-fused.log").read_text()
-    assert "attention backend" not in (tmp_path / "work" / "server-diffusers.log").read_text()
-    for mode in ("fused", "diffusers"):
+    assert "attention backend" not in (tmp_path / "work" / "server-load-and-fuse.log").read_text()
+    for mode in ("fused", "load-and-fuse"):
         runs = report["modes"][mode]["runs"]
         assert [r["concurrency"] for r in runs] == [1, 2]
         assert all(r["errors"] == [] and len(r["latencies"]) == 6 for r in runs)

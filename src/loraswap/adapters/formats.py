@@ -89,6 +89,20 @@ def read_safetensors(path: Path, adapter_id: str, max_bytes: int) -> tuple[dict[
     if size > max_bytes:
         raise AdapterInvalid(adapter_id, f"the file is {size / 2**20:.1f} MiB, over the {max_bytes / 2**20:.0f} MiB "
                              "limit", "Use a smaller adapter or raise --max-adapter-mb")
+    header, header_len = _read_header(path, adapter_id, size)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise AdapterInvalid(adapter_id, "the safetensors metadata is not a map of strings to strings", _FIX_FILE)
+    _check_entries(adapter_id, header, size - 8 - header_len)
+    try:  # pread, not the default mmap: safetensors 0.8.0's mmap path keeps ~10 KB per load alive (RELIABILITY.md)
+        tensors = load_file(str(path), backend="pread")
+    except Exception as e:  # safetensors' own checks (overlaps, ...)
+        raise AdapterInvalid(adapter_id, f"safetensors refused the file ({e})", _FIX_FILE) from None
+    return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+def _read_header(path: Path, adapter_id: str, size: int) -> tuple[dict, int]:
+    """The JSON header (a dict) and its length, refusing anything that is not safetensors."""
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:
@@ -105,10 +119,11 @@ def read_safetensors(path: Path, adapter_id: str, max_bytes: int) -> tuple[dict[
             raise AdapterInvalid(adapter_id, "the safetensors header is not valid JSON", _FIX_FILE) from None
     if not isinstance(header, dict):
         raise AdapterInvalid(adapter_id, "the safetensors header is not a JSON object", _FIX_FILE)
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise AdapterInvalid(adapter_id, "the safetensors metadata is not a map of strings to strings", _FIX_FILE)
-    data_len = size - 8 - header_len
+    return header, header_len
+
+
+def _check_entries(adapter_id: str, header: dict, data_len: int) -> None:
+    """Every tensor entry well formed, of a float dtype, and inside the file's data."""
     for name, info in header.items():
         if not _well_formed(info):
             raise AdapterInvalid(adapter_id, f"tensor '{name}' has a malformed header entry (dtype, shape and "
@@ -121,11 +136,6 @@ def read_safetensors(path: Path, adapter_id: str, max_bytes: int) -> tuple[dict[
         if not 0 <= start <= end <= data_len or end - start != expected:
             raise AdapterInvalid(adapter_id, f"tensor '{name}' lies outside the file (truncated download?)",
                                  "Download the adapter again")
-    try:  # pread, not the default mmap: safetensors 0.8.0's mmap path keeps ~10 KB per load alive (RELIABILITY.md)
-        tensors = load_file(str(path), backend="pread")
-    except Exception as e:  # safetensors' own checks (overlaps, ...)
-        raise AdapterInvalid(adapter_id, f"safetensors refused the file ({e})", _FIX_FILE) from None
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
 
 
 class _DuplicateKey(ValueError):

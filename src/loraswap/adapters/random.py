@@ -94,24 +94,10 @@ def make_random_adapter(
     for component_name, module in components.items():
         if component_name.startswith("text_encoder") and not text_encoder:
             continue
-        shapes = lora_target_shapes(component_name, module, targets)
-        if fmt == "kohya" and component_name == "transformer":
-            shapes = _bfl_shapes(module, targets)
-        sgm_blocks = fmt == "kohya" and component_name == "unet" and _is_sdxl(module)
-        if sgm_blocks:  # sd-scripts' SDXL LoRAs: the transformer blocks, in SGM block numbering
-            shapes = {_sgm_name(name, module.config.layers_per_block): shape for name, shape in shapes.items()
-                      if ".attentions." in name}
+        shapes = _target_shapes(component_name, module, targets, fmt)
         for name, shape in shapes.items():
             down, up = _factors(shape, rank, generator)
-            if fmt == "diffusers":
-                key = f"{component_name}.{_te_name(component_name, name)}"
-                state_dict[f"{key}.lora_A.weight"] = down.to(dtype)
-                state_dict[f"{key}.lora_B.weight"] = up.to(dtype)
-            else:
-                key = _kohya_name(component_name, name)
-                state_dict[f"{key}.lora_down.weight"] = down.to(dtype)
-                state_dict[f"{key}.lora_up.weight"] = up.to(dtype)
-                state_dict[f"{key}.alpha"] = torch.tensor(alpha, dtype=dtype)
+            state_dict.update(_keys(component_name, name, down.to(dtype), up.to(dtype), alpha, fmt))
         if fmt == "diffusers" and alpha != rank and shapes:
             lora_metadata.update({f"{component_name}.r": rank, f"{component_name}.lora_alpha": alpha,
                                   f"{component_name}.target_modules": sorted(shapes)})
@@ -121,6 +107,29 @@ def make_random_adapter(
     if base_model:
         metadata["base_model"] = base_model
     return state_dict, metadata
+
+
+def _target_shapes(component_name: str, module: nn.Module, targets: Targets, fmt: Format) -> dict:
+    """Module name (as the format names it) -> weight shape, for the targeted layers."""
+    if fmt == "kohya" and component_name == "transformer":
+        return _bfl_shapes(module, targets)
+    shapes = lora_target_shapes(component_name, module, targets)
+    if fmt == "kohya" and component_name == "unet" and _is_sdxl(module):
+        # sd-scripts' SDXL LoRAs: the transformer blocks, in SGM block numbering
+        return {_sgm_name(name, module.config.layers_per_block): shape for name, shape in shapes.items()
+                if ".attentions." in name}
+    return shapes
+
+
+def _keys(component_name: str, name: str, down: torch.Tensor, up: torch.Tensor, alpha: float,
+          fmt: Format) -> dict[str, torch.Tensor]:
+    """One layer's tensors under the format's key names."""
+    if fmt == "diffusers":
+        key = f"{component_name}.{_te_name(component_name, name)}"
+        return {f"{key}.lora_A.weight": down, f"{key}.lora_B.weight": up}
+    key = _kohya_name(component_name, name)
+    return {f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up,
+            f"{key}.alpha": torch.tensor(alpha, dtype=down.dtype)}
 
 
 def _is_sdxl(unet: nn.Module) -> bool:

@@ -2,7 +2,7 @@
 
 The same stream of requests (adapter ids drawn with p(k) ~ 1/k over `num_ids` ids,
 fixed seed) is sent by one client and then by `concurrency` clients to a loraswap
-server (fused swap, compiled) and to the same server in seed-1 mode (diffusers
+server (fused swap, compiled) and to the same server in load-and-fuse mode (diffusers
 `load_lora_weights` + `fuse_lora` per request, eager). Each server runs in its own
 process, one after the other, on the same model and adapters.
 
@@ -141,10 +141,10 @@ def _metric(url: str, name: str) -> float:
 
 def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: int = 24, concurrency: int = 4,
                     steps: int = 25, width: int = 1024, height: int = 1024, workdir: Path | None = None,
-                    out_dir: Path = Path("bench/results"), modes: tuple[str, ...] = ("fused", "diffusers"),
+                    out_dir: Path = Path("bench/results"), modes: tuple[str, ...] = ("fused", "load-and-fuse"),
                     extra_args: tuple[str, ...] = (), fused_args: tuple[str, ...] = ()) -> dict:
     """`extra_args` go to both servers; `fused_args` (speed options: `--compile-mode`,
-    `--quantize`, `--attention`) to loraswap's alone, the baseline staying seed 1."""
+    `--quantize`, `--attention`) to loraswap's alone, the baseline staying as diffusers serves it."""
     shape = model.removesuffix("-random")
     workdir = Path(workdir or "/tmp/loraswap-bench-serve")
     ids = prepare_adapters(shape, workdir / "adapters", num_ids)
@@ -187,7 +187,7 @@ def _report(results: dict, out_dir: Path) -> None:
                          f"{run['images_per_s']:.3f}", len(run["errors"]), data.get("recompiles", 0)])
             labels.append(f"{mode} c={run['concurrency']}")
             values.append(lat.get("p50", 0))
-    fused, base = results["modes"].get("fused"), results["modes"].get("diffusers")
+    fused, base = results["modes"].get("fused"), results["modes"].get("load-and-fuse")
     if fused and base:
         results["speedup_p50"] = {str(f["concurrency"]): b["latency_s"]["p50"] / f["latency_s"]["p50"]
                                   for f, b in zip(fused["runs"], base["runs"])}
@@ -200,7 +200,7 @@ def _report(results: dict, out_dir: Path) -> None:
     results["table"] = print_table(title, ["mode", "clients", "p50 s", "p99 s", "images/s", "errors", "recompiles"],
                                    rows)
     if "speedup_p50" in results:
-        print("p50 latency, seed-1 mode / loraswap:", results["speedup_p50"], "throughput ratio:",
+        print("p50 latency, load-and-fuse / fused:", results["speedup_p50"], "throughput ratio:",
               results["speedup_throughput"], flush=True)
     write_results(out_dir, f"serve-{results['model']}", results)
     plot_bars(out_dir / f"serve-{results['model']}.png", title, labels, values, "p50 latency (s)")

@@ -20,13 +20,15 @@ from ..models import load_pipeline
 from ..models.staged import build_pipeline, fill_pipeline, plan_fill
 from .compile import (
     CUDA_GRAPH_MODES,
+    compile_pipeline,
     format_lookups,
     lookup_counts,
     lookups_since,
     use_compile_cache,
     use_fresh_compile_cache,
+    wants_compiled_vae,
 )
-from .config import EngineConfig
+from .config import EngineConfig, GenerateRequest
 from .prewarm import Prewarm, denoiser_config
 from .quantize import quantize_module, quantize_text_encoders
 
@@ -140,9 +142,6 @@ class Startup:
     def compile_and_warm_up(self, engine) -> None:
         """Compile the engine's pipeline (after its swapper has set up what the graphs must
         see) and make one warm-up image, which compiles; `engine` is an `Engine`."""
-        from .compile import compile_pipeline, wants_compiled_vae
-        from .config import GenerateRequest
-
         config = self.config
         warming = time.perf_counter()
         if self.compiled:
