@@ -1,9 +1,9 @@
 """The one-pass swap kernel: W = P + alpha * (B @ A), written by a Triton kernel.
 
 `torch.addmm(P, B, A, out=W)` on CUDA is two passes over the weight: a copy of P into
-W, then a GEMM accumulating into W. Swapping is bound by memory bandwidth (a rank-64
-adapter on every linear layer of FLUX.1 rewrites 8.6 billion weights, 16 GiB), so the kernel
-reads P and writes W once: each program computes one tile of the rank-r product in
+W, then a GEMM accumulating into W. Swapping is bound by memory bandwidth (an adapter on
+every linear layer of FLUX.1 rewrites most of its weights), so the kernel reads P and
+writes W once: each program computes one tile of the rank-r product in
 fp32, adds the tile of P and stores it rounded once, as cuBLAS does with beta=1.
 P may be W itself (a further adapter of a blend, accumulated in place).
 
@@ -198,8 +198,8 @@ def variants(row_lengths: Iterable[int]) -> list[tuple[int, int]]:
     """(row length, rank) of one small weight per kernel variant that weights with these row
     lengths need: Triton specializes an integer argument that is a multiple of 16 (vectorized
     loads) and one equal to 1, so each class of row length present, times each class of rank
-    (adapters come later, any rank). Real models' row lengths are all multiples of 16: three
-    variants, not six, compiled at start-up (1-2 s each without Triton's cache)."""
+    (adapters come later, any rank). Real models' row lengths are all multiples of 16, so
+    they need half the variants, each compiled at start-up unless Triton's cache has it."""
     classes = {1 if n == 1 else 32 if n % 16 == 0 else 24 for n in row_lengths}
     return [(n, k) for n in sorted(classes, reverse=True) for k in RANKS]
 

@@ -19,8 +19,8 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 def quantize_text_encoders(pipeline, mode: str, device=None) -> None:
-    """`--quantize-text-encoders`: the text encoders' linear weights (T5-XXL's 9.5 GB in
-    bf16, say) in float8, as the low-memory mode wants."""
+    """`--quantize-text-encoders`: the text encoders' linear weights (T5-XXL's, say) in
+    float8, half their bf16 size, as the low-memory mode wants."""
     for name in TEXT_ENCODERS:
         encoder = getattr(pipeline, name, None)
         if encoder is not None:
@@ -50,8 +50,8 @@ def float8_config(mode: str):
     except ImportError:
         raise ValueError("--quantize needs torchao: pip install 'loraswap[fp8]'") from None
     # set_inductor_config=False: torchao would otherwise switch on Inductor's coordinate-descent
-    # tuning for the whole process, which on the H200 added 196 s to FLUX.1's first compile
-    # and 112 s to every restart on a warm compile cache (its results are not reused)
+    # tuning for the whole process, which added minutes to FLUX.1's first compile and to
+    # every restart on a warm compile cache (its results are not reused; BENCHMARKS.md)
     if mode in ("fp8", "fp8-tensorwise"):
         granularity = PerRow() if mode == "fp8" else PerTensor()
         return Float8DynamicActivationFloat8WeightConfig(granularity=granularity, set_inductor_config=False)

@@ -232,7 +232,7 @@ class FusedSwapper:
     def save_all_pristine(self) -> None:
         """Pristine copies of every weight an adapter may touch, made now rather than on
         first touch: the low-memory mode pins them in host RAM at start-up, which inside a
-        request's swap took seconds (2.6-5.4 s for FLUX.1's first adapters on the H200)."""
+        request's swap took seconds for FLUX.1's first adapters (BENCHMARKS.md)."""
         for key in sorted(self._modules.keys() - self._pristine.keys()):
             self._save_pristine(key, self._weight(key))
 
