@@ -102,7 +102,7 @@ def test_health_ready_metrics_and_adapter_endpoints(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ready").json()["model"] == "tiny-sd"
     loaded = httpx.post(server.url + "/adapters/styles/second/load")
-    assert loaded.status_code == 200 and loaded.json()["pinned"]
+    assert loaded.status_code == 200 and loaded.json()["kept"]
     rows = {row["id"]: row for row in httpx.get(server.url + "/adapters").json()["adapters"]}
     assert set(rows) == {"style", "styles/second", "sdxl-only"}
     assert rows["styles/second"]["cached"] == "host" and rows["styles/second"]["rank"] == 4

@@ -68,3 +68,35 @@ def test_base_model_by_name_and_refusals(two_models):
     assert wrong.status_code == 422
     openai = client.post("/v1/images/generations", json={"model": "tiny-sdxl", "prompt": "x", "size": "64x64"})
     assert openai.status_code == 200
+
+
+def test_keep_evict_and_list_go_to_the_adapters_base_model(two_models):
+    client, app, _ = two_models
+    sd, sdxl = (h.engine for h in app.state.deployment.hosted)
+    # 1. keep: each adapter read and kept by the engine of its declared base model
+    for adapter_id, model in (("for-sdxl", "tiny-sdxl"), ("for-sd", "tiny-sd"), ("undeclared", "tiny-sd")):
+        kept = client.post(f"/adapters/{adapter_id}/load")
+        assert kept.status_code == 200, kept.text
+        assert kept.json()["kept"] and kept.json()["model"] == model and kept.json()["layers"] > 0
+    assert {r["id"] for r in sdxl.adapters.rows() if r["kept"]} == {"for-sdxl"}
+    assert {r["id"] for r in sd.adapters.rows() if r["kept"]} == {"for-sd", "undeclared"}
+    refused = client.post("/adapters/for-flux/load")
+    assert refused.status_code == 422 and "tiny-sd, tiny-sdxl" in refused.json()["error"]
+    # 2. list: one row per adapter over both models, naming the model that holds it
+    listed = client.get("/adapters").json()
+    assert listed["models"] == ["tiny-sd", "tiny-sdxl"]
+    rows = {row["id"]: row for row in listed["adapters"]}
+    assert set(rows) == {"for-sd", "for-sdxl", "undeclared", "for-flux"}
+    assert (rows["for-sdxl"]["model"], rows["for-sdxl"]["kept"], rows["for-sdxl"]["base_model"]) == (
+        "tiny-sdxl", True, "tiny-sdxl")
+    assert (rows["for-sd"]["model"], rows["for-sd"]["kept"]) == ("tiny-sd", True)
+    assert (rows["for-flux"]["model"], rows["for-flux"]["cached"], rows["for-flux"]["kept"]) == (None, "disk", False)
+    # 3. evict: dropped from the engine that kept it
+    evicted = client.delete("/adapters/for-sdxl")
+    assert evicted.status_code == 200 and evicted.json() == {"id": "for-sdxl", "cached": "disk", "kept": False}
+    assert sdxl.adapters.cache.get("for-sdxl") is None
+    rows = {row["id"]: row for row in client.get("/adapters").json()["adapters"]}
+    assert (rows["for-sdxl"]["cached"], rows["for-sdxl"]["kept"]) == ("disk", False)
+    for adapter_id in ("for-sd", "undeclared"):
+        assert client.delete(f"/adapters/{adapter_id}").status_code == 200
+    assert not any(r["kept"] for engine in (sd, sdxl) for r in engine.adapters.rows())

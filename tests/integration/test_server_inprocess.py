@@ -68,10 +68,10 @@ def _swap_failing_halfway(monkeypatch, engine, error: BaseException):
     The calls are counted on a scratch copy of the model making the same swap; the real one
     runs on the GPU worker thread, where the patched `apply` enters the failing mode."""
     scratch = FusedSwapper({name: copy.deepcopy(module) for name, module in engine.components.items()})
-    scratch.apply([(engine.resolve_adapter("style"), 1.0)])
+    scratch.apply([(engine.adapters.resolve("style"), 1.0)])
     count = FailHalfway(None, error)
     with count:
-        scratch.apply([(engine.resolve_adapter("styles/second"), 1.0)])
+        scratch.apply([(engine.adapters.resolve("styles/second"), 1.0)])
     assert count.calls > 10, count.calls
     original = engine.swapper.apply
 
@@ -151,3 +151,16 @@ def test_not_ready_while_loading(served_adapters):
         while client.get("/ready").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+
+
+def test_an_unknown_adapter_is_a_404_that_names_no_server_path(client, served_adapters):
+    client, _ = client
+    folders = {str(served_adapters), str(served_adapters.resolve()), served_adapters.name}
+    answers = [client.post("/", json={"inputs": "x"}, headers={"lora": "nope"}),
+               client.post("/models/styles/nope", json={"inputs": "x"}),
+               client.post("/v1/images/generations", json={"prompt": "x", "model": "nope"}),
+               client.post("/adapters/nope/load"), client.delete("/adapters/nope")]
+    for answer in answers:
+        assert answer.status_code == 404, answer.text
+        error = answer.json()["error"]
+        assert "no such adapter" in error and not any(folder in error for folder in folders), error

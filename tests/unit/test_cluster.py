@@ -18,7 +18,7 @@ from loraswap.cluster.replica import adapter_key
 from loraswap.cluster.reports import Reports
 from loraswap.engine.config import GenerateRequest
 from loraswap.errors import AdapterIncompatible, AdapterNotFound, BadRequest, Overloaded
-from loraswap.server.backend import EngineFigures
+from loraswap.server.metrics import EngineFigures
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "ray"
 
@@ -203,3 +203,47 @@ def test_ingress_answers_replica_errors_as_its_own(tmp_path):
     with pytest.raises(AdapterNotFound):
         asyncio.run(ingress_over(FakeHandle(), tmp_path).generate(GenerateRequest(prompt="x", loras=[("nope", 1)]),
                                                                    None, never_gone))
+
+
+class FakeReports:
+    """The `reports` deployment's handle: `collect` answers these replica reports."""
+
+    def __init__(self, reports):
+        self.reports = reports
+        self.collect = self
+
+    def remote(self):
+        return FakeAnswer(self.reports)
+
+
+class FakeAnswer(FakeResponse):
+    def __init__(self, value):
+        super().__init__(None)
+        self.value = value
+
+    def __await__(self):
+        return self.value
+        yield
+
+
+def cached(adapter_id, tier="host", kept=False, applied=False):
+    return {"id": adapter_id, "cached": tier, "kept": kept, "applied": applied, "base_model": "tiny-sd", "rank": 4,
+            "bytes": 1000, "layers": 2}
+
+
+def test_ingress_lists_every_adapter_a_replica_caches_hub_ones_too(tmp_path):
+    backend = ingress_over(FakeHandle(), tmp_path)  # the folder holds "style"
+    live = report("r1", 1, cache=[cached("owner/hub-lora", kept=True), cached("style", "gpu", applied=True)])
+    other = report("r2", 1, cache=[cached("style", "host", kept=True)])
+    gone = {**report("r3", 1, cache=[cached("owner/gone")]), "alive": False}
+    backend.reports = FakeReports([{**live, "alive": True}, {**other, "alive": True}, gone])
+    listed = asyncio.run(backend.list_adapters())
+    rows = {row["id"]: row for row in listed["adapters"]}
+    assert set(rows) == {"owner/hub-lora", "style"}, "a kept hub adapter is listed; a gone replica's is not"
+    assert rows["owner/hub-lora"] == {**cached("owner/hub-lora", kept=True), "model": "tiny-sd",
+                                      "replicas": ["r1"]}
+    assert rows["style"] == {**cached("style", "gpu", kept=True, applied=True), "model": "tiny-sd",
+                             "replicas": ["r1", "r2"]}
+    backend.reports = FakeReports([])
+    assert asyncio.run(backend.list_adapters())["adapters"] == [
+        {"id": "style", "cached": "disk", "kept": False, "applied": False, "model": None, "replicas": []}]

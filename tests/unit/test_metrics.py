@@ -4,8 +4,7 @@
 def test_gpu_memory_gauges_follow_torchs_allocator(monkeypatch):
     import torch
 
-    from loraswap.server.backend import EngineFigures
-    from loraswap.server.metrics import Metrics
+    from loraswap.server.metrics import EngineFigures, Metrics
 
     assert b"loraswap_gpu_memory" not in Metrics().render(EngineFigures()) or torch.cuda.is_available()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -68,7 +68,8 @@ class LocalAdapterSource:
             if (self.root / f"{adapter_id}{suffix}").exists():
                 raise AdapterInvalid(adapter_id, f"it is a {suffix} file; only safetensors files are loaded "
                                      "(pickle files can run code)", "Convert it to .safetensors")
-        raise AdapterNotFound(adapter_id, f"no such adapter in {self.root}",
+        # the folder is not named: a client must not learn the server's paths
+        raise AdapterNotFound(adapter_id, "no such adapter in the adapter folder",
                               "GET /adapters lists the ids this server knows")
 
     def list_ids(self) -> list[str]:

@@ -12,24 +12,27 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import torch
+from fastapi import Depends
 from fastapi.concurrency import run_in_threadpool
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 from ..adapters.metadata import same_model
-from ..adapters.source import AdapterLocation, check_adapter_id
+from ..adapters.source import AdapterSources
+from ..adapters.store import make_sources
 from ..engine.config import GenerateRequest
-from ..engine.engine import Engine, GenerateResult
-from ..errors import AdapterNotFound, LoraswapError, Overloaded
+from ..engine.engine import GenerateResult
+from ..errors import LoraswapError, Overloaded
 from ..server.app import create_app
-from ..server.backend import ClientGone, EngineFigures
-from ..server.routing import route_by_base_model
+from ..server.auth import Access, require_admin_key
+from ..server.backend import wait_for_result
+from ..server.metrics import EngineFigures
+from ..server.routing import merge_adapter_rows, route_by_base_model
 from .config import ClusterConfig
 from .replica import adapter_key, log_to_stderr
 
 logger = logging.getLogger("loraswap.cluster")
 
-TIER_ORDER = {"disk": 0, "host": 1, "gpu": 2}
 REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 ATTEMPTS = 3  # a request whose replica died under it is sent again (generation has no side effects)
 
@@ -42,8 +45,8 @@ class RayBackend:
         self.handles = models
         self.reports = reports
         self.deployments = [engine.deployment_name for engine in config.engines]
-        default = config.engines[0]
-        self.source = default.source or Engine._sources(default)  # the same adapter sources as the engines
+        # the same adapter sources as the default engine's; with none, locating answers 404
+        self.source = _sources(config.engines[0]) or AdapterSources(None, None)
         self.names: list[str] | None = None  # the models' names, once their replicas answered
         self.compiled = False
         self.load_error: str | None = None
@@ -83,16 +86,9 @@ class RayBackend:
         return any(same_model(hosted, name) for hosted in self._names())
 
     # ---------------------------------------------------------------- routing
-    def locate(self, adapter_id: str) -> AdapterLocation:
-        check_adapter_id(adapter_id)
-        if self.source is None:
-            raise AdapterNotFound(adapter_id, "this server was started without an adapter folder",
-                                  "Start it with --adapters DIR")
-        return self.source.locate(adapter_id)
-
-    def _route(self, loras: list[tuple[str, float]], model: str | None) -> int | None:
+    def _route(self, loras: list[tuple[str, float]], model: str | None) -> int:
         names = self._names()
-        return names.index(route_by_base_model(names, self.locate, loras, model))
+        return names.index(route_by_base_model(names, self.source.locate, loras, model))
 
     # ---------------------------------------------------------------- requests
     async def generate(self, request: GenerateRequest, model: str | None,
@@ -114,18 +110,12 @@ class RayBackend:
         try:
             response = send()
             task = asyncio.ensure_future(_result(response))
-            try:
-                while not task.done():
-                    await asyncio.wait([task], timeout=0.1)
-                    if not task.done() and is_disconnected is not None and await is_disconnected():
-                        response.cancel()
-                        task.cancel()
-                        raise ClientGone()
-            except asyncio.CancelledError:  # the proxy cancels a request whose client left
+
+            def cancel():
                 response.cancel()
                 task.cancel()
-                raise
-            return task.result()
+
+            return await wait_for_result(task, cancel, is_disconnected)
         except RayTaskError as e:
             if isinstance(e.cause, (LoraswapError, torch.OutOfMemoryError)):
                 raise e.cause from None
@@ -136,32 +126,27 @@ class RayBackend:
 
     # ---------------------------------------------------------------- adapters
     async def list_adapters(self) -> dict:
+        """Every adapter in the folder or cached by a live replica (hub ones too), as the local
+        server lists them, with the replicas holding each."""
         names = self._names()
-        reports = await self._call(lambda: self.reports.collect.remote())
-        ids = await run_in_threadpool(self.source.list_ids) if self.source is not None else []
-        held: dict[str, list[tuple[str, dict]]] = {}
-        for report in reports:  # every model's replicas: an adapter is cached where its base model is served
-            if report["alive"]:
-                for row in report["cache"]:
-                    held.setdefault(row["id"], []).append((report["replica"], row))
-        rows = []
-        for adapter_id in ids:
-            copies = held.get(adapter_id, [])
-            row = {"id": adapter_id, "cached": "disk", "pinned": False, "applied": False, "replicas": []}
-            if copies:
-                best = max(copies, key=lambda c: TIER_ORDER[c[1]["cached"]])[1]
-                row.update({k: best[k] for k in ("base_model", "rank", "bytes", "layers")},
-                           cached=best["cached"], pinned=any(c["pinned"] for _, c in copies),
-                           applied=any(c["applied"] for _, c in copies), replicas=sorted(r for r, _ in copies))
-            rows.append(row)
-        return {"model": names[0], "models": names, "adapters": rows}
+        reports = [r for r in await self._call(lambda: self.reports.collect.remote()) if r["alive"]]
+        ids = await run_in_threadpool(self.source.list_ids)
+        on_disk = {"cached": "disk", "kept": False, "applied": False}
+        rows = [(None, {"id": adapter_id, **on_disk}) for adapter_id in ids]
+        rows += [(report["model"], row) for report in reports for row in report["cache"]]
+        holders: dict[str, set[str]] = {}
+        for report in reports:
+            for row in report["cache"]:
+                holders.setdefault(row["id"], set()).add(report["replica"])
+        adapters = [{**row, "replicas": sorted(holders.get(row["id"], ()))} for row in merge_adapter_rows(rows)]
+        return {"model": names[0], "models": names, "adapters": adapters}
 
-    async def pin_adapter(self, adapter_id: str) -> dict:
+    async def keep_adapter(self, adapter_id: str) -> dict:
         index = await run_in_threadpool(self._route, [(adapter_id, 1.0)], None)
         handle = self.handles[index].options(multiplexed_model_id=adapter_id)
-        return await self._call(lambda: handle.pin_adapter.remote(adapter_id))
+        return await self._call(lambda: handle.keep_adapter.remote(adapter_id))
 
-    async def unpin_adapter(self, adapter_id: str) -> None:
+    async def evict_adapter(self, adapter_id: str) -> None:
         index = await run_in_threadpool(self._route, [(adapter_id, 1.0)], None)
         await self._call(lambda: self.reports.evict.remote(self.deployments[index], adapter_id))
 
@@ -187,6 +172,11 @@ async def _result(response):
     return await response
 
 
+def _sources(engine) -> AdapterSources | None:
+    return engine.source or make_sources(engine.adapters, engine.hub, engine.hub_cache_dir, engine.hub_allow,
+                                         engine.hub_deny, int(engine.max_adapter_mb * 2**20))
+
+
 class Ingress:
     """The Serve ingress deployment (wrapped by `serve.ingress()` in `cluster.app`)."""
 
@@ -196,7 +186,7 @@ class Ingress:
         backend = RayBackend(config, models, reports)
         self._app = create_app(config, backend=backend)
 
-        @self._app.get("/replicas")
+        @self._app.get("/replicas", tags=[Access.ADMIN.value], dependencies=[Depends(require_admin_key)])
         async def replicas():
             """The model replicas of this Ray Serve deployment and what each holds."""
             return {"replicas": await backend.replicas()}

@@ -5,8 +5,8 @@ model id. `serve.multiplexed` keeps up to `max_adapters` of them per replica, le
 recently used first out, and tells Serve's router which replica holds which, so the
 next request for an adapter goes to a replica that already has it (one busy past
 `max_ongoing_requests` sends it to another, which loads it too). Loading one reads the
-adapters into the engine's cache (`Engine.prefetch`); evicting one drops them from the
-cache unless pinned or still used by another held set.
+adapters into the engine's cache (`engine.adapters.prefetch`); evicting one drops them
+from the cache unless kept or still used by another held set.
 
 The replica reports its figures, cache table and held sets to `Reports`, and does the
 commands it gets back (evict an adapter, for `DELETE /adapters/{id}`).
@@ -25,7 +25,7 @@ from ray import serve
 from ..engine.config import GenerateRequest
 from ..engine.engine import Engine, GenerateResult
 from ..engine.worker import GpuWorker, SchedulerConfig
-from ..server.backend import engine_figures
+from ..server.metrics import EngineFigures
 from .config import ModelDeploymentConfig
 
 logger = logging.getLogger("loraswap.cluster")
@@ -97,17 +97,18 @@ class ModelReplica:
         if key:
             await self._load(key)
         # 2. queue for the GPU worker (adapters from the cache); a cancelled request is dropped
-        future = self.worker.submit(request, self.engine.prefetch(request.loras))
+        future = self.worker.submit(request, self.engine.adapters.prefetch(request.loras))
         result = await asyncio.wrap_future(future)
         self.served += 1
         return result
 
-    async def pin_adapter(self, adapter_id: str) -> dict:
-        """Hold the adapter here, read it now and pin it in the cache (POST /adapters/{id}/load)."""
+    async def keep_adapter(self, adapter_id: str) -> dict:
+        """Hold the adapter here, read it now and keep it in the cache (POST /adapters/{id}/load)."""
         await self._load(adapter_id)
-        bound = await asyncio.to_thread(self.engine.pin_adapter, adapter_id)
+        bound = await asyncio.to_thread(self.engine.adapters.keep, adapter_id)
         await self._report()
-        return {"bytes": bound.nbytes, "layers": len(bound.layers), "replica": self.replica_id}
+        return {"bytes": bound.nbytes, "layers": len(bound.layers), "model": self.engine.model_name,
+                "replica": self.replica_id}
 
     async def __del__(self):
         """Graceful stop (Serve has drained requests): finish the queue, report a last time."""
@@ -123,8 +124,9 @@ class ModelReplica:
     def _make_loader(self):
         async def load_adapters(key: str) -> _Held:
             ids = tuple(key.split(","))
-            acquired = await asyncio.wrap_future(self.engine.prefetch([(adapter_id, 1.0) for adapter_id in ids]))
-            self.engine.release_adapters(acquired)
+            loras = [(adapter_id, 1.0) for adapter_id in ids]
+            acquired = await asyncio.wrap_future(self.engine.adapters.prefetch(loras))
+            self.engine.adapters.release(acquired)
             with self._lock:
                 self._held[key] = ids
                 self._refs.update(ids)
@@ -141,34 +143,34 @@ class ModelReplica:
             self._refs.subtract(ids)
             unused = [a for a in ids if self._refs[a] <= 0]
             self.evictions += 1
+        cache = self.engine.adapters.cache
         for adapter_id in unused:
-            entry = self.engine.cache.get(adapter_id)
-            if entry is not None and not entry.pinned:
-                self.engine.cache.unpin(adapter_id)  # drops it unless a queued request holds it
+            entry = cache.get(adapter_id)
+            if entry is not None and not entry.kept:
+                cache.evict(adapter_id)  # drops it unless a queued request holds it
         logger.info("replica %s evicted %s (least recently used)", self.replica_id, key)
 
     def _evict(self, adapter_id: str) -> None:
-        """Unpin and evict (DELETE /adapters/{id}); it is read anew when next used."""
-        self.engine.cache.unpin(adapter_id)
+        """Stop keeping it and drop it (DELETE /adapters/{id}); it is read anew when next used."""
+        self.engine.adapters.cache.evict(adapter_id)
 
     # ---------------------------------------------------------------- reports
     def _snapshot(self, stopped: bool = False) -> dict:
         engine = self.engine
         applied = {adapter_id for adapter_id, _ in engine.applied_ids}
         cache = []
-        for row in engine.cache.table():
-            entry = engine.cache.get(row["id"])
+        for row in engine.adapters.cache.table():
+            entry = engine.adapters.cache.get(row["id"])
             if entry is None:
                 continue
             bound = entry.host
-            cache.append({"id": row["id"], "cached": row["tier"], "pinned": row["pinned"],
+            cache.append({"id": row["id"], "cached": row["tier"], "kept": row["kept"],
                           "applied": row["id"] in applied,
                           "base_model": bound.base_models[0] if bound.base_models else engine.model_name,
-                          "rank": max(layer.rank for layer in bound.layers.values()), "bytes": bound.nbytes,
-                          "layers": len(bound.layers)})
+                          "rank": bound.rank, "bytes": bound.nbytes, "layers": len(bound.layers)})
         with self._lock:
             held = list(self._held)
-        figures = engine_figures(engine, self.worker)
+        figures = EngineFigures.of(engine, self.worker)
         figures.ready = not stopped
         return {"replica": self.replica_id, "deployment": self.deployment, "model": engine.model_name,
                 "seq": next(self._seq), "pid": os.getpid(), "loads": self.loads, "evictions": self.evictions,

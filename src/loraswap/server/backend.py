@@ -1,10 +1,12 @@
 """What the HTTP handlers run over: the models of this process, or a Ray Serve deployment.
 
-The handlers in `app.py` validate and answer; a backend routes a request to the engine
+The handlers (`routes/`) parse and answer; a backend routes a request to the engine
 hosting its base model and generates. `LocalBackend` drives engines and GPU workers in
 this process (`loraswap serve`); `cluster.ingress.RayBackend` calls model replicas
 through Ray Serve handles (`loraswap serve --ray`, `loraswap deploy`). Both raise the
-same `LoraswapError`s, so the HTTP contract is one.
+same `LoraswapError`s, so the HTTP contract is one, and share the rule that picks a
+request's model (`routing.route_by_base_model`), the wait on a result that watches for
+the client leaving (`wait_for_result`) and the merged adapter table (`merge_adapter_rows`).
 """
 
 import asyncio
@@ -12,73 +14,44 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from fastapi.concurrency import run_in_threadpool
 
-from ..adapters.cache import Tier
 from ..engine.config import GenerateRequest
 from ..engine.engine import Engine, GenerateResult
 from ..engine.worker import GpuWorker
 from ..errors import Overloaded
 from .config import ServerConfig
-from .routing import Deployment, Hosted
+from .metrics import EngineFigures
+from .routing import Deployment, Hosted, merge_adapter_rows
 
 logger = logging.getLogger("loraswap.server")
+
+T = TypeVar("T")
 
 
 class ClientGone(Exception):
     """The client disconnected while its request waited; the request was cancelled."""
 
 
-@dataclass
-class EngineFigures:
-    """Engine and worker figures for /metrics, summed over the engines serving."""
-
-    recompiles: int = 0
-    cache_hits: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in (Tier.HOST, Tier.GPU)})
-    cache_misses: int = 0
-    cache_bytes: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in (Tier.HOST, Tier.GPU)})
-    queue_depth: int = 0
-    cancelled: int = 0
-    ready: bool = False
-    replicas: list[dict] = field(default_factory=list)  # Ray: one row per model replica
-    # per model: start-up seconds by phase (`Engine.startup`) and torch's compile cache lookups
-    # until its first image (`Engine.compile_cache_lookups`); the slowest replica's, the lookups summed
-    startup: dict[str, dict[str, float]] = field(default_factory=dict)
-    compile_cache: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
-
-    def add(self, other: "EngineFigures", gauges: bool = True) -> None:
-        """Add another engine's counters (and its gauges unless it is gone)."""
-        self.recompiles += other.recompiles
-        self.cache_misses += other.cache_misses
-        self.cancelled += other.cancelled
-        for tier, hits in other.cache_hits.items():
-            self.cache_hits[tier] = self.cache_hits.get(tier, 0) + hits
-        if gauges:
-            self.queue_depth += other.queue_depth
-            for tier, nbytes in other.cache_bytes.items():
-                self.cache_bytes[tier] = self.cache_bytes.get(tier, 0) + nbytes
-            for model, phases in other.startup.items():
-                mine = self.startup.setdefault(model, {})
-                for phase, seconds in phases.items():
-                    mine[phase] = max(mine.get(phase, 0.0), seconds)
-            for model, caches in other.compile_cache.items():
-                mine = self.compile_cache.setdefault(model, {})
-                for cache, results in caches.items():
-                    into = mine.setdefault(cache, {})
-                    for result, n in results.items():
-                        into[result] = into.get(result, 0) + n
+POLL_S = 0.1  # how often a waiting request asks whether its client is still there
 
 
-def engine_figures(engine: Engine, worker: GpuWorker) -> EngineFigures:
-    return EngineFigures(
-        recompiles=engine.recompiles, cache_misses=engine.cache.misses, cancelled=worker.skipped_cancelled,
-        cache_hits={t.value: engine.cache.hits[t.value] for t in (Tier.HOST, Tier.GPU)},
-        cache_bytes={t.value: engine.cache.used(t) for t in (Tier.HOST, Tier.GPU)},
-        queue_depth=worker.queue_depth, ready=True, startup={engine.model_name: dict(engine.startup)},
-        compile_cache={engine.model_name: engine.compile_cache_lookups} if engine.compile_cache_lookups else {})
+async def wait_for_result(task: "asyncio.Future[T]", cancel: Callable[[], object],
+                          is_disconnected: Callable[[], Awaitable[bool]] | None) -> T:
+    """The task's result; `cancel()` and `ClientGone` if the client leaves first. Cancelled
+    itself (the proxy gives up on a request whose client left), it cancels too."""
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=POLL_S)
+            if not task.done() and is_disconnected is not None and await is_disconnected():
+                cancel()
+                raise ClientGone()
+    except asyncio.CancelledError:
+        cancel()
+        raise
+    return task.result()
 
 
 class Backend(Protocol):
@@ -98,12 +71,14 @@ class Backend(Protocol):
                        is_disconnected: Callable[[], Awaitable[bool]]) -> GenerateResult:
         """Route by base model (or `model`), generate; `ClientGone` if the client left first."""
 
-    async def list_adapters(self) -> dict: ...
+    async def list_adapters(self) -> dict:
+        """{"model", "models", "adapters"}: one row per adapter over every model (`merge_adapter_rows`)."""
 
-    async def pin_adapter(self, adapter_id: str) -> dict:
-        """Read the adapter now and pin it; {"bytes", "layers"}."""
+    async def keep_adapter(self, adapter_id: str) -> dict:
+        """Read the adapter now on the model it routes to and keep it; {"bytes", "layers", "model"}."""
 
-    async def unpin_adapter(self, adapter_id: str) -> None: ...
+    async def evict_adapter(self, adapter_id: str) -> None:
+        """Stop keeping the adapter and drop it from every tier of the model it routes to."""
 
     async def figures(self) -> EngineFigures: ...
 
@@ -185,35 +160,44 @@ class LocalBackend:
     async def generate(self, request: GenerateRequest, model: str | None,
                        is_disconnected: Callable[[], Awaitable[bool]]) -> GenerateResult:
         # the engine hosting the adapters' base model (unknown ids: 404 at once); the adapters
-        # are read on its prefetch pool while earlier requests generate, so its worker only
+        # are read on its store's pool while earlier requests generate, so its worker only
         # restores and fuses
         hosted = await run_in_threadpool(self._deployment().route, request.loras, model)
-        future = hosted.worker.submit(request, hosted.engine.prefetch(request.loras))
-        wrapped = asyncio.wrap_future(future)
-        while not wrapped.done():
-            await asyncio.wait([wrapped], timeout=0.1)
-            if not wrapped.done() and await is_disconnected():
-                future.cancel()
-                raise ClientGone()
-        return wrapped.result()
+        future = hosted.worker.submit(request, hosted.engine.adapters.prefetch(request.loras))
+        return await wait_for_result(asyncio.wrap_future(future), future.cancel, is_disconnected)
 
     async def list_adapters(self) -> dict:
         deployment = self._deployment()
-        engine = deployment.hosted[0].engine
-        return {"model": engine.model_name, "models": deployment.names,
-                "adapters": await run_in_threadpool(engine.list_adapters)}
 
-    async def pin_adapter(self, adapter_id: str) -> dict:
-        bound = await run_in_threadpool(self._deployment().hosted[0].engine.pin_adapter, adapter_id)
-        return {"bytes": bound.nbytes, "layers": len(bound.layers)}
+        def rows():
+            return merge_adapter_rows((h.engine.model_name, row) for h in deployment.hosted
+                                      for row in h.engine.adapters.rows(h.engine.applied_ids))
 
-    async def unpin_adapter(self, adapter_id: str) -> None:
-        await run_in_threadpool(self._deployment().hosted[0].engine.unpin_adapter, adapter_id)
+        return {"model": deployment.names[0], "models": deployment.names, "adapters": await run_in_threadpool(rows)}
+
+    async def keep_adapter(self, adapter_id: str) -> dict:
+        def keep():
+            engine = self._deployment().route([(adapter_id, 1.0)]).engine
+            bound = engine.adapters.keep(adapter_id)
+            return {"bytes": bound.nbytes, "layers": len(bound.layers), "model": engine.model_name}
+
+        return await run_in_threadpool(keep)
+
+    async def evict_adapter(self, adapter_id: str) -> None:
+        def evict():
+            # every engine caching it (a request naming a model may have put it on another
+            # than its own), else the one it routes to, whose store answers 404 for an unknown id
+            deployment = self._deployment()
+            holding = [h for h in deployment.hosted if h.engine.adapters.cache.get(adapter_id) is not None]
+            for hosted in holding or [deployment.route([(adapter_id, 1.0)])]:
+                hosted.engine.adapters.evict(adapter_id)
+
+        await run_in_threadpool(evict)
 
     async def figures(self) -> EngineFigures:
         total = EngineFigures()
         hosted = self.state.deployment.hosted
         for h in hosted:
-            total.add(engine_figures(h.engine, h.worker))
+            total.add(EngineFigures.of(h.engine, h.worker))
         total.ready = bool(hosted)
         return total

@@ -1,6 +1,8 @@
-"""The server's typed configuration: the engine's, plus the HTTP edge's limits."""
+"""The server's typed configuration: the engine's, plus the HTTP edge's limits and keys."""
 
-from pydantic import BaseModel, ConfigDict, Field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..engine.config import EngineConfig
 from ..engine.worker import SchedulerConfig
@@ -21,3 +23,20 @@ class ServerConfig(BaseModel):
     max_prompt_chars: int = Field(2000, ge=1, description="Longest prompt, characters.")
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="Largest request body.")
     max_images: int = Field(4, ge=1, le=16, description="Most images per OpenAI request (n).")
+    # repr=False: a config printed or logged never shows a key
+    api_keys: list[str] = Field(default_factory=list, repr=False,
+                                description="Keys accepted as `Authorization: Bearer KEY` on the generation "
+                                "routes; none: those routes are open.")
+    api_keys_file: Path | None = Field(None, description="A file of API keys, one a line (blank lines and "
+                                       "# comments skipped), read at start-up.")
+    admin_keys: list[str] = Field(default_factory=list, repr=False,
+                                  description="Keys for the adapter routes (load, evict, list); none: those "
+                                  "routes take an API key, or are open when there is none.")
+    auth_health: bool = Field(False, description="Ask for a key on /health, /ready and /metrics too.")
+
+    @model_validator(mode="after")
+    def _health_auth_needs_a_key(self):
+        if self.auth_health and not (self.api_keys or self.api_keys_file or self.admin_keys):
+            raise ValueError("auth_health asks for a key on /health, /ready and /metrics, but no key is set: "
+                             "set api_keys, api_keys_file or admin_keys")
+        return self

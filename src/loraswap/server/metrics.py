@@ -7,12 +7,68 @@ per-replica series for the latter.
 """
 
 import threading
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..adapters.cache import Tier
+
 SWAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 GENERATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+
+@dataclass
+class EngineFigures:
+    """Engine and worker figures for /metrics, summed over the engines serving."""
+
+    recompiles: int = 0
+    cache_hits: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in (Tier.HOST, Tier.GPU)})
+    cache_misses: int = 0
+    cache_bytes: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in (Tier.HOST, Tier.GPU)})
+    queue_depth: int = 0
+    cancelled: int = 0
+    ready: bool = False
+    replicas: list[dict] = field(default_factory=list)  # Ray: one row per model replica
+    # per model: start-up seconds by phase (`Engine.startup`) and torch's compile cache lookups
+    # until its first image (`Engine.compile_cache_lookups`); the slowest replica's, the lookups summed
+    startup: dict[str, dict[str, float]] = field(default_factory=dict)
+    compile_cache: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, engine, worker) -> "EngineFigures":
+        """One engine's figures (an `Engine` and its `GpuWorker`)."""
+        cache = engine.adapters.cache
+        lookups = engine.compile_cache_lookups
+        return cls(recompiles=engine.recompiles, cache_misses=cache.misses, cancelled=worker.skipped_cancelled,
+                   cache_hits={t.value: cache.hits[t.value] for t in (Tier.HOST, Tier.GPU)},
+                   cache_bytes={t.value: cache.used(t) for t in (Tier.HOST, Tier.GPU)},
+                   queue_depth=worker.queue_depth, ready=True, startup={engine.model_name: dict(engine.startup)},
+                   compile_cache={engine.model_name: lookups} if lookups else {})
+
+    def add(self, other: "EngineFigures", gauges: bool = True) -> None:
+        """Add another engine's counters (and its gauges unless it is gone)."""
+        self.recompiles += other.recompiles
+        self.cache_misses += other.cache_misses
+        self.cancelled += other.cancelled
+        _add_into(self.cache_hits, other.cache_hits)
+        if not gauges:
+            return
+        self.queue_depth += other.queue_depth
+        _add_into(self.cache_bytes, other.cache_bytes)
+        for model, phases in other.startup.items():
+            mine = self.startup.setdefault(model, {})
+            for phase, seconds in phases.items():
+                mine[phase] = max(mine.get(phase, 0.0), seconds)
+        for model, caches in other.compile_cache.items():
+            mine = self.compile_cache.setdefault(model, {})
+            for cache, results in caches.items():
+                _add_into(mine.setdefault(cache, {}), results)
+
+
+def _add_into(total: dict, more: dict) -> None:
+    for key, n in more.items():
+        total[key] = total.get(key, 0) + n
 
 
 class Metrics:
@@ -29,8 +85,8 @@ class Metrics:
         self.registry.register(_GpuMemoryCollector())
         self._lock = threading.Lock()
 
-    def render(self, figures) -> bytes:
-        """The Prometheus text, with these engine figures (a `backend.EngineFigures`)."""
+    def render(self, figures: EngineFigures) -> bytes:
+        """The Prometheus text, with these engine figures."""
         with self._lock:
             self._engines.figures = figures
             return generate_latest(self.registry)

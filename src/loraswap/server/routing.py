@@ -1,13 +1,16 @@
-"""Several base models in one server: which engine serves a request.
+"""Several base models in one server: which model serves a request, and one table of
+adapters over all of them.
 
-An adapter that declares a base model (safetensors metadata, model card, adapter
-config) goes to the engine hosting that model; one that declares none goes to the
-default (first) model; one made for a model not hosted here is refused with 422 naming
-the hosted ones. Declarations are read from the file's header and side files only;
-the full read and checks happen on the chosen engine's prefetch pool.
+One rule for both backends (this process's engines, and Ray replicas), for generation
+and for keeping and evicting: an adapter that declares a base model (safetensors
+metadata, model card, adapter config) goes to the engine hosting that model; one that
+declares none goes to the default (first) model; one made for a model not hosted here
+is refused with 422 naming the hosted ones. Declarations are read from the file's
+header and side files only; the full read and checks happen on the chosen engine's
+prefetch pool.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from safetensors import safe_open
@@ -30,7 +33,7 @@ def route_by_base_model(names: list[str], locate: Callable[[str], AdapterLocatio
     """The hosted model (one of `names`, the first is the default) that serves these adapters.
 
     `model`: a base model named explicitly (the path or OpenAI `model`), else None.
-    `locate`: the adapter's file (400/403/404 for bad or unknown ids), e.g. `Engine.locate`.
+    `locate`: the adapter's file (400/403/404 for bad or unknown ids), e.g. `AdapterStore.locate`.
     """
     def by_name(name: str) -> str | None:
         return next((n for n in names if same_model(n, name)), None)
@@ -77,5 +80,24 @@ class Deployment:
     def route(self, loras: list[tuple[str, float]], model: str | None = None) -> Hosted:
         """The engine for these adapters (and an explicitly named model, if any)."""
         names = self.names
-        chosen = route_by_base_model(names, self.hosted[0].engine.locate, loras, model)
+        chosen = route_by_base_model(names, self.hosted[0].engine.adapters.locate, loras, model)
         return self.hosted[names.index(chosen)]
+
+
+TIER_ORDER = {"disk": 0, "host": 1, "gpu": 2}
+
+
+def merge_adapter_rows(rows: Iterable[tuple[str, dict]]) -> list[dict]:
+    """One row per adapter from the rows of several models (or replicas), each given with the
+    model it came from: the figures of the copy in the fastest tier, kept or applied where
+    any copy is, and `model`, the model holding that copy (None for an adapter only on disk)."""
+    merged: dict[str, dict] = {}
+    for model, row in rows:
+        row = {**row, "model": model if row["cached"] != "disk" else None}
+        other = merged.get(row["id"])
+        if other is not None:
+            if TIER_ORDER[other["cached"]] >= TIER_ORDER[row["cached"]]:
+                row, other = other, row  # the first of equals wins: the default model's
+            row.update(kept=row["kept"] or other["kept"], applied=row["applied"] or other["applied"])
+        merged[row["id"]] = row
+    return [merged[adapter_id] for adapter_id in sorted(merged)]

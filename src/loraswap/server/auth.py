@@ -1,0 +1,143 @@
+"""API keys, as OpenAI-compatible servers check them: `Authorization: Bearer KEY`.
+
+That header is what the `openai` client (`api_key=`) and `huggingface_hub`'s
+`InferenceClient(token=...)` send. Three kinds of route:
+
+- generation (`POST /`, `/models/...`, `/v1/images/generations`): an API key, or an
+  admin key, once any API key is configured;
+- adapter admin (`GET /adapters`, `POST /adapters/{id}/load`, `DELETE /adapters/{id}`):
+  an admin key once any is configured, else as generation (an API key, if any);
+- health (`/health`, `/ready`, `/metrics`): open, unless `auth_health` (then any key).
+
+`/docs` and `/openapi.json` stay open: they describe the API, not what it serves.
+
+A missing or wrong key is answered 401 with `WWW-Authenticate: Bearer` by a route
+dependency, which runs before the handler reads the body, so it costs no parsing and no
+GPU work. Keys are compared in constant time and never logged.
+"""
+
+import enum
+import hmac
+import ipaddress
+import logging
+from dataclasses import dataclass
+
+from fastapi import HTTPException, Request
+
+from .config import ServerConfig
+
+logger = logging.getLogger("loraswap.server")
+
+
+class Access(str, enum.Enum):
+    """Which keys a route takes; also the route's OpenAPI tag."""
+
+    GENERATION = "generation"
+    ADMIN = "adapters"
+    HEALTH = "health"
+
+
+@dataclass(frozen=True)
+class Keys:
+    api: tuple[bytes, ...] = ()
+    admin: tuple[bytes, ...] = ()
+    health: bool = False  # ask for a key on the health routes too
+
+    def __repr__(self) -> str:  # never the keys themselves
+        return f"Keys(api={len(self.api)}, admin={len(self.admin)}, health={self.health})"
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> "Keys":
+        """The configured keys, with those of `api_keys_file`; ValueError (naming no key) for a
+        file that is missing or holds none, or for a key that a header cannot carry."""
+        api = list(config.api_keys)
+        if config.api_keys_file is not None:
+            api += _read_keys_file(config)
+        for kind, keys in (("api key", api), ("admin key", config.admin_keys)):
+            for number, key in enumerate(keys, 1):
+                if not key or any(c.isspace() or not c.isprintable() for c in key):
+                    raise ValueError(f"{kind} {number} is empty or holds a space or a control character: "
+                                     "an Authorization header cannot carry it")
+        return cls(tuple(k.encode() for k in api), tuple(k.encode() for k in config.admin_keys),
+                   config.auth_health)
+
+    def accepted(self, access: Access) -> tuple[bytes, ...]:
+        """The keys a route of this kind takes; () when it is open."""
+        if access is Access.GENERATION:
+            return self.api + self.admin if self.api else ()
+        if access is Access.ADMIN:
+            return self.admin or self.api
+        return self.api + self.admin if self.health else ()
+
+
+def _read_keys_file(config: ServerConfig) -> list[str]:
+    path = config.api_keys_file
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"api_keys_file {path} cannot be read: {e.strerror}") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ValueError(f"api_keys_file {path} holds no key (one key a line; # starts a comment)")
+    return keys
+
+
+def bearer_token(request: Request) -> bytes | None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    token = token.strip()
+    return token.encode() if scheme.lower() == "bearer" and token else None
+
+
+def matches(token: bytes, keys: tuple[bytes, ...]) -> bool:
+    """Whether `token` is one of `keys`, compared with every key in constant time (no early
+    exit: the time does not say which key came close)."""
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(token, key)
+    return found
+
+
+def _check(request: Request, access: Access) -> None:
+    keys: Keys = request.app.state.keys
+    accepted = keys.accepted(access)
+    if not accepted:
+        return
+    token = bearer_token(request)
+    if token is not None and matches(token, accepted):
+        return
+    what = "an admin key" if access is Access.ADMIN and keys.admin else "an API key"
+    problem = "no key was sent" if token is None else "the key sent is not valid here"
+    raise HTTPException(401, detail=f"this route needs {what}: {problem}. Send the header "
+                        "'Authorization: Bearer KEY'", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def require_api_key(request: Request) -> None:
+    """Route dependency of the generation routes."""
+    _check(request, Access.GENERATION)
+
+
+async def require_admin_key(request: Request) -> None:
+    """Route dependency of the adapter admin routes."""
+    _check(request, Access.ADMIN)
+
+
+async def require_health_key(request: Request) -> None:
+    """Route dependency of /health, /ready and /metrics (open unless `auth_health`)."""
+    _check(request, Access.HEALTH)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def maybe_warn_open(config: ServerConfig, keys: Keys) -> None:
+    """Warn when the server listens beyond loopback and anyone who reaches it may generate."""
+    if not keys.api and not is_loopback(config.host):
+        logger.warning("listening on %s without an API key: anyone who reaches the port can generate images%s. "
+                       "Set --api-key (or --api-keys-file) and --admin-key", config.host,
+                       "" if keys.admin else " and load, evict and list adapters")

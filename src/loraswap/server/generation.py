@@ -1,0 +1,70 @@
+"""What both generation APIs do once a request is parsed: generate through the backend
+(counted, timed and logged at the edge) and encode the image as the client accepts."""
+
+import io
+import logging
+import time
+
+import torch
+from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
+
+from ..engine.config import GenerateRequest
+from ..engine.engine import GenerateResult
+from ..errors import LoraswapError, Overloaded
+from .backend import ClientGone
+
+logger = logging.getLogger("loraswap.server")
+
+IMAGE_FORMATS = (("image/png", "PNG"), ("image/webp", "WEBP"), ("image/jpeg", "JPEG"))
+IMAGE_RESPONSES = {200: {"content": {"image/jpeg": {}, "image/png": {}, "image/webp": {}}}}
+
+
+async def generate(request: Request, route: str, gen: GenerateRequest, model: str | None) -> GenerateResult:
+    """One image from the backend: routed to the engine hosting the adapters' base model (or
+    `model`), generated on its GPU worker; a client that leaves first cancels it."""
+    state = request.app.state
+    started = time.perf_counter()
+    status = 500
+    result = None
+    try:
+        result = await state.backend.generate(gen, model, request.is_disconnected)
+        status = 200
+        return result
+    except torch.OutOfMemoryError:
+        status = 503
+        raise Overloaded("the GPU ran out of memory for this request; retry, or ask for a smaller image") from None
+    except ClientGone:
+        status = 499
+        raise
+    except LoraswapError as e:
+        status = e.status
+        raise
+    finally:
+        _observe(state.metrics, route, status, gen, result, time.perf_counter() - started)
+
+
+def _observe(metrics, route: str, status: int, gen: GenerateRequest, result: GenerateResult | None,
+             seconds: float) -> None:
+    metrics.requests.labels(route, str(status)).inc()
+    if result is not None:
+        if result.swap_seconds:
+            metrics.swap_seconds.observe(result.swap_seconds)
+        metrics.generate_seconds.observe(result.generate_seconds)
+    logger.info("%s adapters=%s swap=%.1fms generate=%.2fs total=%.2fs status=%d", route,
+                ",".join(f"{a}:{w:g}" for a, w in gen.loras) or "-",
+                result.swap_seconds * 1e3 if result else 0.0, result.generate_seconds if result else 0.0,
+                seconds, status)
+
+
+async def encode(image, accept: str) -> tuple[bytes, str]:
+    """The image in the first format `accept` names (PNG, WebP, JPEG), else JPEG; encoded off
+    the event loop."""
+    media, fmt = next(((m, f) for m, f in IMAGE_FORMATS if m in accept), ("image/jpeg", "JPEG"))
+
+    def save():
+        buffer = io.BytesIO()
+        image.save(buffer, format=fmt, **({"quality": 95} if fmt in ("JPEG", "WEBP") else {}))
+        return buffer.getvalue()
+
+    return await run_in_threadpool(save), media

@@ -1,0 +1,136 @@
+"""The bounds of every request field, written once: `LIMITS` drives the checks of both APIs,
+the words of their 400s and the bounds the OpenAPI schema publishes.
+
+A bound is a number, or the `ServerConfig` field that sets it (`--max-width` ...). The
+bounds of guidance and seed are the engine's own (`GenerateRequest`), read from there.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.config import GenerateRequest
+from ..errors import BadRequest
+from .config import ServerConfig
+
+Bound = int | float | str | None  # str: the ServerConfig field that sets it
+
+
+def engine_bounds(field: str) -> tuple[float, float]:
+    """The (inclusive) bounds `GenerateRequest` puts on `field`."""
+    low = high = None
+    for rule in GenerateRequest.model_fields[field].metadata:
+        ge, le, lt = (getattr(rule, bound, None) for bound in ("ge", "le", "lt"))
+        low = ge if ge is not None else low
+        high = le if le is not None else lt - 1 if lt is not None else high  # lt: integers only
+    return low, high
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One field's bounds and the message that refuses a value outside them."""
+
+    names: tuple[str, ...]  # as the APIs spell the field (HF `inputs` is OpenAI's `prompt`)
+    message: str  # str.format fields: name, value (the length, for strings), low, high
+    low: Bound = None
+    high: Bound = None
+    multiple_of: int | None = None
+    length: bool = False  # the bounds are on the string's length
+    blank: str | None = None  # the message for an empty or all-space string
+    pattern: str | None = None
+    choices: tuple[str, ...] = ()
+
+    def bounds(self, config: ServerConfig) -> tuple[Any, Any]:
+        return tuple(getattr(config, b) if isinstance(b, str) else b for b in (self.low, self.high))
+
+    def check(self, name: str, value: Any, config: ServerConfig) -> None:
+        """BadRequest(message) when `value` is outside the bounds."""
+        if self.blank is not None and not value.strip():
+            raise BadRequest(self.blank)
+        low, high = self.bounds(config)
+        number = len(value) if self.length else value
+        refused = (
+            (self.pattern is not None and not re.fullmatch(self.pattern, value))
+            or (self.choices and value not in self.choices)
+            or (low is not None and not number >= low)  # `not >=`: NaN is refused too
+            or (high is not None and not number <= high)
+            or (self.multiple_of is not None and number % self.multiple_of)
+        )
+        if refused:
+            raise BadRequest(self.message.format(name=name, value=number if self.length else repr(value),
+                                                 low=low, high=high))
+
+    def schema(self, config: ServerConfig) -> dict:
+        """The same bounds as JSON Schema keywords."""
+        low, high = self.bounds(config)
+        schema = {}
+        if low is not None:
+            schema["minLength" if self.length else "minimum"] = low
+        if high is not None:
+            schema["maxLength" if self.length else "maximum"] = high
+        if self.blank is not None:
+            schema.update(minLength=max(1, schema.get("minLength", 1)), pattern=r"\S")
+        if self.multiple_of is not None:
+            schema["multipleOf"] = self.multiple_of
+        if self.pattern is not None:
+            schema["pattern"] = self.pattern
+        if self.choices:
+            schema["enum"] = list(self.choices)
+        return schema
+
+
+_GUIDANCE = engine_bounds("guidance")
+_SEED = engine_bounds("seed")
+_BETWEEN = "{name} {value} must be between {low} and {high}"
+
+# in the order a request is checked: the first field out of bounds is the one named
+LIMITS = (
+    Limit(("response_format",), "response_format must be 'b64_json'; this server does not host image URLs",
+          choices=("b64_json",)),
+    Limit(("n",), "n must be between {low} and {high}", low=1, high="max_images"),
+    Limit(("size",), "size {value} must look like '1024x1024' (WIDTHxHEIGHT) or be 'auto'",
+          pattern=r"^(auto|\d{1,5}x\d{1,5})$"),
+    Limit(("prompt", "inputs"), "the prompt has {value} characters; the limit is {high}", low=1,
+          high="max_prompt_chars", length=True, blank="the prompt is empty"),
+    Limit(("negative_prompt",), "the negative prompt has {value} characters; the limit is {high}",
+          high="max_prompt_chars", length=True),
+    Limit(("width",), "{name} {value} must be a multiple of 8 between {low} and {high}", low=8, high="max_width",
+          multiple_of=8),
+    Limit(("height",), "{name} {value} must be a multiple of 8 between {low} and {high}", low=8,
+          high="max_height", multiple_of=8),
+    Limit(("num_inference_steps",), _BETWEEN, low=1, high="max_steps"),
+    Limit(("guidance_scale",), _BETWEEN, low=_GUIDANCE[0], high=_GUIDANCE[1]),
+    Limit(("seed",), _BETWEEN, low=_SEED[0], high=_SEED[1]),
+)
+
+
+def check_limits(fields: dict[str, Any], config: ServerConfig) -> None:
+    """BadRequest naming the first field of `fields` (as the APIs spell them) out of bounds;
+    None values are absent fields."""
+    for limit in LIMITS:
+        for name in limit.names:
+            if fields.get(name) is not None:
+                limit.check(name, fields[name], config)
+
+
+def schema_limits(config: ServerConfig) -> dict[str, dict]:
+    """JSON Schema keywords by field name, for the OpenAPI document."""
+    return {name: limit.schema(config) for limit in LIMITS for name in limit.names}
+
+
+def constrain(node, limits: dict[str, dict]) -> None:
+    """Add `limits` to every property of those names in a JSON Schema (the non-null branch of
+    an optional one), nested ones included (HF `target_size.width`)."""
+    if isinstance(node, list):
+        for item in node:
+            constrain(item, limits)
+        return
+    if not isinstance(node, dict):
+        return
+    for name, prop in (node.get("properties") or {}).items():
+        if name in limits and isinstance(prop, dict):
+            for branch in prop.get("anyOf", [prop]):
+                if branch.get("type") != "null":
+                    branch.update(limits[name])
+    for value in node.values():
+        constrain(value, limits)

@@ -1,0 +1,93 @@
+"""The OpenAPI document: each field with this server's limits (`limits.LIMITS`), the
+`{"error": ...}` answers each route really gives, and the bearer key where a route needs
+one, so that clients (and the fuzz test) see the contract."""
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from .auth import Access, Keys
+from .config import ServerConfig
+from .limits import constrain, schema_limits
+
+LORA_HEADER = {"name": "lora", "in": "header", "required": False, "schema": {"type": "string"},
+               "description": "Adapter id, or several with weights: `id1:0.8, id2:0.5`."}
+
+# Statuses each route answers besides 200, as {"error": ...}; FastAPI's own 422 (a `detail`
+# list) never reaches a client: request validation errors are answered 400.
+_ERRORS_GENERATE = ("400", "403", "404", "422", "503")
+_ERRORS = {"/": _ERRORS_GENERATE, "/models/{model_id}": _ERRORS_GENERATE,
+           "/v1/images/generations": _ERRORS_GENERATE, "/ready": ("503",), "/adapters": ("503",),
+           "/adapters/{adapter_id}/load": ("400", "403", "404", "422", "503"),
+           "/adapters/{adapter_id}": ("400", "403", "404", "422", "503")}
+_ERROR_TEXT = {"400": "Bad request: the message says what to fix.", "401": "No key, or a wrong one: send "
+               "`Authorization: Bearer KEY`.", "403": "Hub adapter refused by allow/deny.",
+               "404": "Unknown adapter.", "422": "The adapter does not fit the hosted base model.",
+               "503": "Queue full, model loading, shutting down or out of memory; retry after Retry-After."}
+BEARER = {"type": "http", "scheme": "bearer",
+          "description": "An API key (generation routes) or an admin key (adapter routes), when the server has "
+                         "keys: `Authorization: Bearer KEY`, as the openai client and huggingface_hub send it."}
+
+
+def json_body(schema: dict) -> dict:
+    """An OpenAPI request body of this JSON Schema, its `$defs` inlined."""
+    defs = {}
+
+    def collect(node):
+        if isinstance(node, dict):
+            defs.update(node.pop("$defs", {}))
+            for value in node.values():
+                collect(value)
+        elif isinstance(node, list):
+            for value in node:
+                collect(value)
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    collect(schema)
+    return {"required": True, "content": {"application/json": {"schema": inline(schema)}}}
+
+
+def document_api(app: FastAPI, config: ServerConfig, keys: Keys) -> None:
+    """Build the schema once, on first request of /openapi.json."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            components = schema.setdefault("components", {})
+            components["securitySchemes"] = {"bearer": BEARER}
+            schemas = components.setdefault("schemas", {})
+            schemas.pop("HTTPValidationError", None)
+            schemas.pop("ValidationError", None)
+            schemas["Error"] = {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
+            for path, operations in schema["paths"].items():
+                for operation in operations.values():
+                    _document_operation(operation, _ERRORS.get(path, ()), keys)
+            constrain(schema, schema_limits(config))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _document_operation(operation: dict, statuses: tuple[str, ...], keys: Keys) -> None:
+    """The operation's error answers, and its key when this server asks for one."""
+    responses = operation.setdefault("responses", {})
+    responses.pop("422", None)
+    tags = operation.get("tags") or []
+    if any(keys.accepted(Access(tag)) for tag in tags if tag in {a.value for a in Access}):
+        operation["security"] = [{"bearer": []}]
+        statuses = ("401", *statuses)
+    ref = {"$ref": "#/components/schemas/Error"}
+    for status in statuses:
+        responses[status] = {"description": _ERROR_TEXT[status], "content": {"application/json": {"schema": ref}}}
+        if status == "503":
+            responses[status]["headers"] = {"Retry-After": {"schema": {"type": "string"}}}
+        if status == "401":
+            responses[status]["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}

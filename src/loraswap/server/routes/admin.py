@@ -1,0 +1,29 @@
+"""The adapter admin routes: list, load (and keep) and evict. On a server hosting several
+models, each goes to the model the adapter's declared base model routes to."""
+
+from fastapi import APIRouter, Depends, Request
+
+from ..auth import Access, require_admin_key
+
+router = APIRouter(tags=[Access.ADMIN.value], dependencies=[Depends(require_admin_key)])
+
+
+@router.get("/adapters")
+async def list_adapters(request: Request):
+    """Every adapter in the folder or in a cache tier: id, where cached, whether kept and
+    applied, and once read its base model, rank and size; `model` names the model holding it."""
+    return await request.app.state.backend.list_adapters()
+
+
+@router.post("/adapters/{adapter_id:path}/load")
+async def load_adapter(adapter_id: str, request: Request):
+    """Read the adapter into host RAM now and keep it cached until `DELETE`."""
+    kept = await request.app.state.backend.keep_adapter(adapter_id)
+    return {"id": adapter_id, "cached": "host", "kept": True, **kept}
+
+
+@router.delete("/adapters/{adapter_id:path}")
+async def evict_adapter(adapter_id: str, request: Request):
+    """Stop keeping the adapter and drop it from every cache tier (read again when next used)."""
+    await request.app.state.backend.evict_adapter(adapter_id)
+    return {"id": adapter_id, "cached": "disk", "kept": False}

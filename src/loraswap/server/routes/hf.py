@@ -1,0 +1,41 @@
+"""Hugging Face Inference API text-to-image: `POST /` and `POST /models/{model_id}`."""
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from ..auth import Access, require_api_key
+from ..generation import IMAGE_RESPONSES, encode, generate
+from ..openapi import LORA_HEADER, json_body
+from ..requests import parse_request
+from ..schemas import HFRequest
+
+router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key)])
+
+# the body is read by the handler (after the key check), so FastAPI does not document it
+HF_OPENAPI = {"requestBody": json_body({"anyOf": [{"type": "string"}, HFRequest.model_json_schema()]}),
+              "parameters": [LORA_HEADER]}
+
+
+@router.post("/", openapi_extra=HF_OPENAPI, response_class=Response, responses=IMAGE_RESPONSES)
+async def generate_root(request: Request) -> Response:
+    """Hugging Face Inference API text-to-image; adapter from the `lora` header."""
+    return await generate_hf(request, "/", None)
+
+
+@router.post("/models/{model_id:path}", openapi_extra=HF_OPENAPI, response_class=Response,
+             responses=IMAGE_RESPONSES)
+async def generate_model(model_id: str, request: Request) -> Response:
+    """As `POST /`; `model_id` is the base model's name or an adapter id."""
+    return await generate_hf(request, "/models", model_id)
+
+
+async def generate_hf(request: Request, route: str, path_model: str | None) -> Response:
+    # 1. parse: {"inputs": ..., "parameters": {...}} or a bare JSON string; the adapters from
+    #    the `lora` header, and the path's model id when it names an adapter
+    parsed = await parse_request(request, HFRequest, path_model)
+    # 2. generate on the GPU worker, 3. encode as the client accepts
+    result = await generate(request, route, parsed.generate, parsed.model)
+    data, media = await encode(result.image, request.headers.get("accept", ""))
+    total = result.swap_seconds + result.generate_seconds
+    return Response(data, media_type=media, headers={"x-compute-time": f"{total:.4f}",
+                                                     "x-swap-ms": f"{result.swap_seconds * 1e3:.2f}",
+                                                     "x-seed": str(result.seed)})

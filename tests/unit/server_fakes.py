@@ -1,0 +1,54 @@
+"""A backend with no engine, for tests of the HTTP edge alone (auth, limits, parsing): it
+hosts one model, "fake", and records every call."""
+
+from PIL import Image
+
+from loraswap.engine.config import GenerateRequest
+from loraswap.engine.engine import GenerateResult
+from loraswap.server.app import create_app
+from loraswap.server.config import ServerConfig
+from loraswap.server.metrics import EngineFigures
+
+
+class FakeBackend:
+    load_error = None
+
+    def __init__(self):
+        self.generated: list[tuple[GenerateRequest, str | None]] = []
+        self.kept: list[str] = []
+        self.evicted: list[str] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def ready_info(self) -> dict:
+        return {"model": "fake", "models": ["fake"], "compiled": False}
+
+    def is_model(self, name: str) -> bool:
+        return name == "fake"
+
+    async def generate(self, request: GenerateRequest, model, is_disconnected) -> GenerateResult:
+        self.generated.append((request, model))
+        return GenerateResult(Image.new("RGB", (8, 8), (200, 10, 10)), request.seed or 0, 0.0, 0.01)
+
+    async def list_adapters(self) -> dict:
+        return {"model": "fake", "models": ["fake"], "adapters": []}
+
+    async def keep_adapter(self, adapter_id: str) -> dict:
+        self.kept.append(adapter_id)
+        return {"bytes": 10, "layers": 1, "model": "fake"}
+
+    async def evict_adapter(self, adapter_id: str) -> None:
+        self.evicted.append(adapter_id)
+
+    async def figures(self) -> EngineFigures:
+        return EngineFigures(ready=True)
+
+
+def fake_app(**config):
+    """(app, backend): the HTTP app over a FakeBackend, with these ServerConfig fields."""
+    backend = FakeBackend()
+    return create_app(ServerConfig(**config), backend=backend), backend
