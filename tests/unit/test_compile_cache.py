@@ -15,8 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loraswap.engine.compile import use_compile_cache
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
-from loraswap.server.backend import EngineFigures
-from loraswap.server.metrics import Metrics
+from loraswap.server.metrics import EngineFigures, Metrics
 
 ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 

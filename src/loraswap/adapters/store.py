@@ -166,22 +166,23 @@ class AdapterStore:
             self.locate(adapter_id)  # an id neither cached nor on disk: 404
         self.cache.evict(adapter_id)
 
-    def rows(self, applied_ids=()) -> list[dict]:
-        """Every adapter in the folder or in a cache tier (hub adapters too): its id, tier,
-        whether it is kept and applied, and once read its base model, rank and size."""
+    def rows(self, applied_ids=(), cached_only: bool = False) -> list[dict]:
+        """Every adapter in a cache tier (hub adapters too) and, unless `cached_only`, in the
+        folder: its id, tier, whether it is kept and applied, and once read its base model,
+        rank and size."""
         applied = {aid for aid, _ in applied_ids}
-        listed = set(self.source.list_ids()) if self.source is not None else set()
-        rows = []
-        for adapter_id in sorted(listed | set(self.cache.ids())):
-            entry = self.cache.get(adapter_id)
-            row = {"id": adapter_id, "cached": entry.tier.value if entry else "disk",
-                   "kept": bool(entry and entry.kept), "applied": adapter_id in applied}
-            if entry is not None:
-                bound = entry.host
-                row.update(base_model=bound.base_models[0] if bound.base_models else self.model.name,
-                           rank=bound.rank, bytes=bound.nbytes, layers=len(bound.layers))
-            rows.append(row)
-        return rows
+        listed = set(self.source.list_ids()) if self.source is not None and not cached_only else set()
+        return [self._row(adapter_id, applied) for adapter_id in sorted(listed | set(self.cache.ids()))]
+
+    def _row(self, adapter_id: str, applied: set[str]) -> dict:
+        entry = self.cache.get(adapter_id)
+        row = {"id": adapter_id, "cached": entry.tier.value if entry else "disk",
+               "kept": bool(entry and entry.kept), "applied": adapter_id in applied}
+        if entry is not None:
+            bound = entry.host
+            row.update(base_model=bound.base_models[0] if bound.base_models else self.model.name,
+                       rank=bound.rank, bytes=bound.nbytes, layers=len(bound.layers))
+        return row
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -11,7 +11,8 @@ from .options import setup_logging
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (run them on a GPU).")
 
 Out = Annotated[Path, typer.Option("--out", help="Folder for JSON and PNG.")]
-Shape = Annotated[str, typer.Option("--shape", help="flux-dev, sdxl or sd15 (real config, random weights).")]
+Shape = Annotated[str, typer.Option("--shape", help="flux-dev, sdxl or sd15 (real config, random weights), or a "
+                                     "tiny preset for a quick run.")]
 ServedModel = Annotated[str, typer.Option("--model", help="sdxl-random, flux-dev-random, sd15-random or a preset.")]
 
 
@@ -40,9 +41,8 @@ def bench_swap(
     rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds of all variants.")] = 5,
     recompile_swaps: Annotated[int, typer.Option("--recompile-swaps", help="Mixed swaps in the recompile check.")]
     = 60,
-    specs: Annotated[str, typer.Option("--adapters-spec", help="rank:targets list; the first is the hotswap "
-                                       "baseline's first adapter, so give it the widest targets and the highest "
-                                       "rank.")]
+    specs: Annotated[str, typer.Option("--adapters-spec", help="rank:targets list of the random adapters; "
+                                       "the hotswap baseline is prepared for the highest rank on every layer.")]
     = "128:all,4:attn,64:all,16:all,32:attn,8:all",
     variants: Annotated[str, typer.Option("--variants", help="Comma-separated: load-and-fuse, hotswap, fused "
                                           "(loraswap), base (the compiled base model).")]

@@ -19,7 +19,6 @@ from ray.serve.exceptions import BackPressureError
 
 from ..adapters.metadata import same_model
 from ..adapters.source import AdapterSources
-from ..adapters.store import make_sources
 from ..engine.config import GenerateRequest
 from ..engine.engine import GenerateResult
 from ..errors import LoraswapError, Overloaded
@@ -46,7 +45,7 @@ class RayBackend:
         self.reports = reports
         self.deployments = [engine.deployment_name for engine in config.engines]
         # the same adapter sources as the default engine's; with none, locating answers 404
-        self.source = _sources(config.engines[0]) or AdapterSources(None, None)
+        self.source = config.engines[0].adapter_sources() or AdapterSources(None, None)
         self.names: list[str] | None = None  # the models' names, once their replicas answered
         self.compiled = False
         self.load_error: str | None = None
@@ -170,11 +169,6 @@ class RayBackend:
 
 async def _result(response):
     return await response
-
-
-def _sources(engine) -> AdapterSources | None:
-    return engine.source or make_sources(engine.adapters, engine.hub, engine.hub_cache_dir, engine.hub_allow,
-                                         engine.hub_deny, int(engine.max_adapter_mb * 2**20))
 
 
 class Ingress:

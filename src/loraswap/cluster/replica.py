@@ -157,17 +157,7 @@ class ModelReplica:
     # ---------------------------------------------------------------- reports
     def _snapshot(self, stopped: bool = False) -> dict:
         engine = self.engine
-        applied = {adapter_id for adapter_id, _ in engine.applied_ids}
-        cache = []
-        for row in engine.adapters.cache.table():
-            entry = engine.adapters.cache.get(row["id"])
-            if entry is None:
-                continue
-            bound = entry.host
-            cache.append({"id": row["id"], "cached": row["tier"], "kept": row["kept"],
-                          "applied": row["id"] in applied,
-                          "base_model": bound.base_models[0] if bound.base_models else engine.model_name,
-                          "rank": bound.rank, "bytes": bound.nbytes, "layers": len(bound.layers)})
+        cache = engine.adapters.rows(engine.applied_ids, cached_only=True)
         with self._lock:
             held = list(self._held)
         figures = EngineFigures.of(engine, self.worker)

@@ -2,7 +2,7 @@
 
 Ray Serve routes each request to one replica; it has no call to all of them. So each
 replica sends `Reports.put` its figures and cache table every `report_interval_s` (and
-right after an adapter load or pin), and gets back the commands waiting for it. The
+right after an adapter load or keep), and gets back the commands waiting for it. The
 ingress reads the merged reports for /metrics and /adapters, and `evict` (for
 `DELETE /adapters/{id}`) queues a command for every live replica of a model and waits
 until each has done it and reported again.
@@ -67,7 +67,7 @@ class Reports:
         return rows
 
     async def evict(self, deployment: str, adapter_id: str, timeout_s: float | None = None) -> int:
-        """Have every live replica of `deployment` unpin and evict the adapter; how many did."""
+        """Have every live replica of `deployment` stop keeping and evict the adapter; how many did."""
         now = time.monotonic()
         targets = {r for r, row in self._rows.items() if row["deployment"] == deployment and self._alive(r, now)}
         if not targets:

@@ -7,6 +7,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..adapters.cache import CacheConfig
+from ..adapters.source import AdapterSources
+from ..adapters.store import make_sources
 from .quantize import QuantizeMode
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -64,6 +66,11 @@ class EngineConfig(BaseModel):
         from .attention import check_backend_name
 
         return check_backend_name(name)
+
+    def adapter_sources(self) -> AdapterSources | None:
+        """Where this model's adapters come from: `source` if given, else the folder and/or hub."""
+        return self.source or make_sources(self.adapters, self.hub, self.hub_cache_dir, self.hub_allow,
+                                           self.hub_deny, int(self.max_adapter_mb * 2**20))
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

@@ -21,7 +21,7 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
 from ..adapters.bound import ModelLayers
-from ..adapters.store import Acquired, AdapterStore, StoreLimits, TargetModel, make_sources
+from ..adapters.store import Acquired, AdapterStore, StoreLimits, TargetModel
 from ..models import generation_defaults, model_name, resolve_device
 from .attention import AttentionBackend
 from .baselines import HotswapSwapper, LoadAndFuseSwapper
@@ -104,14 +104,13 @@ class Engine:
 
     def _make_store(self) -> AdapterStore:
         config = self.config
-        max_bytes = int(config.max_adapter_mb * 2**20)
-        source = config.source or make_sources(config.adapters, config.hub, config.hub_cache_dir, config.hub_allow,
-                                               config.hub_deny, max_bytes)
         unet = self.components.get("unet")
         target = TargetModel(self.model_name, type(self.pipeline), ModelLayers(self.components), self.dtype,
                              unet.config if unet is not None else None)
-        limits = StoreLimits(max_bytes, config.max_rank, config.max_blend, config.prefetch_threads)
-        return AdapterStore(source, target, config.cache, self.device, limits, self.swapper.reads_adapters)
+        limits = StoreLimits(int(config.max_adapter_mb * 2**20), config.max_rank, config.max_blend,
+                             config.prefetch_threads)
+        return AdapterStore(config.adapter_sources(), target, config.cache, self.device, limits,
+                            self.swapper.reads_adapters)
 
     # ---------------------------------------------------------------- adapters
     @property
