@@ -22,9 +22,9 @@ for step in $steps; do
       run smoke 240 240 python scripts/gpu_smoke.py 2>&1 | tail -20 ;;
     fp8-kernel)  # the float8 re-quantization kernel against eager torchao, FLUX-sized layers
       run fp8-kernel 100 100 python scripts/fp8_kernel_check.py "$out/fp8-kernel-check.json" ;;
-    swap-fp8)  # a LoRA kept unfused on float8 (seed 2's hotswap) against re-quantizing it in
+    swap-fp8)  # a LoRA kept unfused on float8 (the hotswap baseline) against re-quantizing it in
       run swap-fp8 400 400 python -m loraswap bench swap --shape flux-dev --quantize fp8 --rounds 3 \
-        --recompile-swaps 10 --variants seed2,loraswap,base --out "$out" ;;
+        --recompile-swaps 10 --variants hotswap,fused,base --out "$out" ;;
     options)  # attention backends x compile modes, a swap before each image
       for attention in native _native_cudnn _native_flash; do  # one backend per process
         run "options-sdxl-$attention" 300 300 python -m loraswap bench options --shape sdxl --rounds 3 \
@@ -34,10 +34,10 @@ for step in $steps; do
         run "options-flux-$attention" 420 420 python -m loraswap bench options --shape flux-dev --steps 28 \
           --rounds 3 --out "$out/flux-$attention" --variants "$attention@default"
       done ;;
-    serve-sdxl)  # target: >= 3x seed-1 mode with a LoRA per request
+    serve-sdxl)  # target: >= 3x the load-and-fuse server with a LoRA per request
       run serve-sdxl 580 580 python -m loraswap bench serve --model sdxl-random --requests 20 --concurrency 4 \
         --out "$out" --fused-args "--compile-mode reduce-overhead" ;;
-    serve-flux)  # target: full FLUX pipeline >= 2.5x seed-1 mode
+    serve-flux)  # target: full FLUX pipeline >= 2.5x the load-and-fuse server
       run serve-flux 590 590 python -m loraswap bench serve --model flux-dev-random --requests 12 --concurrency 2 \
         --steps 28 --out "$out" --fused-args "--quantize fp8" ;;
     lowmem)  # target: peak <= 22 GB under a 24 GB cap (gpu_peak_GiB in the JSON);

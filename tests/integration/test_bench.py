@@ -82,3 +82,20 @@ def test_bench_serve_stopped_stops_its_server(tmp_path, stop):
         bench.kill()
         for pid in _servers_under(tmp_path / "work"):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_bench_swap_runs_every_variant_on_a_tiny_preset_without_recompiling(tmp_path):
+    """The four variants (the engine's own baseline swappers on a bare denoiser, the fused
+    swap, the compiled base), interleaved: every round has each, the compiled copies never
+    recompile across swaps, and the results are written."""
+    result = CliRunner().invoke(app, ["bench", "swap", "--shape", "tiny-sd", "--width", "64", "--height", "64",
+                                      "--steps", "2", "--rounds", "2", "--recompile-swaps", "4",
+                                      "--adapters-spec", "16:all,4:attn,8:all", "--out", str(tmp_path / "out"),
+                                      "--workdir", str(tmp_path / "work")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "swap-tiny-sd.json").read_text())
+    variants = ["load-and-fuse", "hotswap", "fused", "base"]
+    assert sorted(r["variant"] for r in report["rows"]) == sorted(variants * 2)
+    assert list(report["summary"]) == variants
+    assert all(r["swap_disk_s"] > 0 for r in report["rows"] if r["variant"] != "base")
+    assert report["recompile_check"] == {"swaps": 4, "graphs_compiled": 0, "graphs_compiled_during_rounds": 0}

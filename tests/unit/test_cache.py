@@ -1,4 +1,4 @@
-"""The tiered adapter cache: the table after every load, touch, pin and eviction."""
+"""The tiered adapter cache: the table after every load, touch, keep and eviction."""
 
 import threading
 

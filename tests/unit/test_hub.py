@@ -83,3 +83,18 @@ def test_hub_size_cap_applies_to_cached_files(hub_engine, tmp_path):
                                 warmup=False))
     with pytest.raises(AdapterInvalid, match="over the"):
         small.set_adapters([("alice/watercolor", 1.0)])
+
+
+def test_a_used_and_kept_hub_adapter_is_listed_with_its_tier(hub_engine):
+    """GET /adapters lists what is in the folder and what any cache tier holds: a hub adapter
+    is in no folder, and was missing from the list even when kept."""
+    engine, _, _ = hub_engine
+    engine.set_adapters([("bob/single", 1.0)])
+    engine.adapters.keep("alice/watercolor")
+    rows = {row["id"]: row for row in engine.adapters.rows(engine.applied_ids)}
+    assert set(rows) == {"styles/local", "bob/single", "alice/watercolor"}
+    assert rows["alice/watercolor"]["kept"] and rows["alice/watercolor"]["cached"] == "host"
+    assert rows["bob/single"]["applied"] and not rows["bob/single"]["kept"]
+    assert rows["styles/local"]["cached"] == "disk" and "rank" not in rows["styles/local"]
+    engine.adapters.evict("alice/watercolor")
+    assert "alice/watercolor" not in {row["id"] for row in engine.adapters.rows()}

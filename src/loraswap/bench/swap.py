@@ -122,7 +122,7 @@ class SwapBench:
         for r in range(rounds):
             rotated = order[r % len(order):] + order[: r % len(order)]
             for variant in rotated:
-                i = (r + 1) % n  # round 0 would re-apply the hotswap's widest adapter: start at 1
+                i = r % n
                 row = {"round": r, "variant": variant, "adapter": self.paths[i].name, **self._swap(variant, i)}
                 row["image_s"], _ = timed(self.denoise[variant])
                 self.results["rows"].append(row)
