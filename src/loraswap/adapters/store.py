@@ -184,9 +184,6 @@ class AdapterStore:
                        rank=bound.rank, bytes=bound.nbytes, layers=len(bound.layers))
         return row
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 def _stamp(location: AdapterLocation) -> tuple:
     stat = location.weights.stat()
