@@ -20,7 +20,7 @@ serve: $(STAMP)
 # the layering and the size of functions are checked before the tests run
 test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests scripts
 	$(VENV)/bin/python -m pytest -q tests
 
 clean:

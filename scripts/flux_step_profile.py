@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from loraswap.bench.common import environment, timed
-from loraswap.bench.swap import Denoise, denoiser_inputs
-from loraswap.engine.engine import compile_denoiser
+from loraswap.bench.swap import Denoise
+from loraswap.bench.swap_setup import denoiser_inputs
+from loraswap.engine.compile import compile_denoiser
 from loraswap.engine.quantize import quantize_module
 from loraswap.models.shapes import build_shape_component
 
@@ -103,7 +104,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     base = build_shape_component("flux-dev", "transformer", device=device, dtype=dtype)
-    inputs = denoiser_inputs("flux-dev", args.size, args.size, device, dtype)
+    inputs = denoiser_inputs(base, args.size, args.size, device, dtype)
     models = {}
     for name in variants:
         models[name] = Denoise(build(base, name, args.quantize, device), inputs, args.steps)

@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-from loraswap.adapters import formats
+from loraswap.adapters import bound, formats, store
 from loraswap.bench.common import timed
 from loraswap.bench.serve import SPECS, prepare_adapters
-from loraswap.engine import swap
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 
@@ -52,23 +51,23 @@ def main() -> None:
     reads = _Timers()  # the first read's phases (nested: "pack" is inside "bind" and "gpu copy")
     formats.read_safetensors = reads("file read", formats.read_safetensors)
     formats.parse_adapter = reads("convert", formats.parse_adapter)
-    engine.swapper.bind = reads("bind", engine.swapper.bind)
-    swap.BoundAdapter.to = reads("pack", swap.BoundAdapter.to)
-    engine.cache.maybe_copy_to_gpu = reads("gpu copy", engine.cache.maybe_copy_to_gpu)
+    store.bind_adapter = reads("bind", store.bind_adapter)
+    bound.BoundAdapter.to = reads("pack", bound.BoundAdapter.to)
+    engine.adapters.cache.maybe_copy_to_gpu = reads("gpu copy", engine.adapters.cache.maybe_copy_to_gpu)
     rows = []
     for round_name in ("cold", "cached"):
         for i, adapter_id in enumerate(ids):
             timers.reset()
             reads.reset()
             started = time.perf_counter()
-            acquired = engine.acquire_adapters([(adapter_id, 1.0)])
+            acquired = engine.adapters.acquire([(adapter_id, 1.0)])
             read = time.perf_counter() - started
             read_phases = dict(reads.last)
             try:
                 result = engine.generate(GenerateRequest(prompt="a lighthouse at dusk", seed=i, steps=args.steps,
                                                          loras=[(adapter_id, 1.0)]), acquired)
             finally:
-                engine.release_adapters(acquired)
+                engine.adapters.release(acquired)
             encoding = time.perf_counter()
             buffer = io.BytesIO()
             result.image.save(buffer, format="JPEG", quality=95)
@@ -86,7 +85,7 @@ def main() -> None:
         mine = [r for r in rows if r["round"] == round_name]
         summary[round_name] = {k: round(statistics.median(r[k] for r in mine), 4)
                                for k in mine[0] if k.endswith("_s") or k in timers.names}
-    entries = [engine.cache.get(i) for i in ids]
+    entries = [engine.adapters.cache.get(i) for i in ids]
     summary["host copies pinned"] = sum(bool(e and e.host.packed.is_pinned()) for e in entries)
     summary["host buffers"] = host_buffers([r["mb"] for r in rows if r["round"] == "cold"])
     report = {"model": args.model, "compile_mode": args.compile_mode, "quantize": args.quantize,

@@ -18,9 +18,8 @@ from pathlib import Path
 import diffusers
 import torch
 
-from loraswap.adapters.formats import load_adapter
-from loraswap.adapters.source import AdapterLocation
 from loraswap.bench.common import write_random_adapters
+from loraswap.bench.swap_setup import bound_reader
 from loraswap.engine import kernels
 from loraswap.engine.swap import FusedSwapper
 from loraswap.models import SHAPE_PIPELINES
@@ -55,9 +54,8 @@ def main(shape: str, folder: Path) -> None:
     model = build_shape_component(shape, prefix, device="cuda")
     swapper = FusedSwapper({prefix: model})
     paths = write_random_adapters(shape, [(64, "all"), (16, "all"), (128, "attn")], folder)
-    pipeline_cls = getattr(diffusers, SHAPE_PIPELINES[shape])
-    bound = [swapper.bind(load_adapter(AdapterLocation(p.stem, p, None), pipeline_cls, swapper.component_modules,
-                                       2**40)) for p in paths]
+    read = bound_reader(getattr(diffusers, SHAPE_PIPELINES[shape]), prefix, model, swapper.layers)
+    bound = [read(p) for p in paths]
     host = [b.to("cpu", torch.bfloat16, pin_memory=True) for b in bound]
     gpu = [b.to("cuda", torch.bfloat16) for b in bound]
     print(f"{shape}: r64 all-linear adapter {bound[0].nbytes / 2**20:.0f} MiB over {len(bound[0].layers)} layers",

@@ -194,7 +194,7 @@ def test_hostile_adapter_is_refused_on_every_route(served, adapter_id):
     for response in (by_path, by_openai, by_load):
         _assert_refused(response, status, phrase, adapter_id)
     _assert_unchanged(engine, base)
-    assert engine.adapters.cache.get(adapter_id) is None, "a refused adapter was cached or pinned"
+    assert engine.adapters.cache.get(adapter_id) is None, "a refused adapter was cached or kept"
 
 
 @pytest.mark.parametrize("bad_id", BAD_IDS)

@@ -63,3 +63,5 @@ def test_hotswap_refusals_change_nothing(hotswap, loras, error, match):
     with pytest.raises(error, match=match):
         engine.set_adapters(loras)
     assert_bitwise_equal(before, engine.components)
+    assert engine.applied_ids == (("narrow", 1.0),), "the engine still knows what is applied"
+    assert rel_err(engine_image(engine, []), image_array(load_pipeline("tiny-sd"))) <= 1e-6

@@ -28,7 +28,7 @@ def test_gpu_budget_may_not_exceed_host_budget():
         CacheConfig(host_bytes=10 * MB, gpu_bytes=20 * MB)
 
 
-def test_lru_by_bytes_with_pins_and_in_use():
+def test_lru_by_bytes_with_kept_and_in_use_entries():
     cache = AdapterCache(CacheConfig(host_bytes=10 * MB, gpu_bytes=0), torch.device("cpu"))
     a = cache.insert("a", adapter("a", 4), (1,))
     assert rows(cache) == [("a", "host", 4, False, 1)]

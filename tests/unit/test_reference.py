@@ -118,3 +118,4 @@ def test_load_and_fuse_baseline_matches_the_fused_swap(adapter_factory, tmp_path
         ours, theirs = engine_image(fused, loras), engine_image(baseline, loras)
         assert rel_err(ours, theirs) <= 1e-4, loras
     assert baseline.applied_ids == ()
+    assert not baseline.pipeline.get_list_adapters(), "the baseline unloaded its adapters"

@@ -91,6 +91,9 @@ class AdapterCache:
         self.pin_host = device.type == "cuda"  # host copies pinned after insertion (`_pin_later`)
         self._pinner = ThreadPoolExecutor(1, thread_name_prefix="loraswap-pin")
 
+    def close(self) -> None:
+        self._pinner.shutdown(wait=False, cancel_futures=True)
+
     # ---------------------------------------------------------------- lookups
     def lookup(self, adapter_id: str, stamp: tuple) -> CacheEntry | None:
         """The entry, held (in use) until `release`, if cached from the same file version;

@@ -185,6 +185,12 @@ class AdapterStore:
         return row
 
 
+    def close(self) -> None:
+        """Stop the store's reading threads and the cache's pinner (the server's shutdown)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.cache.close()
+
+
 def _stamp(location: AdapterLocation) -> tuple:
     stat = location.weights.stat()
     # ctime and inode too: a copy that keeps the mtime (cp -p, rsync -t, tar) is still a new file

@@ -3,8 +3,9 @@
 Variants, interleaved round by round (the order rotates) and repeated:
 1. load-and-fuse  diffusers `load_lora_adapter` + `fuse_lora` per request, eager (and
                   unfuse + unload before the next), as the Hugging Face Inference API image does;
-2. hotswap        diffusers + PEFT hotswap: `enable_lora_hotswap(target_rank)`, a first
-                  adapter, regional compile, then `load_lora_adapter(..., hotswap=True)`;
+2. hotswap        diffusers + PEFT hotswap: `enable_lora_hotswap(target_rank)`, a zero
+                  placeholder adapter of the highest rank on every targeted layer, regional
+                  compile, then `load_lora_adapter(..., hotswap=True)`;
 3. fused          loraswap's fused swap from pristine copies under regional compile, the
                   adapter read from disk, from pinned host RAM, or already on the GPU;
 4. base           the compiled denoiser with no LoRA: the ceiling.

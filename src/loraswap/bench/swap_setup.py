@@ -9,7 +9,7 @@ from ..adapters.bound import ModelLayers, bind_adapter
 from ..adapters.formats import load_adapter
 from ..adapters.source import AdapterLocation
 from ..engine.baselines import HotswapSwapper, LoadAndFuseSwapper
-from ..models import SHAPE_PIPELINES
+from ..models import SHAPE_PIPELINES, denoiser_name
 from ..models.presets import PRESETS, build_preset
 from ..models.shapes import build_shape_component
 from .common import write_random_adapters
@@ -24,7 +24,7 @@ def build_denoiser(shape: str, device: torch.device, dtype: torch.dtype) -> tupl
 
     if shape in PRESETS:
         pipeline = build_preset(shape)
-        prefix = "transformer" if getattr(pipeline, "transformer", None) is not None else "unet"
+        prefix = denoiser_name(pipeline)
         return getattr(pipeline, prefix).to(device, dtype), prefix, type(pipeline)
     torch.manual_seed(0)
     prefix = DENOISER[shape]

@@ -56,8 +56,12 @@ def _serve_http(config) -> None:
 
     # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal to the handler
     # it found: make that one a clean exit, so a graceful stop exits 0
+    try:
+        app = create_app(config)
+    except ValueError as e:  # an unreadable keys file or a malformed key (the message never holds a key)
+        raise typer.BadParameter(str(e)) from None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info",
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info",
                 timeout_graceful_shutdown=60)
 
 

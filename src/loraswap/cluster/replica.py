@@ -115,6 +115,7 @@ class ModelReplica:
         self._stopping = True
         self._reporter.cancel()
         await asyncio.to_thread(self.worker.stop, 60.0)
+        self.engine.adapters.close()
         try:  # `reports` may be stopping too (the whole app is): do not wait on it
             await asyncio.wait_for(self._report(stopped=True), timeout=2.0)
         except (Exception, asyncio.TimeoutError):

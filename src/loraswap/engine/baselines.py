@@ -11,9 +11,8 @@
   diffusers fails on the others after the denoiser was already swapped, so they are
   refused from the file's header first.
 
-Both implement the swapper interface of `swap.FusedSwapper` (`reads_adapters`,
-`compiles`, `prepare_to_compile`, `warm_up`, `swap`), so the engine never branches on
-which one it drives. They receive the adapters' files (`AdapterLocation`), not parsed
+Both implement the swapper interface (`swap.Swapper`) as `swap.FusedSwapper` does, so
+the engine never branches on which one it drives. They receive the adapters' files (`AdapterLocation`), not parsed
 adapters: diffusers reads them itself.
 """
 
@@ -27,6 +26,7 @@ from safetensors import safe_open
 from ..adapters.random import make_random_adapter
 from ..adapters.source import AdapterLocation
 from ..errors import AdapterIncompatible, BadRequest
+from ..models import denoiser_name
 
 HOTSWAP_SLOT = "hotswap"  # the one adapter name every hotswap loads into
 
@@ -44,28 +44,40 @@ class LoadAndFuseSwapper:
         self.pipeline = pipeline
         self._loaded = False
 
+    def check(self, adapters: Sequence[tuple[AdapterLocation, float]]) -> None:
+        """Nothing beyond diffusers' own checks (what the Hugging Face image does)."""
+
     def prepare_to_compile(self) -> None:
         """Nothing: this baseline runs eager."""
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> bool:
         """Nothing to warm: diffusers' own ops."""
+        return False
 
     def swap(self, adapters: Sequence[tuple[AdapterLocation, float]]) -> float:
         start = time.perf_counter()
         pipeline = self.pipeline
-        if self._loaded:
-            pipeline.unfuse_lora()
-            pipeline.unload_lora_weights()
-            self._loaded = False
+        self._unload()
         names = [f"lora{i}" for i in range(len(adapters))]
-        for name, (location, _) in zip(names, adapters):
-            pipeline.load_lora_weights(str(location.weights), adapter_name=name)
-            self._loaded = True
-        if names:
-            pipeline.set_adapters(names, [weight for _, weight in adapters])
-            pipeline.fuse_lora(adapter_names=names)
+        try:
+            for name, (location, _) in zip(names, adapters):
+                self._loaded = True
+                pipeline.load_lora_weights(str(location.weights), adapter_name=name)
+            if names:
+                pipeline.set_adapters(names, [weight for _, weight in adapters])
+                pipeline.fuse_lora(adapter_names=names)
+        except BaseException:
+            self._unload()  # back to the base model, as the engine then records
+            raise
         _synchronize()
         return time.perf_counter() - start
+
+
+    def _unload(self) -> None:
+        if self._loaded:
+            self.pipeline.unfuse_lora()
+            self.pipeline.unload_lora_weights()
+            self._loaded = False
 
 
 class HotswapSwapper:
@@ -75,7 +87,7 @@ class HotswapSwapper:
     def __init__(self, pipeline: DiffusionPipeline, target_rank: int):
         self.pipeline = pipeline
         self.target_rank = target_rank
-        self._denoiser = "transformer" if getattr(pipeline, "transformer", None) is not None else "unet"
+        self._denoiser = denoiser_name(pipeline)
         self._placeholder: dict[str, torch.Tensor] | None = None
 
     def prepare_to_compile(self) -> None:
@@ -92,24 +104,32 @@ class HotswapSwapper:
         parameters, which each hotswap then overwrites in place."""
         return {key: tensor.clone() for key, tensor in self._placeholder.items()}
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> bool:
         """Nothing to warm beyond the compiled model."""
+        return False
 
     def swap(self, adapters: Sequence[tuple[AdapterLocation, float]]) -> float:
         if self._placeholder is None:
             self.prepare_to_compile()
-        if len(adapters) > 1:
-            raise BadRequest("the hotswap baseline serves one adapter at a time; name one adapter")
-        if adapters:
-            self._check(*adapters[0])
         start = time.perf_counter()
         source = str(adapters[0][0].weights) if adapters else self._fresh_placeholder()
-        self.pipeline.load_lora_weights(source, adapter_name=HOTSWAP_SLOT, hotswap=True)
+        try:
+            self.pipeline.load_lora_weights(source, adapter_name=HOTSWAP_SLOT, hotswap=True)
+        except BaseException:  # back to the base model, as the engine then records
+            self.pipeline.load_lora_weights(self._fresh_placeholder(), adapter_name=HOTSWAP_SLOT, hotswap=True)
+            raise
         _synchronize()
         return time.perf_counter() - start
 
-    def _check(self, location: AdapterLocation, weight: float) -> None:
-        """Refuse, from the header alone, what diffusers' hotswap would fail on halfway."""
+    def check(self, adapters: Sequence[tuple[AdapterLocation, float]]) -> None:
+        """Refuse, from the headers alone and before anything changes, what diffusers'
+        hotswap would fail on halfway."""
+        if len(adapters) > 1:
+            raise BadRequest("the hotswap baseline serves one adapter at a time; name one adapter")
+        if adapters:
+            self._check_one(*adapters[0])
+
+    def _check_one(self, location: AdapterLocation, weight: float) -> None:
         aid = location.adapter_id
         if weight != 1.0:
             raise BadRequest(f"adapter '{aid}': the hotswap baseline applies adapters at weight 1 only "

@@ -46,6 +46,8 @@ import torch._functorch.config
 import torch._inductor.config
 from torch._dynamo.utils import counters
 
+from ..models import denoiser_name
+
 logger = logging.getLogger(__name__)
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
@@ -136,7 +138,7 @@ def compile_denoiser(denoiser: torch.nn.Module, mode: str = "default") -> None:
 
 def compile_pipeline(pipeline, mode: str, compile_vae: bool) -> None:
     """The denoiser, and the VAE decoder when asked (`EngineConfig.compile_vae`)."""
-    compile_denoiser(getattr(pipeline, "transformer", None) or pipeline.unet, mode)
+    compile_denoiser(getattr(pipeline, denoiser_name(pipeline)), mode)
     vae = getattr(pipeline, "vae", None)
     if compile_vae and vae is not None and hasattr(vae, "decoder"):
         # CUDA graphs would hold the decoder's large activations in their own pool: default mode

@@ -39,7 +39,7 @@ class EngineConfig(BaseModel):
         "none", description="Denoiser linear weights in float8 (torchao); fp8 and fp8-tensorwise also quantize "
                             "activations (CUDA), with scales per row or per tensor.")
     quantize_text_encoders: Literal["none", "fp8-weight-only"] = Field(
-        "none", description="Text encoders' linear weights in float8 (T5-XXL: 9.5 GB -> 4.8 GB).")
+        "none", description="Text encoders' linear weights in float8 (half their bf16 size).")
     max_gpu_memory_gb: float | None = Field(
         None, gt=0, description="Cap on this process's GPU memory (a 24 GB card on a larger one).")
     compile_cache: Path | None = Field(None, description="Folder of torch.compile's caches, kept across restarts.")

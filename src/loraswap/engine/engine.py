@@ -22,7 +22,7 @@ from PIL import Image
 
 from ..adapters.bound import ModelLayers
 from ..adapters.store import Acquired, AdapterStore, StoreLimits, TargetModel
-from ..models import generation_defaults, model_name, resolve_device
+from ..models import denoiser_name, generation_defaults, model_name, resolve_device
 from .attention import AttentionBackend
 from .baselines import HotswapSwapper, LoadAndFuseSwapper
 from .compile import graph_count
@@ -75,7 +75,7 @@ class Engine:
                            if getattr(self.pipeline, name, None) is not None}
         self.swapper = self._make_swapper()
         self.adapters = self._make_store()
-        self._applied: Acquired = []  # what the swapper applied, as the store handed it
+        self._applied: Acquired = []  # what the swapper applied, as the store handed it (on failure: base)
         self._call_parameters = set(inspect.signature(self.pipeline.__call__).parameters)
         # pipelines that postprocess with diffusers' VaeImageProcessor (SD, SDXL, FLUX.1) return
         # "pt" images as (batch, channels, height, width) in [0, 1]; others keep their PIL output
@@ -126,14 +126,16 @@ class Engine:
         own = acquired is None
         acquired = self.adapters.acquire(loras) if own else acquired
         try:
+            self.swapper.check(acquired)  # a refusal changes nothing, the applied adapters included
             if len(acquired) == len(self._applied) and all(
                     a is b and wa == wb for (a, wa), (b, wb) in zip(acquired, self._applied)):
                 return 0.0  # the same held adapters: a file changed on disk is re-read into a new one
-            seconds = self.swapper.swap(acquired)
+            try:
+                seconds = self.swapper.swap(acquired)
+            except BaseException:
+                self._applied = []  # a swap that fails leaves the base model
+                raise
             self._applied = list(acquired)
-        except BaseException:
-            self._applied = []
-            raise
         finally:
             if own:
                 self.adapters.release(acquired)
@@ -188,7 +190,7 @@ class Engine:
     # ---------------------------------------------------------------- state
     @property
     def denoiser(self) -> torch.nn.Module:
-        return getattr(self.pipeline, "transformer", None) or self.pipeline.unet
+        return getattr(self.pipeline, denoiser_name(self.pipeline))
 
     @property
     def startup(self) -> dict[str, float]:

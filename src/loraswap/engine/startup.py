@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from ..models import load_pipeline
+from ..models import denoiser_name, load_pipeline
 from ..models.staged import build_pipeline, fill_pipeline, plan_fill
 from .compile import (
     CUDA_GRAPH_MODES,
@@ -72,7 +72,7 @@ class Startup:
         if quantizing:
             logger.info("loaded %s on %s in %.1f s; quantizing", config.model, "the host" if via_host else "the GPU",
                         time.perf_counter() - self.started)
-        quantize_module(getattr(pipeline, "transformer", None) or pipeline.unet, config.quantize, device)
+        quantize_module(getattr(pipeline, denoiser_name(pipeline)), config.quantize, device)
         quantize_text_encoders(pipeline, config.quantize_text_encoders, device)
         if via_host:
             pipeline.to(device)
@@ -152,8 +152,8 @@ class Startup:
             return
         logger.info("warming up%s", " (compiling)" if self.compiled else "")
         kernels = time.perf_counter()
-        self.retry_cold(engine.swapper.warm_up)
-        logger.info("swap kernels ready in %.2f s", time.perf_counter() - kernels)
+        if self.retry_cold(engine.swapper.warm_up):
+            logger.info("swap kernels ready in %.2f s", time.perf_counter() - kernels)
         engine.generate(GenerateRequest(prompt="warm-up", seed=0, steps=2))
         self.figures["warmup_s"] = time.perf_counter() - warming
 

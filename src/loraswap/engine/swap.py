@@ -17,7 +17,7 @@ from its pristine copy before the error propagates, so the model is the base mod
 import logging
 import time
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -29,6 +29,27 @@ from .kernels import float8_kernel_available, fuse_into, kernel_available, requa
 logger = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 16 * 2**20  # host-to-GPU copies are split so fusing starts before the copy ends
+
+
+class Swapper(Protocol):
+    """How adapters get into the model's weights: the fused swap here, or a baseline of
+    `baselines.py`. The engine drives any of them the same way."""
+
+    reads_adapters: bool  # the adapter store reads and binds adapters (else it only locates their files)
+    compiles: bool  # a compiled model stays valid across its swaps
+
+    def check(self, adapters: Sequence) -> None:
+        """Refuse, changing nothing, what `swap` could not apply."""
+
+    def prepare_to_compile(self) -> None:
+        """Set up what the compiled graphs must see."""
+
+    def warm_up(self) -> bool:
+        """Compile what swaps need; whether there was anything to warm."""
+
+    def swap(self, adapters: Sequence) -> float:
+        """Apply exactly these (held adapter, weight) pairs; seconds taken. On failure the
+        model is the base model."""
 
 
 class FusedSwapper:
@@ -56,11 +77,15 @@ class FusedSwapper:
         """Apply cache entries (their GPU copy when they have one); seconds taken."""
         return self.apply([(held.best(), weight) for held, weight in adapters])
 
+    def check(self, adapters: Sequence[tuple[CacheEntry, float]]) -> None:
+        """Nothing more: everything was checked when the adapters were bound."""
+
     def prepare_to_compile(self) -> None:
         """Nothing: the fused swap never changes a module, so it compiles as the base model."""
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> bool:
         self.warm_up_kernel()
+        return self.kernel
 
     # ---------------------------------------------------------------- applying
     @torch.no_grad()

@@ -52,6 +52,11 @@ def load_pipeline(name_or_path: str, device: str | torch.device | None = None,
     return pipeline
 
 
+def denoiser_name(pipeline: DiffusionPipeline) -> str:
+    """The pipeline's denoiser component: "transformer" (FLUX.1) or "unet" (SD, SDXL)."""
+    return "transformer" if getattr(pipeline, "transformer", None) is not None else "unet"
+
+
 def generation_defaults(name_or_path: str) -> dict[str, int]:
     """width/height/steps used when a request gives none; empty: the pipeline's own."""
     return dict(PRESET_DEFAULTS) if name_or_path in PRESETS else {}

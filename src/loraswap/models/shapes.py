@@ -67,8 +67,8 @@ def build_shape_component(shape: str, component: str, device: str | torch.device
     """One component of a real architecture: on `meta` (no memory), or random on a device.
 
     With `init_device` (a GPU, say, for a component wanted in host RAM) the random values
-    are drawn there, one tensor at a time, and copied to `device`: the CPU draws the
-    12 B parameters of FLUX's transformer at about 0.1 B/s, a GPU in well under a second.
+    are drawn there, one tensor at a time, and copied to `device`: a GPU draws FLUX's
+    transformer orders of magnitude faster than the CPU does.
     """
     device, init_device = torch.device(device), torch.device(init_device or device)
     if init_device != device and device.type != "meta":

@@ -111,6 +111,7 @@ class LocalBackend:
             logger.info("shutting down %s: finishing %d queued requests", hosted.engine.model_name,
                         hosted.worker.queue_depth)
             await run_in_threadpool(hosted.worker.stop)
+            hosted.engine.adapters.close()
 
     def _load(self) -> None:
         """Build and warm every engine, logging progress until all are ready."""
