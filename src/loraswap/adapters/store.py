@@ -39,7 +39,7 @@ class TargetModel:
     name: str
     pipeline_cls: type
     layers: ModelLayers
-    dtype: torch.dtype
+    dtype: torch.dtype | None  # None: the factors keep the file's dtype
     unet_config: object | None = None
 
 
@@ -123,11 +123,7 @@ class AdapterStore:
         return entry
 
     def _read(self, location: AdapterLocation) -> BoundAdapter:
-        model, limits = self.model, self.limits
-        parsed = load_adapter(location, model.pipeline_cls, model.layers.component_modules,
-                              limits.max_adapter_bytes, model.unet_config)
-        refuse_other_base(location.adapter_id, parsed.base_models, [model.name])
-        return bind_adapter(parsed, model.layers, limits.max_rank, model.dtype)
+        return read_adapter(location, self.model, self.limits)
 
     def _located(self, adapter_id: str) -> AdapterLocation:
         """The file, the same object while it is unchanged (so an unchanged blend is not
@@ -189,6 +185,15 @@ class AdapterStore:
         """Stop the store's reading threads and the cache's pinner (the server's shutdown)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.cache.close()
+
+
+def read_adapter(location: AdapterLocation, model: TargetModel, limits: StoreLimits = StoreLimits()) -> BoundAdapter:
+    """The adapter at `location` read, converted, checked against `model` (its declared base
+    model too) and bound to its layers: what the store caches, and what the benchmarks use."""
+    parsed = load_adapter(location, model.pipeline_cls, model.layers.component_modules, limits.max_adapter_bytes,
+                          model.unet_config)
+    refuse_other_base(location.adapter_id, parsed.base_models, [model.name])
+    return bind_adapter(parsed, model.layers, limits.max_rank, model.dtype)
 
 
 def _stamp(location: AdapterLocation) -> tuple:

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import torch
 
-from ..adapters.bound import ModelLayers, bind_adapter
-from ..adapters.formats import load_adapter
+from ..adapters.bound import ModelLayers
 from ..adapters.source import AdapterLocation
+from ..adapters.store import StoreLimits, TargetModel, read_adapter
 from ..engine.baselines import HotswapSwapper, LoadAndFuseSwapper
 from ..models import SHAPE_PIPELINES, denoiser_name
 from ..models.presets import PRESETS, build_preset
@@ -67,12 +67,9 @@ def make_adapters(shape: str, specs, workdir: Path, kohya_rank: int | None = 64)
 
 def bound_reader(pipeline_cls: type, prefix: str, model: torch.nn.Module, layers: ModelLayers):
     """path -> the adapter read, converted and bound to `model`, as the adapter store does it."""
-    unet_config = model.config if prefix == "unet" else None  # SDXL kohya files number blocks as SGM does
-
-    def read(path: Path):
-        parsed = load_adapter(DenoiserLoRA.location(path), pipeline_cls, layers.component_modules, 2**40, unet_config)
-        return bind_adapter(parsed, layers)
-    return read
+    # no base model to check against (name ""): the bench's random adapters declare none
+    target = TargetModel("", pipeline_cls, layers, None, model.config if prefix == "unet" else None)
+    return lambda path: read_adapter(DenoiserLoRA.location(path), target, StoreLimits(max_adapter_bytes=2**40))
 
 
 class DenoiserLoRA:

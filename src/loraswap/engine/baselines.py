@@ -44,6 +44,10 @@ class LoadAndFuseSwapper:
         self.pipeline = pipeline
         self._loaded = False
 
+    @classmethod
+    def for_engine(cls, pipeline: DiffusionPipeline, layers, config) -> "LoadAndFuseSwapper":
+        return cls(pipeline)
+
     def check(self, adapters: Sequence[tuple[AdapterLocation, float]]) -> None:
         """Nothing beyond diffusers' own checks (what the Hugging Face image does)."""
 
@@ -89,6 +93,10 @@ class HotswapSwapper:
         self.target_rank = target_rank
         self._denoiser = denoiser_name(pipeline)
         self._placeholder: dict[str, torch.Tensor] | None = None
+
+    @classmethod
+    def for_engine(cls, pipeline: DiffusionPipeline, layers, config) -> "HotswapSwapper":
+        return cls(pipeline, config.hotswap_rank)
 
     def prepare_to_compile(self) -> None:
         """Hotswap enabled and the placeholder loaded: what the compiled graphs will see."""

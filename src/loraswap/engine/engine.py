@@ -32,6 +32,7 @@ from .swap import FusedSwapper
 
 logger = logging.getLogger(__name__)
 
+# --swap-mode -> the swapper class; each builds itself for an engine (`for_engine`)
 SWAPPERS = {"fused": FusedSwapper, "load-and-fuse": LoadAndFuseSwapper, "hotswap": HotswapSwapper}
 
 
@@ -73,8 +74,9 @@ class Engine:
         self.model_name = model_name(self.pipeline, config.model)
         self.components = {name: getattr(self.pipeline, name) for name in self.pipeline._lora_loadable_modules
                            if getattr(self.pipeline, name, None) is not None}
-        self.swapper = self._make_swapper()
-        self.adapters = self._make_store()
+        layers = ModelLayers(self.components)  # every layer an adapter may target, walked once
+        self.swapper = SWAPPERS[config.swap_mode].for_engine(self.pipeline, layers, config)
+        self.adapters = self._make_store(layers)
         self._applied: Acquired = []  # what the swapper applied, as the store handed it (on failure: base)
         self._call_parameters = set(inspect.signature(self.pipeline.__call__).parameters)
         # pipelines that postprocess with diffusers' VaeImageProcessor (SD, SDXL, FLUX.1) return
@@ -88,24 +90,10 @@ class Engine:
         self._graphs_after_warmup = graph_count()
         logger.info("%s ready in %.1f s", self.model_name, time.perf_counter() - self.start.started)
 
-    def _make_swapper(self):
-        config = self.config
-        if config.swap_mode == "load-and-fuse":
-            return LoadAndFuseSwapper(self.pipeline)
-        if config.swap_mode == "hotswap":
-            return HotswapSwapper(self.pipeline, config.hotswap_rank)
-        swapper = FusedSwapper(self.components, pristine=config.pristine)
-        if config.pristine == "host":  # pinned at start-up, not in the first requests' swaps
-            pinning = time.perf_counter()
-            swapper.save_all_pristine()
-            logger.info("pristine copies in host RAM: %.2f GiB in %.1f s", swapper.pristine_bytes / 2**30,
-                        time.perf_counter() - pinning)
-        return swapper
-
-    def _make_store(self) -> AdapterStore:
+    def _make_store(self, layers: ModelLayers) -> AdapterStore:
         config = self.config
         unet = self.components.get("unet")
-        target = TargetModel(self.model_name, type(self.pipeline), ModelLayers(self.components), self.dtype,
+        target = TargetModel(self.model_name, type(self.pipeline), layers, self.dtype,
                              unet.config if unet is not None else None)
         limits = StoreLimits(int(config.max_adapter_mb * 2**20), config.max_rank, config.max_blend,
                              config.prefetch_threads)

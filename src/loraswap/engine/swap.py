@@ -38,6 +38,11 @@ class Swapper(Protocol):
     reads_adapters: bool  # the adapter store reads and binds adapters (else it only locates their files)
     compiles: bool  # a compiled model stays valid across its swaps
 
+    @classmethod
+    def for_engine(cls, pipeline, layers: ModelLayers, config) -> "Swapper":
+        """The swapper of an engine's pipeline (`layers`: its targetable layers; `config`: its
+        `EngineConfig`)."""
+
     def check(self, adapters: Sequence) -> None:
         """Refuse, changing nothing, what `swap` could not apply."""
 
@@ -58,9 +63,9 @@ class FusedSwapper:
     reads_adapters = True  # the adapter store reads, checks and caches adapters for it
     compiles = True  # modules never change: a compiled model stays valid
 
-    def __init__(self, components: dict[str, nn.Module], pristine: Literal["device", "host"] = "device",
+    def __init__(self, components: dict[str, nn.Module] | ModelLayers, pristine: Literal["device", "host"] = "device",
                  kernel: bool = True):
-        self.layers = ModelLayers(components)
+        self.layers = components if isinstance(components, ModelLayers) else ModelLayers(components)
         self._modules = self.layers.modules
         self.component_modules = self.layers.component_modules
         self._pristine_on_host = pristine == "host"
@@ -79,6 +84,18 @@ class FusedSwapper:
 
     def check(self, adapters: Sequence[tuple[CacheEntry, float]]) -> None:
         """Nothing more: everything was checked when the adapters were bound."""
+
+    @classmethod
+    def for_engine(cls, pipeline, layers: ModelLayers, config) -> "FusedSwapper":
+        """The engine's fused swapper (`config`: its `EngineConfig`). The low-memory mode
+        pins every pristine copy in host RAM now, not inside the first requests' swaps."""
+        swapper = cls(layers, pristine=config.pristine)
+        if config.pristine == "host":
+            pinning = time.perf_counter()
+            swapper.save_all_pristine()
+            logger.info("pristine copies in host RAM: %.2f GiB in %.1f s", swapper.pristine_bytes / 2**30,
+                        time.perf_counter() - pinning)
+        return swapper
 
     def prepare_to_compile(self) -> None:
         """Nothing: the fused swap never changes a module, so it compiles as the base model."""
