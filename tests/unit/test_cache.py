@@ -7,7 +7,7 @@ import torch
 
 from loraswap.adapters.bound import BoundAdapter
 from loraswap.adapters.cache import AdapterCache, CacheConfig, Tier
-from loraswap.adapters.formats import LoraLayer
+from loraswap.adapters.kinds import Layer
 
 MB = 2**20
 
@@ -15,8 +15,8 @@ MB = 2**20
 def adapter(name: str, mib: int) -> BoundAdapter:
     """A bound adapter whose factors take `mib` MiB (fp32)."""
     n = mib * MB // 4 // 2
-    layer = LoraLayer(down=torch.zeros(1, n), up=torch.zeros(n, 1), scale=1.0)
-    return BoundAdapter(name, {("unet", "x"): layer})
+    layer = Layer("lora", {"down": torch.zeros(1, n), "up": torch.zeros(n, 1)})
+    return BoundAdapter(name, {("unet", "x.weight"): layer})
 
 
 def rows(cache):

@@ -82,8 +82,8 @@ def test_mixed_alphas_per_layer_scale_each_layer(adapter_factory, tmp_path):
     before = weights_snapshot(engine.components)
     engine.set_adapters([("mixed", 1.0)])
     after = weights_snapshot(engine.components)
-    for (component, module), layer in bound.layers.items():
-        key = f"{component}.{module}.weight"
+    for (component, param), layer in bound.layers.items():
+        key = f"{component}.{param}"
         expected = before[key] + layer.scale * (layer.up.float() @ layer.down.float())
         assert torch.allclose(after[key], expected, rtol=1e-5, atol=1e-6), key
 

@@ -1,4 +1,4 @@
-"""An adapter bound to one model: every layer checked against the model's modules, its
+"""An adapter bound to one model: every layer checked against the model's parameters, its
 factors packed into one flat buffer so it moves between host and GPU in one copy.
 
 `bind_adapter` is where everything that can be checked is checked (layers exist, shapes
@@ -13,37 +13,36 @@ import torch
 from torch import nn
 
 from ..errors import AdapterIncompatible, AdapterInvalid
-from .formats import LoraLayer, ParsedAdapter
+from .kinds import Layer, delta_shape, dora_magnitude_shape
+from .parse import ParsedAdapter
 
-LayerKey = tuple[str, str]  # (component, module name)
+LayerKey = tuple[str, str]  # (component, parameter name), e.g. ("unet", "conv_in.weight")
 
 _ALIGN = 8  # elements: every factor starts 16-byte aligned (bf16), so the swap kernel's loads are vectorized
 
 
 class ModelLayers:
-    """The layers of a model that adapters may target: every Linear and Conv2d of the
-    LoRA-loadable components (the denoiser, the text encoders)."""
+    """The parameters of a model that adapters may change: every parameter of the
+    components adapters target (the denoiser, the text encoders)."""
 
     def __init__(self, components: dict[str, nn.Module]):
-        self.modules: dict[LayerKey, nn.Module] = {
-            (component, name): module
-            for component, root in components.items()
-            for name, module in root.named_modules()
-            if isinstance(module, (nn.Linear, nn.Conv2d))
+        self.params: dict[LayerKey, nn.Parameter] = {
+            (component, name): param for component, root in components.items()
+            for name, param in root.named_parameters()
         }
-        self.component_modules = {c: {n for (cc, n) in self.modules if cc == c} for c in components}
+        self.component_modules = {c: {n for n, _ in root.named_modules() if n} for c, root in components.items()}
 
 
 @dataclass(frozen=True)
 class BoundAdapter:
-    """An adapter checked against one model: every layer exists and every shape fits.
+    """An adapter checked against one model: every parameter exists and every shape fits.
 
     `packed` is set when all factors are views into one flat buffer (see `to`), so the
     adapter moves between host and GPU in a single copy.
     """
 
     adapter_id: str
-    layers: dict[LayerKey, LoraLayer]
+    layers: dict[LayerKey, Layer]
     base_models: tuple[str, ...] = ()
     packed: torch.Tensor | None = None
 
@@ -55,11 +54,16 @@ class BoundAdapter:
 
     @property
     def device(self) -> torch.device:
-        return next(iter(self.layers.values())).down.device
+        return _first_factor(self).device
 
     @property
     def rank(self) -> int:
         return max(layer.rank for layer in self.layers.values())
+
+    def kinds(self) -> list[str]:
+        """The kinds of change it makes, e.g. ["lora", "loha+dora", "bias"]."""
+        return sorted({"bias" if p.endswith(".bias") else layer.kind + ("+dora" if layer.dora else "")
+                       for (_, p), layer in self.layers.items()})
 
     def to(self, device: str | torch.device, dtype: torch.dtype | None = None, pin_memory: bool = False,
            non_blocking: bool = False) -> "BoundAdapter":
@@ -69,7 +73,7 @@ class BoundAdapter:
         pinned memory with `non_blocking`); otherwise the factors are packed first.
         """
         device = torch.device(device)
-        dtype = dtype or next(iter(self.layers.values())).down.dtype
+        dtype = dtype or _first_factor(self).dtype
         if self.packed is not None and self.packed.dtype == dtype:
             flat = self.packed.to(device, non_blocking=non_blocking) if not pin_memory else self.packed.pin_memory()
         else:
@@ -80,40 +84,49 @@ class BoundAdapter:
         spans = packed_spans(self.layers.values())
         # written once: each factor copied in, only the alignment padding between them zeroed
         flat = torch.empty(spans[-1][-1] if spans else 0, dtype=dtype, device=device, pin_memory=pin_memory)
-        for layer, (down_at, up_at, end) in zip(self.layers.values(), spans):
-            down_end, up_end = down_at + layer.down.numel(), up_at + layer.up.numel()
-            flat[down_at: down_end].copy_(layer.down.reshape(-1), non_blocking=non_blocking)
-            flat[up_at: up_end].copy_(layer.up.reshape(-1), non_blocking=non_blocking)
-            if up_at > down_end:
-                flat[down_end: up_at].zero_()
-            if end > up_end:
-                flat[up_end: end].zero_()
+        start = 0
+        for layer, (starts, end) in zip(self.layers.values(), spans):
+            for tensor, at in zip(layer.factors.values(), starts):
+                if at > start:
+                    flat[start: at].zero_()
+                flat[at: at + tensor.numel()].copy_(tensor.reshape(-1), non_blocking=non_blocking)
+                start = at + tensor.numel()
+            if end > start:
+                flat[start: end].zero_()
+            start = end
         return flat
 
 
-def packed_spans(layers) -> list[tuple[int, int, int]]:
-    """Per layer, where its down and up factors start in the packed buffer and where the
+def _first_factor(bound: BoundAdapter) -> torch.Tensor:
+    return next(iter(next(iter(bound.layers.values())).factors.values()))
+
+
+def packed_spans(layers) -> list[tuple[list[int], int]]:
+    """Per layer, where each of its factors starts in the packed buffer and where the
     layer's span ends (padded so the next factor starts aligned)."""
     spans, offset = [], 0
     align = lambda n: -(-n // _ALIGN) * _ALIGN  # noqa: E731
     for layer in layers:
-        down_at = offset
-        up_at = align(down_at + layer.down.numel())
-        offset = align(up_at + layer.up.numel())
-        spans.append((down_at, up_at, offset))
+        starts = []
+        for tensor in layer.factors.values():
+            starts.append(offset)
+            offset = align(offset + tensor.numel())
+        spans.append((starts, offset))
     return spans
 
 
 def with_buffer(bound: BoundAdapter, flat: torch.Tensor) -> BoundAdapter:
-    """`bound` with its factors as 2-D views into `flat` (packed in layer order: down, up).
+    """`bound` with its factors as views into `flat` (packed in layer and factor order).
 
-    Down is viewed [rank, fan_in] and up [out, rank], conv factors included: the shapes
-    `addmm` takes, so a swap reshapes nothing."""
+    A plain LoRA's down is viewed [rank, fan_in] and its up [out, rank], conv factors
+    included: the shapes `addmm` and the swap kernel take, so a swap reshapes nothing."""
     layers = {}
-    for (key, layer), (down_at, up_at, _) in zip(bound.layers.items(), packed_spans(bound.layers.values())):
-        down = flat[down_at: down_at + layer.down.numel()].view(layer.down.shape[0], -1)
-        up = flat[up_at: up_at + layer.up.numel()].view(layer.up.shape[0], -1)
-        layers[key] = LoraLayer(down=down, up=up, scale=layer.scale)
+    for (key, layer), (starts, _) in zip(bound.layers.items(), packed_spans(bound.layers.values())):
+        factors = {}
+        for (name, tensor), at in zip(layer.factors.items(), starts):
+            view = flat[at: at + tensor.numel()]
+            factors[name] = view.view(tensor.shape[0], -1) if layer.plain else view.view(tensor.shape)
+        layers[key] = layer.replace(factors=factors)
     return BoundAdapter(bound.adapter_id, layers, bound.base_models, flat)
 
 
@@ -124,17 +137,17 @@ def bind_adapter(parsed: ParsedAdapter, model: ModelLayers, max_rank: int = 1024
     later, off the request's path)."""
     layers = {}
     aid = parsed.adapter_id
-    for component, modules in parsed.layers.items():
+    for component, params in parsed.layers.items():
         if component not in model.component_modules:
             raise AdapterIncompatible(aid, f"it targets the {component}, which this model does not have",
                                       "Use an adapter made for this base model")
-        for name, layer in modules.items():
-            module = model.modules.get((component, name))
-            if module is None:
-                raise AdapterIncompatible(aid, f"layer '{component}.{name}' does not exist in this model",
+        for name, layer in params.items():
+            param = model.params.get((component, name))
+            if param is None:
+                raise AdapterIncompatible(aid, f"parameter '{component}.{name}' does not exist in this model",
                                           "Use an adapter trained on this base model")
-            _check_layer(aid, f"{component}.{name}", module, layer, max_rank)
-            layers[(component, name)] = layer
+            _check_layer(aid, f"{component}.{name}", param, layer, max_rank)
+            layers[(component, name)] = layer.replace(shape=tuple(param.shape))
     if not layers:
         raise AdapterInvalid(aid, "it touches no layer of this model", "Use an adapter for this base model")
     bound = BoundAdapter(aid, layers, tuple(parsed.base_models)).to("cpu", dtype)
@@ -147,34 +160,35 @@ def _refuse_non_finite(bound: BoundAdapter, dtype: torch.dtype | None) -> None:
     if torch.isfinite(low) and torch.isfinite(high):
         return
     where = next(f"{c}.{n}" for (c, n), layer in bound.layers.items()
-                 if not (torch.isfinite(layer.down).all() and torch.isfinite(layer.up).all()))
+                 if not all(torch.isfinite(t).all() for t in layer.factors.values()))
     raise AdapterInvalid(bound.adapter_id, f"layer '{where}' has NaN or infinite values"
                          f"{' in ' + str(dtype).removeprefix('torch.') if dtype else ''}",
                          "The adapter is corrupt (or overflows the model's dtype): train or export it again")
 
 
-def _check_layer(aid: str, where: str, module: nn.Module, layer: LoraLayer, max_rank: int) -> None:
-    weight = module.weight
-    down, up = layer.down, layer.up
-    if not (down.is_floating_point() and up.is_floating_point()):
-        raise AdapterInvalid(aid, f"layer '{where}' has non-float weights ({down.dtype})",
+def _check_layer(aid: str, where: str, param: torch.Tensor, layer: Layer, max_rank: int) -> None:
+    if not all(t.is_floating_point() for t in layer.factors.values()):
+        raise AdapterInvalid(aid, f"layer '{where}' has non-float weights",
                              "Export the adapter in float16, bfloat16 or float32")
-    rank = layer.rank
-    if isinstance(module, nn.Linear):
-        fits = down.shape == (rank, weight.shape[1]) and up.shape == (weight.shape[0], rank)
-    else:
-        if module.groups != 1:
-            raise AdapterIncompatible(aid, f"layer '{where}' is a grouped convolution",
-                                      "Remove that layer from the adapter")
-        fits = down.shape == (rank, *weight.shape[1:]) and up.shape in ((weight.shape[0], rank, 1, 1),
-                                                                          (weight.shape[0], rank))
-    if down.ndim == 0 or not fits:
-        raise AdapterIncompatible(
-            aid, f"layer '{where}' has A {tuple(down.shape)} and B {tuple(up.shape)}, which do not fit its "
-            f"weight {tuple(weight.shape)}", "Use an adapter trained on this base model")
-    if rank > max_rank:
-        raise AdapterInvalid(aid, f"layer '{where}' has rank {rank}, over the limit of {max_rank}",
+    shape, change = tuple(param.shape), delta_shape(layer)
+    # a conv change may come flattened ([out, in * kh * kw], as LoHa and LoKr store it)
+    if change != shape and not (change[0] == shape[0] and math.prod(change) == math.prod(shape) and len(shape) > 2):
+        raise AdapterIncompatible(aid, f"layer '{where}' has {layer.kind} factors ({_factor_shapes(layer)}) that "
+                                  f"do not fit its weight {shape} (they make {change})",
+                                  "Use an adapter trained on this base model")
+    if layer.dora is not None:
+        expected = dora_magnitude_shape(layer.dora, shape)
+        if math.prod(layer.factors["magnitude"].shape) != math.prod(expected):
+            raise AdapterIncompatible(aid, f"layer '{where}' has a DoRA magnitude of shape "
+                                      f"{tuple(layer.factors['magnitude'].shape)}; its weight {shape} needs {expected}",
+                                      "Use an adapter trained on this base model")
+    if layer.rank > max_rank:
+        raise AdapterInvalid(aid, f"layer '{where}' has rank {layer.rank}, over the limit of {max_rank}",
                              "Use a lower-rank adapter or raise --max-rank")
     if not math.isfinite(layer.scale):
         raise AdapterInvalid(aid, f"layer '{where}' has a NaN or infinite alpha",
                              "The adapter is corrupt: train or export it again")
+
+
+def _factor_shapes(layer: Layer) -> str:
+    return ", ".join(f"{name} {tuple(t.shape)}" for name, t in layer.factors.items())

@@ -20,8 +20,8 @@ import torch
 from ..errors import AdapterNotFound, BadRequest
 from .bound import BoundAdapter, ModelLayers, bind_adapter
 from .cache import AdapterCache, CacheConfig, CacheEntry
-from .formats import load_adapter
 from .metadata import refuse_other_base
+from .parse import load_adapter
 from .source import AdapterLocation, AdapterSources, HubAdapterSource, LocalAdapterSource, check_adapter_id
 
 logger = logging.getLogger(__name__)

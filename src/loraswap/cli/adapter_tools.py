@@ -57,8 +57,8 @@ def _locate(path_or_id: str, adapters: Path | None):
 def _inspect(location, path_or_id: str, model: str, adapters: Path | None, max_rank: int) -> dict:
     """What the adapter is, and whether (else why not) it fits `model`."""
     from ..adapters.bound import ModelLayers, bind_adapter
-    from ..adapters.formats import load_adapter
     from ..adapters.metadata import refuse_other_base
+    from ..adapters.parse import load_adapter
     from ..adapters.source import LocalAdapterSource
     from ..models import lora_components
 

@@ -22,7 +22,7 @@ from PIL import Image
 
 from ..adapters.bound import ModelLayers
 from ..adapters.store import Acquired, AdapterStore, StoreLimits, TargetModel
-from ..models import denoiser_name, generation_defaults, model_name, resolve_device
+from ..models import adapter_targets, denoiser_name, generation_defaults, model_name, resolve_device
 from .attention import AttentionBackend
 from .baselines import HotswapSwapper, LoadAndFuseSwapper
 from .compile import graph_count
@@ -72,8 +72,7 @@ class Engine:
         self.start = Startup(config, self.device, self.dtype, self.compiled)
         self.pipeline = self.start.load()
         self.model_name = model_name(self.pipeline, config.model)
-        self.components = {name: getattr(self.pipeline, name) for name in self.pipeline._lora_loadable_modules
-                           if getattr(self.pipeline, name, None) is not None}
+        self.components = adapter_targets(self.pipeline)
         layers = ModelLayers(self.components)  # every layer an adapter may target, walked once
         self.swapper = SWAPPERS[config.swap_mode].for_engine(self.pipeline, layers, config)
         self.adapters = self._make_store(layers)

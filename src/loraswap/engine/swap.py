@@ -22,6 +22,7 @@ from typing import Literal, Protocol
 import torch
 from torch import nn
 
+from ..adapters import kinds
 from ..adapters.bound import BoundAdapter, LayerKey, ModelLayers, packed_spans, with_buffer
 from ..adapters.cache import CacheEntry
 from .kernels import float8_kernel_available, fuse_into, kernel_available, requantize_into, warm_up, warm_up_float8
@@ -66,7 +67,7 @@ class FusedSwapper:
     def __init__(self, components: dict[str, nn.Module] | ModelLayers, pristine: Literal["device", "host"] = "device",
                  kernel: bool = True):
         self.layers = components if isinstance(components, ModelLayers) else ModelLayers(components)
-        self._modules = self.layers.modules
+        self._params = self.layers.params
         self.component_modules = self.layers.component_modules
         self._pristine_on_host = pristine == "host"
         self._pristine: dict[LayerKey, torch.Tensor] = {}
@@ -92,7 +93,7 @@ class FusedSwapper:
         swapper = cls(layers, pristine=config.pristine)
         if config.pristine == "host":
             pinning = time.perf_counter()
-            swapper.save_all_pristine()
+            swapper.save_all_pristine(pipeline._lora_loadable_modules)
             logger.info("pristine copies in host RAM: %.2f GiB in %.1f s", swapper.pristine_bytes / 2**30,
                         time.perf_counter() - pinning)
         return swapper
@@ -148,8 +149,9 @@ class FusedSwapper:
 
     def _write(self, adapters: Sequence[tuple[BoundAdapter, float]]) -> dict[LayerKey, list]:
         """Fuse every plain weight's layers (one call per layer: the loop is launch-bound on
-        models with ~1,000 layers; further adapters on the same W add in place); the float8
-        weights' deltas are returned, to be re-quantized once with all of them."""
+        models with ~1,000 layers; further adapters on the same W change what the earlier
+        ones wrote, in order); the float8 weights' changes are returned, to be re-quantized
+        once with all of them."""
         written: set[LayerKey] = set()
         fp8_deltas: dict[LayerKey, list] = {}
         for bound, blend in adapters:
@@ -161,15 +163,23 @@ class FusedSwapper:
                     stream.wait_event(event)
                     last_event = event
                 if key in self._fp8:
-                    fp8_deltas.setdefault(key, []).append((layer.up, layer.down, blend * layer.scale))
+                    fp8_deltas.setdefault(key, []).append((layer, blend))
                     continue
-                self._fuse_layer(key, layer, blend * layer.scale, in_place=key in written)
+                self._fuse_layer(key, layer, blend, in_place=key in written)
                 if len(adapters) > 1:
                     written.add(key)
         return fp8_deltas
 
-    def _fuse_layer(self, key: LayerKey, layer, alpha: float, in_place: bool) -> None:
+    def _fuse_layer(self, key: LayerKey, layer, blend: float, in_place: bool) -> None:
         weight, pristine, kernel_runs = self._views[key]
+        if not layer.plain:  # other kinds: materialized on the device, written in one or two passes
+            target = self._weight(key)
+            if not in_place and pristine.device != weight.device:
+                target.copy_(self._pristine[key], non_blocking=True)
+            source = target if in_place or pristine.device != weight.device else self._pristine[key]
+            kinds.write(target, source, layer, blend)
+            return
+        alpha = blend * layer.scale
         runs = self.kernel and kernel_runs
         if in_place:
             fuse_into(weight, weight, layer.up, layer.down, alpha, runs)
@@ -185,8 +195,7 @@ class FusedSwapper:
             return
         plain: dict[tuple, set[int]] = {}  # (device, dtype) -> row lengths
         float8: dict[tuple, set[int]] = {}  # (device, per tensor, factors' dtype) -> row lengths
-        for module in self._modules.values():
-            w = module.weight
+        for w in self._params.values():
             if Fp8Weight.holds(w):  # a Float8Tensor's dtype is its factors'
                 float8.setdefault((w.qdata.device, w.scale.numel() == 1, w.dtype), set()).add(w.qdata.shape[1])
             else:
@@ -211,7 +220,7 @@ class FusedSwapper:
         self.apply(())
 
     def _weight(self, key: LayerKey) -> torch.Tensor:
-        return self._modules[key].weight.data
+        return self._params[key].data
 
     def _save_pristine(self, key: LayerKey, weight: torch.Tensor) -> None:
         if Fp8Weight.holds(weight):
@@ -234,8 +243,8 @@ class FusedSwapper:
         they have arrived (empty when nothing is in flight)."""
         key = next(iter(bound.layers))
         weight = self._weight(key)
-        layer = bound.layers[key]
-        if layer.down.device == weight.device and layer.down.dtype == weight.dtype:
+        factor = next(iter(bound.layers[key].factors.values()))
+        if factor.device == weight.device and factor.dtype == weight.dtype:
             return bound, {}
         packed = bound.packed
         if not (weight.is_cuda and packed is not None and packed.dtype == weight.dtype and packed.is_pinned()):
@@ -251,7 +260,7 @@ class FusedSwapper:
         side.wait_stream(main)  # `flat` was allocated on the main stream
         flat.record_stream(side)  # (even if a later line raises, copies in flight keep it)
         ready, chunk_keys, start = {}, [], 0
-        for key, (_, _, offset) in zip(bound.layers, packed_spans(bound.layers.values())):
+        for key, (_, offset) in zip(bound.layers, packed_spans(bound.layers.values())):
             chunk_keys.append(key)
             if (offset - start) * flat.element_size() >= _CHUNK_BYTES or key == next(reversed(bound.layers)):
                 with torch.cuda.stream(side):
@@ -271,12 +280,15 @@ class FusedSwapper:
         self._dirty.clear()
         logger.warning("swap failed; %d touched weights restored to the base model", len(keys))
 
-    def save_all_pristine(self) -> None:
-        """Pristine copies of every weight an adapter may touch, made now rather than on
-        first touch: the low-memory mode pins them in host RAM at start-up, which inside a
-        request's swap took seconds for FLUX.1's first adapters (BENCHMARKS.md)."""
-        for key in sorted(self._modules.keys() - self._pristine.keys()):
-            self._save_pristine(key, self._weight(key))
+    def save_all_pristine(self, components=None) -> None:
+        """Pristine copies of the weights LoRAs touch (every matrix and conv kernel of
+        `components`, default all), made now rather than on first touch: the low-memory mode
+        pins them in host RAM at start-up, which inside a request's swap took seconds for
+        FLUX.1's first adapters (BENCHMARKS.md). Biases, norms and other components (T5)
+        are copied when an adapter first touches them."""
+        for key in sorted(self._params.keys() - self._pristine.keys()):
+            if self._weight(key).ndim >= 2 and (components is None or key[0] in components):
+                self._save_pristine(key, self._weight(key))
 
     @property
     def pristine_bytes(self) -> int:
@@ -321,21 +333,26 @@ class Fp8Weight:
         self.qdata.copy_(self.pristine_qdata, non_blocking=True)
         self.scale.copy_(self.pristine_scale, non_blocking=True)
 
-    def write(self, deltas: list[tuple[torch.Tensor, torch.Tensor, float]], kernel: bool = False) -> None:
-        """One adapter through `kernels.requantize_into` where it runs (and `kernel`), two
-        passes reading the float8 copy; a blend, or elsewhere, through eager fp32 ops."""
+    def write(self, changes: list[tuple[kinds.Layer, float]], kernel: bool = False) -> None:
+        """One plain LoRA through `kernels.requantize_into` where it runs (and `kernel`), two
+        passes reading the float8 copy; other kinds, a blend, or elsewhere, through eager
+        fp32 ops (`changes`: (layer, the request's weight) in order)."""
         from torchao.quantization import Float8Tensor
 
         device = self.qdata.device
         qdata = self.pristine_qdata.to(device, non_blocking=True)
         scale = self.pristine_scale.to(device, non_blocking=True)
-        if kernel and len(deltas) == 1 and float8_kernel_available(self.qdata) and self.qdata.is_contiguous():
-            up, down, alpha = deltas[0]
-            requantize_into(self.qdata, self.scale, qdata, scale, up, down, alpha)
+        if kernel and len(changes) == 1 and changes[0][0].plain and float8_kernel_available(self.qdata) \
+                and self.qdata.is_contiguous():
+            layer, blend = changes[0]
+            requantize_into(self.qdata, self.scale, qdata, scale, layer.up, layer.down, blend * layer.scale)
             return
         high = qdata.to(torch.float32) * scale.to(torch.float32)  # [rows, 1] or [1, 1]: broadcast
-        for up, down, alpha in deltas:
-            high.addmm_(up.to(torch.float32), down.to(torch.float32), alpha=alpha)
+        for layer, blend in changes:
+            if layer.plain:
+                high.addmm_(layer.up.to(torch.float32), layer.down.to(torch.float32), alpha=blend * layer.scale)
+            else:
+                kinds.write(high, high, layer, blend)
         fresh = Float8Tensor.from_hp(high, float8_dtype=self.qdata.dtype, granularity=self.granularity)
         self.qdata.copy_(fresh.qdata)
         self.scale.copy_(fresh.scale.reshape(self.scale.shape))

@@ -8,8 +8,8 @@ from diffusers import DiffusionPipeline
 from .presets import PRESET_DEFAULTS, PRESETS, build_preset
 from .shapes import RANDOM_SUFFIX, SHAPES, build_shape_pipeline
 
-__all__ = ["PRESETS", "default_dtype", "generation_defaults", "load_pipeline", "lora_components", "model_name",
-           "resolve_device"]
+__all__ = ["PRESETS", "adapter_targets", "default_dtype", "generation_defaults", "load_pipeline", "lora_components",
+           "model_name", "resolve_device"]
 
 
 def resolve_device(device: str | None = None) -> torch.device:
@@ -85,8 +85,20 @@ def lora_components(name_or_path: str) -> tuple[type[DiffusionPipeline], dict[st
     name_or_path = name_or_path.removesuffix(RANDOM_SUFFIX)
     if name_or_path in SHAPES:
         cls = getattr(diffusers, SHAPE_PIPELINES[name_or_path])
-        names = [n for n in cls._lora_loadable_modules if n in SHAPES[name_or_path]]
+        names = [n for n in adapter_target_names(cls) if n in SHAPES[name_or_path]]
         return cls, {n: build_shape_component(name_or_path, n) for n in names}
     pipeline = build_preset(name_or_path) if name_or_path in PRESETS else load_pipeline(name_or_path, device="cpu")
-    return type(pipeline), {n: getattr(pipeline, n) for n in pipeline._lora_loadable_modules
-                            if getattr(pipeline, n, None) is not None}
+    return type(pipeline), adapter_targets(pipeline)
+
+
+def adapter_target_names(pipeline_cls) -> list[str]:
+    """The components adapters may change: diffusers' LoRA-loadable ones, and every text
+    encoder (FLUX.1 files carry T5 keys, which diffusers' loader drops)."""
+    names = list(pipeline_cls._lora_loadable_modules)
+    return names + [n for n in ("text_encoder", "text_encoder_2", "text_encoder_3") if n not in names]
+
+
+def adapter_targets(pipeline) -> dict[str, torch.nn.Module]:
+    """Name -> module of each component of `pipeline` adapters may change."""
+    return {n: getattr(pipeline, n) for n in adapter_target_names(type(pipeline))
+            if isinstance(getattr(pipeline, n, None), torch.nn.Module)}
