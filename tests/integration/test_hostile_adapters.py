@@ -125,7 +125,7 @@ CASES = {
     "wrong-shape": (422, "which do not fit its weight"),
     "rank-over-limit": (400, f"has rank {MAX_RANK + 1}, over the limit of {MAX_RANK}"),
     "same-weight-twice": (400, "name the same weight"),
-    "not-a-lora-key": (400, "unknown key 'unet.conv_in.weight' (not a LoRA A/B weight)"),
+    "not-a-lora-key": (400, "key 'unet.conv_in.weight' is not a weight of any adapter kind"),
     "other-component": (400, "belong to no component of StableDiffusionPipeline"),
     "unknown-layer": (422, "does not exist in this model"),
     "half-pair": (400, "has no lora_A weight"),

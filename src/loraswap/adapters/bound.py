@@ -173,8 +173,8 @@ def _check_layer(aid: str, where: str, param: torch.Tensor, layer: Layer, max_ra
     shape, change = tuple(param.shape), delta_shape(layer)
     # a conv change may come flattened ([out, in * kh * kw], as LoHa and LoKr store it)
     if change != shape and not (change[0] == shape[0] and math.prod(change) == math.prod(shape) and len(shape) > 2):
-        raise AdapterIncompatible(aid, f"layer '{where}' has {layer.kind} factors ({_factor_shapes(layer)}) that "
-                                  f"do not fit its weight {shape} (they make {change})",
+        raise AdapterIncompatible(aid, f"layer '{where}' has {layer.kind} factors ({_factor_shapes(layer)}), "
+                                  f"which do not fit its weight {shape} (they make {change})",
                                   "Use an adapter trained on this base model")
     if layer.dora is not None:
         expected = dora_magnitude_shape(layer.dora, shape)

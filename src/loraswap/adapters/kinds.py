@@ -123,7 +123,9 @@ def delta(layer: Layer, dtype: torch.dtype) -> torch.Tensor:
             dense = (f["w1a"] @ f["w1b"].reshape(f["w1b"].shape[0], -1)) * \
                 (f["w2a"] @ f["w2b"].reshape(f["w2b"].shape[0], -1))
     else:
-        dense = torch.kron(_lokr_side(f, "1"), _lokr_side(f, "2"))
+        w1, w2 = _lokr_side(f, "1"), _lokr_side(f, "2")
+        w1 = w1.reshape(*w1.shape, *[1] * (w2.ndim - w1.ndim))  # kron pads the front; a conv's w1 is [a, b, 1, 1]
+        dense = torch.kron(w1.contiguous(), w2.contiguous())
     return (dense * layer.scale).reshape(layer.shape or delta_shape(layer))
 
 
@@ -183,7 +185,7 @@ def _decompose(source: torch.Tensor, layer: Layer, blend: float) -> torch.Tensor
     if layer.dora == "peft":
         merged = weight + blend * change
         norm = merged.reshape(merged.shape[0], -1).norm(dim=1)
-        return merged * (magnitude / norm).reshape(-1, *[1] * (merged.ndim - 1))
+        return merged * (magnitude.reshape(-1) / norm).reshape(-1, *[1] * (merged.ndim - 1))
     merged = weight + change
     if layer.dora == "lycoris-out":
         norm = merged.reshape(merged.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (merged.ndim - 1))

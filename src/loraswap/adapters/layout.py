@@ -90,6 +90,14 @@ class ModuleNames:
             return Place(component, name) if name else None
         return None
 
+    def missing_component(self, prefix: str) -> str | None:
+        """The component a file prefix names outright when this model has no such component."""
+        for start, component in _PREFIXES:
+            if prefix.startswith(start):
+                component = self.denoiser if component == "denoiser" else component
+                return component if component and component not in self.component_modules else None
+        return None
+
     def flux_norm(self, prefix: str) -> Place | None:
         """A FLUX.1 query/key norm in BFL naming (`diffusion_model.` or kohya `lora_unet_`)."""
         if self.denoiser != "transformer":

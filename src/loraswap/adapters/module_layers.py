@@ -81,10 +81,13 @@ def _weight_layer(aid, prefix, module, kind, alpha, target: str, config: dict) -
     unpaired = [pair for pair in _PAIRS.get(kind, ()) if (pair[0] in factors) != (pair[1] in factors)]
     if missing or unpaired:
         name = sorted(missing[0])[0] if missing else next(n for n in unpaired[0] if n not in factors)
-        raise AdapterInvalid(aid, f"layer '{prefix}' has no {_missing_suffix(module, kind, name)} ({kind} factors "
-                             "come in sets)", "The file is incomplete: export the adapter again")
+        missing_name = _missing_suffix(module, kind, name).removesuffix(".weight")
+        raise AdapterInvalid(aid, f"layer '{prefix}' has no {missing_name} weight ({kind} factors come in sets)",
+                             "The file is incomplete: export the adapter again")
     if any(t.ndim == 0 or t.numel() == 0 for t in factors.values()):
-        raise AdapterInvalid(aid, f"'{prefix}' has an empty {kind} factor", "Remove empty layers from the file")
+        shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in factors.items())
+        raise AdapterInvalid(aid, f"layer '{prefix}' is empty (rank 0: {shapes})",
+                             "Remove empty layers, or export the adapter again")
     if "w1" in factors and "w1a" in factors or "w2" in factors and "w2a" in factors:
         raise AdapterInvalid(aid, f"'{prefix}' has a LoKr factor both full and factored", "Export the adapter again")
     return Layer(kind, factors, _scale(kind, factors, alpha, target, config))
@@ -118,7 +121,7 @@ def _with_dora(aid: str, prefix: str, layer: Layer, dora: dict) -> Layer:
     out = delta_shape(layer)[0]
     if source == "peft":
         convention = "peft"
-        fits = magnitude.ndim == 1 and magnitude.shape[0] == out
+        fits = magnitude.numel() == out  # [out] for Linear, [1, out, 1, 1] for Conv2d
     elif magnitude.shape[0] == out and math.prod(magnitude.shape[1:]) == 1:
         convention, fits = "lycoris-out", True
     else:  # LyCORIS before 3.2.0 (and OneTrainer): one magnitude per input column
@@ -137,8 +140,8 @@ def _rows(aid: str, prefix: str, layer: Layer, rows: torch.Tensor | None) -> Lay
     if layer.dora == "lycoris-in":
         raise AdapterInvalid(aid, f"'{prefix}' is DoRA normalised per input column on a layer this model splits",
                              "Use an adapter trained on the model's own layer layout")
-    if "magnitude" in f:
-        f["magnitude"] = f["magnitude"][rows]
+    if "magnitude" in f:  # one per output row ([1, out, 1, 1] for a PEFT conv)
+        f["magnitude"] = f["magnitude"].reshape(-1)[rows] if layer.dora == "peft" else f["magnitude"][rows]
     if layer.kind == "full":
         f["diff"] = f["diff"][rows]
     elif layer.kind == "lora":

@@ -120,25 +120,20 @@ def parse_adapter(adapter_id: str, state_dict: dict[str, torch.Tensor], metadata
     `unet_config` lets diffusers renumber SDXL kohya keys in SGM block numbering. Shapes
     are checked later, when the adapter is bound to a model."""
     modules = _group(adapter_id, state_dict)
+    if not modules:
+        raise AdapterInvalid(adapter_id, "it contains no LoRA layer, nor a layer of any other adapter kind",
+                             f"Use an adapter made for {pipeline_cls.__name__} models")
     names = ModuleNames(component_modules)
-    places = _place(adapter_id, modules, names, DiffusersProbe(pipeline_cls, names, unet_config))
+    places = _place(adapter_id, pipeline_cls, modules, names, DiffusersProbe(pipeline_cls, names, unet_config))
+    _refuse_collisions(adapter_id, places)
     config = json.loads(metadata[LORA_ADAPTER_METADATA_KEY]) if LORA_ADAPTER_METADATA_KEY in metadata else {}
     layers: dict[str, dict[str, Layer]] = {}
-    owner: dict[tuple[str, str], str] = {}
     for prefix, module in modules.items():
         for place in places[prefix]:
             component_config = {k.removeprefix(place.component + "."): v for k, v in config.items()
                                 if k.startswith(place.component + ".")}
             for param, layer in module_layers(adapter_id, prefix, module, place, component_config).items():
-                key = (place.component, param)
-                if key in owner:
-                    raise AdapterInvalid(adapter_id, f"'{owner[key]}' and '{prefix}' both change {place.component}."
-                                         f"{param}", "Keep one copy of each layer in the file")
-                owner[key] = prefix
                 layers.setdefault(place.component, {})[param] = layer
-    if not layers:
-        raise AdapterInvalid(adapter_id, "it contains no adapter layer for this pipeline",
-                             f"Use an adapter made for {pipeline_cls.__name__} models")
     return ParsedAdapter(adapter_id, detect_layout(list(state_dict)), layers, metadata)
 
 
@@ -173,6 +168,19 @@ def _group(adapter_id: str, state_dict: dict[str, torch.Tensor]) -> dict[str, Fi
     return modules
 
 
+def _refuse_collisions(adapter_id: str, places: dict[str, list[Place]]) -> None:
+    """Two file modules on one model module (`text_model.` and flattened names, say): refused,
+    rather than one silently winning."""
+    owner: dict[tuple[str, str], str] = {}
+    for prefix, targets in places.items():
+        for place in targets:
+            key = (place.component, place.module)
+            if key in owner:
+                raise AdapterInvalid(adapter_id, f"keys '{owner[key]}' and '{prefix}' name the same weight "
+                                     f"({place.component}.{place.module})", "Keep one copy of each layer in the file")
+            owner[key] = prefix
+
+
 def _probe_keys(module: FileModule) -> tuple[int, ProbeKeys]:
     """How many output rows a file module has, and the key names its probe takes: the
     file's own where it has a LoRA pair, else kohya's (the layout non-LoRA kinds use)."""
@@ -189,7 +197,7 @@ def _probe_keys(module: FileModule) -> tuple[int, ProbeKeys]:
     return rows, KOHYA_PROBE
 
 
-def _place(adapter_id: str, modules: dict[str, FileModule], names: ModuleNames,
+def _place(adapter_id: str, pipeline_cls, modules: dict[str, FileModule], names: ModuleNames,
            probe: DiffusersProbe) -> dict[str, list[Place]]:
     """prefix -> the model modules it lands on; a prefix placed nowhere is refused."""
     places: dict[str, list[Place]] = {}
@@ -210,6 +218,10 @@ def _place(adapter_id: str, modules: dict[str, FileModule], names: ModuleNames,
     for prefix, module in modules.items():
         if prefix not in places and (norm := names.flux_norm(prefix)) is not None:
             places[prefix] = [norm]
+        if not places.get(prefix) and (other := names.missing_component(prefix)):
+            raise AdapterInvalid(adapter_id, f"keys like '{module.first_key(prefix)}' belong to no component of "
+                                 f"{pipeline_cls.__name__} (they name its {other})",
+                                 f"Use an adapter made for {pipeline_cls.__name__} models")
         if not places.get(prefix):
             raise AdapterIncompatible(adapter_id, f"the layer of key '{module.first_key(prefix)}' does not exist in "
                                       f"this model's {', '.join(sorted(names.component_modules))}",
