@@ -46,7 +46,7 @@ def test_local_folder_goes_through_from_pretrained(tmp_path):
 @pytest.mark.parametrize("shape,params", [
     ("sd15", {"unet": 859_520_964, "text_encoder": 123_060_480}),
     ("sdxl", {"unet": 2_567_463_684, "text_encoder": 123_060_480, "text_encoder_2": 694_659_840}),
-    ("flux-dev", {"transformer": 11_901_408_320, "text_encoder": 123_060_480}),
+    ("flux-dev", {"transformer": 11_901_408_320, "text_encoder": 123_060_480, "text_encoder_2": 4_762_310_656}),
 ])
 def test_real_shapes_on_meta_device(shape, params):
     _, components = lora_components(shape)

@@ -39,7 +39,8 @@ def _cases(good):
         "rank-over-limit": ({k: (torch.zeros(300, *v.shape[1:]) if "lora_A" in k
                                  else torch.zeros(v.shape[0], 300, *v.shape[2:])) for k, v in good.items()},
                             AdapterInvalid, "over the limit"),
-        "not-lora-key": ({**good, "unet.conv_in.weight": torch.zeros(4)}, AdapterInvalid, "not a weight of any adapter kind"),
+        "not-lora-key": ({**good, "unet.conv_in.weight": torch.zeros(4)}, AdapterInvalid,
+                         "not a weight of any adapter kind"),
         "half-pair": ({k: v for k, v in good.items() if k != first_a}, AdapterInvalid, "has no lora_A"),
         "int-weights": (_mutated(good, "lora_A", lambda t: t.to(torch.int32)), AdapterInvalid, "dtype I32"),
         "dora": ({**good, first_a.replace("lora_A.weight", "lora_magnitude_vector"): torch.ones(4)},

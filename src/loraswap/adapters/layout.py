@@ -86,7 +86,8 @@ class ModuleNames:
             for name in (rest, rest.removeprefix("text_model.")):
                 if name in names:
                     return Place(component, name)
-            name = self._kohya[component].get(rest)
+            # a trailing `_` some diffusers-to-kohya exports leave (`..._attn_to_k_.alpha`)
+            name = self._kohya[component].get(rest) or self._kohya[component].get(rest.removesuffix("_"))
             return Place(component, name) if name else None
         return None
 

@@ -44,7 +44,7 @@ SUFFIXES = (
 UNFUSABLE = (
     (".oft_blocks", "OFT"), (".oft_diag", "OFT"), (".oft_R", "OFT"), (".boft_", "BOFT"), (".ia3_l", "IA3"),
     (".on_input", "IA3"), (".a1.weight", "GLoRA"), (".b1.weight", "GLoRA"), (".lokr_t1", "LoKr with a Tucker w1"),
-    ("query_norm.scale", "FLUX control LoRA (it sets norms and widens x_embedder for a control image)"),
+    ("_norm.scale", "FLUX control LoRA (it sets norms and widens x_embedder for a control image)"),
 )
 
 
@@ -57,6 +57,7 @@ class ParsedAdapter:
     layers: dict[str, dict[str, Layer]]  # component ("unet", "text_encoder", ...) -> parameter -> change
     metadata: dict[str, str] = field(default_factory=dict)
     base_models: list[str] = field(default_factory=list)  # declared by the file, card or config
+    num_tensors: int = 0  # in the file: every one of them is in `layers`
 
     def all_layers(self) -> Iterable[tuple[str, str, Layer]]:
         return ((c, p, layer) for c, params in self.layers.items() for p, layer in params.items())
@@ -134,7 +135,7 @@ def parse_adapter(adapter_id: str, state_dict: dict[str, torch.Tensor], metadata
                                 if k.startswith(place.component + ".")}
             for param, layer in module_layers(adapter_id, prefix, module, place, component_config).items():
                 layers.setdefault(place.component, {})[param] = layer
-    return ParsedAdapter(adapter_id, detect_layout(list(state_dict)), layers, metadata)
+    return ParsedAdapter(adapter_id, detect_layout(list(state_dict)), layers, metadata, num_tensors=len(state_dict))
 
 
 @dataclass
@@ -202,31 +203,43 @@ def _place(adapter_id: str, pipeline_cls, modules: dict[str, FileModule], names:
     """prefix -> the model modules it lands on; a prefix placed nowhere is refused."""
     places: dict[str, list[Place]] = {}
     for prefix in modules:
-        place = names.direct(prefix)
+        place = names.direct(prefix) or names.flux_norm(prefix)
         if place is not None:
             places[prefix] = [place]
     rest = {p: _probe_keys(m) for p, m in modules.items() if p not in places}
     if rest:
-        try:
-            places.update(probe.places(rest))
-        except Exception:  # diffusers cannot read these names together: each is tried alone
-            for prefix, keys in rest.items():
-                try:
-                    places.update(probe.places({prefix: keys}))
-                except Exception:
-                    pass
+        places.update(_probe(probe, rest))
+    # BFL names with PEFT suffixes (ai-toolkit): diffusers reads those names with kohya's
+    retry = {p: (rows, KOHYA_PROBE) for p, (rows, keys) in rest.items() if p not in places and keys != KOHYA_PROBE}
+    if retry:
+        places.update(_probe(probe, retry))
     for prefix, module in modules.items():
-        if prefix not in places and (norm := names.flux_norm(prefix)) is not None:
-            places[prefix] = [norm]
-        if not places.get(prefix) and (other := names.missing_component(prefix)):
-            raise AdapterInvalid(adapter_id, f"keys like '{module.first_key(prefix)}' belong to no component of "
-                                 f"{pipeline_cls.__name__} (they name its {other})",
-                                 f"Use an adapter made for {pipeline_cls.__name__} models")
         if not places.get(prefix):
-            raise AdapterIncompatible(adapter_id, f"the layer of key '{module.first_key(prefix)}' does not exist in "
-                                      f"this model's {', '.join(sorted(names.component_modules))}",
-                                      "Use an adapter made for this base model")
+            _refuse_unplaced(adapter_id, pipeline_cls, names, module.first_key(prefix), prefix)
     return places
+
+
+def _probe(probe: DiffusersProbe, modules: dict[str, tuple[int, ProbeKeys]]) -> dict[str, list[Place]]:
+    """The probe on all modules at once; where diffusers refuses them together, one by one."""
+    try:
+        return probe.places(modules)
+    except Exception:  # diffusers cannot read these names together (a converter raises on one of them)
+        found = {}
+        for prefix, keys in modules.items():
+            try:
+                found.update(probe.places({prefix: keys}))
+            except Exception:  # not a name diffusers reads: placed another way, or refused
+                pass
+        return found
+
+
+def _refuse_unplaced(adapter_id: str, pipeline_cls, names: ModuleNames, key: str, prefix: str) -> None:
+    if other := names.missing_component(prefix):
+        raise AdapterInvalid(adapter_id, f"keys like '{key}' belong to no component of {pipeline_cls.__name__} "
+                             f"(they name a {other})", f"Use an adapter made for {pipeline_cls.__name__} models")
+    components = ", ".join(sorted(names.component_modules))
+    raise AdapterIncompatible(adapter_id, f"the layer of key '{key}' does not exist in this model's {components}",
+                              "Use an adapter made for this base model")
 
 
 def load_adapter(location, pipeline_cls: type[DiffusionPipeline], component_modules: dict[str, set[str]],

@@ -165,7 +165,7 @@ class AdapterStore:
     def rows(self, applied_ids=(), cached_only: bool = False) -> list[dict]:
         """Every adapter in a cache tier (hub adapters too) and, unless `cached_only`, in the
         folder: its id, tier, whether it is kept and applied, and once read its base model,
-        rank and size."""
+        rank, size and kinds (`lora`, `loha`, `lokr`, `full`, `+dora`, `bias`)."""
         applied = {aid for aid, _ in applied_ids}
         listed = set(self.source.list_ids()) if self.source is not None and not cached_only else set()
         return [self._row(adapter_id, applied) for adapter_id in sorted(listed | set(self.cache.ids()))]
@@ -177,7 +177,7 @@ class AdapterStore:
         if entry is not None:
             bound = entry.host
             row.update(base_model=bound.base_models[0] if bound.base_models else self.model.name,
-                       rank=bound.rank, bytes=bound.nbytes, layers=len(bound.layers))
+                       rank=bound.rank, bytes=bound.nbytes, layers=len(bound.layers), kinds=bound.kinds())
         return row
 
 

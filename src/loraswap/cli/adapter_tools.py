@@ -23,7 +23,8 @@ def inspect_adapter(
     *,
     given: dict,
 ) -> None:
-    """Format, base model, ranks, alphas, targets, size; exit 1 if it does not fit --model."""
+    """Layout, kinds per component, base model, ranks, scales, what it changes where, size;
+    exit 1 if it does not fit --model (naming the first key it cannot apply and why)."""
     setup_logging(False)
     values = {**defaults(INSPECT_SETTINGS), **given}
     location = _locate(path_or_id, values["adapters"])
@@ -34,7 +35,10 @@ def inspect_adapter(
         for key, value in report.items():
             if key == "targets":
                 for component, names in value.items():
-                    typer.echo(f"targets.{component}: {len(names)} layers, e.g. {', '.join(names[:3])}")
+                    typer.echo(f"targets.{component}: {len(names)} parameters, e.g. {', '.join(names[:3])}")
+            elif key == "kinds":
+                for component, counts in value.items():
+                    typer.echo(f"kinds.{component}: " + ", ".join(f"{k} x{n}" for k, n in sorted(counts.items())))
             else:
                 typer.echo(f"{key}: {value}")
     raise typer.Exit(0 if report["fits"] else 1)
@@ -70,10 +74,11 @@ def _inspect(location, path_or_id: str, model: str, adapters: Path | None, max_r
         unet = components.get("unet")
         parsed = load_adapter(location, pipeline_cls, layers.component_modules, 2**40, unet.config if unet else None)
         report.update(
-            format=parsed.format, base_models=parsed.base_models, bytes=location.weights.stat().st_size,
-            ranks=parsed.ranks, layers=parsed.num_layers,
-            scales=sorted({round(layer.scale, 6) for mods in parsed.layers.values() for layer in mods.values()}),
-            targets={c: sorted(mods) for c, mods in parsed.layers.items()},
+            format=parsed.format, tensors=parsed.num_tensors, kinds=parsed.kinds(), base_models=parsed.base_models,
+            bytes=location.weights.stat().st_size, ranks=parsed.ranks, layers=parsed.num_layers,
+            modules={c: len({p.rsplit(".", 1)[0] for p in params}) for c, params in parsed.layers.items()},
+            scales=sorted({round(layer.scale, 6) for _, _, layer in parsed.all_layers()}),
+            targets={c: sorted(params) for c, params in parsed.layers.items()},
         )
         bind_adapter(parsed, layers, max_rank=max_rank)
         refuse_other_base(parsed.adapter_id, parsed.base_models, [model])

@@ -196,6 +196,8 @@ class FusedSwapper:
         plain: dict[tuple, set[int]] = {}  # (device, dtype) -> row lengths
         float8: dict[tuple, set[int]] = {}  # (device, per tensor, factors' dtype) -> row lengths
         for w in self._params.values():
+            if w.ndim < 2:  # biases and norms: written by `kinds.write`, not the kernel
+                continue
             if Fp8Weight.holds(w):  # a Float8Tensor's dtype is its factors'
                 float8.setdefault((w.qdata.device, w.scale.numel() == 1, w.dtype), set()).add(w.qdata.shape[1])
             else:

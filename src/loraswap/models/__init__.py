@@ -1,5 +1,6 @@
 """Building the pipelines that loraswap serves: tiny presets, real models, shapes."""
 
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -78,17 +79,23 @@ def lora_components(name_or_path: str) -> tuple[type[DiffusionPipeline], dict[st
     Real shapes (`sd15`, `sdxl`, `flux-dev`) are built on the meta device: their layer
     names and shapes, without memory. Anything else is loaded on the CPU.
     """
+    name_or_path = name_or_path.removesuffix(RANDOM_SUFFIX)
+    if name_or_path in SHAPES:
+        return _shape_components(name_or_path)
+    pipeline = build_preset(name_or_path) if name_or_path in PRESETS else load_pipeline(name_or_path, device="cpu")
+    return type(pipeline), adapter_targets(pipeline)
+
+
+@cache
+def _shape_components(name: str) -> tuple[type[DiffusionPipeline], dict[str, torch.nn.Module]]:
+    """A real architecture's components on the meta device (built once: they hold no memory)."""
     import diffusers
 
     from .shapes import build_shape_component
 
-    name_or_path = name_or_path.removesuffix(RANDOM_SUFFIX)
-    if name_or_path in SHAPES:
-        cls = getattr(diffusers, SHAPE_PIPELINES[name_or_path])
-        names = [n for n in adapter_target_names(cls) if n in SHAPES[name_or_path]]
-        return cls, {n: build_shape_component(name_or_path, n) for n in names}
-    pipeline = build_preset(name_or_path) if name_or_path in PRESETS else load_pipeline(name_or_path, device="cpu")
-    return type(pipeline), adapter_targets(pipeline)
+    cls = getattr(diffusers, SHAPE_PIPELINES[name])
+    names = [n for n in adapter_target_names(cls) if n in SHAPES[name]]
+    return cls, {n: build_shape_component(name, n) for n in names}
 
 
 def adapter_target_names(pipeline_cls) -> list[str]:

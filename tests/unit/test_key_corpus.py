@@ -1,0 +1,78 @@
+"""Real key layouts of published adapters (tests/fixtures/key_layouts: names, shapes and
+dtypes from public test fixtures and issue reports; no weights), rebuilt with random values
+at real size and inspected against the real architectures on the meta device: every key
+is claimed and none dropped, or the file is refused naming the key and why."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from loraswap.adapters.module_layers import WEIGHT_KINDS, complete
+from loraswap.adapters.parse import split_key
+from loraswap.cli import app
+
+CORPUS = Path(__file__).parent.parent / "fixtures" / "key_layouts"
+DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+UNKNOWN_RANK = 4  # sources that list names without ranks
+# layouts that must be refused, and the words the refusal says
+REFUSED = {
+    "flux_bfl_control_lora": "FLUX control LoRA",
+    # the source lists only the magnitude vectors, not the LoRA pairs they belong to
+    "flux_simpletuner_peft_dora": "belongs to no weight change",
+    # the source lists only the lora_up weights
+    "sd15_kohya_lora_up_shapes": "has no lora_down weight",
+}
+
+
+def corpus_files() -> list[Path]:
+    return sorted(CORPUS.glob("*.json"))
+
+
+def whole_modules(layout: dict) -> dict:
+    """The layout's tensors, without the modules a partial excerpt lists only some keys of
+    (a LoRA's down without its up, say): what remains is what the published file has."""
+    kinds: dict[str, dict[str, set]] = {}
+    for key in layout["tensors"]:
+        prefix, kind, factor = split_key(key)
+        kinds.setdefault(prefix, {}).setdefault(kind, set()).add(factor)
+    whole = {p for p, parts in kinds.items()
+             if all(complete(kind, dict.fromkeys(factors)) for kind, factors in parts.items() if kind in WEIGHT_KINDS)
+             and any(kind in WEIGHT_KINDS or kind == "bias" for kind in parts)}
+    return {k: v for k, v in layout["tensors"].items() if split_key(k)[0] in whole}
+
+
+def rebuild(layout: dict, path: Path) -> int:
+    """Random tensors with the layout's names, shapes and dtypes, saved to `path`."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    listed = (whole_modules(layout) if "PARTIAL" in layout["note"] else None) or layout["tensors"]
+    for key, (shape, dtype) in listed.items():
+        shape = [UNKNOWN_RANK if size is None else size for size in shape]
+        value = torch.randn(shape, generator=generator) * 0.01
+        if key.endswith((".alpha", "dora_scale", "lora_magnitude_vector")):
+            value = value.abs() + 1.0
+        tensors[key] = value.to(DTYPES[dtype])
+    save_file(tensors, str(path))
+    return len(tensors)
+
+
+@pytest.mark.parametrize("file", corpus_files(), ids=lambda p: p.stem)
+def test_every_key_of_a_real_layout_is_claimed(file, tmp_path):
+    layout = json.loads(file.read_text())
+    count = rebuild(layout, tmp_path / f"{file.stem}.safetensors")
+    result = CliRunner().invoke(app, ["adapters", "inspect", str(tmp_path / f"{file.stem}.safetensors"),
+                                      "--model", layout["model"], "--json", "--max-rank", "4096"])
+    report = json.loads(result.output)
+    if file.stem in REFUSED:
+        assert result.exit_code == 1 and REFUSED[file.stem] in report["problem"], report["problem"]
+        assert "'" in report["problem"], "the refusal names the key"
+        return
+    assert result.exit_code == 0, report.get("problem")
+    assert report["tensors"] == count
+    changed = sum(report["modules"].values())
+    assert changed >= len({k.split(".lora")[0].split(".hada")[0] for k in layout["tensors"]}) // 4
+    assert set(report["kinds"]) <= {"transformer", "unet", "text_encoder", "text_encoder_2"}
