@@ -2,6 +2,8 @@
 the images of diffusers' own loading, and refusals that leave the model as it was."""
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from helpers import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 from loraswap.engine.config import EngineConfig
@@ -25,6 +27,8 @@ def hotswap(adapter_factory, tmp_path_factory):
     adapter_factory("kohya", "tiny-sd", rank=8, targets="all", fmt="kohya", alpha=4.0, seed=62, folder=folder)
     adapter_factory("with-te", "tiny-sd", rank=4, targets="attn", text_encoder=True, seed=63, folder=folder)
     adapter_factory("too-wide", "tiny-sd", rank=32, targets="attn", seed=64, folder=folder)
+    loha = {"lora_unet_down_blocks_0_attentions_0_proj_in.hada_w1_a": torch.ones(32, 2)}
+    save_file(loha, str(folder / "loha.safetensors"))
     engine = Engine(EngineConfig(model="tiny-sd", adapters=folder, swap_mode="hotswap", hotswap_rank=TARGET_RANK,
                                  compile=False, warmup=False))
     engine.set_adapters([])  # the placeholder in place, as after a compiled start
@@ -55,6 +59,7 @@ def test_hotswap_back_to_the_base_model_draws_the_base_image(hotswap):
     ([("too-wide", 1.0)], AdapterIncompatible, "over the hotswap target rank 16"),
     ([("wide", 0.5)], BadRequest, "at weight 1 only"),
     ([("wide", 1.0), ("narrow", 1.0)], BadRequest, "one adapter at a time"),
+    ([("loha", 1.0)], AdapterIncompatible, "hada_w1_a' is not a plain LoRA weight"),
 ])
 def test_hotswap_refusals_change_nothing(hotswap, loras, error, match):
     engine, _ = hotswap

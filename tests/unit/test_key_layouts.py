@@ -6,8 +6,8 @@ loader drops `.diff`, `.diff_b`, norm and T5 keys of these files; loraswap appli
 """
 
 import torch
-from lycoris.functional.lokr import kron_weight
 from lycoris.functional.loha import diff_weight as loha_diff_weight
+from lycoris.functional.lokr import kron_weight
 from safetensors.torch import save_file
 
 from helpers import weights_snapshot
@@ -45,7 +45,7 @@ def test_flux_kohya_diff_bias_norm_and_t5_keys_are_all_applied(tmp_path):
 
     block = "transformer.transformer_blocks.0.attn"
     lora = 2.0 * tensors[f"{qkv}.lora_up.weight"] @ tensors[f"{qkv}.lora_down.weight"]  # alpha 8 / rank 4
-    expected = {f"text_encoder_2.encoder.block.0.layer.0.SelfAttention.q.weight":
+    expected = {"text_encoder_2.encoder.block.0.layer.0.SelfAttention.q.weight":
                 before["text_encoder_2.encoder.block.0.layer.0.SelfAttention.q.weight"]
                 + tensors[f"{t5_q}.lora_up.weight"] @ tensors[f"{t5_q}.lora_down.weight"],
                 "transformer.single_transformer_blocks.0.proj_out.weight":

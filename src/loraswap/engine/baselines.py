@@ -23,6 +23,7 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors import safe_open
 
+from ..adapters.parse import split_key
 from ..adapters.random import make_random_adapter
 from ..adapters.source import AdapterLocation
 from ..errors import AdapterIncompatible, BadRequest
@@ -49,7 +50,10 @@ class LoadAndFuseSwapper:
         return cls(pipeline)
 
     def check(self, adapters: Sequence[tuple[AdapterLocation, float]]) -> None:
-        """Nothing beyond diffusers' own checks (what the Hugging Face image does)."""
+        """diffusers' own checks (what the Hugging Face image does), and a refusal of the
+        kinds diffusers would drop or fail on (`refuse_kinds_diffusers_drops`)."""
+        for location, _ in adapters:
+            refuse_kinds_diffusers_drops(location, self.pipeline)
 
     def prepare_to_compile(self) -> None:
         """Nothing: this baseline runs eager."""
@@ -142,6 +146,7 @@ class HotswapSwapper:
         if weight != 1.0:
             raise BadRequest(f"adapter '{aid}': the hotswap baseline applies adapters at weight 1 only "
                              "(a weight goes through set_adapters, which recompiles)")
+        refuse_kinds_diffusers_drops(location, self.pipeline)
         with safe_open(str(location.weights), "pt") as f:
             for key in f.keys():
                 if key.startswith(("text_encoder", "lora_te")):
@@ -151,3 +156,20 @@ class HotswapSwapper:
                 if is_down and f.get_slice(key).get_shape()[0] > self.target_rank:
                     raise AdapterIncompatible(aid, f"key '{key}' has a rank over the hotswap target rank "
                                               f"{self.target_rank}", "Raise --hotswap-rank")
+
+
+def refuse_kinds_diffusers_drops(location: AdapterLocation, pipeline: DiffusionPipeline) -> None:
+    """The baselines load through diffusers, which reads plain LoRA pairs only: it drops
+    DoRA scales, `.diff`, `.diff_b`, norm and T5 keys (with an info log) and fails on LoHa and
+    LoKr. Refused here, from the header, rather than served as a different adapter."""
+    second_text_encoder = "text_encoder_2" in pipeline._lora_loadable_modules
+    with safe_open(str(location.weights), "pt") as f:
+        for key in f.keys():
+            kind, factor = (split_key(key) or ("", "unknown", ""))[1:]
+            plain = kind == "alpha" or (kind == "lora" and factor in ("down", "up"))
+            dropped = key.startswith("text_encoders.t5xxl") or key.startswith("lora_te2_") and not second_text_encoder
+            if not plain or dropped:
+                raise AdapterIncompatible(location.adapter_id, f"key '{key}' is not a plain LoRA weight, which the "
+                                          "load-and-fuse and hotswap baselines (diffusers' loader) cannot apply",
+                                          "Use --swap-mode fused, which applies every adapter kind")
+

@@ -193,15 +193,7 @@ class FusedSwapper:
         do not run)."""
         if not self.kernel:
             return
-        plain: dict[tuple, set[int]] = {}  # (device, dtype) -> row lengths
-        float8: dict[tuple, set[int]] = {}  # (device, per tensor, factors' dtype) -> row lengths
-        for w in self._params.values():
-            if w.ndim < 2:  # biases and norms: written by `kinds.write`, not the kernel
-                continue
-            if Fp8Weight.holds(w):  # a Float8Tensor's dtype is its factors'
-                float8.setdefault((w.qdata.device, w.scale.numel() == 1, w.dtype), set()).add(w.qdata.shape[1])
-            else:
-                plain.setdefault((w.device, w.dtype), set()).add(w[0].numel())
+        plain, float8 = self._row_lengths()
         try:
             for (device, dtype), lengths in plain.items():
                 if kernel_available(torch.empty(0, device=device, dtype=dtype)):
@@ -216,6 +208,20 @@ class FusedSwapper:
         except Exception:
             logger.warning("the float8 swap kernel does not compile here; re-quantizing eagerly", exc_info=True)
             self.float8_kernel = False
+
+    def _row_lengths(self) -> tuple[dict[tuple, set[int]], dict[tuple, set[int]]]:
+        """The row lengths of the weights the kernels write: plain ones by (device, dtype),
+        float8 ones by (device, per tensor, factors' dtype)."""
+        plain: dict[tuple, set[int]] = {}
+        float8: dict[tuple, set[int]] = {}
+        for w in self._params.values():
+            if w.ndim < 2:  # biases and norms: written by `kinds.write`, not the kernel
+                continue
+            if Fp8Weight.holds(w):  # a Float8Tensor's dtype is its factors'
+                float8.setdefault((w.qdata.device, w.scale.numel() == 1, w.dtype), set()).add(w.qdata.shape[1])
+            else:
+                plain.setdefault((w.device, w.dtype), set()).add(w[0].numel())
+        return plain, float8
 
     def reset(self) -> None:
         """Back to the base model, bitwise."""
