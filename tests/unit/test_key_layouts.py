@@ -53,8 +53,8 @@ def test_flux_kohya_diff_bias_norm_and_t5_keys_are_all_applied(tmp_path):
                 + tensors["lora_unet_single_blocks_0_linear2.diff"],
                 f"{block}.norm_q.weight": before[f"{block}.norm_q.weight"]
                 + tensors["lora_unet_double_blocks_0_img_attn_norm_query_norm.diff"],
-                "text_encoder.encoder.layers.0.layer_norm1.bias": before["text_encoder.encoder.layers.0.layer_norm1.bias"]
-                + tensors["text_encoders.clip_l.transformer.text_model.encoder.layers.0.layer_norm1.diff_b"]}
+                "text_encoder.encoder.layers.0.layer_norm1.bias":
+                before["text_encoder.encoder.layers.0.layer_norm1.bias"] + tensors["text_encoders.clip_l.transformer.text_model.encoder.layers.0.layer_norm1.diff_b"]}
     for name, rows in QKV.items():
         expected[f"{block}.{name}.weight"] = before[f"{block}.{name}.weight"] + lora[rows]
         expected[f"{block}.{name}.bias"] = before[f"{block}.{name}.bias"] + tensors[f"{qkv}.diff_b"][rows]

@@ -62,8 +62,7 @@ class BoundAdapter:
 
     def kinds(self) -> list[str]:
         """The kinds of change it makes, e.g. ["lora", "loha+dora", "bias"]."""
-        return sorted({"bias" if p.endswith(".bias") else layer.kind + ("+dora" if layer.dora else "")
-                       for (_, p), layer in self.layers.items()})
+        return sorted({layer.label(p) for (_, p), layer in self.layers.items()})
 
     def to(self, device: str | torch.device, dtype: torch.dtype | None = None, pin_memory: bool = False,
            non_blocking: bool = False) -> "BoundAdapter":

@@ -12,16 +12,20 @@ Factor names (the file's names without their prefixes):
 - `loha`: `w1a` [out, r], `w1b` [r, in*k], `w2a`, `w2b` (Tucker: `t1`, `t2` [r, r, kh, kw]
   with `w1a` [r, out], `w1b` [r, in]): dW = (w1a @ w1b) * (w2a @ w2b).
 - `lokr`: `w1` or `w1a` @ `w1b`, `w2` or `w2a` @ `w2b` (Tucker `t2`): dW = kron(w1, w2).
+- `lokr-rows`: some rows of a Kronecker product (a fused module the model splits, whose
+  split does not fall on w1's blocks): row i is kron(`w1`[i], `w2`[i]), `w2` given whole
+  or as `w2a` [n, r] @ `w2b`.
 - `full`: `diff`, a difference of the whole parameter (weights, biases, norms).
 Any kind may carry a DoRA `magnitude`, which makes the new weight
 magnitude * (W + dW) / norm(W + dW) (see `_decompose`).
 """
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-KINDS = ("lora", "loha", "lokr", "full")
+KINDS = ("lora", "loha", "lokr", "lokr-rows", "full")
 # DoRA conventions: PEFT normalises each output row; LyCORIS (and the kohya-style files
 # other trainers write, `dora_scale`) each output row, or each input column before 3.2.
 DORA_CONVENTIONS = ("peft", "lycoris-out", "lycoris-in")
@@ -57,7 +61,7 @@ class Layer:
             return f["down"].shape[0]
         if self.kind == "loha":
             return f["w1b"].shape[0]
-        if self.kind == "lokr":
+        if self.kind in ("lokr", "lokr-rows"):
             factored = [f[k].shape[0] for k in ("w1b", "w2b") if k in f]
             return max(factored, default=0)  # 0: both factors full
         return 0
@@ -65,6 +69,12 @@ class Layer:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.factors.values())
+
+    def label(self, param: str) -> str:
+        """What `inspect` and `/adapters` call this change of `param`: its kind, `+dora`, or `bias`."""
+        if param.endswith(".bias"):
+            return "bias"
+        return self.kind.removesuffix("-rows") + ("+dora" if self.dora else "")
 
     def replace(self, **changes) -> "Layer":
         values = {"kind": self.kind, "factors": self.factors, "scale": self.scale, "dora": self.dora,
@@ -86,6 +96,9 @@ def delta_shape(layer: Layer) -> tuple[int, ...]:
         if "t1" in f:
             return (f["w1a"].shape[1], f["w1b"].shape[1], *f["t1"].shape[2:])
         return (f["w1a"].shape[0], *f["w1b"].shape[1:])
+    if layer.kind == "lokr-rows":
+        width = math.prod(f["w2"].shape[1:]) if "w2" in f else math.prod(f["w2b"].shape[1:])
+        return (f["w1"].shape[0], f["w1"].shape[1] * width)
     w1 = _lokr_shape(f, "1")
     w2 = _lokr_shape(f, "2")
     return (w1[0] * w2[0], w1[1] * w2[1], *w2[2:])
@@ -122,6 +135,9 @@ def delta(layer: Layer, dtype: torch.dtype) -> torch.Tensor:
         else:
             dense = (f["w1a"] @ f["w1b"].reshape(f["w1b"].shape[0], -1)) * \
                 (f["w2a"] @ f["w2b"].reshape(f["w2b"].shape[0], -1))
+    elif layer.kind == "lokr-rows":
+        w2 = f["w2"].reshape(f["w2"].shape[0], -1) if "w2" in f else f["w2a"] @ f["w2b"].reshape(f["w2b"].shape[0], -1)
+        dense = (f["w1"][:, :, None] * w2[:, None, :]).reshape(w2.shape[0], -1)  # row-wise Kronecker products
     else:
         w1, w2 = _lokr_side(f, "1"), _lokr_side(f, "2")
         w1 = w1.reshape(*w1.shape, *[1] * (w2.ndim - w1.ndim))  # kron pads the front; a conv's w1 is [a, b, 1, 1]

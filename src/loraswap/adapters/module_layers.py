@@ -150,8 +150,26 @@ def _rows(aid: str, prefix: str, layer: Layer, rows: torch.Tensor | None) -> Lay
         f["w1a"], f["w2a"] = f["w1a"][:, rows], f["w2a"][:, rows]
     elif layer.kind == "loha":
         f["w1a"], f["w2a"] = f["w1a"][rows], f["w2a"][rows]
-    else:  # LoKr: rows of a Kronecker product are not one in general; its dense rows are
-        dense = delta(layer.replace(factors={k: v for k, v in f.items() if k != "magnitude"}), torch.float32)
-        kept = {"diff": dense[rows]} | ({"magnitude": f["magnitude"]} if "magnitude" in f else {})
-        return layer.replace(kind="full", factors=kept, scale=1.0)
+    else:
+        return layer.replace(kind="lokr-rows", factors=_kron_rows(f, rows))
     return layer.replace(factors={k: v.contiguous() for k, v in f.items()})
+
+
+def _kron_rows(f: dict, rows: torch.Tensor) -> dict:
+    """Rows of kron(w1, w2) as `lokr-rows` factors: row i*p + k is kron(w1[i], w2[k]) (p: the
+    rows of w2), so each kept row takes its w1 row and its w2 row (w2 kept factored)."""
+    w1 = f["w1"] if "w1" in f else f["w1a"] @ f["w1b"]
+    if "t2" in f:  # a Tucker w2 is rebuilt whole: it is out/a x in/b x k, far smaller than W
+        w2 = delta(Layer("lokr", {"w1": torch.ones(1, 1), **{k: f[k] for k in ("w2a", "w2b", "t2")}}), f["t2"].dtype)
+        w2 = w2.reshape(w2.shape[0], -1)
+    else:
+        w2 = f.get("w2")
+    p = (w2 if w2 is not None else f["w2a"]).shape[0]
+    out = {"w1": w1[rows // p].contiguous()}
+    if w2 is not None:
+        out["w2"] = w2[rows % p].contiguous()
+    else:
+        out |= {"w2a": f["w2a"][rows % p].contiguous(), "w2b": f["w2b"].contiguous()}
+    if "magnitude" in f:
+        out["magnitude"] = f["magnitude"]
+    return out

@@ -78,7 +78,7 @@ class ParsedAdapter:
         """component -> kind (with `+dora`, `bias`) -> parameters changed."""
         out: dict[str, dict[str, int]] = {}
         for component, param, layer in self.all_layers():
-            kind = "bias" if param.endswith(".bias") else layer.kind + ("+dora" if layer.dora else "")
+            kind = layer.label(param)
             counts = out.setdefault(component, {})
             counts[kind] = counts.get(kind, 0) + 1
         return out
