@@ -28,6 +28,7 @@ def randn(*shape, seed=0):
 
 def test_flux_kohya_diff_bias_norm_and_t5_keys_are_all_applied(tmp_path):
     qkv, t5_q = "lora_unet_double_blocks_0_img_attn_qkv", "lora_te2_encoder_block_0_layer_0_SelfAttention_q"
+    clip_norm = "text_encoders.clip_l.transformer.text_model.encoder.layers.0.layer_norm1.diff_b"  # ComfyUI naming
     tensors = {
         f"{qkv}.lora_down.weight": randn(4, HIDDEN), f"{qkv}.lora_up.weight": randn(3 * HIDDEN, 4),
         f"{qkv}.alpha": torch.tensor(8.0),
@@ -35,7 +36,7 @@ def test_flux_kohya_diff_bias_norm_and_t5_keys_are_all_applied(tmp_path):
         "lora_unet_single_blocks_0_linear2.diff": randn(HIDDEN, HIDDEN + MLP),
         "lora_unet_double_blocks_0_img_attn_norm_query_norm.diff": randn(HEAD),
         f"{t5_q}.lora_down.weight": randn(4, HIDDEN), f"{t5_q}.lora_up.weight": randn(HIDDEN, 4),
-        "text_encoders.clip_l.transformer.text_model.encoder.layers.0.layer_norm1.diff_b": randn(HIDDEN),
+        clip_norm: randn(HIDDEN),
     }
     save_file(tensors, str(tmp_path / "kohya-extras.safetensors"))
     engine = tiny_flux(tmp_path)
@@ -54,7 +55,7 @@ def test_flux_kohya_diff_bias_norm_and_t5_keys_are_all_applied(tmp_path):
                 f"{block}.norm_q.weight": before[f"{block}.norm_q.weight"]
                 + tensors["lora_unet_double_blocks_0_img_attn_norm_query_norm.diff"],
                 "text_encoder.encoder.layers.0.layer_norm1.bias":
-                before["text_encoder.encoder.layers.0.layer_norm1.bias"] + tensors["text_encoders.clip_l.transformer.text_model.encoder.layers.0.layer_norm1.diff_b"]}
+                before["text_encoder.encoder.layers.0.layer_norm1.bias"] + tensors[clip_norm]}
     for name, rows in QKV.items():
         expected[f"{block}.{name}.weight"] = before[f"{block}.{name}.weight"] + lora[rows]
         expected[f"{block}.{name}.bias"] = before[f"{block}.{name}.bias"] + tensors[f"{qkv}.diff_b"][rows]
