@@ -21,11 +21,27 @@ def interpreted():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
-        kernels._kernel.cache_clear()
-        kernels._float8_kernel.cache_clear()
+        for built in (kernels._kernel, kernels._float8_kernel, kernels._loha_kernel):
+            built.cache_clear()
         yield kernels
-    kernels._kernel.cache_clear()
-    kernels._float8_kernel.cache_clear()
+    for built in (kernels._kernel, kernels._float8_kernel, kernels._loha_kernel):
+        built.cache_clear()
+
+
+@pytest.mark.parametrize("dtype,ulps", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
+@pytest.mark.parametrize("m,n,k", [(70, 200, 4), (33, 17, 40), (130, 129, 33)])
+def test_loha_kernel_matches_the_products_within_one_rounding(interpreted, dtype, ulps, m, n, k):
+    """W = P + alpha * (B1 @ A1) * (B2 @ A2) in one pass, against float64 (and in place)."""
+    g = torch.Generator().manual_seed(m + n * k)
+    pristine, up1, down1, up2, down2 = (torch.randn(*s, generator=g).to(dtype)
+                                        for s in ((m, n), (m, k), (k, n), (m, k), (k, n)))
+    exact = pristine.double() + 0.3 * (up1.double() @ down1.double()) * (up2.double() @ down2.double())
+    weight = torch.full_like(pristine, float("nan"))
+    interpreted.fuse_loha_into(weight, pristine, up1, down1, up2, down2, 0.3, use_kernel=True)
+    tolerance = ulps * exact.abs().clamp(min=1.0) + 1e-5 * k * k
+    assert ((weight.double() - exact).abs() <= tolerance).all()
+    interpreted.fuse_loha_into(weight, weight, up1, down1, up2, down2, -0.3, use_kernel=True)
+    assert ((weight.double() - pristine.double()).abs() <= 2 * tolerance).all()
 
 
 @pytest.mark.parametrize("dtype,ulps", [(torch.float32, 1e-6), (torch.float16, 2**-10), (torch.bfloat16, 2**-7)])
@@ -144,9 +160,9 @@ def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(interpre
     calls = []
     real = interpreted.requantize_into
     with pytest.MonkeyPatch.context() as patch:
-        from loraswap.engine import swap
+        from loraswap.engine import float8_weights
 
-        patch.setattr(swap, "requantize_into", lambda *a: calls.append(1) or real(*a))
+        patch.setattr(float8_weights, "requantize_into", lambda *a: calls.append(1) or real(*a))
         fused = []
         for engine in engines:
             engine.set_adapters([("f1", 1.0)])
@@ -170,7 +186,7 @@ def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(interpre
         real(*args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(swap, "requantize_into", fail_fifth)
+        patch.setattr(float8_weights, "requantize_into", fail_fifth)
         with pytest.raises(RuntimeError, match="injected"):
             engines[0].set_adapters([("f1", 0.5)])
     after = state(engines[0])

@@ -117,14 +117,16 @@ def packed_spans(layers) -> list[tuple[list[int], int]]:
 def with_buffer(bound: BoundAdapter, flat: torch.Tensor) -> BoundAdapter:
     """`bound` with its factors as views into `flat` (packed in layer and factor order).
 
-    A plain LoRA's down is viewed [rank, fan_in] and its up [out, rank], conv factors
-    included: the shapes `addmm` and the swap kernel take, so a swap reshapes nothing."""
+    A LoRA's down is viewed [rank, fan_in] and its up [out, rank], conv factors included
+    (not a Tucker LoCon's): the shapes `addmm` and the swap kernel take, so a swap reshapes
+    nothing."""
     layers = {}
     for (key, layer), (starts, _) in zip(bound.layers.items(), packed_spans(bound.layers.values())):
         factors = {}
         for (name, tensor), at in zip(layer.factors.items(), starts):
             view = flat[at: at + tensor.numel()]
-            factors[name] = view.view(tensor.shape[0], -1) if layer.plain else view.view(tensor.shape)
+            pair = layer.kind == "lora" and "mid" not in layer.factors and name in ("down", "up")
+            factors[name] = view.view(tensor.shape[0], -1) if pair else view.view(tensor.shape)
         layers[key] = layer.replace(factors=factors)
     return BoundAdapter(bound.adapter_id, layers, bound.base_models, flat)
 

@@ -17,7 +17,7 @@ Factor names (the file's names without their prefixes):
   or as `w2a` [n, r] @ `w2b`.
 - `full`: `diff`, a difference of the whole parameter (weights, biases, norms).
 Any kind may carry a DoRA `magnitude`, which makes the new weight
-magnitude * (W + dW) / norm(W + dW) (see `_decompose`).
+magnitude * (W + dW) / norm(W + dW) (see `rescale_dora`).
 """
 
 import math
@@ -75,6 +75,10 @@ class Layer:
         if param.endswith(".bias"):
             return "bias"
         return self.kind.removesuffix("-rows") + ("+dora" if self.dora else "")
+
+    def without_dora(self) -> "Layer":
+        """The change alone, before DoRA's rescaling."""
+        return self.replace(factors={k: v for k, v in self.factors.items() if k != "magnitude"}, dora=None)
 
     def replace(self, **changes) -> "Layer":
         values = {"kind": self.kind, "factors": self.factors, "scale": self.scale, "dora": self.dora,
@@ -160,56 +164,81 @@ def write(target: torch.Tensor, source: torch.Tensor, layer: Layer, blend: float
     """target = source changed by `layer` at `blend` (the request's weight for the adapter).
 
     `target` may be `source` (a further adapter of a blend, applied to what the earlier
-    ones wrote)."""
-    if layer.dora is not None:
-        target.copy_(_decompose(source, layer, blend))
+    ones wrote). DoRA is the change, then the rescaling of `target` in place."""
+    if layer.dora is None:
+        write_change(target, source, layer, blend)
         return
-    if layer.kind == "lokr" and _kron_in_place(target, source, layer, blend):
+    write_change(target, source, layer.without_dora(), dora_change_weight(layer, blend))
+    rescale_dora(target, layer, blend)
+
+
+def write_change(target: torch.Tensor, source: torch.Tensor, layer: Layer, blend: float) -> None:
+    """target = source + blend * scale * dW, in as few passes over the weight as the kind
+    allows: Kronecker products broadcast in one pass, LoHa's two products multiply-add in one."""
+    if layer.kind in ("lokr", "lokr-rows") and _kron_in_place(target, source, layer, blend):
+        return
+    f = layer.factors
+    if layer.kind == "loha" and "t1" not in f and target.is_contiguous() and source.is_contiguous():
+        first = f["w1a"].to(target.dtype) @ f["w1b"].to(target.dtype).reshape(f["w1b"].shape[0], -1)
+        second = f["w2a"].to(target.dtype) @ f["w2b"].to(target.dtype).reshape(f["w2b"].shape[0], -1)
+        torch.addcmul(source.view(first.shape), first, second, value=blend * layer.scale, out=target.view(first.shape))
         return
     torch.add(source, delta(layer, target.dtype), alpha=blend, out=target)
 
 
 def _kron_in_place(target: torch.Tensor, source: torch.Tensor, layer: Layer, blend: float) -> bool:
-    """kron(w1, w2) added without materializing it: viewed as [a, p, b, q], the weight
-    takes w1[a, 1, b, 1] * w2[1, p, 1, q] in one broadcast pass."""
-    f = layer.factors
-    if target.ndim != 2 or "w2a" in f or "t2" in f or not target.is_contiguous() or not source.is_contiguous():
+    """kron(w1, w2) added without materializing it: the weight viewed as [a, p, b, q] takes
+    w1[a, 1, b, 1] * w2[1, p, 1, q] in one broadcast pass (conv kernels ride in q); rows of
+    a product (`lokr-rows`), viewed [n, b, q], take w1[n, b, 1] * w2[n, 1, q]."""
+    if not (target.is_contiguous() and source.is_contiguous()):
         return False
-    w1 = _lokr_side({k: v.to(target.dtype) for k, v in f.items()}, "1")
-    w2 = f["w2"].to(target.dtype)
-    if w2.ndim != 2:
+    f = {k: v.to(target.dtype) for k, v in layer.factors.items() if k != "magnitude"}
+    if layer.kind == "lokr-rows":
+        w1 = f["w1"]
+        w2 = f["w2"].reshape(w1.shape[0], -1) if "w2" in f else f["w2a"] @ f["w2b"].reshape(f["w2b"].shape[0], -1)
+        n, b, q = w1.shape[0], w1.shape[1], w2.shape[1]
+        shape, first, second = (n, b, q), w1.view(n, b, 1), w2.view(n, 1, q)
+    else:
+        w1, w2 = _lokr_side(f, "1"), _lokr_side(f, "2")
+        w1, w2 = w1.reshape(w1.shape[0], -1), w2.reshape(w2.shape[0], -1)
+        (a, b), (p, q) = w1.shape, w2.shape
+        shape, first, second = (a, p, b, q), w1.view(a, 1, b, 1), w2.view(1, p, 1, q)
+    if math.prod(shape) != target.numel():
         return False
-    (a, b), (p, q) = w1.shape, w2.shape
-    shape4 = (a, p, b, q)
-    torch.addcmul(source.view(shape4), w1.view(a, 1, b, 1), w2.view(1, p, 1, q), value=blend * layer.scale,
-                  out=target.view(shape4))
+    torch.addcmul(source.view(shape), first, second, value=blend * layer.scale, out=target.view(shape))
     return True
 
 
-def _decompose(source: torch.Tensor, layer: Layer, blend: float) -> torch.Tensor:
-    """DoRA: the new weight from the current one, in fp32, as each trainer's loader does.
+def dora_change_weight(layer: Layer, blend: float) -> float:
+    """What the request's weight multiplies the change by before DoRA's rescaling: PEFT
+    scales the LoRA inside the norm; LyCORIS applies the whole change and interpolates the
+    rescaling instead (`rescale_dora`)."""
+    return blend if layer.dora == "peft" else 1.0
 
-    PEFT: W' = m * (W + w dW) / ||W + w dW|| per output row, w the request's weight
-    (it scales the LoRA inside the norm, as `set_adapters` does).
-    LyCORIS: V = W + dW; W' = V * (w (m / ||V|| - 1) + 1), the norm per output row
-    (`dora_scale` [out, 1]) or per input column ([1, in]): w interpolates the rescaling,
+
+def rescale_dora(weight: torch.Tensor, layer: Layer, blend: float) -> None:
+    """DoRA on a weight that already holds W + dW: W' = magnitude * (W + dW) / ||W + dW||,
+    in place (norms in fp32), as each trainer's loader does it.
+
+    PEFT: the norm of each output row; the request's weight w scaled dW (`set_adapters`).
+    LyCORIS: the norm of each output row (`dora_scale` [out, 1]) or input column ([1, in],
+    before LyCORIS 3.2.0); w interpolates the rescaling, W' = V * (w (m / ||V|| - 1) + 1),
     as its network's forward does with its multiplier.
     """
-    weight = source.float()
-    change = delta(layer, torch.float32)
-    magnitude = layer.factors["magnitude"].float()
-    if layer.dora == "peft":
-        merged = weight + blend * change
-        norm = merged.reshape(merged.shape[0], -1).norm(dim=1)
-        return merged * (magnitude.reshape(-1) / norm).reshape(-1, *[1] * (merged.ndim - 1))
-    merged = weight + change
-    if layer.dora == "lycoris-out":
-        norm = merged.reshape(merged.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (merged.ndim - 1))
+    magnitude = layer.factors["magnitude"].float().reshape(-1)
+    rest = [1] * (weight.ndim - 1)
+    if layer.dora == "lycoris-in":
+        columns = weight.transpose(0, 1).reshape(weight.shape[1], -1)
+        norm = torch.linalg.vector_norm(columns, dim=1, dtype=torch.float32)
+        shape = (1, -1, *rest[1:])
     else:
-        norm = merged.transpose(0, 1).reshape(merged.shape[1], -1).norm(dim=1)
-        norm = norm.reshape(merged.shape[1], *[1] * (merged.ndim - 1)).transpose(0, 1)
-    rescale = magnitude.reshape(norm.shape) / (norm + torch.finfo(torch.float32).eps)
-    return merged * (blend * (rescale - 1) + 1)
+        norm = torch.linalg.vector_norm(weight.reshape(weight.shape[0], -1), dim=1, dtype=torch.float32)
+        shape = (-1, *rest)
+    if layer.dora == "peft":
+        factor = magnitude / norm
+    else:
+        factor = blend * (magnitude / (norm + torch.finfo(torch.float32).eps) - 1) + 1
+    weight.mul_(factor.view(shape))
 
 
 def dora_magnitude_shape(convention: str, shape: tuple[int, ...]) -> tuple[int, ...]:

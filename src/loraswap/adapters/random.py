@@ -17,6 +17,8 @@ from torch import nn
 
 Targets = Literal["attn", "all"]
 Format = Literal["diffusers", "kohya"]
+Kind = Literal["lora", "loha", "lokr", "dora"]
+KINDS = ("lora", "loha", "lokr", "dora")
 
 # component -> (attention-only pattern, all-layers pattern), matched with re.search on module names
 _TARGETS = {
@@ -67,6 +69,40 @@ def _factors(shape: tuple[int, ...], rank: int, generator: torch.Generator) -> t
     return down, up
 
 
+def _layer_keys(kind: Kind, component_name: str, name: str, shape: tuple[int, ...], rank: int, alpha: float,
+                fmt: Format, generator: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One layer's random tensors of `kind` under the format's key names."""
+    if kind in ("loha", "lokr"):
+        key = _kohya_name(component_name, name)
+        tensors = (_loha if kind == "loha" else _lokr)(shape, rank, generator)
+        return {f"{key}.{k}": v.to(dtype) for k, v in tensors.items()} | {f"{key}.alpha": torch.tensor(alpha,
+                                                                                                    dtype=dtype)}
+    down, up = _factors(shape, rank, generator)
+    keys = _keys(component_name, name, down.to(dtype), up.to(dtype), alpha, fmt)
+    if kind == "dora":  # LyCORIS's output-axis magnitudes, about the rows' norms
+        magnitude = 1 + 0.1 * torch.rand(shape[0], *[1] * (len(shape) - 1), generator=generator)
+        keys[f"{_kohya_name(component_name, name)}.dora_scale"] = magnitude.to(dtype)
+    return keys
+
+
+def _loha(shape: tuple[int, ...], rank: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """LoHa factors (flattened conv kernels, as LyCORIS stores them without Tucker)."""
+    out_features, fan_in = shape[0], math.prod(shape[1:])
+    up, down = ((out_features, rank), 0.3 / math.sqrt(rank)), ((rank, fan_in), 1 / math.sqrt(fan_in))
+    return {name: torch.randn(*size, generator=generator) * std
+            for name, (size, std) in (("hada_w1_a", up), ("hada_w1_b", down), ("hada_w2_a", up), ("hada_w2_b", down))}
+
+
+def _lokr(shape: tuple[int, ...], rank: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """LoKr factors: a full w1 [f, f] and w2 = w2_a @ w2_b, LyCORIS's layout for large layers."""
+    out_features, in_features, kernel = shape[0], shape[1], math.prod(shape[2:])
+    factor = next(f for f in (16, 8, 4, 2, 1) if out_features % f == 0 and in_features % f == 0)
+    fan_in = in_features // factor * kernel
+    return {"lokr_w1": torch.randn(factor, factor, generator=generator),
+            "lokr_w2_a": torch.randn(out_features // factor, rank, generator=generator) * 0.1 / math.sqrt(rank),
+            "lokr_w2_b": torch.randn(rank, fan_in, generator=generator) / math.sqrt(fan_in)}
+
+
 def make_random_adapter(
     components: dict[str, nn.Module],
     rank: int,
@@ -77,6 +113,7 @@ def make_random_adapter(
     base_model: str | None = None,
     dtype: torch.dtype = torch.float16,
     seed: int = 0,
+    kind: Kind = "lora",
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A random adapter for `components` (name -> module): (state dict, safetensors metadata).
 
@@ -84,9 +121,13 @@ def make_random_adapter(
     text encoders are targeted only with `text_encoder=True`. `alpha` defaults to the
     rank (scale 1); kohya files always carry it, diffusers files carry it in the
     `lora_adapter_metadata` that diffusers itself writes when it differs from the rank.
+    `kind` other than `lora` writes LyCORIS's keys (`hada_`, `lokr_`, `dora_scale`: kohya
+    format only); LoKr factors each weight by the largest of 16, 8, 4, 2 dividing both sides.
     """
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
+    if kind != "lora" and fmt != "kohya":
+        raise ValueError(f"{kind} adapters are written in LyCORIS's kohya-style keys: use the kohya format")
     alpha = float(rank if alpha is None else alpha)
     generator = torch.Generator().manual_seed(seed)
     state_dict: dict[str, torch.Tensor] = {}
@@ -96,8 +137,7 @@ def make_random_adapter(
             continue
         shapes = _target_shapes(component_name, module, targets, fmt)
         for name, shape in shapes.items():
-            down, up = _factors(shape, rank, generator)
-            state_dict.update(_keys(component_name, name, down.to(dtype), up.to(dtype), alpha, fmt))
+            state_dict.update(_layer_keys(kind, component_name, name, shape, rank, alpha, fmt, generator, dtype))
         if fmt == "diffusers" and alpha != rank and shapes:
             lora_metadata.update({f"{component_name}.r": rank, f"{component_name}.lora_alpha": alpha,
                                   f"{component_name}.target_modules": sorted(shapes)})

@@ -99,21 +99,25 @@ def make_random(
     alpha: Annotated[float | None, typer.Option("--alpha", help="LoRA alpha (default: the rank).")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     dtype: Annotated[str, typer.Option("--dtype", help="float16, bfloat16 or float32.")] = "float16",
+    kind: Annotated[str, typer.Option("--kind", help="lora, loha, lokr or dora (LyCORIS keys: --format kohya).")]
+    = "lora",
 ) -> None:
     """Write a random adapter with a real key layout, for tests and benchmarks."""
     from safetensors.torch import save_file
 
-    from ..adapters.random import make_random_adapter
+    from ..adapters.random import KINDS, make_random_adapter
     from ..engine.config import DTYPES
     from ..models import lora_components
 
     for name, value, allowed in (("--targets", targets, ("attn", "all")), ("--format", fmt, ("diffusers", "kohya")),
-                                 ("--dtype", dtype, tuple(DTYPES))):
+                                 ("--dtype", dtype, tuple(DTYPES)), ("--kind", kind, KINDS)):
         if value not in allowed:
             raise typer.BadParameter(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+    if kind != "lora" and fmt != "kohya":
+        raise typer.BadParameter(f"--kind {kind} is written in LyCORIS's kohya-style keys: add --format kohya")
     _, components = lora_components(model)
     state_dict, metadata = make_random_adapter(components, rank, targets, fmt, text_encoder=text_encoder, alpha=alpha,
-                                               base_model=base_model, dtype=DTYPES[dtype], seed=seed)
+                                               base_model=base_model, dtype=DTYPES[dtype], seed=seed, kind=kind)
     output.parent.mkdir(parents=True, exist_ok=True)
     save_file(state_dict, str(output), metadata=metadata)
     typer.echo(f"{output}: {len(state_dict)} tensors, {output.stat().st_size / 2**20:.1f} MiB")

@@ -64,6 +64,27 @@ def bench_swap(
         raise typer.BadParameter(str(e)) from None
 
 
+@bench_app.command("kinds")
+def bench_kinds(
+    shape: Shape = "flux-dev",
+    width: Annotated[int, typer.Option("--width")] = 1024,
+    height: Annotated[int, typer.Option("--height")] = 1024,
+    steps: Annotated[int, typer.Option("--steps")] = 28,
+    rank: Annotated[int, typer.Option("--rank", help="Rank of the LoRA, LoKr and DoRA adapters (LoHa: half, for "
+                                      "the same bytes).")] = 32,
+    swaps: Annotated[int, typer.Option("--swaps", help="Timed swaps per kind and tier.")] = 10,
+    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved image rounds (base and each kind).")] = 3,
+    out: Out = Path("bench/results"),
+    workdir: Annotated[Path | None, typer.Option("--workdir", help="Where adapters are written.")] = None,
+) -> None:
+    """Each adapter kind (LoRA, LoHa, LoKr, DoRA) on every linear layer: swap time from host RAM and from the
+    GPU, and the image time against the compiled base."""
+    from ..bench.kinds import run_kinds_bench
+
+    setup_logging(False)
+    run_kinds_bench(shape, width, height, steps, rank, swaps, rounds, out, workdir)
+
+
 @bench_app.command("options")
 def bench_options(
     shape: Shape = "sdxl",

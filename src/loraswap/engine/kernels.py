@@ -71,6 +71,44 @@ def _kernel():
     return fused_lora
 
 
+@cache
+def _loha_kernel():
+    """The LoHa kernel, or None without Triton: W = P + alpha * (B1 @ A1) * (B2 @ A2), both
+    rank-r products computed per tile in fp32, so P is read and W written once, as for a LoRA
+    (materializing the two products takes six passes over the weight)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    _kernel()  # defines `_lora_tile`
+
+    @triton.jit(do_not_specialize=["M", "alpha"])
+    def fused_loha(w_ptr, p_ptr, b1_ptr, a1_ptr, b2_ptr, a2_ptr, M, N, K, alpha,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        first, rows, in_m, offsets, mask = _lora_tile(b1_ptr, a1_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+        second, _, _, _, _ = _lora_tile(b2_ptr, a2_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+        p = tl.load(p_ptr + offsets, mask=mask)
+        w = p.to(tl.float32) + first * second * alpha
+        tl.store(w_ptr + offsets, w.to(w_ptr.dtype.element_ty), mask=mask)
+
+    return fused_loha
+
+
+def fuse_loha_into(weight: torch.Tensor, pristine: torch.Tensor, up1: torch.Tensor, down1: torch.Tensor,
+                   up2: torch.Tensor, down2: torch.Tensor, alpha: float, use_kernel: bool) -> None:
+    """weight = pristine + alpha * (up1 @ down1) * (up2 @ down2), for 2-D views (`pristine`
+    may be `weight`); `use_kernel` as for `fuse_into` (else the products, then `addcmul`)."""
+    if not use_kernel or _loha_kernel() is None:
+        torch.addcmul(pristine, up1 @ down1, up2 @ down2, value=alpha, out=weight)
+        return
+    m, n = weight.shape
+    grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
+    _loha_kernel()[grid](weight, pristine, up1, down1, up2, down2, m, n, down1.shape[0], float(alpha),
+                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                         IEEE=weight.dtype == torch.float32 or not weight.is_cuda, num_warps=NUM_WARPS)
+
+
 FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -211,6 +249,7 @@ def warm_up(device: torch.device, dtype: torch.dtype, row_lengths: Iterable[int]
         weight = torch.zeros(2, n, device=device, dtype=dtype)
         up, down = torch.zeros(2, k, device=device, dtype=dtype), torch.zeros(k, n, device=device, dtype=dtype)
         fuse_into(weight, weight.clone(), up, down, 1.0, use_kernel=True)
+        fuse_loha_into(weight, weight.clone(), up, down, up, down, 1.0, use_kernel=True)
 
 
 def warm_up_float8(device: torch.device, per_tensor: bool, row_lengths: Iterable[int],

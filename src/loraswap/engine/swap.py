@@ -25,7 +25,8 @@ from torch import nn
 from ..adapters import kinds
 from ..adapters.bound import BoundAdapter, LayerKey, ModelLayers, packed_spans, with_buffer
 from ..adapters.cache import CacheEntry
-from .kernels import float8_kernel_available, fuse_into, kernel_available, requantize_into, warm_up, warm_up_float8
+from .float8_weights import Fp8Weight
+from .kernels import float8_kernel_available, fuse_into, fuse_loha_into, kernel_available, warm_up, warm_up_float8
 
 logger = logging.getLogger(__name__)
 
@@ -170,23 +171,34 @@ class FusedSwapper:
                     written.add(key)
         return fp8_deltas
 
-    def _fuse_layer(self, key: LayerKey, layer, blend: float, in_place: bool) -> None:
-        weight, pristine, kernel_runs = self._views[key]
-        if not layer.plain:  # other kinds: materialized on the device, written in one or two passes
-            target = self._weight(key)
-            if not in_place and pristine.device != weight.device:
-                target.copy_(self._pristine[key], non_blocking=True)
-            source = target if in_place or pristine.device != weight.device else self._pristine[key]
-            kinds.write(target, source, layer, blend)
+    def _fuse_layer(self, key: LayerKey, layer: kinds.Layer, blend: float, in_place: bool) -> None:
+        """W = source + blend * dW (source: the pristine copy, or W itself in a blend); DoRA
+        then rescales W in place."""
+        if layer.dora is None:
+            self._write_change(key, layer, blend, in_place)
             return
-        alpha = blend * layer.scale
+        self._write_change(key, layer.without_dora(), kinds.dora_change_weight(layer, blend), in_place)
+        kinds.rescale_dora(self._weight(key), layer, blend)
+
+    def _write_change(self, key: LayerKey, layer: kinds.Layer, blend: float, in_place: bool) -> None:
+        """The one-pass kernels for LoRA and LoHa pairs (`addmm` / `addcmul` where they do
+        not run); `kinds.write_change` for the other kinds."""
+        weight, pristine, kernel_runs = self._views[key]
+        if not in_place and pristine.device != weight.device:  # low-memory mode: the copy streams in first
+            weight.copy_(pristine, non_blocking=True)
+            in_place = True
+        source = weight if in_place else pristine
         runs = self.kernel and kernel_runs
-        if in_place:
-            fuse_into(weight, weight, layer.up, layer.down, alpha, runs)
-        elif pristine.device == weight.device:
-            fuse_into(weight, pristine, layer.up, layer.down, alpha, runs)
+        f = layer.factors
+        if layer.plain:
+            fuse_into(weight, source, layer.up, layer.down, blend * layer.scale, runs)
+        elif layer.kind == "loha" and "t1" not in f:
+            rows = lambda t: t.reshape(t.shape[0], -1)  # noqa: E731  (conv factors come flattened)
+            fuse_loha_into(weight, source, rows(f["w1a"]), rows(f["w1b"]), rows(f["w2a"]), rows(f["w2b"]),
+                           blend * layer.scale, runs)
         else:
-            weight.copy_(pristine, non_blocking=True).addmm_(layer.up, layer.down, alpha=alpha)
+            target = self._weight(key)
+            kinds.write_change(target, target if in_place else self._pristine[key], layer, blend)
 
     def warm_up_kernel(self) -> None:
         """Compile the swap kernels' variants this model's weights need now (no-op where they
@@ -301,66 +313,3 @@ class FusedSwapper:
     @property
     def pristine_bytes(self) -> int:
         return sum(t.nbytes for t in self._pristine.values())
-
-
-class Fp8Weight:
-    """A float8 weight (torchao's `Float8Tensor`: `qdata` and its `scale`) and a pristine
-    copy of both. An adapter is fused by de-quantizing the copy, adding the deltas in
-    fp32 and quantizing again with torchao's own rule, written into `qdata` and `scale` in
-    place (compiled code keeps its tensors); `restore` is bitwise. With `on_host` the copy
-    lives in pinned host RAM (the low-memory mode) and streams in when needed."""
-
-    def __init__(self, weight: torch.Tensor, on_host: bool = False):
-        self.qdata, self.scale = weight.qdata, weight.scale
-        if on_host and self.qdata.is_cuda:
-            self.pristine_qdata = torch.empty(self.qdata.shape, dtype=self.qdata.dtype, pin_memory=True)
-            self.pristine_scale = torch.empty(self.scale.shape, dtype=self.scale.dtype, pin_memory=True)
-            self.pristine_qdata.copy_(self.qdata)
-            self.pristine_scale.copy_(self.scale)
-        else:
-            self.pristine_qdata, self.pristine_scale = self.qdata.clone(), self.scale.clone()
-        from torchao.quantization import PerRow, PerTensor
-
-        block = list(getattr(weight, "block_size", []))
-        if block == [1, self.qdata.shape[-1]]:
-            self.granularity = PerRow()
-        elif block == list(self.qdata.shape):
-            self.granularity = PerTensor()
-        else:
-            raise ValueError(f"float8 weights with {block} blocks are not supported; quantize per row or tensor")
-
-    @staticmethod
-    def holds(weight: torch.Tensor) -> bool:
-        return type(weight).__name__ == "Float8Tensor" and hasattr(weight, "qdata") and hasattr(weight, "scale")
-
-    @property
-    def nbytes(self) -> int:
-        return self.pristine_qdata.nbytes + self.pristine_scale.nbytes
-
-    def restore(self) -> None:
-        self.qdata.copy_(self.pristine_qdata, non_blocking=True)
-        self.scale.copy_(self.pristine_scale, non_blocking=True)
-
-    def write(self, changes: list[tuple[kinds.Layer, float]], kernel: bool = False) -> None:
-        """One plain LoRA through `kernels.requantize_into` where it runs (and `kernel`), two
-        passes reading the float8 copy; other kinds, a blend, or elsewhere, through eager
-        fp32 ops (`changes`: (layer, the request's weight) in order)."""
-        from torchao.quantization import Float8Tensor
-
-        device = self.qdata.device
-        qdata = self.pristine_qdata.to(device, non_blocking=True)
-        scale = self.pristine_scale.to(device, non_blocking=True)
-        if kernel and len(changes) == 1 and changes[0][0].plain and float8_kernel_available(self.qdata) \
-                and self.qdata.is_contiguous():
-            layer, blend = changes[0]
-            requantize_into(self.qdata, self.scale, qdata, scale, layer.up, layer.down, blend * layer.scale)
-            return
-        high = qdata.to(torch.float32) * scale.to(torch.float32)  # [rows, 1] or [1, 1]: broadcast
-        for layer, blend in changes:
-            if layer.plain:
-                high.addmm_(layer.up.to(torch.float32), layer.down.to(torch.float32), alpha=blend * layer.scale)
-            else:
-                kinds.write(high, high, layer, blend)
-        fresh = Float8Tensor.from_hp(high, float8_dtype=self.qdata.dtype, granularity=self.granularity)
-        self.qdata.copy_(fresh.qdata)
-        self.scale.copy_(fresh.scale.reshape(self.scale.shape))

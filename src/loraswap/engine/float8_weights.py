@@ -1,0 +1,70 @@
+"""Float8 weights under the fused swap: torchao's `Float8Tensor` (`qdata` and its `scale`)
+re-quantized in place after each swap, from a pristine copy of both."""
+
+import torch
+
+from ..adapters import kinds
+from .kernels import float8_kernel_available, requantize_into
+
+
+class Fp8Weight:
+    """A float8 weight (torchao's `Float8Tensor`: `qdata` and its `scale`) and a pristine
+    copy of both. An adapter is fused by de-quantizing the copy, adding the deltas in
+    fp32 and quantizing again with torchao's own rule, written into `qdata` and `scale` in
+    place (compiled code keeps its tensors); `restore` is bitwise. With `on_host` the copy
+    lives in pinned host RAM (the low-memory mode) and streams in when needed."""
+
+    def __init__(self, weight: torch.Tensor, on_host: bool = False):
+        self.qdata, self.scale = weight.qdata, weight.scale
+        if on_host and self.qdata.is_cuda:
+            self.pristine_qdata = torch.empty(self.qdata.shape, dtype=self.qdata.dtype, pin_memory=True)
+            self.pristine_scale = torch.empty(self.scale.shape, dtype=self.scale.dtype, pin_memory=True)
+            self.pristine_qdata.copy_(self.qdata)
+            self.pristine_scale.copy_(self.scale)
+        else:
+            self.pristine_qdata, self.pristine_scale = self.qdata.clone(), self.scale.clone()
+        from torchao.quantization import PerRow, PerTensor
+
+        block = list(getattr(weight, "block_size", []))
+        if block == [1, self.qdata.shape[-1]]:
+            self.granularity = PerRow()
+        elif block == list(self.qdata.shape):
+            self.granularity = PerTensor()
+        else:
+            raise ValueError(f"float8 weights with {block} blocks are not supported; quantize per row or tensor")
+
+    @staticmethod
+    def holds(weight: torch.Tensor) -> bool:
+        return type(weight).__name__ == "Float8Tensor" and hasattr(weight, "qdata") and hasattr(weight, "scale")
+
+    @property
+    def nbytes(self) -> int:
+        return self.pristine_qdata.nbytes + self.pristine_scale.nbytes
+
+    def restore(self) -> None:
+        self.qdata.copy_(self.pristine_qdata, non_blocking=True)
+        self.scale.copy_(self.pristine_scale, non_blocking=True)
+
+    def write(self, changes: list[tuple[kinds.Layer, float]], kernel: bool = False) -> None:
+        """One plain LoRA through `kernels.requantize_into` where it runs (and `kernel`), two
+        passes reading the float8 copy; other kinds, a blend, or elsewhere, through eager
+        fp32 ops (`changes`: (layer, the request's weight) in order)."""
+        from torchao.quantization import Float8Tensor
+
+        device = self.qdata.device
+        qdata = self.pristine_qdata.to(device, non_blocking=True)
+        scale = self.pristine_scale.to(device, non_blocking=True)
+        if kernel and len(changes) == 1 and changes[0][0].plain and float8_kernel_available(self.qdata) \
+                and self.qdata.is_contiguous():
+            layer, blend = changes[0]
+            requantize_into(self.qdata, self.scale, qdata, scale, layer.up, layer.down, blend * layer.scale)
+            return
+        high = qdata.to(torch.float32) * scale.to(torch.float32)  # [rows, 1] or [1, 1]: broadcast
+        for layer, blend in changes:
+            if layer.plain:
+                high.addmm_(layer.up.to(torch.float32), layer.down.to(torch.float32), alpha=blend * layer.scale)
+            else:
+                kinds.write(high, high, layer, blend)
+        fresh = Float8Tensor.from_hp(high, float8_dtype=self.qdata.dtype, granularity=self.granularity)
+        self.qdata.copy_(fresh.qdata)
+        self.scale.copy_(fresh.scale.reshape(self.scale.shape))
