@@ -225,7 +225,6 @@ def rescale_dora(weight: torch.Tensor, layer: Layer, blend: float) -> None:
     before LyCORIS 3.2.0); w interpolates the rescaling, W' = V * (w (m / ||V|| - 1) + 1),
     as its network's forward does with its multiplier.
     """
-    magnitude = layer.factors["magnitude"].float().reshape(-1)
     rest = [1] * (weight.ndim - 1)
     if layer.dora == "lycoris-in":
         columns = weight.transpose(0, 1).reshape(weight.shape[1], -1)
@@ -234,11 +233,15 @@ def rescale_dora(weight: torch.Tensor, layer: Layer, blend: float) -> None:
     else:
         norm = torch.linalg.vector_norm(weight.reshape(weight.shape[0], -1), dim=1, dtype=torch.float32)
         shape = (-1, *rest)
+    weight.mul_(dora_factors(layer, blend, norm).view(shape))
+
+
+def dora_factors(layer: Layer, blend: float, norm: torch.Tensor) -> torch.Tensor:
+    """The fp32 factor each row (or column) of W + dW is multiplied by, from its norms."""
+    magnitude = layer.factors["magnitude"].float().reshape(-1)
     if layer.dora == "peft":
-        factor = magnitude / norm
-    else:
-        factor = blend * (magnitude / (norm + torch.finfo(torch.float32).eps) - 1) + 1
-    weight.mul_(factor.view(shape))
+        return magnitude / norm
+    return blend * (magnitude / (norm + torch.finfo(torch.float32).eps) - 1) + 1
 
 
 def dora_magnitude_shape(convention: str, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -109,6 +109,63 @@ def fuse_loha_into(weight: torch.Tensor, pristine: torch.Tensor, up1: torch.Tens
                          IEEE=weight.dtype == torch.float32 or not weight.is_cuda, num_warps=NUM_WARPS)
 
 
+@cache
+def _dora_kernel():
+    """The DoRA kernel, or None without Triton: V = P + alpha * B @ A, then W = V * f with
+    one factor per row (or column) from V's norms. Pass 0 adds each tile's squares into
+    `stats` (atomic add per row or column); torch turns the norms into factors; pass 1
+    computes the tile again and writes it scaled: P read twice and W written once, where
+    writing V, reading it for the norms and rescaling it in place costs five passes."""
+    global _sum  # (as `_lora_tile`)
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    _kernel()
+
+    @triton.jit
+    def _sum(a, b):  # tl.sum is a jit function of Triton's own, which its interpreter cannot call
+        return a + b
+
+    @triton.jit(do_not_specialize=["M", "alpha"])
+    def fused_dora(w_ptr, p_ptr, b_ptr, a_ptr, stats_ptr, M, N, K, alpha, PASS: tl.constexpr, BY_ROW: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        acc, rows, in_m, offsets, mask = _lora_tile(b_ptr, a_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+        cols = (tl.program_id(0) % ((N + BLOCK_N - 1) // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_n = cols < N
+        v = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + acc * alpha
+        if PASS == 0:
+            squares = tl.where(mask, v * v, 0.0)
+            if BY_ROW:
+                tl.atomic_add(stats_ptr + rows, tl.reduce(squares, 1, _sum), mask=in_m)
+            else:
+                tl.atomic_add(stats_ptr + cols, tl.reduce(squares, 0, _sum), mask=in_n)
+        else:
+            if BY_ROW:
+                factor = tl.load(stats_ptr + rows, mask=in_m, other=1.0)[:, None]
+            else:
+                factor = tl.load(stats_ptr + cols, mask=in_n, other=1.0)[None, :]
+            tl.store(w_ptr + offsets, (v * factor).to(w_ptr.dtype.element_ty), mask=mask)
+
+    return fused_dora
+
+
+def fuse_dora_into(weight: torch.Tensor, pristine: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                   alpha: float, factors, by_row: bool) -> None:
+    """weight = V * factors(norms of V), V = pristine + alpha * up @ down, for 2-D views;
+    `factors` maps V's fp32 norms per row (`by_row`) or column to the fp32 factors."""
+    m, n = weight.shape
+    stats = torch.zeros(m if by_row else n, device=weight.device, dtype=torch.float32)
+    grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
+    for step in (0, 1):
+        _dora_kernel()[grid](weight, pristine, up, down, stats, m, n, down.shape[0], float(alpha), PASS=step,
+                             BY_ROW=by_row, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                             IEEE=weight.dtype == torch.float32 or not weight.is_cuda, num_warps=NUM_WARPS)
+        if step == 0:
+            stats = factors(stats.sqrt())
+
+
 FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -250,6 +307,8 @@ def warm_up(device: torch.device, dtype: torch.dtype, row_lengths: Iterable[int]
         up, down = torch.zeros(2, k, device=device, dtype=dtype), torch.zeros(k, n, device=device, dtype=dtype)
         fuse_into(weight, weight.clone(), up, down, 1.0, use_kernel=True)
         fuse_loha_into(weight, weight.clone(), up, down, up, down, 1.0, use_kernel=True)
+        for by_row in (True, False):
+            fuse_dora_into(weight, weight.clone(), up, down, 1.0, lambda norms: norms, by_row)
 
 
 def warm_up_float8(device: torch.device, per_tensor: bool, row_lengths: Iterable[int],

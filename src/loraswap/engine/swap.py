@@ -26,7 +26,15 @@ from ..adapters import kinds
 from ..adapters.bound import BoundAdapter, LayerKey, ModelLayers, packed_spans, with_buffer
 from ..adapters.cache import CacheEntry
 from .float8_weights import Fp8Weight
-from .kernels import float8_kernel_available, fuse_into, fuse_loha_into, kernel_available, warm_up, warm_up_float8
+from .kernels import (
+    float8_kernel_available,
+    fuse_dora_into,
+    fuse_into,
+    fuse_loha_into,
+    kernel_available,
+    warm_up,
+    warm_up_float8,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +185,16 @@ class FusedSwapper:
         if layer.dora is None:
             self._write_change(key, layer, blend, in_place)
             return
-        self._write_change(key, layer.without_dora(), kinds.dora_change_weight(layer, blend), in_place)
+        change = layer.without_dora()
+        weight, pristine, kernel_runs = self._views[key]
+        by_row = layer.dora != "lycoris-in"
+        if change.plain and self.kernel and kernel_runs and (by_row or weight.ndim == self._weight(key).ndim):
+            source = weight if in_place else pristine
+            alpha = kinds.dora_change_weight(layer, blend) * layer.scale
+            fuse_dora_into(weight, source, layer.up, layer.down, alpha,
+                           lambda norms: kinds.dora_factors(layer, blend, norms), by_row)
+            return
+        self._write_change(key, change, kinds.dora_change_weight(layer, blend), in_place)
         kinds.rescale_dora(self._weight(key), layer, blend)
 
     def _write_change(self, key: LayerKey, layer: kinds.Layer, blend: float, in_place: bool) -> None:
