@@ -44,20 +44,22 @@ def test_loha_kernel_matches_the_products_within_one_rounding(interpreted, dtype
     assert ((weight.double() - pristine.double()).abs() <= 2 * tolerance).all()
 
 
+@pytest.mark.parametrize("peft", [True, False])
 @pytest.mark.parametrize("by_row", [True, False])
 @pytest.mark.parametrize("dtype,ulps", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
-def test_dora_kernel_matches_the_rescaled_change(interpreted, by_row, dtype, ulps):
-    """W = V * m / ||V|| (norms per row, or per column), V = P + alpha * B @ A, in one pass
-    over W (and two over P), against float64."""
+def test_dora_kernel_matches_the_rescaled_change(interpreted, peft, by_row, dtype, ulps):
+    """PEFT's W = V * m / ||V|| and LyCORIS's W = V * (w (m / ||V|| - 1) + 1) (norms per row,
+    or per column), V = P + alpha * B @ A, in one pass over W (two over P), against float64."""
     g = torch.Generator().manual_seed(3)
     m, n, k = 70, 130, 8
     pristine, up, down = (torch.randn(*s, generator=g).to(dtype) for s in ((m, n), (m, k), (k, n)))
     magnitude = torch.rand(m if by_row else n, generator=g).double() + 0.5
     merged = torch.addmm(pristine.double(), up.double(), down.double(), alpha=0.4)
     norms = merged.norm(dim=1 if by_row else 0)
-    exact = merged * (magnitude / norms).view((-1, 1) if by_row else (1, -1))
+    factor = magnitude / norms if peft else 0.7 * (magnitude / norms - 1) + 1
+    exact = merged * factor.view((-1, 1) if by_row else (1, -1))
     weight = torch.full_like(pristine, float("nan"))
-    interpreted.fuse_dora_into(weight, pristine, up, down, 0.4, lambda fp32: magnitude.float() / fp32, by_row)
+    interpreted.fuse_dora_into(weight, pristine, up, down, 0.4, magnitude.float(), 0.7, peft, by_row)
     assert ((weight.double() - exact).abs() <= ulps * exact.abs().clamp(min=1.0) + 1e-5).all()
 
 

@@ -112,10 +112,11 @@ def fuse_loha_into(weight: torch.Tensor, pristine: torch.Tensor, up1: torch.Tens
 @cache
 def _dora_kernel():
     """The DoRA kernel, or None without Triton: V = P + alpha * B @ A, then W = V * f with
-    one factor per row (or column) from V's norms. Pass 0 adds each tile's squares into
-    `stats` (atomic add per row or column); torch turns the norms into factors; pass 1
-    computes the tile again and writes it scaled: P read twice and W written once, where
-    writing V, reading it for the norms and rescaling it in place costs five passes."""
+    one factor per row (or column) from V's norm. Pass 0 adds each tile's squares into
+    `stats` (atomic add per row or column); pass 1 computes the tile again, turns the norm
+    and the magnitude into the factor (PEFT: m / norm; LyCORIS: blend (m / (norm + eps) - 1)
+    + 1) and writes the tile scaled: P read twice and W written once, where writing V,
+    reading it for the norms and rescaling it in place costs five passes and more launches."""
     global _sum  # (as `_lora_tile`)
     try:
         import triton
@@ -128,9 +129,10 @@ def _dora_kernel():
     def _sum(a, b):  # tl.sum is a jit function of Triton's own, which its interpreter cannot call
         return a + b
 
-    @triton.jit(do_not_specialize=["M", "alpha"])
-    def fused_dora(w_ptr, p_ptr, b_ptr, a_ptr, stats_ptr, M, N, K, alpha, PASS: tl.constexpr, BY_ROW: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    @triton.jit(do_not_specialize=["M", "alpha", "blend"])
+    def fused_dora(w_ptr, p_ptr, b_ptr, a_ptr, stats_ptr, m_ptr, M, N, K, alpha, blend, PASS: tl.constexpr,
+                   BY_ROW: tl.constexpr, PEFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
         acc, rows, in_m, offsets, mask = _lora_tile(b_ptr, a_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
         cols = (tl.program_id(0) % ((N + BLOCK_N - 1) // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_n = cols < N
@@ -143,27 +145,33 @@ def _dora_kernel():
                 tl.atomic_add(stats_ptr + cols, tl.reduce(squares, 0, _sum), mask=in_n)
         else:
             if BY_ROW:
-                factor = tl.load(stats_ptr + rows, mask=in_m, other=1.0)[:, None]
+                norm = tl.sqrt(tl.load(stats_ptr + rows, mask=in_m, other=1.0))[:, None]
+                magnitude = tl.load(m_ptr + rows, mask=in_m, other=1.0).to(tl.float32)[:, None]
             else:
-                factor = tl.load(stats_ptr + cols, mask=in_n, other=1.0)[None, :]
+                norm = tl.sqrt(tl.load(stats_ptr + cols, mask=in_n, other=1.0))[None, :]
+                magnitude = tl.load(m_ptr + cols, mask=in_n, other=1.0).to(tl.float32)[None, :]
+            if PEFT:
+                factor = magnitude / norm
+            else:
+                factor = blend * (magnitude / (norm + 1.1920928955078125e-07) - 1.0) + 1.0  # fp32 eps, as LyCORIS
             tl.store(w_ptr + offsets, (v * factor).to(w_ptr.dtype.element_ty), mask=mask)
 
     return fused_dora
 
 
 def fuse_dora_into(weight: torch.Tensor, pristine: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                   alpha: float, factors, by_row: bool) -> None:
-    """weight = V * factors(norms of V), V = pristine + alpha * up @ down, for 2-D views;
-    `factors` maps V's fp32 norms per row (`by_row`) or column to the fp32 factors."""
+                   alpha: float, magnitude: torch.Tensor, blend: float, peft: bool, by_row: bool) -> None:
+    """weight = V * factor(norm of V, magnitude), V = pristine + alpha * up @ down, for 2-D
+    views: norms per row (`by_row`) or column; the factor is PEFT's (`peft`) or LyCORIS's
+    at the request's weight `blend` (`kinds.dora_factors` is the same rule in torch)."""
     m, n = weight.shape
     stats = torch.zeros(m if by_row else n, device=weight.device, dtype=torch.float32)
     grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
     for step in (0, 1):
-        _dora_kernel()[grid](weight, pristine, up, down, stats, m, n, down.shape[0], float(alpha), PASS=step,
-                             BY_ROW=by_row, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                             IEEE=weight.dtype == torch.float32 or not weight.is_cuda, num_warps=NUM_WARPS)
-        if step == 0:
-            stats = factors(stats.sqrt())
+        _dora_kernel()[grid](weight, pristine, up, down, stats, magnitude, m, n, down.shape[0], float(alpha),
+                             float(blend), PASS=step, BY_ROW=by_row, PEFT=peft, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                             BLOCK_K=BLOCK_K, IEEE=weight.dtype == torch.float32 or not weight.is_cuda,
+                             num_warps=NUM_WARPS)
 
 
 FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -308,7 +316,9 @@ def warm_up(device: torch.device, dtype: torch.dtype, row_lengths: Iterable[int]
         fuse_into(weight, weight.clone(), up, down, 1.0, use_kernel=True)
         fuse_loha_into(weight, weight.clone(), up, down, up, down, 1.0, use_kernel=True)
         for by_row in (True, False):
-            fuse_dora_into(weight, weight.clone(), up, down, 1.0, lambda norms: norms, by_row)
+            for peft in (True, False):
+                fuse_dora_into(weight, weight.clone(), up, down, 1.0, torch.ones(n, device=device, dtype=dtype), 1.0,
+                               peft, by_row)
 
 
 def warm_up_float8(device: torch.device, per_tensor: bool, row_lengths: Iterable[int],

@@ -191,8 +191,8 @@ class FusedSwapper:
         if change.plain and self.kernel and kernel_runs and (by_row or weight.ndim == self._weight(key).ndim):
             source = weight if in_place else pristine
             alpha = kinds.dora_change_weight(layer, blend) * layer.scale
-            fuse_dora_into(weight, source, layer.up, layer.down, alpha,
-                           lambda norms: kinds.dora_factors(layer, blend, norms), by_row)
+            fuse_dora_into(weight, source, layer.up, layer.down, alpha, layer.factors["magnitude"].reshape(-1), blend,
+                           layer.dora == "peft", by_row)
             return
         self._write_change(key, change, kinds.dora_change_weight(layer, blend), in_place)
         kinds.rescale_dora(self._weight(key), layer, blend)
