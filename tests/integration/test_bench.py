@@ -99,3 +99,20 @@ def test_bench_swap_runs_every_variant_on_a_tiny_preset_without_recompiling(tmp_
     assert list(report["summary"]) == variants
     assert all(r["swap_disk_s"] > 0 for r in report["rows"] if r["variant"] != "base")
     assert report["recompile_check"] == {"swaps": 4, "graphs_compiled": 0, "graphs_compiled_during_rounds": 0}
+
+
+def test_bench_kinds_swaps_every_kind_on_a_tiny_preset_without_recompiling(tmp_path):
+    """Each kind read, bound and swapped into a compiled denoiser: written as `kinds.write`
+    computes it, no recompile, each kind's swaps and images timed."""
+    result = CliRunner().invoke(app, ["bench", "kinds", "--shape", "tiny-flux", "--width", "64", "--height", "64",
+                                      "--steps", "2", "--rank", "4", "--swaps", "2", "--rounds", "1",
+                                      "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "work")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "kinds.json").read_text())
+    assert list(report["adapters"]) == ["lora", "loha", "lokr", "dora"]
+    assert [report["adapters"][k]["kinds"] for k in report["adapters"]] == [["lora"], ["loha"], ["lokr"],
+                                                                            ["lora+dora"]]
+    assert set(report["image_s"]) == {"base", "lora", "loha", "lokr", "dora"}
+    assert all(report["swap_s"][f"{k}_{tier}"]["p50"] > 0 for k in report["adapters"] for tier in ("host", "gpu"))
+    assert all(error <= 2 for error in report["max_error_in_rounding_steps"].values())
+    assert report["recompiles"] == 0
