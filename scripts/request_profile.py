@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from loraswap.adapters import bound, formats, store
+from loraswap.adapters import bound, parse, store
 from loraswap.bench.common import timed
 from loraswap.bench.serve import SPECS, prepare_adapters
 from loraswap.engine.config import EngineConfig, GenerateRequest
@@ -49,8 +49,8 @@ def main() -> None:
     pipeline.vae.decode = timers("vae decode", pipeline.vae.decode)
     pipeline.image_processor.postprocess = timers("to PIL", pipeline.image_processor.postprocess)
     reads = _Timers()  # the first read's phases (nested: "pack" is inside "bind" and "gpu copy")
-    formats.read_safetensors = reads("file read", formats.read_safetensors)
-    formats.parse_adapter = reads("convert", formats.parse_adapter)
+    parse.read_safetensors = reads("file read", parse.read_safetensors)
+    parse.parse_adapter = reads("convert", parse.parse_adapter)
     store.bind_adapter = reads("bind", store.bind_adapter)
     bound.BoundAdapter.to = reads("pack", bound.BoundAdapter.to)
     engine.adapters.cache.maybe_copy_to_gpu = reads("gpu copy", engine.adapters.cache.maybe_copy_to_gpu)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from helpers import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.errors import AdapterInvalid
 from loraswap.models import load_pipeline
 
 LYCORIS_CASES = {
@@ -142,3 +143,32 @@ def test_peft_dora_matches_peft_forward(tiny_sd):
         ours = image_array(engine.pipeline)
         assert rel_err(theirs, base) >= 2e-2
         assert rel_err(ours, theirs) <= 1e-4, weight
+
+
+@pytest.mark.parametrize("key,kind", [
+    ("lora_unet_down_blocks_0_attentions_0_proj_in.oft_blocks", "OFT"),
+    ("lora_unet_down_blocks_0_attentions_0_proj_in.boft_R", "BOFT"),
+    ("unet.down_blocks.0.attentions.0.proj_in.ia3_l.weight", "IA3"),
+    ("lora_unet_down_blocks_0_attentions_0_proj_in.a1.weight", "GLoRA"),
+    ("double_blocks.0.img_attn.norm.query_norm.scale", "FLUX control LoRA"),
+])
+def test_kinds_that_cannot_be_fused_are_refused_by_name(key, kind, tiny_sd):
+    engine, folder = tiny_sd
+    save_file({key: torch.ones(4, 4)}, str(folder / f"unfusable-{kind[:4]}.safetensors"))
+    before = weights_snapshot(engine.components)
+    with pytest.raises(AdapterInvalid, match=f"key '{key}' is from a {kind}"):
+        engine.set_adapters([(f"unfusable-{kind[:4]}", 1.0)])
+    assert_bitwise_equal(before, engine.components)
+
+
+def test_the_adapter_list_shows_each_adapters_kinds(tiny_sd):
+    engine, folder = tiny_sd
+    save_file({"lora_unet_down_blocks_0_attentions_0_proj_in.diff_b": torch.ones(16),  # a 1x1 conv, 16 channels
+               "lora_unet_down_blocks_0_attentions_0_proj_in.hada_w1_a": torch.ones(16, 2),
+               "lora_unet_down_blocks_0_attentions_0_proj_in.hada_w1_b": torch.ones(2, 16),
+               "lora_unet_down_blocks_0_attentions_0_proj_in.hada_w2_a": torch.ones(16, 2),
+               "lora_unet_down_blocks_0_attentions_0_proj_in.hada_w2_b": torch.ones(2, 16)},
+              str(folder / "listed.safetensors"))
+    engine.adapters.resolve("listed")
+    row = next(r for r in engine.adapters.rows() if r["id"] == "listed")
+    assert row["kinds"] == ["bias", "loha"]

@@ -101,9 +101,6 @@ def detect_layout(keys: list[str]) -> str:
     return "other"
 
 
-detect_format = detect_layout
-
-
 def split_key(key: str) -> tuple[str, str, str] | None:
     """(module prefix, kind, factor) of a file key, or None for a key of no known kind."""
     for suffix, kind, factor in SUFFIXES:
