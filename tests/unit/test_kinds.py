@@ -172,3 +172,16 @@ def test_the_adapter_list_shows_each_adapters_kinds(tiny_sd):
     engine.adapters.resolve("listed")
     row = next(r for r in engine.adapters.rows() if r["id"] == "listed")
     assert row["kinds"] == ["bias", "loha"]
+
+
+def test_a_peft_folder_is_scaled_by_its_adapter_config(tiny_sd):
+    """A raw PEFT folder (adapter_model.safetensors, `base_model.model.` keys) takes its
+    lora_alpha from adapter_config.json, not alpha = rank."""
+    engine, folder = tiny_sd
+    (folder / "peft-folder").mkdir()
+    module = "base_model.model.down_blocks.0.attentions.0.proj_in"  # a 1x1 conv, 16 channels
+    save_file({f"{module}.lora_A.weight": torch.ones(2, 16, 1, 1), f"{module}.lora_B.weight": torch.ones(16, 2, 1, 1)},
+              str(folder / "peft-folder" / "adapter_model.safetensors"))
+    (folder / "peft-folder" / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 8}))
+    bound = engine.adapters.resolve("peft-folder")
+    assert [layer.scale for layer in bound.layers.values()] == [4.0]

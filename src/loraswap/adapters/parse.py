@@ -243,6 +243,27 @@ def load_adapter(location, pipeline_cls: type[DiffusionPipeline], component_modu
                  max_bytes: int, unet_config=None) -> ParsedAdapter:
     """Read, check and convert the adapter at `location` (an `AdapterLocation`)."""
     tensors, metadata = read_safetensors(location.weights, location.adapter_id, max_bytes)
+    if LORA_ADAPTER_METADATA_KEY not in metadata and location.folder is not None:
+        metadata = metadata | _peft_config_metadata(location.adapter_id, location.folder, component_modules)
     parsed = parse_adapter(location.adapter_id, tensors, metadata, pipeline_cls, component_modules, unet_config)
     parsed.base_models = declared_base_models(metadata, location.folder)
     return parsed
+
+
+_PEFT_SCALE_KEYS = ("r", "lora_alpha", "alpha_pattern", "rank_pattern", "use_rslora")
+
+
+def _peft_config_metadata(adapter_id: str, folder, component_modules) -> dict[str, str]:
+    """A PEFT folder's adapter_config.json (lora_alpha, alpha_pattern, rsLoRA) as the
+    metadata diffusers writes, for every component: its scales, not alpha = rank."""
+    path = folder / "adapter_config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        raise AdapterInvalid(adapter_id, "its adapter_config.json is not readable JSON (it holds the LoRA's scales)",
+                             "Fix or remove adapter_config.json") from None
+    peft = {k: config[k] for k in _PEFT_SCALE_KEYS if k in config} if isinstance(config, dict) else {}
+    if not peft:
+        return {}
+    return {LORA_ADAPTER_METADATA_KEY: json.dumps({f"{c}.{k}": v for c in component_modules for k, v in peft.items()})}
+
