@@ -37,10 +37,10 @@ def test_loha_kernel_matches_the_products_within_one_rounding(interpreted, dtype
                                         for s in ((m, n), (m, k), (k, n), (m, k), (k, n)))
     exact = pristine.double() + 0.3 * (up1.double() @ down1.double()) * (up2.double() @ down2.double())
     weight = torch.full_like(pristine, float("nan"))
-    interpreted.fuse_loha_into(weight, pristine, up1, down1, up2, down2, 0.3, use_kernel=True)
+    interpreted.fuse_loha_into(weight, pristine, up1, down1, up2, down2, 0.3)
     tolerance = ulps * exact.abs().clamp(min=1.0) + 1e-5 * k * k
     assert ((weight.double() - exact).abs() <= tolerance).all()
-    interpreted.fuse_loha_into(weight, weight, up1, down1, up2, down2, -0.3, use_kernel=True)
+    interpreted.fuse_loha_into(weight, weight, up1, down1, up2, down2, -0.3)
     assert ((weight.double() - pristine.double()).abs() <= 2 * tolerance).all()
 
 

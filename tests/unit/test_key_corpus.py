@@ -45,7 +45,7 @@ def whole_modules(layout: dict) -> dict:
     return {k: v for k, v in layout["tensors"].items() if split_key(k)[0] in whole}
 
 
-def rebuild(layout: dict, path: Path) -> int:
+def rebuild(layout: dict, path: Path) -> dict:
     """Random tensors with the layout's names, shapes and dtypes, saved to `path`."""
     generator = torch.Generator().manual_seed(0)
     tensors = {}
@@ -57,13 +57,13 @@ def rebuild(layout: dict, path: Path) -> int:
             value = value.abs() + 1.0
         tensors[key] = value.to(DTYPES[dtype])
     save_file(tensors, str(path))
-    return len(tensors)
+    return tensors
 
 
 @pytest.mark.parametrize("file", corpus_files(), ids=lambda p: p.stem)
 def test_every_key_of_a_real_layout_is_claimed(file, tmp_path):
     layout = json.loads(file.read_text())
-    count = rebuild(layout, tmp_path / f"{file.stem}.safetensors")
+    tensors = rebuild(layout, tmp_path / f"{file.stem}.safetensors")
     result = CliRunner().invoke(app, ["adapters", "inspect", str(tmp_path / f"{file.stem}.safetensors"),
                                       "--model", layout["model"], "--json", "--max-rank", "4096"])
     report = json.loads(result.output)
@@ -72,7 +72,8 @@ def test_every_key_of_a_real_layout_is_claimed(file, tmp_path):
         assert "'" in report["problem"], "the refusal names the key"
         return
     assert result.exit_code == 0, report.get("problem")
-    assert report["tensors"] == count
-    changed = sum(report["modules"].values())
-    assert changed >= len({k.split(".lora")[0].split(".hada")[0] for k in layout["tensors"]}) // 4
+    assert report["tensors"] == len(tensors)
+    # every file module lands on its own model modules (two on one are refused): at least one each
+    file_modules = {split_key(key)[0] for key in tensors}
+    assert sum(report["modules"].values()) >= len(file_modules)
     assert set(report["kinds"]) <= {"transformer", "unet", "text_encoder", "text_encoder_2"}

@@ -96,12 +96,9 @@ def _loha_kernel():
 
 
 def fuse_loha_into(weight: torch.Tensor, pristine: torch.Tensor, up1: torch.Tensor, down1: torch.Tensor,
-                   up2: torch.Tensor, down2: torch.Tensor, alpha: float, use_kernel: bool) -> None:
+                   up2: torch.Tensor, down2: torch.Tensor, alpha: float) -> None:
     """weight = pristine + alpha * (up1 @ down1) * (up2 @ down2), for 2-D views (`pristine`
-    may be `weight`); `use_kernel` as for `fuse_into` (else the products, then `addcmul`)."""
-    if not use_kernel or _loha_kernel() is None:
-        torch.addcmul(pristine, up1 @ down1, up2 @ down2, value=alpha, out=weight)
-        return
+    may be `weight`), where `kernel_available` (elsewhere `kinds.write_change` does it)."""
     m, n = weight.shape
     grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
     _loha_kernel()[grid](weight, pristine, up1, down1, up2, down2, m, n, down1.shape[0], float(alpha),
@@ -314,7 +311,7 @@ def warm_up(device: torch.device, dtype: torch.dtype, row_lengths: Iterable[int]
         weight = torch.zeros(2, n, device=device, dtype=dtype)
         up, down = torch.zeros(2, k, device=device, dtype=dtype), torch.zeros(k, n, device=device, dtype=dtype)
         fuse_into(weight, weight.clone(), up, down, 1.0, use_kernel=True)
-        fuse_loha_into(weight, weight.clone(), up, down, up, down, 1.0, use_kernel=True)
+        fuse_loha_into(weight, weight.clone(), up, down, up, down, 1.0)
         for by_row in (True, False):
             for peft in (True, False):
                 fuse_dora_into(weight, weight.clone(), up, down, 1.0, torch.ones(n, device=device, dtype=dtype), 1.0,

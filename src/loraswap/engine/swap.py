@@ -188,7 +188,7 @@ class FusedSwapper:
         change = layer.without_dora()
         weight, pristine, kernel_runs = self._views[key]
         by_row = layer.dora != "lycoris-in"
-        if change.plain and self.kernel and kernel_runs and (by_row or weight.ndim == self._weight(key).ndim):
+        if change.plain and self.kernel and kernel_runs and (by_row or self._weight(key).ndim == 2):
             source = weight if in_place else pristine
             alpha = kinds.dora_change_weight(layer, blend) * layer.scale
             fuse_dora_into(weight, source, layer.up, layer.down, alpha, layer.factors["magnitude"].reshape(-1), blend,
@@ -198,8 +198,8 @@ class FusedSwapper:
         kinds.rescale_dora(self._weight(key), layer, blend)
 
     def _write_change(self, key: LayerKey, layer: kinds.Layer, blend: float, in_place: bool) -> None:
-        """The one-pass kernels for LoRA and LoHa pairs (`addmm` / `addcmul` where they do
-        not run); `kinds.write_change` for the other kinds."""
+        """The one-pass kernels for LoRA (else `addmm`) and LoHa pairs; `kinds.write_change`
+        for the other kinds, and for LoHa where the kernel does not run."""
         weight, pristine, kernel_runs = self._views[key]
         if not in_place and pristine.device != weight.device:  # low-memory mode: the copy streams in first
             weight.copy_(pristine, non_blocking=True)
@@ -209,10 +209,10 @@ class FusedSwapper:
         f = layer.factors
         if layer.plain:
             fuse_into(weight, source, layer.up, layer.down, blend * layer.scale, runs)
-        elif layer.kind == "loha" and "t1" not in f:
+        elif layer.kind == "loha" and "t1" not in f and runs:
             rows = lambda t: t.reshape(t.shape[0], -1)  # noqa: E731  (conv factors come flattened)
             fuse_loha_into(weight, source, rows(f["w1a"]), rows(f["w1b"]), rows(f["w2a"]), rows(f["w2b"]),
-                           blend * layer.scale, runs)
+                           blend * layer.scale)
         else:
             target = self._weight(key)
             kinds.write_change(target, target if in_place else self._pristine[key], layer, blend)
