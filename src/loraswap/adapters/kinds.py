@@ -25,10 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-KINDS = ("lora", "loha", "lokr", "lokr-rows", "full")
-# DoRA conventions: PEFT normalises each output row; LyCORIS (and the kohya-style files
-# other trainers write, `dora_scale`) each output row, or each input column before 3.2.
-DORA_CONVENTIONS = ("peft", "lycoris-out", "lycoris-in")
+# DoRA conventions (`Layer.dora`): "peft" normalises each output row; LyCORIS (and the
+# kohya-style files other trainers write, `dora_scale`) each output row ("lycoris-out"),
+# or each input column before 3.2.0 ("lycoris-in").
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ class Layer:
     kind: str
     factors: dict[str, torch.Tensor]
     scale: float = 1.0
-    dora: str | None = None  # one of DORA_CONVENTIONS when `factors` has a `magnitude`
+    dora: str | None = None  # a DoRA convention (above) when `factors` has a `magnitude`
     shape: tuple[int, ...] = field(default=())  # the parameter's shape, once bound
 
     @property

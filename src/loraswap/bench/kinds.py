@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..adapters import kinds
+from ..adapters.random import KINDS, make_random_adapter
 from ..engine.compile import graph_count
 from ..engine.swap import FusedSwapper
 from ..models import lora_components
@@ -23,14 +24,10 @@ from .swap_setup import bound_reader, build_denoiser, denoiser_inputs
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("lora", "loha", "lokr", "dora")
-
 
 def write_kind_adapters(shape: str, rank: int, folder: Path) -> dict[str, Path]:
     """kind -> a random adapter of it on every linear layer of the denoiser. LoHa holds two
     low-rank pairs: at half the rank it has the bytes of the LoRA."""
-    from ..adapters.random import make_random_adapter
-
     _, components = lora_components(shape)
     denoiser = {k: v for k, v in components.items() if not k.startswith("text_encoder")}
     folder.mkdir(parents=True, exist_ok=True)
