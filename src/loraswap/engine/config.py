@@ -4,6 +4,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..adapters.cache import CacheConfig
@@ -79,9 +80,11 @@ class EngineConfig(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    """One image: prompt, sampling parameters and the adapters to blend (id, weight)."""
+    """One image or video: prompt, sampling parameters, the adapters to blend (id, weight), and
+    for image inputs the image (and the mask, white where to paint) already decoded and checked
+    by the caller; for video models the number of frames."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     prompt: str
     negative_prompt: str | None = None
@@ -91,3 +94,7 @@ class GenerateRequest(BaseModel):
     height: int | None = Field(None, ge=8, le=4096, multiple_of=8)
     seed: int | None = Field(None, ge=0, lt=2**63)
     loras: list[tuple[str, float]] = Field(default_factory=list)
+    image: Image.Image | None = None
+    mask: Image.Image | None = None
+    strength: float | None = Field(None, gt=0, le=1)
+    frames: int | None = Field(None, ge=1, le=1000)

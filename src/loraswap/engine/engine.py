@@ -38,10 +38,12 @@ SWAPPERS = {"fused": FusedSwapper, "load-and-fuse": LoadAndFuseSwapper, "hotswap
 
 @dataclass
 class GenerateResult:
-    image: Image.Image
+    image: Image.Image  # a video's first frame
     seed: int
     swap_seconds: float  # 0 when the wanted adapters were already applied
     generate_seconds: float
+    frames: list[Image.Image] | None = None  # a video model's frames, in order
+    fps: int | None = None  # the frame rate the video is meant to play at
 
 
 def on_device(device: torch.device):

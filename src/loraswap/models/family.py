@@ -1,0 +1,76 @@
+"""What a model family is: one record per family (`Family`) says how to build its tiny
+presets and its real architectures, which pipelines share its weights for image inputs,
+and what it returns. `families/` holds one module per family; adding a family is one
+module there, listed in `families/__init__.py`, and its tests.
+"""
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from diffusers import DiffusionPipeline
+from transformers import PretrainedConfig
+
+# a component of a real architecture: its class and either the keyword arguments of a
+# diffusers model or a transformers config (`cls(config)`)
+ComponentSpec = tuple[type[torch.nn.Module], Mapping[str, Any] | PretrainedConfig]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A real architecture with random weights: same compute and memory as the real model.
+
+    `components`: every module of the pipeline; `extras()`: the rest of the pipeline's
+    arguments (scheduler, tokenizers made in code, the optional parts set to None).
+    """
+
+    components: Mapping[str, ComponentSpec]
+    extras: Callable[[], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family, as the server, the CLI and the benchmarks need it.
+
+    - `pipeline`: the diffusers class a preset or a shape is built as (text to image or
+      video; for the edit models, their edit pipeline, which also runs without an image).
+    - `presets`: tiny preset name -> builder (the caller seeds it; real pipeline classes,
+      tiny configs, tokenizers made in code).
+    - `shapes`: real architecture name -> `Shape` (served as `<name>-random`).
+    - `image_pipelines`: `img2img` / `inpaint` -> the diffusers class that shares the loaded
+      weights (`from_pipe`) to serve an image input; edit models take it in `pipeline`.
+    - `image_input`: "none" (text only), "variants" (through `image_pipelines`), "edit"
+      (the pipeline's own `image`, optional) or "required" (an edit model that needs one).
+    - `output`: "image" or "video" (frames, encoded by the server).
+    - `defaults`: generation defaults of its tiny presets (real models keep their pipeline's).
+    - `call_names`: request field -> the pipeline's argument where it differs
+      (Qwen-Image's `true_cfg_scale` for the guidance scale).
+    """
+
+    name: str
+    pipeline: str
+    presets: Mapping[str, Callable[[], DiffusionPipeline]]
+    shapes: Mapping[str, Shape] = field(default_factory=dict)
+    image_pipelines: Mapping[str, str] = field(default_factory=dict)
+    image_input: Literal["none", "variants", "edit", "required"] = "none"
+    output: Literal["image", "video"] = "image"
+    defaults: Mapping[str, int] = field(default_factory=dict)
+    call_names: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def pipeline_class(self) -> type[DiffusionPipeline]:
+        import diffusers
+
+        return getattr(diffusers, self.pipeline)
+
+    def takes_images(self) -> bool:
+        return self.image_input != "none"
+
+    def takes_masks(self) -> bool:
+        return "inpaint" in self.image_pipelines
+
+
+# generation defaults of the tiny presets: small images, few steps (pipelines' own defaults
+# are sized for the real models, e.g. FLUX.1's 1024x1024 and 28 steps)
+TINY_DEFAULTS = {"width": 64, "height": 64, "steps": 4}
