@@ -15,14 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import diffusers
 import torch
 
 from loraswap.bench.common import write_random_adapters
 from loraswap.bench.swap_setup import bound_reader
 from loraswap.engine import kernels
 from loraswap.engine.swap import FusedSwapper
-from loraswap.models import SHAPE_PIPELINES
+from loraswap.models import SHAPE_FAMILIES, shape_denoiser
 from loraswap.models.shapes import build_shape_component
 
 CONFIGS = [(64, 128, 32, 4), (128, 64, 32, 4), (64, 64, 32, 4), (64, 128, 16, 4), (64, 128, 64, 4),
@@ -49,12 +48,12 @@ def accuracy(swapper: FusedSwapper, adapters, keys) -> str:
 
 
 def main(shape: str, folder: Path) -> None:
-    prefix = "transformer" if shape == "flux-dev" else "unet"
+    prefix = shape_denoiser(shape)
     torch.manual_seed(0)
     model = build_shape_component(shape, prefix, device="cuda")
     swapper = FusedSwapper({prefix: model})
     paths = write_random_adapters(shape, [(64, "all"), (16, "all"), (128, "attn")], folder)
-    read = bound_reader(getattr(diffusers, SHAPE_PIPELINES[shape]), prefix, model, swapper.layers)
+    read = bound_reader(SHAPE_FAMILIES[shape].pipeline_class, prefix, model, swapper.layers)
     bound = [read(p) for p in paths]
     host = [b.to("cpu", torch.bfloat16, pin_memory=True) for b in bound]
     gpu = [b.to("cuda", torch.bfloat16) for b in bound]

@@ -56,3 +56,10 @@ class AdapterIncompatible(AdapterError):
 
 class Overloaded(LoraswapError):
     status = 503
+
+
+class UnsupportedInput(LoraswapError):
+    """A well-formed request the hosted model cannot take: an image for a text-only model,
+    a mask for a model without inpainting, frames for an image model."""
+
+    status = 422

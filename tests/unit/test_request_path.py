@@ -14,8 +14,9 @@ from test_cache import adapter
 
 from loraswap.adapters.bound import BoundAdapter
 from loraswap.adapters.cache import AdapterCache, CacheConfig
+from loraswap.engine.calls import to_pil
 from loraswap.engine.config import EngineConfig, GenerateRequest
-from loraswap.engine.engine import Engine, to_pil
+from loraswap.engine.engine import Engine
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -41,7 +42,7 @@ def test_engine_image_equals_the_pipelines_own_pil_image(adapter_factory):
     engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
     request = GenerateRequest(prompt="a red bicycle", seed=11, steps=2, width=64, height=64,
                               loras=[("path-a", 1.0)])
-    assert engine._images_on_device, "tiny-sd postprocesses with VaeImageProcessor: images made by to_pil"
+    assert engine.calls.images_on_device("text"), "tiny-sd postprocesses with VaeImageProcessor: images made by to_pil"
     ours = engine.generate(request).image
     theirs = engine.pipeline("a red bicycle", generator=torch.Generator("cpu").manual_seed(11),
                              num_inference_steps=2, width=64, height=64).images[0]

@@ -9,27 +9,23 @@ from ..adapters.bound import ModelLayers
 from ..adapters.source import AdapterLocation
 from ..adapters.store import StoreLimits, TargetModel, read_adapter
 from ..engine.baselines import HotswapSwapper, LoadAndFuseSwapper
-from ..models import SHAPE_PIPELINES, denoiser_name
+from ..models import SHAPE_FAMILIES, denoiser_name, shape_denoiser
 from ..models.presets import PRESETS, build_preset
 from ..models.shapes import build_shape_component
 from .common import write_random_adapters
 
-DENOISER = {"flux-dev": "transformer", "sdxl": "unet", "sd15": "unet"}
-
 
 def build_denoiser(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, str, type]:
     """(denoiser, its component name, the pipeline class): a real architecture with random
-    weights (`flux-dev`, `sdxl`, `sd15`) or a tiny preset's denoiser (`tiny-sd`, ...)."""
-    import diffusers
-
+    weights (`flux-dev`, `sdxl`, `sd15`, ...) or a tiny preset's denoiser (`tiny-sd`, ...)."""
     if shape in PRESETS:
         pipeline = build_preset(shape)
         prefix = denoiser_name(pipeline)
         return getattr(pipeline, prefix).to(device, dtype), prefix, type(pipeline)
     torch.manual_seed(0)
-    prefix = DENOISER[shape]
+    prefix = shape_denoiser(shape)
     return (build_shape_component(shape, prefix, device=device, dtype=dtype), prefix,
-            getattr(diffusers, SHAPE_PIPELINES[shape]))
+            SHAPE_FAMILIES[shape].pipeline_class)
 
 
 def denoiser_inputs(model: torch.nn.Module, width: int, height: int, device, dtype) -> dict:

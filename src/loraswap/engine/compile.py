@@ -46,7 +46,7 @@ import torch._functorch.config
 import torch._inductor.config
 from torch._dynamo.utils import counters
 
-from ..models import denoiser_name
+from ..models import denoiser_names
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +137,9 @@ def compile_denoiser(denoiser: torch.nn.Module, mode: str = "default") -> None:
 
 
 def compile_pipeline(pipeline, mode: str, compile_vae: bool) -> None:
-    """The denoiser, and the VAE decoder when asked (`EngineConfig.compile_vae`)."""
-    compile_denoiser(getattr(pipeline, denoiser_name(pipeline)), mode)
+    """The denoisers (Wan 2.2 has two), and the VAE decoder when asked (`EngineConfig.compile_vae`)."""
+    for name in denoiser_names(pipeline):
+        compile_denoiser(getattr(pipeline, name), mode)
     vae = getattr(pipeline, "vae", None)
     if compile_vae and vae is not None and hasattr(vae, "decoder"):
         # CUDA graphs would hold the decoder's large activations in their own pool: default mode

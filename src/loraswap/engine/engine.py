@@ -10,21 +10,20 @@ driven by exactly one thread (the server's GPU worker, or the CLI).
 
 import contextlib
 import functools
-import inspect
 import logging
 import random
 import time
 from dataclasses import dataclass
 
 import torch
-from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
 from ..adapters.bound import ModelLayers
 from ..adapters.store import Acquired, AdapterStore, StoreLimits, TargetModel
-from ..models import adapter_targets, denoiser_name, generation_defaults, model_name, resolve_device
+from ..models import adapter_targets, denoiser_name, family_of, generation_defaults, model_name, resolve_device
 from .attention import AttentionBackend
 from .baselines import HotswapSwapper, LoadAndFuseSwapper
+from .calls import PipelineCalls
 from .compile import graph_count
 from .config import EngineConfig, GenerateRequest
 from .startup import Startup
@@ -79,12 +78,8 @@ class Engine:
         self.swapper = SWAPPERS[config.swap_mode].for_engine(self.pipeline, layers, config)
         self.adapters = self._make_store(layers)
         self._applied: Acquired = []  # what the swapper applied, as the store handed it (on failure: base)
-        self._call_parameters = set(inspect.signature(self.pipeline.__call__).parameters)
-        # pipelines that postprocess with diffusers' VaeImageProcessor (SD, SDXL, FLUX.1) return
-        # "pt" images as (batch, channels, height, width) in [0, 1]; others keep their PIL output
-        self._images_on_device = "output_type" in self._call_parameters and isinstance(
-            getattr(self.pipeline, "image_processor", None), VaeImageProcessor)
-        self.defaults = generation_defaults(config.model)
+        self.family = family_of(self.pipeline)  # None: a pipeline no family lists (served text to image)
+        self.calls = PipelineCalls(self.pipeline, self.family, generation_defaults(config.model))
         self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
         with on_device(self.device):
             self.start.compile_and_warm_up(self)
@@ -143,11 +138,14 @@ class Engine:
         Each image has its own prompt and seed (a generator per image), so it is the image
         the request would get alone, up to the numerics of a larger batch.
         """
-        # 1. put the requested adapters on the model (validated before anything changes)
+        # 1. the pipeline that takes these inputs (refused before anything changes), and the
+        #    requested adapters on the model (validated before anything changes)
+        task = self.calls.task(requests[0])
         swap_seconds = self.set_adapters(requests[0].loras, acquired)
         # 2. build the pipeline call; seeds drive CPU generators, as the HF image does
         seeds = [r.seed if r.seed is not None else random.randrange(2**31) for r in requests]
-        kwargs = self._call_arguments(requests)
+        kwargs = self.calls.arguments(task, requests)
+        pipeline = self.calls.pipeline(task)
 
         # 3. generate (generators made per attempt: a call retried cold starts from the seeds again)
         def generators() -> list[torch.Generator]:
@@ -155,26 +153,13 @@ class Engine:
 
         started = time.perf_counter()
         with torch.inference_mode(), self.attention.context() if self.attention else contextlib.nullcontext():
-            images = self.start.retry_cold(lambda: self.pipeline(**kwargs, generator=generators()).images)
-        if self._images_on_device:
-            images = to_pil(images)
+            output = self.start.retry_cold(lambda: pipeline(**kwargs, generator=generators()))
+        videos = self.calls.outputs(task, output)
         seconds = time.perf_counter() - started
         self.start.maybe_record_first_image(self.model_name)
-        return [GenerateResult(image, seed, swap_seconds, seconds) for image, seed in zip(images, seeds)]
-
-    def _call_arguments(self, requests: list[GenerateRequest]) -> dict:
-        """The pipeline's keyword arguments for these requests (their shared parameters, the
-        model's defaults for what they leave out), limited to what its `__call__` takes."""
-        first, defaults = requests[0], self.defaults
-        kwargs = dict(prompt=[r.prompt for r in requests])
-        if self._images_on_device:
-            kwargs["output_type"] = "pt"  # made 8-bit on the device (`to_pil`), not as floats on the host
-        optional = dict(guidance_scale=first.guidance, num_inference_steps=first.steps or defaults.get("steps"),
-                        width=first.width or defaults.get("width"), height=first.height or defaults.get("height"))
-        if any(r.negative_prompt for r in requests):
-            optional["negative_prompt"] = [r.negative_prompt or "" for r in requests]
-        kwargs.update({k: v for k, v in optional.items() if v is not None and k in self._call_parameters})
-        return kwargs
+        fps = self.family.fps if self.calls.is_video else None
+        return [GenerateResult(frames[0], seed, swap_seconds, seconds, frames if fps else None, fps)
+                for frames, seed in zip(videos, seeds)]
 
     # ---------------------------------------------------------------- state
     @property
@@ -198,12 +183,3 @@ class Engine:
     def recompiles(self) -> int:
         """Graphs compiled after warm-up: a swap must never add one."""
         return graph_count() - self._graphs_after_warmup
-
-
-def to_pil(images: torch.Tensor) -> list[Image.Image]:
-    """A pipeline's `output_type="pt"` images (batch, channels, height, width; in [0, 1]) as
-    PIL images, bitwise the pixels diffusers' own "pil" output gives (float32, times 255,
-    rounded half to even), computed where the images are: 1 byte per pixel and channel
-    crosses to the host instead of floats converted there."""
-    pixels = (images.float() * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu().numpy()
-    return [Image.fromarray(p.squeeze(-1) if p.shape[-1] == 1 else p) for p in pixels]

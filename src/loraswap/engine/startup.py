@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from ..models import denoiser_name, load_pipeline
+from ..models import denoiser_names, load_pipeline
 from ..models.staged import build_pipeline, fill_pipeline, plan_fill
 from .compile import (
     CUDA_GRAPH_MODES,
@@ -28,7 +28,7 @@ from .compile import (
     use_fresh_compile_cache,
     wants_compiled_vae,
 )
-from .config import EngineConfig, GenerateRequest
+from .config import EngineConfig
 from .prewarm import Prewarm, denoiser_config
 from .quantize import quantize_module, quantize_text_encoders
 
@@ -72,7 +72,8 @@ class Startup:
         if quantizing:
             logger.info("loaded %s on %s in %.1f s; quantizing", config.model, "the host" if via_host else "the GPU",
                         time.perf_counter() - self.started)
-        quantize_module(getattr(pipeline, denoiser_name(pipeline)), config.quantize, device)
+        for name in denoiser_names(pipeline):
+            quantize_module(getattr(pipeline, name), config.quantize, device)
         quantize_text_encoders(pipeline, config.quantize_text_encoders, device)
         if via_host:
             pipeline.to(device)
@@ -154,7 +155,8 @@ class Startup:
         kernels = time.perf_counter()
         if self.retry_cold(engine.swapper.warm_up):
             logger.info("swap kernels ready in %.2f s", time.perf_counter() - kernels)
-        engine.generate(GenerateRequest(prompt="warm-up", seed=0, steps=2))
+        for request in engine.calls.warm_up_requests():
+            engine.generate(request)
         self.figures["warmup_s"] = time.perf_counter() - warming
 
     def retry_cold(self, step: Callable[[], T]) -> T:

@@ -47,7 +47,8 @@ class Job:
     @property
     def batch_key(self) -> tuple:
         r = self.request
-        return (tuple(r.loras), r.steps, r.guidance, r.width, r.height)
+        alone = id(r) if r.image is not None else None  # requests with an image input run alone
+        return (tuple(r.loras), r.steps, r.guidance, r.width, r.height, r.strength, r.frames, alone)
 
 
 class GpuWorker:

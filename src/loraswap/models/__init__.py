@@ -6,11 +6,13 @@ from pathlib import Path
 import torch
 from diffusers import DiffusionPipeline
 
-from .presets import PRESET_DEFAULTS, PRESETS, build_preset
+from .families import PRESET_FAMILIES, SHAPE_FAMILIES, family_of, shape
+from .family import Family
+from .presets import PRESETS, build_preset
 from .shapes import RANDOM_SUFFIX, SHAPES, build_shape_pipeline
 
-__all__ = ["PRESETS", "adapter_targets", "default_dtype", "generation_defaults", "load_pipeline", "lora_components",
-           "model_name", "resolve_device"]
+__all__ = ["PRESETS", "SHAPES", "Family", "adapter_targets", "default_dtype", "denoiser_names", "family_of",
+           "generation_defaults", "shape_denoiser", "load_pipeline", "lora_components", "model_name", "resolve_device"]
 
 
 def resolve_device(device: str | None = None) -> torch.device:
@@ -28,9 +30,10 @@ def load_pipeline(name_or_path: str, device: str | torch.device | None = None,
                   dtype: torch.dtype | None = None) -> DiffusionPipeline:
     """The plain diffusers pipeline that `--model name_or_path` serves.
 
-    A preset (`tiny-sd`, `tiny-sdxl`, `tiny-flux`) is built in code with the same
-    weights every time; `sd15-random`, `sdxl-random` and `flux-dev-random` are the real
-    architectures with random weights (for benchmarks); anything else goes to `DiffusionPipeline.from_pretrained`
+    A preset (`tiny-sd`, `tiny-flux`, ... : `PRESETS`) is built in code with the same
+    weights every time; `<shape>-random` (`sdxl-random`, `flux-dev-random`, ... : `SHAPES`)
+    is a real architecture with random weights (for benchmarks); anything else goes to
+    `DiffusionPipeline.from_pretrained`
     (a hub id, honouring the hub cache and HF_HUB_OFFLINE, or a local folder).
     """
     device = resolve_device(str(device) if device is not None else None)
@@ -53,14 +56,27 @@ def load_pipeline(name_or_path: str, device: str | torch.device | None = None,
     return pipeline
 
 
+DENOISERS = ("unet", "transformer", "transformer_2")  # transformer_2: Wan 2.2's low-noise expert
+
+
+def denoiser_names(pipeline: DiffusionPipeline) -> list[str]:
+    """The pipeline's denoisers: "unet" (SD, SDXL) or "transformer", and Wan 2.2's "transformer_2"."""
+    return [name for name in DENOISERS if getattr(pipeline, name, None) is not None]
+
+
 def denoiser_name(pipeline: DiffusionPipeline) -> str:
-    """The pipeline's denoiser component: "transformer" (FLUX.1) or "unet" (SD, SDXL)."""
-    return "transformer" if getattr(pipeline, "transformer", None) is not None else "unet"
+    """The pipeline's first denoiser ("unet" or "transformer")."""
+    return denoiser_names(pipeline)[0]
+
+
+def shape_denoiser(name: str) -> str:
+    """A real architecture's first denoiser ("unet" or "transformer")."""
+    return next(n for n in DENOISERS if n in shape(name).components)
 
 
 def generation_defaults(name_or_path: str) -> dict[str, int]:
-    """width/height/steps used when a request gives none; empty: the pipeline's own."""
-    return dict(PRESET_DEFAULTS) if name_or_path in PRESETS else {}
+    """width/height/steps (and frames) used when a request gives none; empty: the pipeline's own."""
+    return dict(PRESET_FAMILIES[name_or_path].defaults) if name_or_path in PRESETS else {}
 
 
 def model_name(pipeline: DiffusionPipeline, name_or_path: str) -> str:
@@ -70,13 +86,10 @@ def model_name(pipeline: DiffusionPipeline, name_or_path: str) -> str:
     return pipeline.config.get("_name_or_path") or name_or_path
 
 
-SHAPE_PIPELINES = {"sd15": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline", "flux-dev": "FluxPipeline"}
-
-
 def lora_components(name_or_path: str) -> tuple[type[DiffusionPipeline], dict[str, torch.nn.Module]]:
     """(pipeline class, LoRA-loadable components) of a preset, a real shape or a model.
 
-    Real shapes (`sd15`, `sdxl`, `flux-dev`) are built on the meta device: their layer
+    Real shapes (`sd15`, `sdxl`, `flux-dev`, ...) are built on the meta device: their layer
     names and shapes, without memory. Anything else is loaded on the CPU.
     """
     name_or_path = name_or_path.removesuffix(RANDOM_SUFFIX)
@@ -89,12 +102,10 @@ def lora_components(name_or_path: str) -> tuple[type[DiffusionPipeline], dict[st
 @cache
 def _shape_components(name: str) -> tuple[type[DiffusionPipeline], dict[str, torch.nn.Module]]:
     """A real architecture's components on the meta device (built once: they hold no memory)."""
-    import diffusers
-
     from .shapes import build_shape_component
 
-    cls = getattr(diffusers, SHAPE_PIPELINES[name])
-    names = [n for n in adapter_target_names(cls) if n in SHAPES[name]]
+    cls = SHAPE_FAMILIES[name].pipeline_class
+    names = [n for n in adapter_target_names(cls) if n in shape(name).components]
     return cls, {n: build_shape_component(name, n) for n in names}
 
 

@@ -42,7 +42,7 @@ class Family:
       weights (`from_pipe`) to serve an image input; edit models take it in `pipeline`.
     - `image_input`: "none" (text only), "variants" (through `image_pipelines`), "edit"
       (the pipeline's own `image`, optional) or "required" (an edit model that needs one).
-    - `output`: "image" or "video" (frames, encoded by the server).
+    - `output`: "image" or "video" (frames, encoded by the server at `fps`).
     - `defaults`: generation defaults of its tiny presets (real models keep their pipeline's).
     - `call_names`: request field -> the pipeline's argument where it differs
       (Qwen-Image's `true_cfg_scale` for the guidance scale).
@@ -55,6 +55,7 @@ class Family:
     image_pipelines: Mapping[str, str] = field(default_factory=dict)
     image_input: Literal["none", "variants", "edit", "required"] = "none"
     output: Literal["image", "video"] = "image"
+    fps: int = 16
     defaults: Mapping[str, int] = field(default_factory=dict)
     call_names: Mapping[str, str] = field(default_factory=dict)
 

@@ -21,10 +21,14 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=3
 
 
 def tiny_flux_components() -> dict:
-    """The tiny FLUX.1 pipeline's arguments (FLUX.1 Kontext builds the same)."""
-    return dict(transformer=FluxTransformer2DModel(**TINY_TRANSFORMER), vae=tiny_flux_vae(),
-                text_encoder=tiny_clip(), text_encoder_2=tiny_t5(), tokenizer=make_clip_tokenizer(),
-                tokenizer_2=make_t5_tokenizer(model_max_length=64), scheduler=FlowMatchEulerDiscreteScheduler())
+    """The tiny FLUX.1 pipeline's arguments (FLUX.1 Kontext builds the same). The modules are
+    made in a fixed order: the seeded weights of each depend on it."""
+    transformer = FluxTransformer2DModel(**TINY_TRANSFORMER)
+    text_encoder_2 = tiny_t5()
+    vae = tiny_flux_vae()
+    return dict(transformer=transformer, vae=vae, text_encoder=tiny_clip(), text_encoder_2=text_encoder_2,
+                tokenizer=make_clip_tokenizer(), tokenizer_2=make_t5_tokenizer(model_max_length=64),
+                scheduler=FlowMatchEulerDiscreteScheduler())
 
 
 def _tiny_flux() -> FluxPipeline:

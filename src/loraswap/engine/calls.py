@@ -1,0 +1,130 @@
+"""How a request becomes a pipeline call, for any family: which of the family's pipelines
+takes it (text, img2img, inpainting, edit), its keyword arguments, and what comes out
+(images, or a video's frames).
+
+The image pipelines are made from the loaded one with `from_pipe`: they share its
+modules, so a swap written into the weights serves them all, with no second copy.
+"""
+
+import inspect
+
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.image_processor import VaeImageProcessor
+from PIL import Image
+
+from ..errors import UnsupportedInput
+from ..models import Family
+from .config import GenerateRequest
+
+TEXT, IMG2IMG, INPAINT = "text", "img2img", "inpaint"
+
+
+class PipelineCalls:
+    """The pipelines of one served model, keyed by the input they take, and their calls."""
+
+    def __init__(self, pipeline: DiffusionPipeline, family: Family | None, defaults: dict[str, int]):
+        self.family = family
+        self.defaults = defaults
+        self._pipelines = {TEXT: pipeline}
+        self._parameters: dict[str, set[str]] = {}
+
+    # ------------------------------------------------------------ which pipeline
+    def task(self, request: GenerateRequest) -> str:
+        """The pipeline `request` needs; UnsupportedInput (422) when the model has none for it."""
+        family, name = self.family, self.family.name if self.family else "this model"
+        image_input = family.image_input if family else "none"
+        if request.mask is not None:
+            if request.image is None:
+                raise UnsupportedInput("a mask needs the image it applies to")
+            if not (family and family.takes_masks()):
+                raise UnsupportedInput(f"{name} does no inpainting: send the image without a mask")
+            return INPAINT
+        if request.image is not None:
+            if image_input == "none":
+                raise UnsupportedInput(f"{name} takes no image input: send a prompt only")
+            return IMG2IMG if image_input == "variants" else TEXT
+        if image_input == "required":
+            raise UnsupportedInput(f"{name} is an edit model: send the image to edit")
+        if request.frames is not None and not (family and family.output == "video"):
+            raise UnsupportedInput(f"{name} makes images, not videos: leave out the number of frames")
+        return TEXT
+
+    def pipeline(self, task: str) -> DiffusionPipeline:
+        """The pipeline for `task`, made from the loaded one on first use (shared modules)."""
+        if task not in self._pipelines:
+            import diffusers
+
+            cls = getattr(diffusers, self.family.image_pipelines[task])
+            self._pipelines[task] = cls.from_pipe(self._pipelines[TEXT])
+            self._pipelines[task].set_progress_bar_config(disable=True)
+        return self._pipelines[task]
+
+    def parameters(self, task: str) -> set[str]:
+        if task not in self._parameters:
+            self._parameters[task] = set(inspect.signature(self.pipeline(task).__call__).parameters)
+        return self._parameters[task]
+
+    def warm_up_requests(self) -> list[GenerateRequest]:
+        """What start-up generates once, so compiling happens before the first request: a
+        prompt, and for an edit model a prompt with an image (its sequence is longer)."""
+        text = GenerateRequest(prompt="warm-up", seed=0, steps=2)
+        if not self.family or self.family.image_input not in ("edit", "required"):
+            return [text]
+        size = (self.defaults.get("width", 1024), self.defaults.get("height", 1024))
+        edit = text.model_copy(update={"image": Image.new("RGB", size, (128, 128, 128))})
+        return [edit] if self.family.image_input == "required" else [text, edit]
+
+    # ------------------------------------------------------------ the call
+    def arguments(self, task: str, requests: list[GenerateRequest]) -> dict:
+        """The pipeline's keyword arguments for these requests (their shared parameters, the
+        model's defaults for what they leave out), limited to what its `__call__` takes."""
+        first, defaults, takes = requests[0], self.defaults, self.parameters(task)
+        kwargs = dict(prompt=[r.prompt for r in requests])
+        if self.images_on_device(task):
+            kwargs["output_type"] = "pt"  # made 8-bit on the device (`to_pil`), not as floats on the host
+        elif self.is_video:
+            kwargs["output_type"] = "pil"
+        optional = dict(guidance_scale=first.guidance, num_inference_steps=first.steps or defaults.get("steps"),
+                        width=first.width or defaults.get("width"), height=first.height or defaults.get("height"),
+                        num_frames=first.frames or defaults.get("frames"), strength=first.strength)
+        if any(r.negative_prompt for r in requests):
+            optional["negative_prompt"] = [r.negative_prompt or "" for r in requests]
+        if first.image is not None:
+            optional["image"] = [r.image for r in requests]
+        if first.mask is not None:
+            optional["mask_image"] = [r.mask for r in requests]
+        renamed = self.family.call_names if self.family else {}
+        for name, value in optional.items():
+            name = renamed.get(name, name)
+            if value is not None and name in takes:
+                kwargs[name] = value
+        return kwargs
+
+    @property
+    def is_video(self) -> bool:
+        return self.family is not None and self.family.output == "video"
+
+    def images_on_device(self, task: str) -> bool:
+        """Whether the pipeline returns "pt" images as (batch, channels, height, width) in
+        [0, 1] (those that postprocess with diffusers' VaeImageProcessor); others keep PIL."""
+        return not self.is_video and "output_type" in self.parameters(task) and isinstance(
+            getattr(self.pipeline(task), "image_processor", None), VaeImageProcessor)
+
+    def outputs(self, task: str, output) -> list[list[Image.Image]]:
+        """Each request's frames (one frame for an image model), as PIL images."""
+        if self.is_video:
+            return [list(video) for video in output.frames]
+        images = output.images
+        if self.images_on_device(task):
+            images = to_pil(images)
+        return [[image] for image in images]
+
+
+def to_pil(images: torch.Tensor) -> list[Image.Image]:
+    """A pipeline's `output_type="pt"` images (batch, channels, height, width; in [0, 1]) as
+    PIL images, bitwise the pixels diffusers' own "pil" output gives (float32, times 255,
+    rounded half to even), computed where the images are: 1 byte per pixel and channel
+    crosses to the host instead of floats converted there."""
+    pixels = (images.float() * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu().numpy()
+    return [Image.fromarray(p.squeeze(-1) if p.shape[-1] == 1 else p) for p in pixels]

@@ -1,0 +1,26 @@
+"""The model families loraswap serves, one module each (see `..family.Family`).
+
+Adding a family: write its module (tiny preset, real shape, image pipelines, output) and
+list it here; the presets, shapes and image inputs follow from the record.
+"""
+
+from diffusers import DiffusionPipeline
+
+from ..family import Family, Shape
+from . import flux, sd15, sdxl
+
+FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (sd15, sdxl, flux))
+
+# tiny preset name -> its family; real shape name -> its family
+PRESET_FAMILIES = {preset: family for family in FAMILIES for preset in family.presets}
+SHAPE_FAMILIES = {shape: family for family in FAMILIES for shape in family.shapes}
+
+
+def shape(name: str) -> Shape:
+    return SHAPE_FAMILIES[name].shapes[name]
+
+
+def family_of(pipeline: DiffusionPipeline) -> Family | None:
+    """The family whose pipelines `pipeline` is one of (None: a pipeline no family lists)."""
+    name = type(pipeline).__name__
+    return next((f for f in FAMILIES if name == f.pipeline or name in f.image_pipelines.values()), None)
