@@ -36,7 +36,8 @@ _PREFIXES = (
     ("lora_te_", "text_encoder"),
     ("text_encoders.clip_l.transformer.", "text_encoder"), ("text_encoders.t5xxl.transformer.", "text_encoder_2"),
     ("base_model.model.", "denoiser"), ("diffusion_model.", "denoiser"),
-    ("unet.", "unet"), ("transformer.", "transformer"), ("text_encoder.", "text_encoder"),
+    ("unet.", "unet"), ("transformer.", "transformer"), ("transformer_2.", "transformer_2"),
+    ("text_encoder.", "text_encoder"),
     ("text_encoder_2.", "text_encoder_2"), ("text_encoder_3.", "text_encoder_3"),
 )
 # FLUX.1 query/key norms, BFL name -> diffusers name (RMSNorm `scale` is diffusers' `weight`)

@@ -23,13 +23,17 @@ KINDS = ("lora", "loha", "lokr", "dora")
 # component -> (attention-only pattern, all-layers pattern), matched with re.search on module names
 _TARGETS = {
     "unet": (r"\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$", r"^(down_blocks|mid_block|up_blocks)\."),
-    "transformer": (r"\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$",
-                    r"^(transformer_blocks|single_transformer_blocks)\.\d+\.(?!norm)"),  # not the modulation
-    "text_encoder": (r"\.self_attn\.(q_proj|k_proj|v_proj|out_proj)$", r"\.(self_attn|mlp)\.\w+$"),
+    # every family's transformer: attention projections (image and text streams, fused ones),
+    # or every layer of the numbered blocks but their norms (FLUX's `norm1.linear` is the modulation)
+    "transformer": (r"\.(attn\d?|attention)\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|"
+                    r"to_add_out|to_qkv\w*)$",
+                    r"^(transformer_blocks|single_transformer_blocks|blocks|layers)\.\d+\.(?!norm)"),
+    "text_encoder": (r"\.self_attn\.(q_proj|k_proj|v_proj|out_proj|o_proj)$", r"\.(self_attn|mlp)\.\w+$"),
 }
-_TARGETS["text_encoder_2"] = _TARGETS["text_encoder"]
+_TARGETS["transformer_2"] = _TARGETS["transformer"]  # Wan 2.2's low-noise expert
+_TARGETS["text_encoder_2"] = _TARGETS["text_encoder_3"] = _TARGETS["text_encoder"]
 
-_KOHYA_TE_PREFIX = {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
+_KOHYA_TE_PREFIX = {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_", "text_encoder_3": "lora_te3_"}
 
 # kohya (BFL naming) -> the diffusers modules it fuses, for one FLUX.1 double / single block
 _BFL_DOUBLE = {
@@ -151,7 +155,7 @@ def make_random_adapter(
 
 def _target_shapes(component_name: str, module: nn.Module, targets: Targets, fmt: Format) -> dict:
     """Module name (as the format names it) -> weight shape, for the targeted layers."""
-    if fmt == "kohya" and component_name == "transformer":
+    if fmt == "kohya" and type(module).__name__ == "FluxTransformer2DModel":
         return _bfl_shapes(module, targets)
     shapes = lora_target_shapes(component_name, module, targets)
     if fmt == "kohya" and component_name == "unet" and _is_sdxl(module):
