@@ -48,8 +48,8 @@ def bench_swap(
                                           "(loraswap), base (the compiled base model).")]
     = "load-and-fuse,hotswap,fused,base",
     quantize: Annotated[str, typer.Option("--quantize", help="The compiled copies in float8 (fp8, fp8-tensorwise, "
-                                          "fp8-weight-only): hotswap is then a LoRA kept unfused on them; leave "
-                                          "load-and-fuse out.")] = "none",
+                                          "fp8-weight-only): hotswap is then a LoRA kept unfused on them; "
+                                          "load-and-fuse stays in full precision.")] = "none",
     out: Out = Path("bench/results"),
     workdir: Annotated[Path | None, typer.Option("--workdir", help="Where adapters are written.")] = None,
 ) -> None:
@@ -83,6 +83,32 @@ def bench_kinds(
 
     setup_logging(False)
     run_kinds_bench(shape, width, height, steps, rank, swaps, rounds, out, workdir)
+
+
+@bench_app.command("family")
+def bench_family(
+    model: ServedModel = "flux-dev-random",
+    rank: Annotated[int, typer.Option("--rank", help="Rank of the all-linear random adapters.")] = 32,
+    rounds: Annotated[int, typer.Option("--rounds", help="Rounds of base and adapter images.")] = 3,
+    steps: Annotated[int | None, typer.Option("--steps")] = None,
+    width: Annotated[int | None, typer.Option("--width")] = None,
+    height: Annotated[int | None, typer.Option("--height")] = None,
+    frames: Annotated[int | None, typer.Option("--frames", help="Frames of a video model.")] = None,
+    quantize: Annotated[str, typer.Option("--quantize", help="The fused engine's denoisers in float8 (fp8, ...); "
+                                          "load-and-fuse stays in full precision.")] = "none",
+    load_and_fuse: Annotated[bool, typer.Option("--load-and-fuse/--no-load-and-fuse",
+                                                help="Also run the load-and-fuse engine after the fused one.")]
+    = True,
+    out: Out = Path("bench/results"),
+    workdir: Annotated[Path | None, typer.Option("--workdir", help="Where adapters are written.")] = None,
+) -> None:
+    """Any family's full pipeline (images or videos): a LoRA swapped per request against the compiled base, and
+    against load-and-fuse per request."""
+    from ..bench.family import run_family_bench
+
+    setup_logging(False)
+    run_family_bench(model, rank, 3, rounds, steps, width, height, frames, quantize, None, load_and_fuse, out,
+                     workdir)
 
 
 @bench_app.command("options")
