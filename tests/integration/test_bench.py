@@ -116,3 +116,15 @@ def test_bench_kinds_swaps_every_kind_on_a_tiny_preset_without_recompiling(tmp_p
     assert all(report["swap_s"][f"{k}_{tier}"]["p50"] > 0 for k in report["adapters"] for tier in ("host", "gpu"))
     assert all(error <= 2 for error in report["max_error_in_rounding_steps"].values())
     assert report["recompiles"] == 0
+
+
+def test_bench_family_swaps_per_request_against_base_and_load_and_fuse(tmp_path):
+    from loraswap.bench.family import run_family_bench
+
+    report = run_family_bench("tiny-sd", rank=4, rounds=2, out_dir=tmp_path, workdir=tmp_path / "adapters")
+    assert set(report["summary"]) == {"base", "adapter", "load-and-fuse"}
+    adapter_rows = [r for r in report["fused"]["rows"] if r["variant"] == "adapter"]
+    assert len(adapter_rows) == 2 and all(r["swap_s"] > 0 for r in adapter_rows), "each adapter image swapped"
+    assert all(r["swap_s"] == 0 for r in report["fused"]["rows"] if r["variant"] == "base" and r["round"] == 0)
+    assert report["fused"]["recompiles"] == 0
+    assert (tmp_path / "family-tiny-sd.json").exists()

@@ -25,7 +25,7 @@ _TARGETS = {
     "unet": (r"\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$", r"^(down_blocks|mid_block|up_blocks)\."),
     # every family's transformer: attention projections (image and text streams, fused ones),
     # or every layer of the numbered blocks but their norms (FLUX's `norm1.linear` is the modulation)
-    "transformer": (r"\.(attn\d?|attention)\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|"
+    "transformer": (r"\.(attn\d?|attention)\.(to_q|to_k|to_v|to_out(\.0)?|add_q_proj|add_k_proj|add_v_proj|"
                     r"to_add_out|to_qkv\w*)$",
                     r"^(transformer_blocks|single_transformer_blocks|blocks|layers)\.\d+\.(?!norm)"),
     "text_encoder": (r"\.self_attn\.(q_proj|k_proj|v_proj|out_proj|o_proj)$", r"\.(self_attn|mlp)\.\w+$"),

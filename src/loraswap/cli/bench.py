@@ -11,9 +11,11 @@ from .options import setup_logging
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (run them on a GPU).")
 
 Out = Annotated[Path, typer.Option("--out", help="Folder for JSON and PNG.")]
-Shape = Annotated[str, typer.Option("--shape", help="flux-dev, sdxl or sd15 (real config, random weights), or a "
+Shape = Annotated[str, typer.Option("--shape", help="A real architecture (flux-dev, sdxl, sd15, qwen-image, ...; "
+                                     "random weights), or a "
                                      "tiny preset for a quick run.")]
-ServedModel = Annotated[str, typer.Option("--model", help="sdxl-random, flux-dev-random, sd15-random or a preset.")]
+ServedModel = Annotated[str, typer.Option("--model", help="<shape>-random (sdxl-random, flux-dev-random, "
+                                                       "qwen-image-random, ...) or a preset.")]
 
 
 def _split(text: str) -> tuple[str, ...]:

@@ -20,7 +20,8 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field("tiny-sd", description="A preset (tiny-sd, tiny-sdxl, tiny-flux), a hub id or a local folder.")
+    model: str = Field("tiny-sd", description="A preset (tiny-sd, tiny-flux, ...), a real architecture with random "
+                       "weights (flux-dev-random, ...), a hub id or a local folder.")
     adapters: Path | None = Field(None, description="Folder of adapters; ids are paths under it without suffix.")
     hub: bool = Field(False, description="Serve hub adapters (owner/name[@revision]) through huggingface_hub.")
     hub_allow: list[str] = Field(default_factory=lambda: ["*"], description="fnmatch patterns of hub ids served.")

@@ -40,8 +40,7 @@ MISTRAL_CHAT_TEMPLATE = (
 # Stacking 3 hidden states of a 16-wide encoder: a 48-wide context. The latents have 4
 # channels, packed 2x2 into 16.
 TINY_TRANSFORMER = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
-                        num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=32,
-                        axes_dims_rope=(4, 4, 4, 4))
+                        num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(4, 4, 4, 4))
 FLUX2_DEV = dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128,
                  num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256, mlp_ratio=3.0,
                  axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=True)

@@ -1,0 +1,98 @@
+"""Every family's tiny preset with an adapter, served by loraswap, against diffusers' own
+`load_lora_weights` on the same model, seed and inputs; and the base back bitwise after."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from helpers import assert_bitwise_equal, weights_snapshot
+from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.engine import Engine
+from loraswap.models import PRESET_FAMILIES, load_pipeline
+
+# preset -> how its adapters are scaled up (the tiny VAEs damp changes, and the effect check
+# needs a visible one) and whether diffusers' loader for the family takes text-encoder keys
+CASES = {
+    "tiny-sd3": dict(alpha_factor=6.0, text_encoder=True),
+    "tiny-flux-kontext": dict(alpha_factor=6.0, text_encoder=True),
+    "tiny-flux2": dict(alpha_factor=30.0, text_encoder=False),
+    "tiny-qwen-image": dict(alpha_factor=6.0, text_encoder=False),
+    "tiny-qwen-image-edit": dict(alpha_factor=6.0, text_encoder=False),
+    "tiny-z-image": dict(alpha_factor=6.0, text_encoder=False),
+    "tiny-wan": dict(alpha_factor=6.0, text_encoder=False),
+}
+PROMPT = "a lighthouse on a cliff"
+
+
+def input_image() -> Image.Image:
+    x, y = np.meshgrid(np.arange(64), np.arange(64))
+    return Image.fromarray(np.stack([x * 4, y * 4, (x + y) * 2], -1).astype(np.uint8))
+
+
+def frames_array(frames: list[Image.Image]) -> np.ndarray:
+    return np.stack([np.asarray(f, dtype=np.float64) for f in frames])
+
+
+def reference_frames(pipeline, family, request: GenerateRequest) -> np.ndarray:
+    """What diffusers' own pipeline makes for `request` (its adapters already loaded)."""
+    kwargs = dict(num_inference_steps=request.steps, width=64, height=64,
+                  generator=torch.Generator("cpu").manual_seed(request.seed))
+    if request.image is not None:
+        kwargs["image"] = request.image
+    if family.output == "video":
+        return frames_array(pipeline(prompt=PROMPT, num_frames=request.frames, output_type="pil", **kwargs).frames[0])
+    return frames_array(pipeline(prompt=PROMPT, **kwargs).images)
+
+
+def load_reference_adapter(pipeline, path, folder) -> None:
+    """diffusers' own loading of the adapter. Its Wan loader reads only `transformer.` keys and
+    skips `transformer_2.` ones without an error: those go in as a file of their own, named
+    `transformer.` (its scales too), with `load_into_transformer_2`."""
+    pipeline.load_lora_weights(str(path), adapter_name="ref")
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+        second = {k.replace("transformer_2.", "transformer.", 1): f.get_tensor(k) for k in f.keys()
+                  if k.startswith("transformer_2.")}
+    if second:
+        scales = {k.replace("transformer_2.", "transformer.", 1): v
+                  for k, v in json.loads(metadata["lora_adapter_metadata"]).items() if k.startswith("transformer_2.")}
+        second_path = folder / "transformer_2.safetensors"
+        save_file(second, str(second_path), metadata={"format": "pt", "lora_adapter_metadata": json.dumps(scales)})
+        pipeline.load_lora_weights(str(second_path), adapter_name="ref_2", load_into_transformer_2=True)
+        pipeline.set_adapters(["ref", "ref_2"])  # both experts' adapters on (naming one turns the other off)
+
+
+def present(presets):
+    return [p for p in presets if p in PRESET_FAMILIES]
+
+
+@pytest.mark.parametrize("preset", present(CASES))
+def test_family_matches_diffusers_load_lora_weights(preset, adapter_factory, tmp_path):
+    case, family = CASES[preset], PRESET_FAMILIES[preset]
+    rank = 8
+    path = adapter_factory(f"family-{preset}", preset, rank=rank, targets="all", text_encoder=case["text_encoder"],
+                           alpha=rank * case["alpha_factor"], seed=31)
+    engine = Engine(EngineConfig(model=preset, adapters=path.parent, compile=False, warmup=False))
+    original = weights_snapshot(engine.components)
+    request = GenerateRequest(prompt=PROMPT, seed=2, steps=4, frames=family.defaults.get("frames"),
+                              image=input_image() if family.image_input in ("edit", "required") else None)
+    base = engine.generate(request)
+    ours = engine.generate(request.model_copy(update={"loras": [(path.stem, 1.0)]}))
+    assert (ours.frames is not None) == (family.output == "video")
+    ours_frames = frames_array(ours.frames or [ours.image])
+
+    reference = load_pipeline(preset)
+    load_reference_adapter(reference, path, tmp_path)
+    theirs = reference_frames(reference, family, request)
+
+    assert np.abs(ours_frames - frames_array(base.frames or [base.image])).mean() >= 1.0, \
+        "the adapter must visibly change the output"
+    # 8-bit pixels: fused weights and PEFT's forward round differently, by a level at most
+    assert np.abs(ours_frames - theirs).max() <= 2 and np.abs(ours_frames - theirs).mean() <= 0.05
+    engine.set_adapters([])
+    assert_bitwise_equal(original, engine.components)
