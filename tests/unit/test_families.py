@@ -44,6 +44,8 @@ def reference_frames(pipeline, family, request: GenerateRequest) -> np.ndarray:
                   generator=torch.Generator("cpu").manual_seed(request.seed))
     if request.image is not None:
         kwargs["image"] = request.image
+    if family.name == "flux-kontext":  # the asked size, not Kontext's ~1 MP default
+        kwargs.update(max_area=64 * 64, _auto_resize=False)
     if family.output == "video":
         return frames_array(pipeline(prompt=PROMPT, num_frames=request.frames, output_type="pil", **kwargs).frames[0])
     return frames_array(pipeline(prompt=PROMPT, **kwargs).images)

@@ -99,7 +99,8 @@ class PipelineCalls:
             name = renamed.get(name, name)
             if value is not None and name in takes:
                 kwargs[name] = value
-        return kwargs
+        adjust = self.family.adjust_call if self.family else None
+        return adjust(kwargs) if adjust else kwargs
 
     @property
     def is_video(self) -> bool:

@@ -46,6 +46,8 @@ class Family:
     - `defaults`: generation defaults of its tiny presets (real models keep their pipeline's).
     - `call_names`: request field -> the pipeline's argument where it differs
       (Qwen-Image's `true_cfg_scale` for the guidance scale).
+    - `adjust_call`: the family's own change to a call's keyword arguments, if any (FLUX.1
+      Kontext's output area follows the asked size only when told so).
     """
 
     name: str
@@ -58,6 +60,7 @@ class Family:
     fps: int = 16
     defaults: Mapping[str, int] = field(default_factory=dict)
     call_names: Mapping[str, str] = field(default_factory=dict)
+    adjust_call: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     @property
     def pipeline_class(self) -> type[DiffusionPipeline]:
