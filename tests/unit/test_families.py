@@ -98,3 +98,15 @@ def test_family_matches_diffusers_load_lora_weights(preset, adapter_factory, tmp
     assert np.abs(ours_frames - theirs).max() <= 2 and np.abs(ours_frames - theirs).mean() <= 0.05
     engine.set_adapters([])
     assert_bitwise_equal(original, engine.components)
+
+
+def test_load_and_fuse_baseline_swaps_both_wan_experts(adapter_factory):
+    """The baseline (diffusers' loader) puts `transformer_2.` keys on Wan 2.2's second expert too."""
+    path = adapter_factory("family-wan-baseline", "tiny-wan", rank=4, targets="all", alpha=24.0, seed=32)
+    request = GenerateRequest(prompt=PROMPT, seed=2, steps=4, frames=5, loras=[(path.stem, 1.0)])
+    fused = Engine(EngineConfig(model="tiny-wan", adapters=path.parent, compile=False, warmup=False))
+    baseline = Engine(EngineConfig(model="tiny-wan", adapters=path.parent, swap_mode="load-and-fuse", warmup=False))
+    ours, theirs = frames_array(fused.generate(request).frames), frames_array(baseline.generate(request).frames)
+    base = frames_array(baseline.generate(request.model_copy(update={"loras": []})).frames)
+    assert np.abs(theirs - base).mean() >= 1.0
+    assert np.abs(ours - theirs).max() <= 2 and np.abs(ours - theirs).mean() <= 0.05

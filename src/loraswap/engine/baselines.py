@@ -71,6 +71,7 @@ class LoadAndFuseSwapper:
             for name, (location, _) in zip(names, adapters):
                 self._loaded = True
                 pipeline.load_lora_weights(str(location.weights), adapter_name=name)
+                self._load_second_expert(location, name)
             if names:
                 pipeline.set_adapters(names, [weight for _, weight in adapters])
                 pipeline.fuse_lora(adapter_names=names)
@@ -80,6 +81,20 @@ class LoadAndFuseSwapper:
         _synchronize()
         return time.perf_counter() - start
 
+
+    def _load_second_expert(self, location: AdapterLocation, name: str) -> None:
+        """Wan 2.2's `transformer_2.` keys, which `load_lora_weights` skips without an error:
+        loaded into the second expert the way diffusers offers (as `transformer.` keys)."""
+        if "transformer_2" not in self.pipeline._lora_loadable_modules:
+            return
+        state_dict, metadata = self.pipeline.lora_state_dict(str(location.weights), return_lora_metadata=True)
+        second = {key.replace("transformer_2.", "transformer.", 1): value for key, value in state_dict.items()
+                  if key.startswith("transformer_2.")}
+        if second:
+            scales = {key.replace("transformer_2.", "transformer.", 1): value for key, value in (metadata or {}).items()
+                      if key.startswith("transformer_2.")}
+            self.pipeline.load_lora_into_transformer(second, transformer=self.pipeline.transformer_2, adapter_name=name,
+                                                     metadata=scales or None, _pipeline=self.pipeline)
 
     def _unload(self) -> None:
         if self._loaded:
