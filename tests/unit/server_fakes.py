@@ -1,6 +1,12 @@
 """A backend with no engine, for tests of the HTTP edge alone (auth, limits, parsing): it
-hosts one model, "fake", and records every call."""
+hosts one model, "fake", and records every call; and a real server over it on loopback."""
 
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import uvicorn
 from PIL import Image
 
 from loraswap.engine.config import GenerateRequest
@@ -52,3 +58,26 @@ def fake_app(**config):
     """(app, backend): the HTTP app over a FakeBackend, with these ServerConfig fields."""
     backend = FakeBackend()
     return create_app(ServerConfig(**config), backend=backend), backend
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_on_loopback(app):
+    """The app served by uvicorn on a thread of this process, on 127.0.0.1: yields its URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

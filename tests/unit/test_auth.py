@@ -4,16 +4,12 @@ routes, health open unless asked; 401 before any body is read; keys never logged
 import base64
 import io
 import logging
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from PIL import Image
-from server_fakes import fake_app
+from server_fakes import fake_app, serve_on_loopback
 
 from loraswap.server import auth
 from loraswap.server.app import create_app
@@ -192,26 +188,12 @@ def test_openapi_documents_the_bearer_scheme_where_a_key_is_needed():
     assert security(health, "/metrics", "get") == ([{"bearer": []}], True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def keyed_server():
     """A real server on loopback (over a FakeBackend) that asks for API_KEY."""
     app, backend = fake_app(api_keys=[API])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{server.config.port}", backend
-    server.should_exit = True
-    thread.join(10)
+    with serve_on_loopback(app) as url:
+        yield url, backend
 
 
 def test_the_openai_and_huggingface_clients_send_the_key(keyed_server, monkeypatch):

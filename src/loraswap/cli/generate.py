@@ -1,4 +1,5 @@
-"""`loraswap generate`: one image, with adapters fused the way the server fuses them."""
+"""`loraswap generate`: one image (from a prompt, or from an image: --image, --mask), with
+adapters fused the way the server fuses them."""
 
 from pathlib import Path
 from typing import Annotated
@@ -7,12 +8,15 @@ import typer
 
 from ..errors import LoraswapError
 from .options import Verbose, env_option, setup_logging, with_settings
-from .settings import engine_config, one_model, pick
+from .settings import engine_config, one_model, pick, server_config
 
-# the engine settings `serve` has that make sense for one image, from the same table
+# the settings `serve` has that make sense for one image, from the same table: the engine's,
+# and the bounds of an input image (the server's checks, run here on --image and --mask)
+IMAGE_SETTINGS = pick("max-image-mb", "max-image-pixels")
+IMAGE_NAMES = {s.name for s in IMAGE_SETTINGS}
 GENERATE_SETTINGS = [one_model(), *pick("adapters", "hub", "device", "dtype", "compile", "compile-mode",
                                         "compile-vae", "attention", "quantize", "quantize-text-encoders",
-                                        "max-gpu-memory-gb", "compile-cache")]
+                                        "max-gpu-memory-gb", "compile-cache"), *IMAGE_SETTINGS]
 
 
 def parse_lora(spec: str) -> tuple[str, float]:
@@ -35,21 +39,30 @@ def generate(
     seed: Annotated[int | None, env_option("--seed", help="Seed of the CPU generator (same image on any "
                                            "device).")] = None,
     negative_prompt: Annotated[str | None, env_option("--negative-prompt", help="What not to draw.")] = None,
+    image: Annotated[Path | None, typer.Option("--image", help="Image-to-image: the image to start from (PNG, JPEG "
+                                               "or WebP); the output keeps its size unless --width/--height.",
+                                               exists=True, dir_okay=False)] = None,
+    mask: Annotated[Path | None, typer.Option("--mask", help="Inpainting: with --image, a mask of its size, white "
+                                              "(or transparent) where to repaint.", exists=True,
+                                              dir_okay=False)] = None,
+    strength: Annotated[float | None, env_option("--strength", help="With --image: how much of it to repaint, "
+                                                 "0 < S <= 1 (default: the model's).")] = None,
     output: Annotated[Path, typer.Option("-o", "--output", help="Image file (png, jpg, webp).")] = Path("out.png"),
     verbose: Verbose = False,
     *,
     given: dict,
 ) -> None:
-    """Generate one image, with adapters fused the way the server fuses them."""
+    """Generate one image (or repaint one: --image, --mask), with adapters fused the way the server fuses them."""
     from ..engine.config import GenerateRequest
     from ..engine.engine import Engine
 
     setup_logging(verbose)
     try:
+        # the image inputs first: a bad file is refused before the model loads
+        inputs = read_image_inputs(image, mask, strength, width, height, given)
         engine = Engine(engine_config(given, warmup=False))
         request = GenerateRequest(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
-                                  width=width, height=height, seed=seed,
-                                  loras=[parse_lora(s) for s in lora or []])
+                                  seed=seed, loras=[parse_lora(s) for s in lora or []], **inputs)
         result = engine.generate(request)
     except LoraswapError as e:
         typer.echo(f"error: {e.message}", err=True)
@@ -60,3 +73,31 @@ def generate(
     typer.echo(f"{output}  seed={result.seed} swap={result.swap_seconds * 1e3:.1f}ms "
                f"generate={result.generate_seconds:.2f}s")
 
+
+def read_image_inputs(image: Path | None, mask: Path | None, strength: float | None, width: int | None,
+                      height: int | None, given: dict) -> dict:
+    """The request's image fields, with the server's checks (server/images.py): the image as
+    RGB, the mask as "L", the size to generate (the image's, rounded down to a multiple of 16,
+    when --width and --height are not given)."""
+    from ..server.images import ImageLimits, check_mask_fits, output_size, read_image, read_mask, require_image
+    from ..server.limits import engine_bounds
+
+    require_image(image is not None, mask is not None, strength)
+    if image is None:
+        return {"width": width, "height": height}
+    limits = ImageLimits.of(server_config({name: given[name] for name in given if name in IMAGE_NAMES}))
+    picture = read_image(_read_file(image, "image", limits), "image", limits)
+    painted = read_mask(_read_file(mask, "mask", limits), limits) if mask else None
+    if painted is not None:
+        check_mask_fits(picture, painted)
+    most = int(engine_bounds("width")[1])  # no server limits here: the engine's
+    width, height = output_size(picture, width, height, most, most)
+    return {"width": width, "height": height, "image": picture, "mask": painted, "strength": strength}
+
+
+def _read_file(path: Path, what: str, limits) -> bytes:
+    """The file's bytes, refused by its size before it is read."""
+    from ..server.images import check_file_bytes
+
+    check_file_bytes(path.stat().st_size, what, limits)
+    return path.read_bytes()

@@ -142,6 +142,9 @@ SETTINGS: list[Setting] = [
         S("max-prompt-chars", int, 2000, "max_prompt_chars", "Longest prompt, characters."),
         S("max-body-kb", int, 64, "max_body_bytes", "Largest request body, KiB.", scale=1024),
         S("max-images", int, 4, "max_images", "Most images in one OpenAI request (n)."),
+        S("max-image-mb", float, 20, "max_image_bytes", "Largest input image (or mask) file, MiB.", scale=2**20),
+        S("max-image-pixels", int, 4096 * 4096, "max_image_pixels", "Most pixels (width x height) of an input "
+          "image, read from its header before decoding."),
     ),
     *_panel(
         RAY,

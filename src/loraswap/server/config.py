@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..engine.config import EngineConfig
@@ -23,6 +24,11 @@ class ServerConfig(BaseModel):
     max_prompt_chars: int = Field(2000, ge=1, description="Longest prompt, characters.")
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="Largest request body.")
     max_images: int = Field(4, ge=1, le=16, description="Most images per OpenAI request (n).")
+    max_image_bytes: int = Field(20 * 2**20, ge=1024, description="Largest input image (or mask) file, bytes.")
+    # at most PIL's own warning threshold: PIL never warns about (nor refuses) an image this server takes
+    max_image_pixels: int = Field(4096 * 4096, ge=16 * 16, le=Image.MAX_IMAGE_PIXELS,
+                                  description="Most pixels (width x height) of an input image, read from its "
+                                  "header before any pixel is decoded.")
     # repr=False: a config printed or logged never shows a key
     api_keys: list[str] = Field(default_factory=list, repr=False,
                                 description="Keys accepted as `Authorization: Bearer KEY` on the generation "

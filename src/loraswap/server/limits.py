@@ -17,11 +17,11 @@ Bound = int | float | str | None  # str: the ServerConfig field that sets it
 
 
 def engine_bounds(field: str) -> tuple[float, float]:
-    """The (inclusive) bounds `GenerateRequest` puts on `field`."""
+    """The bounds `GenerateRequest` puts on `field`: inclusive, but for a `gt` low bound."""
     low = high = None
     for rule in GenerateRequest.model_fields[field].metadata:
-        ge, le, lt = (getattr(rule, bound, None) for bound in ("ge", "le", "lt"))
-        low = ge if ge is not None else low
+        ge, gt, le, lt = (getattr(rule, bound, None) for bound in ("ge", "gt", "le", "lt"))
+        low = ge if ge is not None else gt if gt is not None else low
         high = le if le is not None else lt - 1 if lt is not None else high  # lt: integers only
     return low, high
 
@@ -34,6 +34,7 @@ class Limit:
     message: str  # str.format fields: name, value (the length, for strings), low, high
     low: Bound = None
     high: Bound = None
+    low_exclusive: bool = False  # the value must be above `low` (strength: more than 0)
     multiple_of: int | None = None
     length: bool = False  # the bounds are on the string's length
     blank: str | None = None  # the message for an empty or all-space string
@@ -52,7 +53,7 @@ class Limit:
         refused = (
             (self.pattern is not None and not re.fullmatch(self.pattern, value))
             or (self.choices and value not in self.choices)
-            or (low is not None and not number >= low)  # `not >=`: NaN is refused too
+            or (low is not None and not (number > low if self.low_exclusive else number >= low))  # NaN too
             or (high is not None and not number <= high)
             or (self.multiple_of is not None and number % self.multiple_of)
         )
@@ -65,7 +66,7 @@ class Limit:
         low, high = self.bounds(config)
         schema = {}
         if low is not None:
-            schema["minLength" if self.length else "minimum"] = low
+            schema["minLength" if self.length else "exclusiveMinimum" if self.low_exclusive else "minimum"] = low
         if high is not None:
             schema["maxLength" if self.length else "maximum"] = high
         if self.blank is not None:
@@ -81,6 +82,7 @@ class Limit:
 
 _GUIDANCE = engine_bounds("guidance")
 _SEED = engine_bounds("seed")
+_STRENGTH = engine_bounds("strength")
 _BETWEEN = "{name} {value} must be between {low} and {high}"
 
 # in the order a request is checked: the first field out of bounds is the one named
@@ -101,6 +103,8 @@ LIMITS = (
     Limit(("num_inference_steps",), _BETWEEN, low=1, high="max_steps"),
     Limit(("guidance_scale",), _BETWEEN, low=_GUIDANCE[0], high=_GUIDANCE[1]),
     Limit(("seed",), _BETWEEN, low=_SEED[0], high=_SEED[1]),
+    Limit(("strength",), "strength {value} must be more than {low} and at most {high} (1 repaints the whole image)",
+          low=_STRENGTH[0], high=_STRENGTH[1], low_exclusive=True),
 )
 
 

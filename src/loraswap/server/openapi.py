@@ -16,12 +16,15 @@ LORA_HEADER = {"name": "lora", "in": "header", "required": False, "schema": {"ty
 # list) never reaches a client: request validation errors are answered 400.
 _ERRORS_GENERATE = ("400", "403", "404", "422", "503")
 _ERRORS = {"/": _ERRORS_GENERATE, "/models/{model_id}": _ERRORS_GENERATE,
-           "/v1/images/generations": _ERRORS_GENERATE, "/ready": ("503",), "/adapters": ("503",),
+           "/v1/images/generations": _ERRORS_GENERATE, "/v1/images/edits": _ERRORS_GENERATE,
+           "/ready": ("503",), "/adapters": ("503",),
            "/adapters/{adapter_id}/load": ("400", "403", "404", "422", "503"),
            "/adapters/{adapter_id}": ("400", "403", "404", "422", "503")}
 _ERROR_TEXT = {"400": "Bad request: the message says what to fix.", "401": "No key, or a wrong one: send "
                "`Authorization: Bearer KEY`.", "403": "Hub adapter refused by allow/deny.",
-               "404": "Unknown adapter.", "422": "The adapter does not fit the hosted base model.",
+               "404": "Unknown adapter.",
+               "422": "The adapter does not fit the hosted base model, or that model "
+               "takes no image (or no mask).",
                "503": "Queue full, model loading, shutting down or out of memory; retry after Retry-After."}
 BEARER = {"type": "http", "scheme": "bearer",
           "description": "An API key (generation routes) or an admin key (adapter routes), when the server has "
@@ -30,6 +33,23 @@ BEARER = {"type": "http", "scheme": "bearer",
 
 def json_body(schema: dict) -> dict:
     """An OpenAPI request body of this JSON Schema, its `$defs` inlined."""
+    return {"required": True, "content": {"application/json": {"schema": _inlined(schema)}}}
+
+
+def form_body(schema: dict) -> dict:
+    """An OpenAPI multipart/form-data body of this JSON Schema: a field is absent rather than
+    null, and its `format: binary` fields are image files."""
+    schema = _inlined(schema)
+    for name, prop in schema["properties"].items():
+        branches = [b for b in prop.pop("anyOf", []) if b.get("type") != "null"]
+        prop.update(branches[0] if branches else {})
+    files = [name for name, prop in schema["properties"].items() if prop.get("format") == "binary"]
+    encoding = {name: {"contentType": "image/png, image/jpeg, image/webp"} for name in files}
+    return {"required": True, "content": {"multipart/form-data": {"schema": schema, "encoding": encoding}}}
+
+
+def _inlined(schema: dict) -> dict:
+    """`schema` with its `$defs` put where they are referenced."""
     defs = {}
 
     def collect(node):
@@ -51,7 +71,7 @@ def json_body(schema: dict) -> dict:
         return node
 
     collect(schema)
-    return {"required": True, "content": {"application/json": {"schema": inline(schema)}}}
+    return inline(schema)
 
 
 def document_api(app: FastAPI, config: ServerConfig, keys: Keys) -> None:

@@ -1,16 +1,22 @@
-"""One request type for both HTTP APIs: the engine's `GenerateRequest` plus the model the
-route names, parsed from a Hugging Face or an OpenAI body by one function (`parse_request`).
+"""One request type for every generation route: the engine's `GenerateRequest` plus the model
+the route names, parsed from a Hugging Face JSON body, an OpenAI JSON body or an OpenAI edits
+form by one function (`parse_request`).
 """
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from ..engine.config import GenerateRequest
 from ..errors import BadRequest
 from .backend import Backend
+from .config import ServerConfig
+from .images import ImageLimits, decode_inputs, looks_like_image, output_size, require_image
 from .limits import check_limits
 from .schemas import ApiBody, describe, parse_lora_header, parse_size
 
@@ -33,27 +39,81 @@ class ImageRequest:
                 for i in range(self.count)]
 
 
-async def read_json(request: Request, max_bytes: int, example: str):
-    """The body as JSON, refused (400) past `max_bytes` before it is read when the client
-    declares its length, and as soon as it is read otherwise."""
+async def read_body(request: Request, max_bytes: int, limit_words: str) -> bytes:
+    """The body, refused (400) past `max_bytes` before it is read when the client declares its
+    length, and as soon as it passes `max_bytes` otherwise (a chunked body)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > max_bytes:
-        raise BadRequest(f"the body is {declared} bytes; the limit is {max_bytes}")
-    body = await request.body()
-    if len(body) > max_bytes:
-        raise BadRequest(f"the body is {len(body)} bytes; the limit is {max_bytes}")
+        raise BadRequest(f"the body is {declared} bytes; the limit is {limit_words}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BadRequest(f"the body is over {max_bytes} bytes; the limit is {limit_words}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(body: bytes, api: type[ApiBody], max_bytes: int):
+    """The body as JSON; a body over `max_bytes` that is not JSON is refused for its size, as
+    it would be without images."""
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadRequest(f"the body must be JSON: {example}") from None
+        if api.takes_images and looks_like_image(body):
+            raise BadRequest(f"the body is a bare image file, with no prompt: send JSON: {api.example}") from None
+        if len(body) > max_bytes:
+            raise BadRequest(f"the body is {len(body)} bytes; the limit is {max_bytes}") from None
+        raise BadRequest(f"the body must be JSON: {api.example}") from None
+
+
+async def parse_form(headers, body: bytes, max_bytes: int, example: str) -> dict[str, Any]:
+    """A multipart/form-data body as {name: text, or a file's bytes}; a list of files
+    (`image[]`, as the openai client sends several) under its plain name."""
+    if not headers.get("content-type", "").startswith("multipart/form-data"):
+        raise BadRequest(f"the body must be multipart/form-data: {example}")
+
+    async def stream():
+        yield body
+
+    parser = MultiPartParser(headers, stream(), max_files=4, max_fields=64, max_part_size=max_bytes)
+    try:
+        form = await parser.parse()
+    except MultiPartException as e:
+        raise BadRequest(f"the multipart body cannot be read ({e.message}): {example}") from None
+    fields: dict[str, Any] = {}
+    try:
+        for name, value in form.multi_items():
+            name = name.removesuffix("[]")
+            if name in fields:
+                raise BadRequest(f"the form gives {name} more than once: send one (one image per edit)")
+            fields[name] = await value.read() if isinstance(value, UploadFile) else value
+    finally:
+        await form.close()
+    return fields
+
+
+async def read_request(request: Request, api: type[ApiBody], config: ServerConfig) -> ApiBody:
+    """The body as the API's typed request. A body that may carry images may be larger by
+    their limit (an image and a mask, base64); the rest is held to `max_body_bytes`."""
+    limits = ImageLimits.of(config)
+    extra = 2 * limits.max_base64_chars() if api.takes_images else 0
+    words = f"{config.max_body_bytes}" + (f" besides an image and a mask of at most {limits.max_bytes} bytes "
+                                          "each" if extra else "")
+    body = await read_body(request, config.max_body_bytes + extra, words)
+    raw = await parse_form(request.headers, body, config.max_body_bytes, api.example) if api.form \
+        else parse_json(body, api, config.max_body_bytes)
+    parsed = api.parse(raw)
+    if len(body) - parsed.image_bytes() > config.max_body_bytes:
+        raise BadRequest(f"the body is {len(body)} bytes; the limit is {words}")
+    return parsed
 
 
 async def parse_request(request: Request, api: type[ApiBody], path_model: str | None = None) -> ImageRequest:
-    """The one parse of both APIs. `path_model`: the model id in the URL (HF `/models/{id}`)."""
+    """The one parse of every generation route. `path_model`: the model id in the URL (HF `/models/{id}`)."""
     config, backend = request.app.state.config, request.app.state.backend
-    # 1. the body, as the API's typed request
-    body = api.parse(await read_json(request, config.max_body_bytes, api.example))
-    fields = body.fields()
+    # 1. the body, as the API's typed request (JSON, or a multipart form with files)
+    fields = (await read_request(request, api, config)).fields()
     named = path_model or fields.pop("model", None)
     # 2. every field within its bounds (one table: limits.LIMITS), and the values they give:
     #    OpenAI's size as a width and a height, the seed of the last of n images
@@ -63,14 +123,21 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
     count = fields.get("n") or 1
     last_seed = fields["seed"] + count - 1 if fields.get("seed") is not None else None
     check_limits({"width": fields.get("width"), "height": fields.get("height"), "seed": last_seed}, config)
+    require_image(fields.get("image") is not None, fields.get("mask") is not None, fields.get("strength"))
     # 3. the name: a hosted base model, or adapters put before those of the `lora` header
     model, loras = _model_and_adapters(backend, named, api.names_blend, request.headers.get("lora"))
-    # 4. the engine's request (its own checks too: the blend's are the engine's)
+    # 4. the image and the mask, decoded and checked (the costliest check, so the last);
+    #    no size asked: the image's
+    image, mask = await decode_inputs(fields.get("image"), fields.get("mask"), ImageLimits.of(config))
+    if image is not None:
+        fields["width"], fields["height"] = output_size(image, fields.get("width"), fields.get("height"),
+                                                        config.max_width, config.max_height)
+    # 5. the engine's request (its own checks too: the blend's are the engine's)
     try:
         generate = GenerateRequest(prompt=fields["prompt"], negative_prompt=fields.get("negative_prompt"),
                                    steps=fields.get("num_inference_steps"), guidance=fields.get("guidance_scale"),
                                    width=fields.get("width"), height=fields.get("height"), seed=fields.get("seed"),
-                                   loras=loras)
+                                   loras=loras, image=image, mask=mask, strength=fields.get("strength"))
     except ValidationError as e:
         raise BadRequest(describe(e.errors())) from None
     return ImageRequest(generate, model, count)

@@ -3,10 +3,11 @@ their header and size fields, as typed Python."""
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..adapters.source import check_adapter_id
 from ..errors import BadRequest
+from .images import looks_like_image
 
 
 class TargetSize(BaseModel):
@@ -17,11 +18,16 @@ class TargetSize(BaseModel):
 
 
 class HFParameters(BaseModel):
-    """Hugging Face Inference API text-to-image parameters (strict types: `"seed": true` is refused,
-    not read as 1)."""
+    """Hugging Face Inference API text-to-image and image-to-image parameters (strict types:
+    `"seed": true` is refused, not read as 1). `seed`, `strength` and `mask` are extensions."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    prompt: str | None = Field(None, description="Image-to-image: the prompt (`inputs` is then the image).")
+    strength: float | None = Field(None, description="Image-to-image: how much of the image to repaint "
+                                   "(1: all of it); default: the model's.")
+    mask: str | None = Field(None, description="Inpainting: a base64 PNG, JPEG or WebP of the image's size, "
+                             "white (or transparent) where to repaint.")
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
@@ -36,6 +42,8 @@ class ApiBody(BaseModel):
 
     example: ClassVar[str]  # a valid body, quoted when a body is not JSON
     names_blend: ClassVar[bool]  # whether the model the request names may be a blend (`id1:0.8, id2:0.5`)
+    takes_images: ClassVar[bool] = False  # the body may carry an image and a mask (beyond max_body_bytes)
+    form: ClassVar[bool] = False  # the body is multipart/form-data, not JSON
 
     @classmethod
     def parse(cls, body: Any) -> "ApiBody":
@@ -45,17 +53,26 @@ class ApiBody(BaseModel):
             raise BadRequest(describe(e.errors())) from None
 
     def fields(self) -> dict[str, Any]:
-        """The request's fields as the limits name them (`limits.LIMITS`), and `model`: what the
-        body names as the model, if anything."""
+        """The request's fields as the limits name them (`limits.LIMITS`), `model`: what the
+        body names as the model, if anything, and `image` and `mask`: bytes, or base64 text."""
         raise NotImplementedError
+
+    def image_bytes(self) -> int:
+        """How many bytes of the body its image and mask take (the rest is held to max_body_bytes)."""
+        return sum(len(self.fields().get(name) or "") for name in ("image", "mask"))
 
 
 class HFRequest(ApiBody):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    example: ClassVar[str] = '{"inputs": "a prompt", "parameters": {...}}'
-    names_blend: ClassVar[bool] = False  # the path names one adapter, as the HF API names one model
+    """Text-to-image: `inputs` is the prompt. Image-to-image (huggingface_hub's `image_to_image`):
+    `inputs` is the image, base64, and `parameters.prompt` the prompt."""
 
-    inputs: str
+    model_config = ConfigDict(extra="forbid", strict=True)
+    example: ClassVar[str] = ('{"inputs": "a prompt", "parameters": {...}}, or {"inputs": "<base64 image>", '
+                              '"parameters": {"prompt": "a prompt", ...}}')
+    names_blend: ClassVar[bool] = False  # the path names one adapter, as the HF API names one model
+    takes_images: ClassVar[bool] = True
+
+    inputs: str = Field(description="The prompt; with `parameters.prompt`, the image (base64 PNG, JPEG or WebP).")
     parameters: HFParameters = Field(default_factory=HFParameters)
 
     @classmethod
@@ -67,9 +84,14 @@ class HFRequest(ApiBody):
         if p.target_size and (p.width is not None or p.height is not None):
             raise BadRequest("parameters give both width/height and target_size: give one of them")
         size = p.target_size or p
-        return {"prompt": self.inputs, "negative_prompt": p.negative_prompt, "width": size.width,
-                "height": size.height, "num_inference_steps": p.num_inference_steps,
-                "guidance_scale": p.guidance_scale, "seed": p.seed}
+        image_to_image = p.prompt is not None
+        if not image_to_image and looks_like_image(self.inputs):
+            raise BadRequest("inputs is an image but parameters.prompt is missing: image-to-image takes the prompt "
+                             "in parameters.prompt")
+        return {"prompt": p.prompt if image_to_image else self.inputs, "negative_prompt": p.negative_prompt,
+                "width": size.width, "height": size.height, "num_inference_steps": p.num_inference_steps,
+                "guidance_scale": p.guidance_scale, "seed": p.seed, "strength": p.strength,
+                "image": self.inputs if image_to_image else None, "mask": p.mask}
 
 
 class OpenAIImageRequest(ApiBody):
@@ -91,6 +113,29 @@ class OpenAIImageRequest(ApiBody):
 
     def fields(self) -> dict[str, Any]:
         return self.model_dump()
+
+
+class OpenAIEditRequest(OpenAIImageRequest):
+    """OpenAI images API edits (`POST /v1/images/edits`), a multipart form: the image file, an
+    optional mask file, and the fields of generations, as text (hence lax types: `n=2` arrives
+    as "2"). `strength` is an extension."""
+
+    model_config = ConfigDict(extra="ignore", strict=False)  # background, quality, input_fidelity, ...
+    example: ClassVar[str] = "a multipart form: image (file), prompt, model, size, mask (file)"
+    takes_images: ClassVar[bool] = True
+    form: ClassVar[bool] = True
+
+    image: bytes = Field(description="The image to edit: a PNG, JPEG or WebP file.")
+    mask: bytes | None = Field(None, description="A file of the image's size: transparent (or, without "
+                               "transparency, white) where to repaint.")
+    strength: float | None = Field(None, description="How much of the image to repaint (1: all of it).")
+
+    @field_validator("image", "mask", mode="before")
+    @classmethod
+    def _a_file(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            raise ValueError("send it as a file part of the form, not as a text field")
+        return value
 
 
 def describe(errors) -> str:

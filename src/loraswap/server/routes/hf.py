@@ -1,4 +1,5 @@
-"""Hugging Face Inference API text-to-image: `POST /` and `POST /models/{model_id}`."""
+"""Hugging Face Inference API text-to-image and image-to-image: `POST /` and
+`POST /models/{model_id}`."""
 
 from fastapi import APIRouter, Depends, Request, Response
 
@@ -17,7 +18,8 @@ HF_OPENAPI = {"requestBody": json_body({"anyOf": [{"type": "string"}, HFRequest.
 
 @router.post("/", openapi_extra=HF_OPENAPI, response_class=Response, responses=IMAGE_RESPONSES)
 async def generate_root(request: Request) -> Response:
-    """Hugging Face Inference API text-to-image; adapter from the `lora` header."""
+    """Hugging Face Inference API text-to-image, or image-to-image (`inputs`: a base64 image,
+    `parameters.prompt`: the prompt); adapter from the `lora` header."""
     return await generate_hf(request, "/", None)
 
 
@@ -29,8 +31,9 @@ async def generate_model(model_id: str, request: Request) -> Response:
 
 
 async def generate_hf(request: Request, route: str, path_model: str | None) -> Response:
-    # 1. parse: {"inputs": ..., "parameters": {...}} or a bare JSON string; the adapters from
-    #    the `lora` header, and the path's model id when it names an adapter
+    # 1. parse: {"inputs": ..., "parameters": {...}} or a bare JSON string (image-to-image:
+    #    a base64 image in `inputs`, decoded and checked); the adapters from the `lora` header,
+    #    and the path's model id when it names an adapter
     parsed = await parse_request(request, HFRequest, path_model)
     # 2. generate on the GPU worker, 3. encode as the client accepts
     result = await generate(request, route, parsed.generate, parsed.model)

@@ -1,0 +1,215 @@
+"""Image inputs (image-to-image, inpainting, edits): decoded and checked in one place, for
+both HTTP APIs and `loraswap generate --image`.
+
+Every refusal is a 400 that says what to fix: a file over `max_image_bytes`, bad base64, a
+type other than PNG, JPEG or WebP, an image over `max_image_pixels` (read from the header,
+before any pixel is decoded, so a small file that declares a huge image costs nothing), a
+truncated or corrupt file, a mask of another size. What passes is an RGB image (EXIF
+orientation applied) and a mask of mode "L", white where the model repaints. Whether the
+hosted model takes an image or a mask at all is the engine's check (422).
+"""
+
+import base64
+import binascii
+import io
+import logging
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi.concurrency import run_in_threadpool
+from PIL import Image, ImageOps
+
+from ..errors import BadRequest
+from .config import ServerConfig
+
+logger = logging.getLogger("loraswap.server")
+
+FORMATS = ("PNG", "JPEG", "WEBP")  # the only decoders PIL may try on a client's bytes
+# Output sizes are multiples of 16, not 8: FLUX.1 packs its latents (1/8 of the image) into 2x2
+# patches, so it needs 16; SD and SDXL need 8, which 16 satisfies. The size is chosen before the
+# backend routes the request to a model, so it must suit every model the server may host.
+SIZE_MULTIPLE = 16
+MIN_SIDE = 16  # a smaller image rounds down to no image at all
+_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF")  # how PNG, JPEG and WebP files start
+_DATA_URL = re.compile(r"^data:[\w/+.-]*;base64,")
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """The bounds of one input file: its bytes, and its pixels as its header declares them."""
+
+    max_bytes: int
+    max_pixels: int
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> "ImageLimits":
+        return cls(config.max_image_bytes, config.max_image_pixels)
+
+    def max_base64_chars(self) -> int:
+        """The longest base64 text of a file within `max_bytes` (a data-URL prefix aside)."""
+        return 4 * math.ceil(self.max_bytes / 3)
+
+
+def looks_like_image(data: bytes | str) -> bool:
+    """Whether `data` starts like a PNG, JPEG or WebP file, raw or base64 (to say what went wrong
+    when an image arrives where a prompt was expected)."""
+    if isinstance(data, str):
+        head = _DATA_URL.sub("", data[:200])[:16]
+        try:
+            data = base64.b64decode(head[: len(head) // 4 * 4])
+        except binascii.Error:
+            return False
+    return data.startswith(_MAGIC)
+
+
+def require_image(has_image: bool, has_mask: bool, strength: float | None) -> None:
+    """A mask or a strength without an image is refused, not ignored."""
+    if has_image:
+        return
+    if has_mask:
+        raise BadRequest("a mask was sent without an image: send the image the mask paints into")
+    if strength is not None:
+        raise BadRequest("strength was given without an image: strength says how much of an input image to "
+                         "repaint; send an image, or leave strength out")
+
+
+def decode_base64(text: str, what: str, limits: ImageLimits) -> bytes:
+    """The bytes of a base64 image (standard alphabet; a `data:image/...;base64,` prefix is
+    allowed), its length checked before it is decoded."""
+    prefix = _DATA_URL.match(text)
+    text = text[prefix.end():] if prefix else text
+    if len(text) > limits.max_base64_chars():
+        raise BadRequest(f"the {what} is {len(text)} base64 characters, over {limits.max_bytes} bytes once "
+                         f"decoded; the limit is {limits.max_bytes} bytes: send a smaller file")
+    try:
+        return base64.b64decode(text, validate=True)
+    except binascii.Error as e:
+        raise BadRequest(f"the {what} is not valid base64 ({e}): send the file's bytes base64-encoded "
+                         "(standard alphabet, with padding, no line breaks)") from None
+
+
+def read_image(data: bytes, what: str, limits: ImageLimits) -> Image.Image:
+    """The picture in `data` (PNG, JPEG or WebP; an animation's first frame) as RGB, upright."""
+    image = _decode(data, what, limits)
+    if image.mode.startswith("I;16"):
+        image = _eight_bit(image)
+    return image.convert("RGB")
+
+
+def read_mask(data: bytes, limits: ImageLimits) -> Image.Image:
+    """The mask in `data` as mode "L", 255 where the model repaints. A mask with transparency
+    repaints where it is transparent (OpenAI's convention); one without, where it is white
+    (diffusers'). A fully opaque alpha channel carries nothing: its grey is read instead."""
+    mask = _decode(data, "mask", limits)
+    if mask.mode.startswith("I;16"):
+        mask = _eight_bit(mask)
+    elif mask.mode in ("P", "PA"):  # a palette: its colours, and its transparency if it has one
+        mask = mask.convert("RGBA" if mask.mode == "PA" or "transparency" in mask.info else "RGB")
+    if mask.mode in ("RGBA", "LA") and mask.getchannel("A").getextrema() != (255, 255):
+        return ImageOps.invert(mask.getchannel("A"))
+    return mask.convert("L")
+
+
+def check_mask_fits(image: Image.Image, mask: Image.Image) -> None:
+    if mask.size != image.size:
+        raise BadRequest(f"the mask is {mask.width}x{mask.height} but the image is {image.width}x{image.height}: "
+                         "send a mask of the image's size")
+
+
+def output_size(image: Image.Image, width: int | None, height: int | None, max_width: int,
+                max_height: int) -> tuple[int, int]:
+    """The size to generate when the request names none (or one side): the image's, scaled
+    down to fit `max_width` x `max_height` (keeping its shape when both are missing) and
+    rounded down to a multiple of `SIZE_MULTIPLE`."""
+    scale = min(1.0, max_width / image.width, max_height / image.height) if width is None and height is None \
+        else 1.0
+
+    def side(given: int | None, own: int, most: int) -> int:
+        if given is not None:
+            return given
+        fitted = min(int(own * scale), most)
+        return max(SIZE_MULTIPLE, fitted // SIZE_MULTIPLE * SIZE_MULTIPLE)
+
+    return side(width, image.width, max_width), side(height, image.height, max_height)
+
+
+async def decode_inputs(image: bytes | str | None, mask: bytes | str | None,
+                        limits: ImageLimits) -> tuple[Image.Image | None, Image.Image | None]:
+    """The request's image and mask (raw bytes, or base64 text), decoded and checked off the
+    event loop: decoding a large image takes a CPU for a while."""
+    require_image(image is not None, mask is not None, None)
+    if image is None:
+        return None, None
+
+    def decode():
+        picture = read_image(_as_bytes(image, "image", limits), "image", limits)
+        if mask is None:
+            return picture, None
+        painted = read_mask(_as_bytes(mask, "mask", limits), limits)
+        check_mask_fits(picture, painted)
+        return picture, painted
+
+    return await run_in_threadpool(decode)
+
+
+def _as_bytes(value: bytes | str, what: str, limits: ImageLimits) -> bytes:
+    return decode_base64(value, what, limits) if isinstance(value, str) else value
+
+
+def check_file_bytes(size: int, what: str, limits: ImageLimits) -> None:
+    if size == 0:
+        raise BadRequest(f"the {what} is empty: send a PNG, JPEG or WebP file")
+    if size > limits.max_bytes:
+        raise BadRequest(f"the {what} is {size} bytes; the limit is {limits.max_bytes} bytes: send a smaller file")
+
+
+def _decode(data: bytes, what: str, limits: ImageLimits) -> Image.Image:
+    """`data` opened (header only), its size checked, then decoded and turned upright."""
+    check_file_bytes(len(data), what, limits)
+    image = _open(data, what, limits)
+    _check_size(image.width, image.height, what, limits)
+    try:
+        image.load()
+        return ImageOps.exif_transpose(image)
+    # a decoder fed hostile bytes raises many types (OSError, ValueError, SyntaxError, struct.error,
+    # IndexError, ...): all mean "this file cannot be read", which is the client's to fix
+    except Exception as e:
+        logger.debug("undecodable %s (%s): %r", what, image.format, e)
+        raise BadRequest(f"the {what} is a {image.format} file that cannot be decoded ({_reason(e)}): it is "
+                         "truncated or corrupt; send the whole file") from None
+
+
+def _open(data: bytes, what: str, limits: ImageLimits) -> Image.Image:
+    """PIL's lazy open: the format and the header's size, no pixels yet."""
+    try:
+        return Image.open(io.BytesIO(data), formats=FORMATS)
+    except Image.DecompressionBombError:
+        # PIL refuses past twice its own limit, before our check sees the size
+        raise BadRequest(f"the {what}'s header declares more than {2 * Image.MAX_IMAGE_PIXELS} pixels; the limit is "
+                         f"{limits.max_pixels} pixels: send a smaller image") from None
+    except Exception as e:  # UnidentifiedImageError, or a header the plugin cannot parse
+        if data.startswith(_MAGIC):
+            raise BadRequest(f"the {what} has a corrupt header ({_reason(e)}): send the whole file") from None
+        raise BadRequest(f"the {what} is not a PNG, JPEG or WebP file: convert it to one of those") from None
+
+
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """16-bit grey (a depth map, say) as 8-bit grey: PIL's own convert clips it at 255 instead
+    of scaling it."""
+    return Image.fromarray((np.asarray(image, dtype=np.uint16) >> 8).astype(np.uint8), "L")
+
+
+def _check_size(width: int, height: int, what: str, limits: ImageLimits) -> None:
+    if width * height > limits.max_pixels:
+        side = math.isqrt(limits.max_pixels)
+        raise BadRequest(f"the {what} is {width}x{height} ({width * height} pixels); the limit is "
+                         f"{limits.max_pixels} pixels (about {side}x{side}): send a smaller image")
+    if min(width, height) < MIN_SIDE:
+        raise BadRequest(f"the {what} is {width}x{height}; each side must be at least {MIN_SIDE} pixels")
+
+
+def _reason(error: Exception) -> str:
+    """PIL's words, without the repr of an in-memory file it sometimes adds."""
+    return re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", str(error))[:200] or type(error).__name__

@@ -1,0 +1,185 @@
+"""Image inputs are decoded and checked in one place (`server/images.py`): each refusal says
+what to fix, the size is read from the header before any pixel is decoded, every mode becomes
+RGB (a mask: "L", white where to repaint), EXIF orientation is applied."""
+
+import base64
+import io
+import struct
+import time
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+from pydantic import ValidationError
+
+from loraswap.errors import BadRequest
+from loraswap.server.config import ServerConfig
+from loraswap.server.images import (
+    ImageLimits,
+    check_mask_fits,
+    decode_base64,
+    looks_like_image,
+    output_size,
+    read_image,
+    read_mask,
+    require_image,
+)
+
+LIMITS = ImageLimits(max_bytes=64 * 1024, max_pixels=2048 * 2048)
+
+
+def encode(image: Image.Image, fmt: str = "PNG", **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A PNG of a few dozen bytes whose header declares width x height (its pixels are missing:
+    decoding it would fail, so a refusal that names the size was made from the header alone)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 16))
+            + chunk(b"IEND", b""))
+
+
+def noise(width: int, height: int, mode: str = "RGB") -> Image.Image:
+    channels = len(mode)
+    pixels = np.random.default_rng(0).integers(0, 256, (height, width, channels), dtype=np.uint8)
+    return Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels, mode)
+
+
+GOOD = encode(noise(48, 32))
+
+REFUSALS = [
+    ("empty", b"", "the image is empty: send a PNG, JPEG or WebP file"),
+    ("text", b"hello, not an image at all", "the image is not a PNG, JPEG or WebP file: convert it to one of those"),
+    ("gif", encode(noise(32, 32, "L"), "GIF"), "the image is not a PNG, JPEG or WebP file"),
+    ("bmp", encode(noise(32, 32), "BMP"), "the image is not a PNG, JPEG or WebP file"),
+    ("truncated", GOOD[: len(GOOD) // 2], "the image is a PNG file that cannot be decoded (image file is truncated"),
+    ("corrupt header", GOOD[:30], "the image has a corrupt header"),
+    ("bomb", png_declaring(100_000, 100_000), "the image's header declares more than 178956970 pixels; the limit "
+     "is 4194304 pixels: send a smaller image"),
+    ("over the pixel limit", png_declaring(4000, 2000), "the image is 4000x2000 (8000000 pixels); the limit is "
+     "4194304 pixels (about 2048x2048): send a smaller image"),
+    ("too many bytes", encode(noise(256, 256)), "bytes; the limit is 65536 bytes: send a smaller file"),
+    ("too small", encode(noise(8, 40)), "the image is 8x40; each side must be at least 16 pixels"),
+]
+
+
+@pytest.mark.parametrize("data,message", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_each_refusal_says_what_to_fix(data, message):
+    started = time.perf_counter()
+    with pytest.raises(BadRequest) as refused:
+        read_image(data, "image", LIMITS)
+    assert refused.value.status == 400
+    assert message in refused.value.message
+    assert "BytesIO" not in refused.value.message
+    assert time.perf_counter() - started < 0.5, "refused from the header, not after decoding"
+
+
+def test_the_pixel_limit_is_the_servers_and_at_most_pils():
+    just_in = ImageLimits(max_bytes=64 * 1024, max_pixels=4000 * 2000)
+    with pytest.raises(BadRequest, match="cannot be decoded"):  # past the size check: it is the pixels that fail
+        read_image(png_declaring(4000, 2000), "image", just_in)
+    assert ServerConfig().max_image_pixels == 4096 * 4096
+    with pytest.raises(ValidationError):  # PIL warns past its own limit: the server never takes such an image
+        ServerConfig(max_image_pixels=Image.MAX_IMAGE_PIXELS + 1)
+
+
+@pytest.mark.parametrize("mode,fmt,value,expected", [
+    ("RGB", "PNG", (10, 20, 30), (10, 20, 30)),
+    ("RGBA", "PNG", (10, 20, 30, 0), (10, 20, 30)),  # alpha dropped, as diffusers' load_image does
+    ("L", "PNG", 77, (77, 77, 77)),
+    ("LA", "PNG", (77, 255), (77, 77, 77)),
+    ("I;16", "PNG", 60000, (234, 234, 234)),  # scaled to 8 bits (PIL's convert would clip to 255)
+    ("CMYK", "JPEG", (0, 255, 0, 0), (255, 0, 255)),
+    ("RGB", "WEBP", (10, 20, 30), None),  # lossy: checked for mode and size only
+])
+def test_every_mode_becomes_rgb(mode, fmt, value, expected):
+    image = read_image(encode(Image.new(mode, (24, 16), value), fmt, **({"lossless": True} if fmt == "WEBP"
+                                                                        else {})), "image", LIMITS)
+    assert image.mode == "RGB" and image.size == (24, 16)
+    if expected:
+        assert image.getpixel((5, 5)) == expected
+
+
+def test_a_palette_image_becomes_its_colours():
+    palette = Image.new("P", (16, 16), 1)
+    palette.putpalette([0, 0, 0, 10, 20, 30] + [0] * 762)
+    assert read_image(encode(palette), "image", LIMITS).getpixel((3, 3)) == (10, 20, 30)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
+def test_exif_orientation_is_applied(fmt):
+    image = Image.new("RGB", (32, 16), (255, 0, 0))
+    image.paste((0, 0, 255), (0, 0, 8, 8))  # a blue corner, top left as stored
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
+    upright = read_image(encode(image, fmt, exif=exif), "image", LIMITS)
+    assert upright.size == (16, 32)
+    red, green, blue = upright.getpixel((12, 2))  # the corner is now top right
+    assert blue > 200 and red < 30, upright.getpixel((12, 2))
+
+
+def test_masks_are_white_where_to_repaint():
+    white_right = Image.new("L", (32, 16), 0)
+    white_right.paste(255, (16, 0, 32, 16))
+    transparent_right = Image.new("RGBA", (32, 16), (0, 0, 0, 255))
+    transparent_right.paste((0, 0, 0, 0), (16, 0, 32, 16))
+    opaque_rgba = white_right.convert("RGBA")  # alpha all 255: its grey is the mask
+    palette = Image.new("P", (32, 16), 1)
+    palette.putpalette([0, 0, 0, 255, 255, 255] + [0] * 762)
+    palette.paste(0, (16, 0, 32, 16))  # index 0 transparent: repainted
+    for name, data in (("grey", encode(white_right)), ("alpha (OpenAI)", encode(transparent_right)),
+                       ("opaque RGBA", encode(opaque_rgba)), ("palette", encode(palette, transparency=0)),
+                       ("RGB", encode(white_right.convert("RGB"), "JPEG", quality=100))):
+        mask = read_mask(data, LIMITS)
+        assert mask.mode == "L" and mask.size == (32, 16), name
+        assert mask.getpixel((4, 4)) < 5 and mask.getpixel((28, 4)) > 250, name
+
+
+def test_a_mask_of_another_size_and_one_without_an_image_are_refused():
+    with pytest.raises(BadRequest) as refused:
+        check_mask_fits(Image.new("RGB", (64, 48)), Image.new("L", (64, 32)))
+    assert refused.value.message == "the mask is 64x32 but the image is 64x48: send a mask of the image's size"
+    with pytest.raises(BadRequest, match="a mask was sent without an image"):
+        require_image(False, True, None)
+    with pytest.raises(BadRequest, match="strength was given without an image"):
+        require_image(False, False, 0.5)
+    require_image(True, True, 0.5)
+    require_image(False, False, None)
+
+
+def test_base64_is_checked_before_it_is_decoded():
+    assert decode_base64(base64.b64encode(GOOD).decode(), "image", LIMITS) == GOOD
+    assert decode_base64("data:image/png;base64," + base64.b64encode(GOOD).decode(), "image", LIMITS) == GOOD
+    for text, message in (("not base64!", "is not valid base64 (Only base64 data is allowed)"),
+                          (base64.urlsafe_b64encode(b"\xfb\xff" * 30).decode(), "not valid base64"),
+                          ("QUJD\nREVG", "no line breaks"),
+                          ("A" * (4 * 65536 // 3 + 8), "base64 characters, over 65536 bytes once decoded")):
+        with pytest.raises(BadRequest) as refused:
+            decode_base64(text, "mask", LIMITS)
+        assert message in refused.value.message and refused.value.message.startswith("the mask")
+
+
+def test_images_are_told_from_prompts():
+    assert looks_like_image(GOOD) and looks_like_image(encode(noise(16, 16), "JPEG"))
+    assert looks_like_image(base64.b64encode(encode(noise(16, 16), "WEBP")).decode())
+    assert looks_like_image("data:image/png;base64," + base64.b64encode(GOOD).decode())
+    assert not looks_like_image("a watercolor fox") and not looks_like_image("iVBOR")
+
+
+@pytest.mark.parametrize("image,asked,limit,expected", [
+    ((72, 40), (None, None), (2048, 2048), (64, 32)),  # rounded down to multiples of 16
+    ((512, 512), (None, None), (2048, 2048), (512, 512)),
+    ((4000, 3000), (None, None), (2048, 2048), (2048, 1536)),  # scaled to fit, its shape kept
+    ((3000, 800), (None, None), (1024, 1024), (1024, 272)),
+    ((100, 90), (64, None), (2048, 2048), (64, 80)),  # a side asked for is kept; the other is the image's
+    ((5000, 20), (None, None), (2048, 2048), (2048, 16)),  # never below 16
+])
+def test_the_output_size_is_the_images_within_the_limits(image, asked, limit, expected):
+    assert output_size(Image.new("RGB", image), *asked, *limit) == expected
