@@ -1,6 +1,7 @@
 """A backend with no engine, for tests of the HTTP edge alone (auth, limits, parsing): it
 hosts one model, "fake", and records every call; and a real server over it on loopback."""
 
+import asyncio
 import socket
 import threading
 import time
@@ -16,6 +17,11 @@ from loraswap.server.config import ServerConfig
 from loraswap.server.metrics import EngineFigures
 
 
+def frame_red(i: int) -> int:
+    """The red level of a fake video's frame i: far enough apart to survive H.264."""
+    return (30 + 40 * i) % 256
+
+
 class FakeBackend:
     load_error = None
 
@@ -23,6 +29,12 @@ class FakeBackend:
         self.generated: list[tuple[GenerateRequest, str | None]] = []
         self.kept: list[str] = []
         self.evicted: list[str] = []
+        # videos: a request with `frames` gets that many frames (frame i: red level `frame_red(i)`),
+        # reporting each of its steps to `on_step`; a test may hold it before a step
+        self.video_fps = 8
+        self.hold_before_step: int | None = None
+        self.resume = threading.Event()
+        self.client_gone_seen: list[bool] = []  # what `is_disconnected` said at each step
 
     async def start(self) -> None:
         pass
@@ -36,9 +48,20 @@ class FakeBackend:
     def is_model(self, name: str) -> bool:
         return name == "fake"
 
-    async def generate(self, request: GenerateRequest, model, is_disconnected) -> GenerateResult:
+    async def generate(self, request: GenerateRequest, model, is_disconnected, on_step=None) -> GenerateResult:
         self.generated.append((request, model))
-        return GenerateResult(Image.new("RGB", (8, 8), (200, 10, 10)), request.seed or 0, 0.0, 0.01)
+        if request.frames is None:
+            return GenerateResult(Image.new("RGB", (8, 8), (200, 10, 10)), request.seed or 0, 0.0, 0.01)
+        steps = request.steps or 2
+        for step in range(steps):
+            while step == self.hold_before_step and not self.resume.is_set():
+                await asyncio.sleep(0.01)
+            self.client_gone_seen.append(bool(is_disconnected and await is_disconnected()))
+            if on_step is not None:
+                on_step(step + 1, steps)
+        size = (request.width or 16, request.height or 16)
+        frames = [Image.new("RGB", size, (frame_red(i), 120, 60)) for i in range(request.frames)]
+        return GenerateResult(frames[0], request.seed or 0, 0.0, 0.01, frames=frames, fps=self.video_fps)
 
     async def list_adapters(self) -> dict:
         return {"model": "fake", "models": ["fake"], "adapters": []}

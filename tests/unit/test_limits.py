@@ -1,4 +1,4 @@
-"""One table of request limits (`limits.LIMITS`) drives the checks of both APIs, their
+"""One table of request limits (`limits.LIMITS`) drives the checks of every API, their
 messages and the OpenAPI schema; both APIs parse into one request."""
 
 import math
@@ -34,7 +34,7 @@ def properties_named(node, name: str) -> list[dict]:
 def test_every_limit_is_published_with_the_servers_bounds():
     config = ServerConfig(**CONFIG)
     app, _ = fake_app(**CONFIG)
-    bodies = [operation["requestBody"] for path in ("/", "/v1/images/generations")
+    bodies = [operation["requestBody"] for path in ("/", "/v1/images/generations", "/v1/videos")
               for operation in app.openapi()["paths"][path].values()]
     for limit in LIMITS:
         for name in limit.names:

@@ -142,6 +142,15 @@ SETTINGS: list[Setting] = [
         S("max-prompt-chars", int, 2000, "max_prompt_chars", "Longest prompt, characters."),
         S("max-body-kb", int, 64, "max_body_bytes", "Largest request body, KiB.", scale=1024),
         S("max-images", int, 4, "max_images", "Most images in one OpenAI request (n)."),
+        S("max-video-frames", int, 121, "max_video_frames", "Most frames in one video (frames, or seconds x fps)."),
+        S("max-video-fps", int, 60, "max_video_fps", "Highest frame rate a video request may ask for."),
+        S("video-fps", int, 16, "video_fps", "The frame rate a video's seconds count in when the request gives "
+          "none, and the MP4's when the model gives none."),
+        S("video-ttl-s", float, 3600.0, "video_ttl_s", "How long a finished video (and its MP4) is kept, seconds."),
+        S("max-video-jobs", int, 64, "max_video_jobs", "Video jobs kept, finished or not; past it the oldest "
+          "finished one is dropped."),
+        S("max-video-jobs-pending", int, 8, "max_video_jobs_pending", "Video jobs queued or in progress at once; "
+          "more: 503."),
         S("max-image-mb", float, 20, "max_image_bytes", "Largest input image (or mask) file, MiB.", scale=2**20),
         S("max-image-pixels", int, 4096 * 4096, "max_image_pixels", "Most pixels (width x height) of an input "
           "image, read from its header before decoding."),

@@ -24,7 +24,7 @@ from ..engine.engine import GenerateResult
 from ..errors import LoraswapError, Overloaded
 from ..server.app import create_app
 from ..server.auth import Access, require_admin_key
-from ..server.backend import wait_for_result
+from ..server.backend import StepCallback, wait_for_result
 from ..server.metrics import EngineFigures
 from ..server.routing import merge_adapter_rows, route_by_base_model
 from .config import ClusterConfig
@@ -91,7 +91,10 @@ class RayBackend:
 
     # ---------------------------------------------------------------- requests
     async def generate(self, request: GenerateRequest, model: str | None,
-                       is_disconnected: Callable[[], Awaitable[bool]]) -> GenerateResult:
+                       is_disconnected: Callable[[], Awaitable[bool]] | None,
+                       on_step: StepCallback | None = None) -> GenerateResult:
+        # `on_step` (a video job's progress) does not cross to the replica: a callable would
+        # not pickle; reporting steps back needs a channel from replica to ingress
         index = await run_in_threadpool(self._route, request.loras, model)
         handle = self.handles[index].options(multiplexed_model_id=adapter_key(request.loras))
         for attempt in range(1, ATTEMPTS + 1):

@@ -1,7 +1,8 @@
-"""The HTTP edge: Hugging Face Inference API, OpenAI images API, health, metrics, adapters.
+"""The HTTP edge: Hugging Face Inference API, OpenAI images and videos APIs, health, metrics,
+adapters.
 
 `create_app` assembles it: the routers of `routes/` (module-level handlers that reach
-everything through `request.app.state`: `config`, `backend`, `metrics`, `keys`), the
+everything through `request.app.state`: `config`, `backend`, `metrics`, `keys`, `videos`), the
 error answers and the OpenAPI document. A backend (`backend.py`) routes and generates:
 the GPU workers of this process (`LocalBackend`), or model replicas on Ray Serve
 (`cluster.ingress.RayBackend`); handlers never run the pipeline. Known errors map to
@@ -26,6 +27,7 @@ from .metrics import Metrics
 from .openapi import document_api
 from .routes import ROUTERS
 from .schemas import describe
+from .videos import VideoStore
 
 logger = logging.getLogger("loraswap.server")
 
@@ -33,7 +35,9 @@ logger = logging.getLogger("loraswap.server")
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     await app.state.backend.start()
+    app.state.videos.start()
     yield
+    await app.state.videos.stop()  # unfinished videos are cancelled: they would die with the process
     await app.state.backend.stop()
 
 
@@ -47,6 +51,7 @@ def create_app(config: ServerConfig, engine_factory=Engine, backend: Backend | N
     app.state.keys = keys
     app.state.backend = backend or LocalBackend(app.state, config, engine_factory)
     app.state.metrics = Metrics()
+    app.state.videos = VideoStore(config)
     _add_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -31,6 +31,11 @@ logger = logging.getLogger("loraswap.server")
 T = TypeVar("T")
 
 
+StepCallback = Callable[[int, int], None]
+"""A video job's progress hook (`videos.VideoJob.report_step`): (steps done, steps in all),
+called once per denoising step from the engine's thread."""
+
+
 class ClientGone(Exception):
     """The client disconnected while its request waited; the request was cancelled."""
 
@@ -68,8 +73,11 @@ class Backend(Protocol):
         """Whether `name` is a hosted base model (else it names an adapter); 503 while loading."""
 
     async def generate(self, request: GenerateRequest, model: str | None,
-                       is_disconnected: Callable[[], Awaitable[bool]]) -> GenerateResult:
-        """Route by base model (or `model`), generate; `ClientGone` if the client left first."""
+                       is_disconnected: Callable[[], Awaitable[bool]] | None,
+                       on_step: StepCallback | None = None) -> GenerateResult:
+        """Route by base model (or `model`), generate; `ClientGone` if the client left first
+        (`is_disconnected` None: nobody waits, nothing cancels). `on_step`: a video job's
+        progress hook, for the engine to call per denoising step."""
 
     async def list_adapters(self) -> dict:
         """{"model", "models", "adapters"}: one row per adapter over every model (`merge_adapter_rows`)."""
@@ -159,7 +167,12 @@ class LocalBackend:
         return self._deployment().by_name(name) is not None
 
     async def generate(self, request: GenerateRequest, model: str | None,
-                       is_disconnected: Callable[[], Awaitable[bool]]) -> GenerateResult:
+                       is_disconnected: Callable[[], Awaitable[bool]] | None,
+                       on_step: StepCallback | None = None) -> GenerateResult:
+        # `on_step` is not passed on yet: GpuWorker.submit and the engine take no hook so far
+        # (the pipeline's callback_on_step_end is to call it); until then a video job reads
+        # `queued` until it completes.
+        #
         # the engine hosting the adapters' base model (unknown ids: 404 at once); the adapters
         # are read on its store's pool while earlier requests generate, so its worker only
         # restores and fuses

@@ -1,9 +1,10 @@
-"""What both generation APIs do once a request is parsed: generate through the backend
+"""What the generation APIs do once a request is parsed: generate through the backend
 (counted, timed and logged at the edge) and encode the image as the client accepts."""
 
 import io
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import torch
 from fastapi import Request
@@ -12,7 +13,7 @@ from fastapi.concurrency import run_in_threadpool
 from ..engine.config import GenerateRequest
 from ..engine.engine import GenerateResult
 from ..errors import LoraswapError, Overloaded
-from .backend import ClientGone
+from .backend import ClientGone, StepCallback
 
 logger = logging.getLogger("loraswap.server")
 
@@ -23,12 +24,19 @@ IMAGE_RESPONSES = {200: {"content": {"image/jpeg": {}, "image/png": {}, "image/w
 async def generate(request: Request, route: str, gen: GenerateRequest, model: str | None) -> GenerateResult:
     """One image from the backend: routed to the engine hosting the adapters' base model (or
     `model`), generated on its GPU worker; a client that leaves first cancels it."""
-    state = request.app.state
+    return await run_generation(request.app.state, route, gen, model, request.is_disconnected)
+
+
+async def run_generation(state, route: str, gen: GenerateRequest, model: str | None,
+                         is_disconnected: Callable[[], Awaitable[bool]] | None,
+                         on_step: StepCallback | None = None) -> GenerateResult:
+    """`generate` for any caller, counted, timed and logged; `is_disconnected` None: nobody
+    waits on it (a video job), so nothing cancels it. `on_step`: the job's progress hook."""
     started = time.perf_counter()
     status = 500
     result = None
     try:
-        result = await state.backend.generate(gen, model, request.is_disconnected)
+        result = await state.backend.generate(gen, model, is_disconnected, on_step=on_step)
         status = 200
         return result
     except torch.OutOfMemoryError:

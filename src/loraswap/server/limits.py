@@ -105,6 +105,9 @@ LIMITS = (
     Limit(("seed",), _BETWEEN, low=_SEED[0], high=_SEED[1]),
     Limit(("strength",), "strength {value} must be more than {low} and at most {high} (1 repaints the whole image)",
           low=_STRENGTH[0], high=_STRENGTH[1], low_exclusive=True),
+    Limit(("seconds",), "seconds {value} must be more than {low}", low=0, low_exclusive=True),
+    Limit(("frames", "num_frames"), _BETWEEN, low=1, high="max_video_frames"),
+    Limit(("fps",), _BETWEEN, low=1, high="max_video_fps"),
 )
 
 

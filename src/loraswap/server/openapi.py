@@ -19,12 +19,15 @@ _ERRORS = {"/": _ERRORS_GENERATE, "/models/{model_id}": _ERRORS_GENERATE,
            "/v1/images/generations": _ERRORS_GENERATE, "/v1/images/edits": _ERRORS_GENERATE,
            "/ready": ("503",), "/adapters": ("503",),
            "/adapters/{adapter_id}/load": ("400", "403", "404", "422", "503"),
-           "/adapters/{adapter_id}": ("400", "403", "404", "422", "503")}
+           "/adapters/{adapter_id}": ("400", "403", "404", "422", "503"),
+           "/v1/videos": ("400", "422", "503"), "/v1/videos/{video_id}": ("404",),
+           "/v1/videos/{video_id}/content": ("400", "404", "409")}
 _ERROR_TEXT = {"400": "Bad request: the message says what to fix.", "401": "No key, or a wrong one: send "
                "`Authorization: Bearer KEY`.", "403": "Hub adapter refused by allow/deny.",
-               "404": "Unknown adapter.",
+               "404": "Unknown adapter, or unknown (or expired) video.",
                "422": "The adapter does not fit the hosted base model, or that model "
                "takes no image (or no mask).",
+               "409": "The video has not completed (or it failed): poll GET /v1/videos/{video_id}.",
                "503": "Queue full, model loading, shutting down or out of memory; retry after Retry-After."}
 BEARER = {"type": "http", "scheme": "bearer",
           "description": "An API key (generation routes) or an admin key (adapter routes), when the server has "

@@ -24,11 +24,13 @@ from .schemas import ApiBody, describe, parse_lora_header, parse_size
 @dataclass(frozen=True)
 class ImageRequest:
     """What to generate, whichever API asked: the engine's request, the hosted base model the
-    route names (None: the one the adapters route to) and how many images (OpenAI `n`)."""
+    route names (None: the one the adapters route to), how many images (OpenAI `n`) and a
+    video's frame rate, when the request gives one."""
 
     generate: GenerateRequest
     model: str | None = None
     count: int = 1
+    fps: int | None = None
 
     def per_image(self) -> list[GenerateRequest]:
         """One request per image; with a seed, image i gets seed + i (checked at parse)."""
@@ -123,6 +125,7 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
     count = fields.get("n") or 1
     last_seed = fields["seed"] + count - 1 if fields.get("seed") is not None else None
     check_limits({"width": fields.get("width"), "height": fields.get("height"), "seed": last_seed}, config)
+    frames = _video_frames(fields, config)
     require_image(fields.get("image") is not None, fields.get("mask") is not None, fields.get("strength"))
     # 3. the name: a hosted base model, or adapters put before those of the `lora` header
     model, loras = _model_and_adapters(backend, named, api.names_blend, request.headers.get("lora"))
@@ -137,10 +140,24 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
         generate = GenerateRequest(prompt=fields["prompt"], negative_prompt=fields.get("negative_prompt"),
                                    steps=fields.get("num_inference_steps"), guidance=fields.get("guidance_scale"),
                                    width=fields.get("width"), height=fields.get("height"), seed=fields.get("seed"),
-                                   loras=loras, image=image, mask=mask, strength=fields.get("strength"))
+                                   loras=loras, image=image, mask=mask, strength=fields.get("strength"),
+                                   frames=frames)
     except ValidationError as e:
         raise BadRequest(describe(e.errors())) from None
-    return ImageRequest(generate, model, count)
+    return ImageRequest(generate, model, count, fields.get("fps"))
+
+
+def _video_frames(fields: dict, config: ServerConfig) -> int | None:
+    """A video's frames: as asked (`frames`, or diffusers' `num_frames`), else `seconds` at the
+    asked fps (else the server's `video_fps`); None: the model's default (and for images)."""
+    if fields.get("seconds") is None:
+        return next((fields[n] for n in ("frames", "num_frames") if fields.get(n) is not None), None)
+    fps = fields.get("fps") or config.video_fps
+    frames = round(fields["seconds"] * fps)
+    if not 1 <= frames <= config.max_video_frames:
+        raise BadRequest(f"seconds {fields['seconds']:g} at {fps} fps is {frames} frames; a video has 1 to "
+                         f"{config.max_video_frames} frames (seconds x fps)")
+    return frames
 
 
 def _model_and_adapters(backend: Backend, named: str | None, blend: bool,

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..adapters.source import check_adapter_id
-from ..errors import BadRequest
+from ..errors import BadRequest, UnsupportedInput
 from .images import looks_like_image
 
 
@@ -136,6 +136,40 @@ class OpenAIEditRequest(OpenAIImageRequest):
         if isinstance(value, str):
             raise ValueError("send it as a file part of the form, not as a text field")
         return value
+
+
+class OpenAIVideoRequest(ApiBody):
+    """OpenAI videos API (`POST /v1/videos`), a multipart form as the openai client sends it
+    (hence lax types: `seed=5` arrives as "5"). `frames` (or `num_frames`), `fps`, `seed`,
+    `negative_prompt`, `num_inference_steps` and `guidance_scale` are extensions."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)  # a misspelt extension is refused, not ignored
+    example: ClassVar[str] = "a multipart form: prompt, model, seconds, size (curl -F prompt=... -F model=...)"
+    names_blend: ClassVar[bool] = True
+    form: ClassVar[bool] = True
+
+    prompt: str
+    model: str | None = None
+    seconds: float | None = Field(None, allow_inf_nan=False, description="Length in seconds (the openai client "
+                                  "sends '4', '8' or '12'); frames = seconds x fps. Default: the model's.")
+    size: str | None = None
+    input_reference: bytes | str | None = Field(None, description="An image to start from: not supported yet.")
+    frames: int | None = None
+    num_frames: int | None = Field(None, description="diffusers' name for frames.")
+    fps: int | None = Field(None, description="The MP4's frame rate; default: the model's.")
+    seed: int | None = None
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+
+    def fields(self) -> dict[str, Any]:
+        if self.input_reference is not None:
+            raise UnsupportedInput("input_reference (an image to start the video from) is not supported yet: "
+                                   "this server makes videos from a prompt alone")
+        lengths = [name for name in ("seconds", "frames", "num_frames") if getattr(self, name) is not None]
+        if len(lengths) > 1:
+            raise BadRequest(f"the form gives both {lengths[0]} and {lengths[1]}: give one length")
+        return self.model_dump(exclude={"input_reference"})
 
 
 def describe(errors) -> str:

@@ -1,0 +1,84 @@
+"""OpenAI videos API: `POST /v1/videos` starts a job, `GET /v1/videos/{id}` polls it,
+`GET /v1/videos/{id}/content` downloads the MP4, `DELETE /v1/videos/{id}` forgets (or
+cancels) it. The jobs live in `app.state.videos` (`videos.VideoStore`)."""
+
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from ...adapters.source import check_adapter_id
+from ...engine.engine import GenerateResult
+from ...errors import Overloaded
+from ..auth import Access, require_api_key
+from ..generation import encode, run_generation
+from ..openapi import LORA_HEADER, form_body
+from ..requests import parse_request
+from ..schemas import OpenAIVideoRequest
+from ..videos import VideoJob
+
+router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key)])
+
+ROUTE = "/v1/videos"
+VIDEO_OPENAPI = {"requestBody": form_body(OpenAIVideoRequest.model_json_schema()), "parameters": [LORA_HEADER]}
+# how long the openai client's `poll` waits between polls (its header); a video takes seconds at least
+POLL_AFTER_MS = 1000
+CONTENT_RESPONSES = {200: {"content": {"video/mp4": {}, "image/webp": {}}}}
+
+
+@router.post(ROUTE, openapi_extra=VIDEO_OPENAPI)
+async def create_video(request: Request):
+    """OpenAI videos API, a multipart form as the openai client sends it: start a video and
+    answer its job (`queued`). `model` is an adapter id (`id1:0.8, id2:0.5` to blend) or the
+    base model; `frames` (or `num_frames`), `fps`, `seed`, `negative_prompt`,
+    `num_inference_steps` and `guidance_scale` are extensions. The job outlives the request."""
+    state = request.app.state
+    # 1. parse (the one parser of every generation route: limits, adapters, the engine's request)
+    parsed = await parse_request(request, OpenAIVideoRequest)
+    for adapter_id, _ in parsed.generate.loras:  # a path, not an id: 400 now, not a failed job later
+        check_adapter_id(adapter_id)
+    info = state.backend.ready_info()
+    if info is None:  # a job started now would only fail
+        load_error = state.backend.load_error
+        raise Overloaded(f"loading failed: {load_error}" if load_error else "the model is still loading")
+    # 2. start the job; it generates through the backend as an image request does, with nobody
+    #    waiting on it (a client that leaves cancels nothing) and its progress hook
+
+    async def make(job: VideoJob) -> GenerateResult:
+        return await run_generation(state, ROUTE, job.request, parsed.model, None, on_step=job.report_step)
+
+    shown = parsed.model or _adapters_named(parsed.generate.loras) or info["model"]
+    return state.videos.submit(parsed.generate, shown, parsed.fps, make).view()
+
+
+def _adapters_named(loras: list[tuple[str, float]]) -> str:
+    """The adapters as a request names them: `id`, or `id1:0.8, id2:0.5`."""
+    return ", ".join(a if w == 1 else f"{a}:{w:g}" for a, w in loras)
+
+
+@router.get(ROUTE + "/{video_id}")
+async def retrieve_video(video_id: str, request: Request):
+    """The job: `status` (queued, in_progress, completed, failed), `progress` (percent),
+    `error` once failed; 404 for an unknown or expired id."""
+    job = request.app.state.videos.get(video_id)
+    return JSONResponse(job.view(), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
+
+
+@router.get(ROUTE + "/{video_id}/content", response_class=Response, responses=CONTENT_RESPONSES)
+async def download_video(video_id: str, request: Request,
+                         variant: Literal["video", "thumbnail"] = Query("video")) -> Response:
+    """The MP4 (H.264), or with `variant=thumbnail` the first frame as WebP; 409 before the
+    job completed (or when it failed)."""
+    job = request.app.state.videos.completed(video_id)
+    if variant == "thumbnail":
+        data, media = await encode(job.thumbnail, "image/webp")
+        return Response(data, media_type=media)
+    return Response(job.mp4, media_type="video/mp4",
+                    headers={"content-disposition": f'attachment; filename="{video_id}.mp4"'})
+
+
+@router.delete(ROUTE + "/{video_id}")
+async def delete_video(video_id: str, request: Request):
+    """Forget the video (an unfinished one is cancelled); 404 for an unknown id."""
+    job = request.app.state.videos.delete(video_id)
+    return {"id": job.id, "object": "video.deleted", "deleted": True}
