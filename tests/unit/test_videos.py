@@ -190,7 +190,8 @@ def test_a_failed_job_keeps_its_error_and_has_no_content(caplog):
     with caplog.at_level(logging.ERROR, logger="loraswap.server"):
         jobs = asyncio.run(scenario())
     assert all(job.status is VideoStatus.FAILED and job.view()["expires_at"] for job in jobs)
-    assert [job.error["code"] for job in jobs] == ["adapter_not_found", "internal_error", "not_a_video_model"]
+    assert [job.error["code"] for job in jobs] == ["adapter_not_found", "internal_error", "unsupported_input"]
+    assert "makes images, not videos" in jobs[2].error["message"]
     assert jobs[0].error["message"] == "adapter 'nope': no such adapter. Check the id"
     assert jobs[1].error["message"] == "internal server error", "no internals reach the client"
     assert "boom inside" in caplog.text and "Traceback" in caplog.text, "logged with its traceback"

@@ -32,7 +32,7 @@ from PIL import Image
 
 from ..engine.config import GenerateRequest
 from ..engine.engine import GenerateResult
-from ..errors import LoraswapError, Overloaded
+from ..errors import LoraswapError, Overloaded, UnsupportedInput
 from .config import ServerConfig
 from .video_encoding import encode_mp4
 
@@ -154,9 +154,8 @@ class VideoStore:
         try:
             result = await make(job)
             if not result.frames:
-                _fail(job, "not_a_video_model", "the model this request went to makes images, not videos: name a "
-                      "video model (a Wan model) or an adapter of one as `model`", self._expiry())
-                return
+                raise UnsupportedInput("the model this request went to makes images, not videos: name a video "
+                                       "model (a Wan model) or an adapter of one as `model`")
             fps = job.fps or result.fps or self.config.video_fps
             job.mp4 = await run_in_threadpool(encode_mp4, result.frames, fps)
             job.thumbnail = result.frames[0]
