@@ -13,14 +13,63 @@ from openai import OpenAI
 from PIL import Image
 
 
-def cli_image(adapters_dir, tmp_path, lora: str | None, seed: int) -> np.ndarray:
+def cli_image(adapters_dir, tmp_path, lora: str | None, seed: int, *extra: str) -> np.ndarray:
     out = tmp_path / f"cli-{str(lora).replace('/', '_')}-{seed}.png"
     args = [sys.executable, "-m", "loraswap", "generate", "a red fox", "--model", "tiny-sd", "--adapters",
-            str(adapters_dir), "--seed", str(seed), "--steps", "2", "-o", str(out)]
+            str(adapters_dir), "--seed", str(seed), "--steps", "2", "-o", str(out), *extra]
     if lora:
         args += ["--lora", lora]
     subprocess.run(args, check=True, capture_output=True)
     return np.asarray(Image.open(out).convert("RGB"))
+
+
+def input_png() -> bytes:
+    """A 64x48 gradient as PNG: an input image whose size needs no rounding."""
+    x, y = np.meshgrid(np.arange(64), np.arange(48))
+    buffer = io.BytesIO()
+    Image.fromarray(np.stack([x * 4, y * 5, (x + y) * 2], -1).astype(np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def right_half_mask(mode: str) -> bytes:
+    """The right half to repaint: white on black ("L"), or transparent on opaque ("RGBA", OpenAI's)."""
+    mask = Image.new("L", (64, 48), 0) if mode == "L" else Image.new("RGBA", (64, 48), (0, 0, 0, 255))
+    mask.paste(255 if mode == "L" else (0, 0, 0, 0), (32, 0, 64, 48))
+    buffer = io.BytesIO()
+    mask.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+_CLI_IMG2IMG = {}  # the CLI's image-to-image reference, made once for both servers
+
+
+def test_image_to_image_and_inpainting_through_both_clients_match_the_cli(server, served_adapters, tmp_path,
+                                                                          monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the suite is offline; this is loopback
+    hf = InferenceClient(model=server.url, headers={"lora": "style"})
+    openai = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    asked = {"seed": 3, "num_inference_steps": 2, "strength": 0.6}
+    by_hf = np.asarray(hf.image_to_image(input_png(), prompt="a red fox", **asked).convert("RGB"))
+    edit = openai.images.edit(image=("in.png", input_png(), "image/png"), prompt="a red fox", model="style",
+                              extra_body=asked)
+    by_openai = np.asarray(Image.open(io.BytesIO(base64.b64decode(edit.data[0].b64_json))).convert("RGB"))
+    if not _CLI_IMG2IMG:
+        (tmp_path / "in.png").write_bytes(input_png())
+        _CLI_IMG2IMG["style"] = cli_image(served_adapters, tmp_path, "style", 3, "--image", str(tmp_path / "in.png"),
+                                          "--strength", "0.6")
+    assert by_hf.shape == (48, 64, 3)
+    assert np.array_equal(by_hf, by_openai) and np.array_equal(by_hf, _CLI_IMG2IMG["style"])
+    # the same mask in either convention (white through HF, transparent through OpenAI) paints the same
+    masked_hf = hf.image_to_image(input_png(), prompt="a red fox", mask=base64.b64encode(right_half_mask("L")).decode(),
+                                  **asked)
+    masked_edit = openai.images.edit(image=("in.png", input_png(), "image/png"), prompt="a red fox", model="style",
+                                     mask=("mask.png", right_half_mask("RGBA"), "image/png"), extra_body=asked)
+    masked = np.asarray(masked_hf.convert("RGB"))
+    assert np.array_equal(masked, np.asarray(Image.open(io.BytesIO(base64.b64decode(masked_edit.data[0].b64_json)))
+                                             .convert("RGB")))
+    assert not np.array_equal(masked, by_hf), "the mask makes an inpainting, not the image-to-image"
 
 
 def test_huggingface_inference_client(server, served_adapters, tmp_path, monkeypatch):

@@ -160,6 +160,7 @@ def test_base64_is_checked_before_it_is_decoded():
     for text, message in (("not base64!", "is not valid base64 (Only base64 data is allowed)"),
                           (base64.urlsafe_b64encode(b"\xfb\xff" * 30).decode(), "not valid base64"),
                           ("QUJD\nREVG", "no line breaks"),
+                          ("QUJDé===", "string argument should contain only ASCII characters"),
                           ("A" * (4 * 65536 // 3 + 8), "base64 characters, over 65536 bytes once decoded")):
         with pytest.raises(BadRequest) as refused:
             decode_base64(text, "mask", LIMITS)
@@ -171,6 +172,7 @@ def test_images_are_told_from_prompts():
     assert looks_like_image(base64.b64encode(encode(noise(16, 16), "WEBP")).decode())
     assert looks_like_image("data:image/png;base64," + base64.b64encode(GOOD).decode())
     assert not looks_like_image("a watercolor fox") and not looks_like_image("iVBOR")
+    assert not looks_like_image("\u009aQ&\U00019520 1 une forêt")  # not ASCII: a prompt, not base64
 
 
 @pytest.mark.parametrize("image,asked,limit,expected", [

@@ -10,7 +10,6 @@ hosted model takes an image or a mask at all is the engine's check (422).
 """
 
 import base64
-import binascii
 import io
 import logging
 import math
@@ -59,7 +58,7 @@ def looks_like_image(data: bytes | str) -> bool:
         head = _DATA_URL.sub("", data[:200])[:16]
         try:
             data = base64.b64decode(head[: len(head) // 4 * 4])
-        except binascii.Error:
+        except ValueError:  # binascii.Error, or text that is not ASCII
             return False
     return data.startswith(_MAGIC)
 
@@ -85,7 +84,7 @@ def decode_base64(text: str, what: str, limits: ImageLimits) -> bytes:
                          f"decoded; the limit is {limits.max_bytes} bytes: send a smaller file")
     try:
         return base64.b64decode(text, validate=True)
-    except binascii.Error as e:
+    except ValueError as e:  # binascii.Error, or text that is not ASCII
         raise BadRequest(f"the {what} is not valid base64 ({e}): send the file's bytes base64-encoded "
                          "(standard alphabet, with padding, no line breaks)") from None
 
