@@ -110,3 +110,11 @@ def test_load_and_fuse_baseline_swaps_both_wan_experts(adapter_factory):
     base = frames_array(baseline.generate(request.model_copy(update={"loras": []})).frames)
     assert np.abs(theirs - base).mean() >= 1.0
     assert np.abs(ours - theirs).max() <= 2 and np.abs(ours - theirs).mean() <= 0.05
+
+
+def test_video_progress_is_reported_after_each_denoising_step():
+    engine = Engine(EngineConfig(model="tiny-wan", compile=False, warmup=False))
+    steps = []
+    engine.generate_batch([GenerateRequest(prompt=PROMPT, seed=1, steps=3, frames=5)], None,
+                          lambda done, total: steps.append((done, total)))
+    assert steps == [(1, 3), (2, 3), (3, 3)]

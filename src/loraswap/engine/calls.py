@@ -102,6 +102,17 @@ class PipelineCalls:
         adjust = self.family.adjust_call if self.family else None
         return adjust(kwargs) if adjust else kwargs
 
+    def progress(self, task: str, on_step) -> dict:
+        """The pipeline's per-step callback calling `on_step(done, total)`, where it takes one."""
+        if on_step is None or "callback_on_step_end" not in self.parameters(task):
+            return {}
+
+        def step_ended(pipeline, step: int, timestep, tensors: dict) -> dict:
+            on_step(step + 1, pipeline.num_timesteps)
+            return tensors
+
+        return {"callback_on_step_end": step_ended}
+
     @property
     def is_video(self) -> bool:
         return self.family is not None and self.family.output == "video"

@@ -13,6 +13,7 @@ import functools
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,8 +132,8 @@ class Engine:
         return self.generate_batch([request], acquired)[0]
 
     @_on_its_device
-    def generate_batch(self, requests: list[GenerateRequest], acquired: Acquired | None = None) \
-            -> list[GenerateResult]:
+    def generate_batch(self, requests: list[GenerateRequest], acquired: Acquired | None = None,
+                       on_step: Callable[[int, int], None] | None = None) -> list[GenerateResult]:
         """Images for requests sharing adapters and parameters, in one pipeline call.
 
         Each image has its own prompt and seed (a generator per image), so it is the image
@@ -144,7 +145,7 @@ class Engine:
         swap_seconds = self.set_adapters(requests[0].loras, acquired)
         # 2. build the pipeline call; seeds drive CPU generators, as the HF image does
         seeds = [r.seed if r.seed is not None else random.randrange(2**31) for r in requests]
-        kwargs = self.calls.arguments(task, requests)
+        kwargs = self.calls.arguments(task, requests) | self.calls.progress(task, on_step)
         pipeline = self.calls.pipeline(task)
 
         # 3. generate (generators made per attempt: a call retried cold starts from the seeds again)

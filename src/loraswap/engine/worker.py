@@ -17,6 +17,7 @@ adapters and parameters: one pipeline call for all of them.
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ class Job:
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.monotonic)
     skips: int = 0
+    on_step: Callable[[int, int], None] | None = None  # progress: (steps done, steps in all)
 
     @property
     def batch_key(self) -> tuple:
@@ -66,10 +68,12 @@ class GpuWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: GenerateRequest, prefetch: Future | None = None) -> Future:
-        """Queue a request; `prefetch` (from `engine.adapters.prefetch`) holds its adapters."""
+    def submit(self, request: GenerateRequest, prefetch: Future | None = None,
+               on_step: Callable[[int, int], None] | None = None) -> Future:
+        """Queue a request; `prefetch` (from `engine.adapters.prefetch`) holds its adapters;
+        `on_step(done, total)` is called after each denoising step (a video job's progress)."""
         prefetch = prefetch or self.engine.adapters.prefetch(request.loras)
-        job = Job(request, prefetch)
+        job = Job(request, prefetch, on_step=on_step)
         with self._cond:
             if self._stopping:
                 _release_when_done(self.engine, job)
@@ -169,7 +173,9 @@ class GpuWorker:
                 job.future.set_exception(e)
         try:
             if ready:
-                results = self.engine.generate_batch([job.request for job in ready], held[0])
+                hooks = [job.on_step for job in ready if job.on_step]
+                results = self.engine.generate_batch([job.request for job in ready], held[0],
+                                                     lambda done, total: [hook(done, total) for hook in hooks])
                 for job, result in zip(ready, results):
                     job.future.set_result(result)
         except BaseException as e:  # delivered to the waiting handlers

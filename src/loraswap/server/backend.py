@@ -169,15 +169,11 @@ class LocalBackend:
     async def generate(self, request: GenerateRequest, model: str | None,
                        is_disconnected: Callable[[], Awaitable[bool]] | None,
                        on_step: StepCallback | None = None) -> GenerateResult:
-        # `on_step` is not passed on yet: GpuWorker.submit and the engine take no hook so far
-        # (the pipeline's callback_on_step_end is to call it); until then a video job reads
-        # `queued` until it completes.
-        #
         # the engine hosting the adapters' base model (unknown ids: 404 at once); the adapters
         # are read on its store's pool while earlier requests generate, so its worker only
         # restores and fuses
         hosted = await run_in_threadpool(self._deployment().route, request.loras, model)
-        future = hosted.worker.submit(request, hosted.engine.adapters.prefetch(request.loras))
+        future = hosted.worker.submit(request, hosted.engine.adapters.prefetch(request.loras), on_step)
         return await wait_for_result(asyncio.wrap_future(future), future.cancel, is_disconnected)
 
     async def list_adapters(self) -> dict:
