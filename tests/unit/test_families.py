@@ -10,7 +10,7 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from helpers import assert_bitwise_equal, weights_snapshot
+from helpers import assert_bitwise_equal, rel_err, weights_snapshot
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 from loraswap.models import PRESET_FAMILIES, load_pipeline
@@ -21,8 +21,8 @@ CASES = {
     "tiny-sd3": dict(alpha_factor=6.0, text_encoder=True),
     "tiny-flux-kontext": dict(alpha_factor=6.0, text_encoder=True),
     "tiny-flux2": dict(alpha_factor=30.0, text_encoder=False),
-    "tiny-qwen-image": dict(alpha_factor=6.0, text_encoder=False),
-    "tiny-qwen-image-edit": dict(alpha_factor=6.0, text_encoder=False),
+    "tiny-qwen-image": dict(alpha_factor=20.0, text_encoder=False),
+    "tiny-qwen-image-edit": dict(alpha_factor=20.0, text_encoder=False),
     "tiny-z-image": dict(alpha_factor=6.0, text_encoder=False),
     "tiny-wan": dict(alpha_factor=6.0, text_encoder=False),
 }
@@ -38,17 +38,17 @@ def frames_array(frames: list[Image.Image]) -> np.ndarray:
     return np.stack([np.asarray(f, dtype=np.float64) for f in frames])
 
 
-def reference_frames(pipeline, family, request: GenerateRequest) -> np.ndarray:
-    """What diffusers' own pipeline makes for `request` (its adapters already loaded)."""
-    kwargs = dict(num_inference_steps=request.steps, width=64, height=64,
+def pipeline_output(pipeline, family, request: GenerateRequest) -> np.ndarray:
+    """What `pipeline` makes for `request`, as floats in [0, 1] (frames, height, width, 3)."""
+    kwargs = dict(num_inference_steps=request.steps, width=64, height=64, output_type="np",
                   generator=torch.Generator("cpu").manual_seed(request.seed))
     if request.image is not None:
         kwargs["image"] = request.image
     if family.name == "flux-kontext":  # the asked size, not Kontext's ~1 MP default
         kwargs.update(max_area=64 * 64, _auto_resize=False)
     if family.output == "video":
-        return frames_array(pipeline(prompt=PROMPT, num_frames=request.frames, output_type="pil", **kwargs).frames[0])
-    return frames_array(pipeline(prompt=PROMPT, **kwargs).images)
+        return np.asarray(pipeline(prompt=PROMPT, num_frames=request.frames, **kwargs).frames[0])
+    return np.asarray(pipeline(prompt=PROMPT, **kwargs).images)
 
 
 def load_reference_adapter(pipeline, path, folder) -> None:
@@ -90,12 +90,15 @@ def test_family_matches_diffusers_load_lora_weights(preset, adapter_factory, tmp
 
     reference = load_pipeline(preset)
     load_reference_adapter(reference, path, tmp_path)
-    theirs = reference_frames(reference, family, request)
+    theirs = pipeline_output(reference, family, request)
+    fused = pipeline_output(engine.calls.pipeline("text"), family, request)  # the adapter is still applied
 
     assert np.abs(ours_frames - frames_array(base.frames or [base.image])).mean() >= 1.0, \
         "the adapter must visibly change the output"
-    # 8-bit pixels: fused weights and PEFT's forward round differently, by a level at most
-    assert np.abs(ours_frames - theirs).max() <= 2 and np.abs(ours_frames - theirs).mean() <= 0.05
+    assert rel_err(fused, theirs) <= 1e-4
+    # what the engine serves is those pixels in 8 bits (fused weights and PEFT's forward
+    # round differently, so a pixel near a level's edge may land on the next one)
+    assert np.abs(ours_frames - theirs * 255).mean() <= 0.55
     engine.set_adapters([])
     assert_bitwise_equal(original, engine.components)
 
