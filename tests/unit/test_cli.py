@@ -33,6 +33,20 @@ def test_generate_writes_the_engine_image(adapter_factory, tmp_path):
     assert (written != np.asarray(base)).any()
 
 
+def test_generate_writes_a_video_model_mp4(tmp_path):
+    import imageio.v3 as iio
+
+    out = tmp_path / "out.mp4"
+    result = runner.invoke(app, ["generate", "a cat", "--model", "tiny-wan", "--frames", "5", "--seed", "1",
+                                 "--steps", "2", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    frames = iio.imread(out, index=None)
+    assert frames.shape == (5, 64, 64, 3)
+    still = runner.invoke(app, ["generate", "a cat", "--model", "tiny-wan", "--steps", "1", "-o",
+                                str(tmp_path / "out.png")])
+    assert still.exit_code == 1 and "-o" in still.output and ".mp4" in still.output
+
+
 def test_generate_reads_flags_from_env(adapter_factory, tmp_path):
     out = tmp_path / "env.png"
     env = {"LORASWAP_MODEL": "tiny-sdxl", "LORASWAP_SEED": "4", "LORASWAP_STEPS": "2"}

@@ -70,3 +70,11 @@ def test_refusals_change_nothing(adapter_factory):
         with pytest.raises(UnsupportedInput, match=words):
             engine.generate(request.model_copy(update={"loras": []}))
         assert engine.applied_ids == ((path.stem, 1.0),), "a refused request leaves the applied adapters"
+
+
+def test_img2img_makes_the_asked_size_where_the_pipeline_takes_none():
+    """SD's img2img pipeline makes its input's size: the engine resizes the input to the ask."""
+    engine = Engine(EngineConfig(model="tiny-sd", compile=False, warmup=False))
+    request = GenerateRequest(prompt=PROMPT, seed=1, steps=2, image=input_image().resize((72, 40)), width=64,
+                              height=32, strength=0.5)
+    assert engine.generate(request).image.size == (64, 32)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from ..errors import LoraswapError
+from ..errors import BadRequest, LoraswapError
 from .options import Verbose, env_option, setup_logging, with_settings
 from .settings import engine_config, one_model, pick, server_config
 
@@ -47,12 +47,16 @@ def generate(
                                               dir_okay=False)] = None,
     strength: Annotated[float | None, env_option("--strength", help="With --image: how much of it to repaint, "
                                                  "0 < S <= 1 (default: the model's).")] = None,
-    output: Annotated[Path, typer.Option("-o", "--output", help="Image file (png, jpg, webp).")] = Path("out.png"),
+    frames: Annotated[int | None, env_option("--frames", help="A video model's number of frames (default: the "
+                                             "model's).")] = None,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Image file (png, jpg, webp), or an mp4 for a "
+                                         "video model.")] = Path("out.png"),
     verbose: Verbose = False,
     *,
     given: dict,
 ) -> None:
-    """Generate one image (or repaint one: --image, --mask), with adapters fused the way the server fuses them."""
+    """Generate one image (or repaint one: --image, --mask) or a video (-o out.mp4), with adapters fused the way
+    the server fuses them."""
     from ..engine.config import GenerateRequest
     from ..engine.engine import Engine
 
@@ -62,16 +66,31 @@ def generate(
         inputs = read_image_inputs(image, mask, strength, width, height, given)
         engine = Engine(engine_config(given, warmup=False))
         request = GenerateRequest(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
-                                  seed=seed, loras=[parse_lora(s) for s in lora or []], **inputs)
+                                  seed=seed, frames=frames, loras=[parse_lora(s) for s in lora or []], **inputs)
         result = engine.generate(request)
+        write_output(result, output)
     except LoraswapError as e:
         typer.echo(f"error: {e.message}", err=True)
         raise typer.Exit(1) from None
     except ValueError as e:  # a bad option value (SettingsError, attention backend)
         raise typer.BadParameter(str(e)) from None
-    result.image.save(output)
     typer.echo(f"{output}  seed={result.seed} swap={result.swap_seconds * 1e3:.1f}ms "
                f"generate={result.generate_seconds:.2f}s")
+
+
+def write_output(result, output: Path) -> None:
+    """The image, or a video model's frames as an MP4 (H.264, at the model's frame rate)."""
+    wants_video = output.suffix.lower() == ".mp4"
+    if result.frames is not None and not wants_video:
+        raise BadRequest(f"this model makes videos: write one with -o {output.with_suffix('.mp4')}")
+    if wants_video and result.frames is None:
+        raise BadRequest("this model makes images: write a png, jpg or webp")
+    if wants_video:
+        from ..server.video_encoding import encode_mp4
+
+        output.write_bytes(encode_mp4(result.frames, result.fps))
+    else:
+        result.image.save(output)
 
 
 def read_image_inputs(image: Path | None, mask: Path | None, strength: float | None, width: int | None,

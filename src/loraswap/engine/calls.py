@@ -90,10 +90,11 @@ class PipelineCalls:
                         num_frames=first.frames or defaults.get("frames"), strength=first.strength)
         if any(r.negative_prompt for r in requests):
             optional["negative_prompt"] = [r.negative_prompt or "" for r in requests]
+        size = (optional["width"], optional["height"])
         if first.image is not None:
-            optional["image"] = [r.image for r in requests]
+            optional["image"] = [self._sized(r.image, size, takes) for r in requests]
         if first.mask is not None:
-            optional["mask_image"] = [r.mask for r in requests]
+            optional["mask_image"] = [self._sized(r.mask, size, takes) for r in requests]
         renamed = self.family.call_names if self.family else {}
         for name, value in optional.items():
             name = renamed.get(name, name)
@@ -101,6 +102,14 @@ class PipelineCalls:
                 kwargs[name] = value
         adjust = self.family.adjust_call if self.family else None
         return adjust(kwargs) if adjust else kwargs
+
+    @staticmethod
+    def _sized(image: Image.Image, size: tuple[int | None, int | None], takes: set[str]) -> Image.Image:
+        """The input at the asked size where the pipeline takes no size (SD and SDXL img2img
+        make the input's size): the output is then the size the request asked for."""
+        if "width" in takes or None in size or image.size == size:
+            return image
+        return image.resize(size, Image.Resampling.LANCZOS)
 
     def progress(self, task: str, on_step) -> dict:
         """The pipeline's per-step callback calling `on_step(done, total)`, where it takes one."""
