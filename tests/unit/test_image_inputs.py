@@ -31,9 +31,13 @@ def levels(image: Image.Image) -> np.ndarray:
 
 
 @pytest.mark.parametrize(("preset", "task"), [("tiny-sd", "img2img"), ("tiny-sdxl", "inpaint"),
-                                              ("tiny-flux", "img2img"), ("tiny-flux", "inpaint")])
+                                              ("tiny-flux", "img2img"), ("tiny-flux", "inpaint"),
+                                              ("tiny-sd3", "img2img"), ("tiny-qwen-image", "inpaint"),
+                                              ("tiny-z-image", "img2img")])
 def test_image_input_matches_diffusers_image_pipelines(preset, task, adapter_factory):
-    path = adapter_factory(f"image-{preset}", preset, rank=8, targets="all", alpha=48.0, seed=21)
+    # the tiny Qwen-Image damps an adapter's change more than the others: a larger scale
+    alpha = 160.0 if preset.startswith("tiny-qwen") else 48.0
+    path = adapter_factory(f"image-{preset}-{task}", preset, rank=8, targets="all", alpha=alpha, seed=21)
     engine = Engine(EngineConfig(model=preset, adapters=path.parent, compile=False, warmup=False))
     mask = half_mask() if task == "inpaint" else None
     request = GenerateRequest(prompt=PROMPT, seed=3, steps=4, image=input_image(), mask=mask, strength=0.7)
