@@ -85,7 +85,7 @@ class LoadAndFuseSwapper:
     def _load_second_expert(self, location: AdapterLocation, name: str) -> None:
         """Wan 2.2's `transformer_2.` keys, which `load_lora_weights` skips without an error:
         loaded into the second expert the way diffusers offers (as `transformer.` keys)."""
-        if "transformer_2" not in self.pipeline._lora_loadable_modules:
+        if "transformer_2" not in getattr(self.pipeline, "_lora_loadable_modules", ()):
             return
         state_dict, metadata = self.pipeline.lora_state_dict(str(location.weights), return_lora_metadata=True)
         second = {key.replace("transformer_2.", "transformer.", 1): value for key, value in state_dict.items()
