@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from helpers import assert_bitwise_equal, rel_err, weights_snapshot
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
+from loraswap.errors import AdapterIncompatible
 from loraswap.models import PRESET_FAMILIES, load_pipeline
 
 # preset -> how its adapters are scaled up (the tiny VAEs damp changes, and the effect check
@@ -121,3 +122,92 @@ def test_video_progress_is_reported_after_each_denoising_step():
     engine.generate_batch([GenerateRequest(prompt=PROMPT, seed=1, steps=3, frames=5)], None,
                           lambda done, total: steps.append((done, total)))
     assert steps == [(1, 3), (2, 3), (3, 3)]
+
+
+def _down_up(shape, rank: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    down = torch.randn(rank, shape[1], generator=generator) / shape[1] ** 0.5
+    up = torch.randn(shape[0], rank, generator=generator) * (0.5 / rank ** 0.5)
+    return down, up
+
+
+def _kohya_pair(prefix: str, shape, rank: int, alpha: float, generator: torch.Generator) -> dict:
+    down, up = _down_up(shape, rank, generator)
+    return {f"{prefix}.lora_down.weight": down, f"{prefix}.lora_up.weight": up,
+            f"{prefix}.alpha": torch.tensor(alpha)}
+
+
+def _comfy_wan(transformer, rank, alpha, generator) -> dict:
+    """Wan's original names under `diffusion_model.` (ComfyUI, lightx2v): one expert's file."""
+    names = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+             "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k",
+             "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o", "ffn.net.0.proj": "ffn.0",
+             "ffn.net.2": "ffn.2"}
+    keys = {}
+    for i, block in enumerate(transformer.blocks):
+        for ours, theirs in names.items():
+            shape = block.get_submodule(ours).weight.shape
+            keys |= _kohya_pair(f"diffusion_model.blocks.{i}.{theirs}", shape, rank, alpha, generator)
+    return keys
+
+
+def _kohya_qwen(transformer, rank, alpha, generator) -> dict:
+    """kohya / musubi names (`lora_unet_transformer_blocks_0_attn_to_q`) of Qwen-Image's layers."""
+    keys = {}
+    for i, block in enumerate(transformer.transformer_blocks):
+        for name in ("attn.to_q", "attn.to_k", "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj",
+                     "txt_mlp.net.2", "img_mod.1"):
+            shape = block.get_submodule(name).weight.shape
+            keys |= _kohya_pair(f"lora_unet_transformer_blocks_{i}_{name.replace('.', '_')}", shape, rank, alpha,
+                                generator)
+    return keys
+
+
+def _original_z_image(transformer, rank, alpha, generator, fused_qkv: bool = False) -> dict:
+    """Z-Image's original names under `diffusion_model.`: `attention.out` (diffusers'
+    `to_out.0`), `feed_forward.w1`; with `fused_qkv`, a fused `attention.qkv` too."""
+    keys = {}
+    for i, layer in enumerate(transformer.layers):
+        dim = layer.attention.to_q.weight.shape[1]
+        if fused_qkv:
+            keys |= _kohya_pair(f"diffusion_model.layers.{i}.attention.qkv", (3 * dim, dim), rank, alpha, generator)
+        keys |= _kohya_pair(f"diffusion_model.layers.{i}.attention.out", (dim, dim), rank, alpha, generator)
+        keys |= _kohya_pair(f"diffusion_model.layers.{i}.feed_forward.w1", layer.feed_forward.w1.weight.shape, rank,
+                            alpha, generator)
+    return keys
+
+
+TRAINER_LAYOUTS = {"wan-comfyui": ("tiny-wan", _comfy_wan), "qwen-image-kohya": ("tiny-qwen-image", _kohya_qwen),
+                   "z-image-original": ("tiny-z-image", _original_z_image)}
+
+
+@pytest.mark.parametrize("layout", sorted(TRAINER_LAYOUTS))
+def test_trainer_layouts_match_diffusers(layout, tmp_path):
+    """Files in the trainers' own naming, placed by loraswap as diffusers' loader of the family
+    places them (converted, fused projections split)."""
+    preset, write = TRAINER_LAYOUTS[layout]
+    family = PRESET_FAMILIES[preset]
+    engine = Engine(EngineConfig(model=preset, adapters=tmp_path, compile=False, warmup=False))
+    keys = write(engine.pipeline.transformer, 4, 16.0, torch.Generator().manual_seed(40))
+    save_file(keys, str(tmp_path / f"{layout}.safetensors"))
+    request = GenerateRequest(prompt=PROMPT, seed=2, steps=3, frames=family.defaults.get("frames"))
+    base = pipeline_output(engine.pipeline, family, request)
+    engine.set_adapters([(layout, 1.0)])
+    ours = pipeline_output(engine.pipeline, family, request)
+
+    reference = load_pipeline(preset)
+    reference.load_lora_weights(str(tmp_path / f"{layout}.safetensors"))
+    theirs = pipeline_output(reference, family, request)
+    assert rel_err(theirs, base) >= 1e-2, "the adapter must change the output"
+    assert rel_err(ours, theirs) <= 1e-4
+
+
+def test_a_fused_qkv_diffusers_drops_is_refused_naming_it(tmp_path):
+    """diffusers' Z-Image loader drops a kohya-style fused `attention.qkv` with a warning;
+    loraswap refuses the file, naming the key, and changes nothing."""
+    engine = Engine(EngineConfig(model="tiny-z-image", adapters=tmp_path, compile=False, warmup=False))
+    keys = _original_z_image(engine.pipeline.transformer, 4, 16.0, torch.Generator().manual_seed(41), fused_qkv=True)
+    save_file(keys, str(tmp_path / "fused.safetensors"))
+    original = weights_snapshot(engine.components)
+    with pytest.raises(AdapterIncompatible, match=r"attention\.qkv"):
+        engine.set_adapters([("fused", 1.0)])
+    assert_bitwise_equal(original, engine.components)
