@@ -3,9 +3,10 @@ encoder and Wan's causal 3D VAE.
 
 Wan 2.2 A14B splits the denoising between two transformers of one shape: `transformer`
 (high noise) runs while the timestep is at or above `boundary_ratio` * 1000, then
-`transformer_2` (low noise). A LoRA goes into one of them (`load_lora_weights(...,
-load_into_transformer_2=True)` for the second). Wan 2.1 has one transformer. Image to
-video (`WanImageToVideoPipeline`) is not served.
+`transformer_2` (low noise). Both take adapters: a file's `transformer_2.` keys go into
+the second (diffusers' loader wants those as a file of their own, loaded with
+`load_into_transformer_2=True`); a file in ComfyUI or musubi naming goes into the first.
+Wan 2.1 has one transformer. Image to video (`WanImageToVideoPipeline`) is not served.
 """
 
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
