@@ -211,3 +211,44 @@ def test_a_fused_qkv_diffusers_drops_is_refused_naming_it(tmp_path):
     with pytest.raises(AdapterIncompatible, match=r"attention\.qkv"):
         engine.set_adapters([("fused", 1.0)])
     assert_bitwise_equal(original, engine.components)
+
+
+def test_a_wan_expert_pair_folder_swaps_both_experts_as_diffusers_loads_them(tmp_path):
+    """Wan 2.2 adapters are published as a folder of two files, one per expert
+    (`high_noise_model.safetensors`, `low_noise_model.safetensors`, ComfyUI naming): one
+    adapter id, the first file on `transformer`, the second on `transformer_2`."""
+    engine = Engine(EngineConfig(model="tiny-wan", adapters=tmp_path, compile=False, warmup=False))
+    folder = tmp_path / "lightning"
+    folder.mkdir()
+    for name, seed in (("high_noise_model", 42), ("low_noise_model", 43)):
+        keys = _comfy_wan(engine.pipeline.transformer, 4, 16.0, torch.Generator().manual_seed(seed))
+        save_file(keys, str(folder / f"{name}.safetensors"))
+    assert "lightning" in engine.adapters.source.list_ids()
+    family, request = PRESET_FAMILIES["tiny-wan"], GenerateRequest(prompt=PROMPT, seed=2, steps=4, frames=5)
+    original = weights_snapshot(engine.components)
+    engine.set_adapters([("lightning", 1.0)])
+    changed = {key.split(".")[0] for key, value in weights_snapshot(engine.components).items()
+               if not torch.equal(value, original[key])}
+    assert changed == {"transformer", "transformer_2"}
+    ours = pipeline_output(engine.pipeline, family, request)
+
+    reference = load_pipeline("tiny-wan")
+    reference.load_lora_weights(str(folder / "high_noise_model.safetensors"), adapter_name="lightning")
+    reference.load_lora_weights(str(folder / "low_noise_model.safetensors"), adapter_name="lightning",
+                                load_into_transformer_2=True)
+    assert rel_err(ours, pipeline_output(reference, family, request)) <= 1e-4
+    baseline = Engine(EngineConfig(model="tiny-wan", adapters=tmp_path, swap_mode="load-and-fuse", warmup=False))
+    baseline.set_adapters([("lightning", 1.0)])
+    assert rel_err(ours, pipeline_output(baseline.pipeline, family, request)) <= 1e-4
+
+
+def test_an_expert_pair_on_a_model_with_one_transformer_is_refused(tmp_path):
+    folder = tmp_path / "pair"
+    folder.mkdir()
+    engine = Engine(EngineConfig(model="tiny-wan", compile=False, warmup=False))
+    for name in ("high_noise_model", "low_noise_model"):
+        keys = _comfy_wan(engine.pipeline.transformer, 4, 4.0, torch.Generator().manual_seed(44))
+        save_file(keys, str(folder / f"{name}.safetensors"))
+    one_transformer = Engine(EngineConfig(model="tiny-flux", adapters=tmp_path, compile=False, warmup=False))
+    with pytest.raises(AdapterIncompatible, match="pair of expert files"):
+        one_transformer.set_adapters([("pair", 1.0)])

@@ -242,12 +242,36 @@ def _refuse_unplaced(adapter_id: str, pipeline_cls, names: ModuleNames, key: str
 def load_adapter(location, pipeline_cls: type[DiffusionPipeline], component_modules: dict[str, set[str]],
                  max_bytes: int, unet_config=None) -> ParsedAdapter:
     """Read, check and convert the adapter at `location` (an `AdapterLocation`)."""
+    if location.second_expert is not None and "transformer_2" not in component_modules:
+        raise AdapterIncompatible(location.adapter_id, "it is a pair of expert files (high and low noise) for Wan "
+                                  "2.2's two transformers, and this model has one", "Serve it on a Wan 2.2 model, "
+                                  "or keep one file")
     tensors, metadata = read_safetensors(location.weights, location.adapter_id, max_bytes)
     if LORA_ADAPTER_METADATA_KEY not in metadata and location.folder is not None:
         metadata = metadata | _peft_config_metadata(location.adapter_id, location.folder, component_modules)
     parsed = parse_adapter(location.adapter_id, tensors, metadata, pipeline_cls, component_modules, unet_config)
+    if location.second_expert is not None:
+        _add_second_expert(parsed, location, pipeline_cls, component_modules, max_bytes - parsed.nbytes)
     parsed.base_models = declared_base_models(metadata, location.folder)
     return parsed
+
+
+def _add_second_expert(parsed: ParsedAdapter, location, pipeline_cls, component_modules: dict[str, set[str]],
+                       max_bytes: int) -> None:
+    """Wan 2.2's low-noise file of a pair, placed as its trainers mean it: the keys that name
+    the denoiser (`diffusion_model.`, `transformer.`, `lora_unet_`) go into `transformer_2`,
+    which has the same module names as `transformer`."""
+    adapter_id = location.adapter_id
+    tensors, metadata = read_safetensors(location.second_expert, adapter_id, max_bytes)
+    as_first = dict(component_modules, transformer=component_modules["transformer_2"])
+    second = parse_adapter(adapter_id, tensors, metadata, pipeline_cls, as_first)
+    for component, params in second.layers.items():
+        target = "transformer_2" if component == "transformer" else component
+        if parsed.layers.get(target):
+            raise AdapterInvalid(adapter_id, f"both expert files change {target}", "Keep each expert's keys in its "
+                                 "own file")
+        parsed.layers[target] = params
+    parsed.num_tensors += second.num_tensors
 
 
 _PEFT_SCALE_KEYS = ("r", "lora_alpha", "alpha_pattern", "rank_pattern", "use_rslora")

@@ -2,7 +2,9 @@
 
 Ids are names, never paths: `style/anime` means `DIR/style/anime.safetensors`, or the
 folder `DIR/style/anime/` holding `pytorch_lora_weights.safetensors` (or exactly one
-other `.safetensors` file) next to an optional model card and adapter_config.json.
+other `.safetensors` file) next to an optional model card and adapter_config.json. A
+folder holding `high_noise_model.safetensors` and `low_noise_model.safetensors` is one
+Wan 2.2 adapter for both experts, as its trainers publish them.
 `..`, absolute paths, URL schemes and odd characters are refused, and so is anything
 whose real path (after symlinks) leaves the folder. Only safetensors are ever read.
 
@@ -23,6 +25,8 @@ ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}(/[A-Za-z0-9][A-Za-z0
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})"
                     r"(@(?P<revision>[A-Za-z0-9][A-Za-z0-9_.-]{0,127}))?$")
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes
+# a Wan 2.2 adapter's two files, one per expert (transformer, transformer_2), as published
+EXPERT_FILES = ("high_noise_model.safetensors", "low_noise_model.safetensors")
 UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SIDE_FILES = ("README.md", "adapter_config.json")  # read beside the weights for the declared base model
 
@@ -32,6 +36,7 @@ class AdapterLocation:
     adapter_id: str
     weights: Path  # the safetensors file
     folder: Path | None  # the adapter's own folder (model card, adapter_config.json), if it has one
+    second_expert: Path | None = None  # Wan 2.2's low-noise expert's file, when `weights` is the high-noise one
 
 
 def check_adapter_id(adapter_id: str) -> str:
@@ -63,7 +68,9 @@ class LocalAdapterSource:
             for side in SIDE_FILES:  # read for the base model: a link out would leak another file's contents
                 if (folder / side).is_symlink():
                     self._inside(adapter_id, folder / side)
-            return AdapterLocation(adapter_id, self._inside(adapter_id, self._weights_in(adapter_id, folder)), folder)
+            first, second = choose_weight_files(adapter_id, [p.name for p in folder.glob("*.safetensors")])
+            return AdapterLocation(adapter_id, self._inside(adapter_id, folder / first), folder,
+                                   self._inside(adapter_id, folder / second) if second else None)
         for suffix in UNSAFE_SUFFIXES:
             if (self.root / f"{adapter_id}{suffix}").exists():
                 raise AdapterInvalid(adapter_id, f"it is a {suffix} file; only safetensors files are loaded "
@@ -78,7 +85,8 @@ class LocalAdapterSource:
             if not path.resolve().is_relative_to(self.root):
                 continue
             rel = path.relative_to(self.root)
-            adapter_id = rel.parent.as_posix() if path.name == WEIGHT_NAME else rel.with_suffix("").as_posix()
+            in_folder = path.name in (WEIGHT_NAME, *EXPERT_FILES)
+            adapter_id = rel.parent.as_posix() if in_folder else rel.with_suffix("").as_posix()
             if ADAPTER_ID.match(adapter_id):
                 ids.add(adapter_id)
         return sorted(ids)
@@ -90,9 +98,14 @@ class LocalAdapterSource:
                                  "Copy the adapter into the adapter folder instead of linking it")
         return real
 
-    @staticmethod
-    def _weights_in(adapter_id: str, folder: Path) -> Path:
-        return folder / choose_weight_file(adapter_id, [p.name for p in folder.glob("*.safetensors")])
+
+
+def choose_weight_files(adapter_id: str, names: list[str]) -> tuple[str, str | None]:
+    """(the weight file, Wan 2.2's low-noise expert's file or None): a pair of expert files
+    (`EXPERT_FILES`), else `choose_weight_file`'s one."""
+    if WEIGHT_NAME not in names and all(name in names for name in EXPERT_FILES):
+        return EXPERT_FILES
+    return choose_weight_file(adapter_id, names), None
 
 
 def choose_weight_file(adapter_id: str, names: list[str]) -> str:
@@ -139,29 +152,31 @@ class HubAdapterSource:
             if constants.HF_HUB_OFFLINE:
                 folder = Path(snapshot_download(repo, revision=revision, cache_dir=self.cache_dir,
                                                 local_files_only=True))
-                weights = folder / choose_weight_file(adapter_id, [p.name for p in folder.glob("*.safetensors")])
+                names = choose_weight_files(adapter_id, [p.name for p in folder.glob("*.safetensors")])
             else:
-                folder, weights = self._download(adapter_id, repo, revision, hf_hub_download)
+                folder, names = self._download(adapter_id, repo, revision, hf_hub_download)
         except (RepositoryNotFoundError, RevisionNotFoundError, LocalEntryNotFoundError, EntryNotFoundError,
                 HFValidationError) as e:
             raise AdapterNotFound(adapter_id, f"not found on the hub or in its cache ({type(e).__name__})",
                                   "Check the id and revision; offline, only cached adapters are served") from None
-        return AdapterLocation(adapter_id, weights, folder)
+        first, second = names
+        return AdapterLocation(adapter_id, folder / first, folder, folder / second if second else None)
 
-    def _download(self, adapter_id, repo, revision, hf_hub_download) -> tuple[Path, Path]:
+    def _download(self, adapter_id, repo, revision, hf_hub_download) -> tuple[Path, tuple[str, str | None]]:
+        """The snapshot folder the weight file(s) and side files were downloaded into, and the
+        weight files' names (`choose_weight_files`)."""
         from huggingface_hub import HfApi
 
         info = HfApi().model_info(repo, revision=revision, files_metadata=True)
         sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
-        name = choose_weight_file(adapter_id, list(sizes))
-        if sizes[name] > self.max_bytes:
-            raise AdapterInvalid(adapter_id, f"{name} is {sizes[name] / 2**20:.0f} MiB, over the "
-                                 f"{self.max_bytes / 2**20:.0f} MiB limit", "Use a smaller adapter")
-        weights = Path(hf_hub_download(repo, name, revision=info.sha, cache_dir=self.cache_dir))
-        for side in SIDE_FILES:
-            if side in sizes:
-                hf_hub_download(repo, side, revision=info.sha, cache_dir=self.cache_dir)
-        return weights.parent, weights
+        names = choose_weight_files(adapter_id, list(sizes))
+        total = sum(sizes[name] for name in names if name)
+        if total > self.max_bytes:
+            raise AdapterInvalid(adapter_id, f"{' + '.join(n for n in names if n)} is {total / 2**20:.0f} MiB, over "
+                                 f"the {self.max_bytes / 2**20:.0f} MiB limit", "Use a smaller adapter")
+        for name in [n for n in names if n] + [side for side in SIDE_FILES if side in sizes]:
+            folder = Path(hf_hub_download(repo, name, revision=info.sha, cache_dir=self.cache_dir)).parent
+        return folder, names
 
 
 class AdapterSources:

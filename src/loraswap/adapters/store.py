@@ -197,6 +197,11 @@ def read_adapter(location: AdapterLocation, model: TargetModel, limits: StoreLim
 
 
 def _stamp(location: AdapterLocation) -> tuple:
-    stat = location.weights.stat()
-    # ctime and inode too: a copy that keeps the mtime (cp -p, rsync -t, tar) is still a new file
-    return stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino
+    """What tells a changed file (or pair of expert files) from the one cached."""
+    stamp = ()
+    for path in (location.weights, location.second_expert):
+        if path is not None:
+            stat = path.stat()
+            # ctime and inode too: a copy that keeps the mtime (cp -p, rsync -t, tar) is still a new file
+            stamp += (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
+    return stamp

@@ -75,7 +75,8 @@ def _inspect(location, path_or_id: str, model: str, adapters: Path | None, max_r
         parsed = load_adapter(location, pipeline_cls, layers.component_modules, 2**40, unet.config if unet else None)
         report.update(
             format=parsed.format, tensors=parsed.num_tensors, kinds=parsed.kinds(), base_models=parsed.base_models,
-            bytes=location.weights.stat().st_size, ranks=parsed.ranks, layers=parsed.num_layers,
+            bytes=sum(f.stat().st_size for f in (location.weights, location.second_expert) if f),
+            ranks=parsed.ranks, layers=parsed.num_layers,
             modules={c: len({p.rsplit(".", 1)[0] for p in params}) for c, params in parsed.layers.items()},
             scales=sorted({round(layer.scale, 6) for _, _, layer in parsed.all_layers()}),
             targets={c: sorted(params) for c, params in parsed.layers.items()},

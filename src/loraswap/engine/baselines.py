@@ -83,18 +83,23 @@ class LoadAndFuseSwapper:
 
 
     def _load_second_expert(self, location: AdapterLocation, name: str) -> None:
-        """Wan 2.2's `transformer_2.` keys, which `load_lora_weights` skips without an error:
-        loaded into the second expert the way diffusers offers (as `transformer.` keys)."""
-        if "transformer_2" not in getattr(self.pipeline, "_lora_loadable_modules", ()):
+        """Wan 2.2's second expert, the way diffusers offers (`load_into_transformer_2`): the
+        low-noise file of a pair, or a file's `transformer_2.` keys, which `load_lora_weights`
+        otherwise skips without an error (loaded as `transformer.` keys, with their scales)."""
+        pipeline = self.pipeline
+        if "transformer_2" not in getattr(pipeline, "_lora_loadable_modules", ()):
             return
-        state_dict, metadata = self.pipeline.lora_state_dict(str(location.weights), return_lora_metadata=True)
+        if location.second_expert is not None:
+            pipeline.load_lora_weights(str(location.second_expert), adapter_name=name, load_into_transformer_2=True)
+            return
+        state_dict, metadata = pipeline.lora_state_dict(str(location.weights), return_lora_metadata=True)
         second = {key.replace("transformer_2.", "transformer.", 1): value for key, value in state_dict.items()
                   if key.startswith("transformer_2.")}
         if second:
             scales = {key.replace("transformer_2.", "transformer.", 1): value for key, value in (metadata or {}).items()
                       if key.startswith("transformer_2.")}
-            self.pipeline.load_lora_into_transformer(second, transformer=self.pipeline.transformer_2, adapter_name=name,
-                                                     metadata=scales or None, _pipeline=self.pipeline)
+            pipeline.load_lora_into_transformer(second, transformer=pipeline.transformer_2, adapter_name=name,
+                                                metadata=scales or None, _pipeline=pipeline)
 
     def _unload(self) -> None:
         if self._loaded:
@@ -153,6 +158,9 @@ class HotswapSwapper:
         hotswap would fail on halfway."""
         if len(adapters) > 1:
             raise BadRequest("the hotswap baseline serves one adapter at a time; name one adapter")
+        if adapters and adapters[0][0].second_expert is not None:
+            raise AdapterIncompatible(adapters[0][0].adapter_id, "it is a pair of expert files, which the hotswap "
+                                      "baseline does not load", "Use --swap-mode fused")
         if adapters:
             self._check_one(*adapters[0])
 
