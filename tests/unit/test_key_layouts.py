@@ -92,3 +92,35 @@ def test_loha_and_lokr_on_fused_flux_layers_split_by_rows(tmp_path):
     for key, change in expected.items():
         torch.testing.assert_close(after[key] - before[key], change, rtol=1e-4, atol=1e-6, msg=key)
     assert {k for k in before if not torch.equal(before[k], after[k])} == set(expected)
+
+
+def test_loha_and_lokr_in_trainer_naming_on_the_new_families(tmp_path):
+    """LyCORIS kinds in the trainers' naming of newer families: a LoHa on Qwen-Image in kohya
+    names and a LoKr on Wan 2.2 in ComfyUI names, against LyCORIS's functional rebuild."""
+    cases = {
+        "tiny-qwen-image": ("lora_unet_transformer_blocks_0_img_mlp_net_0_proj", "transformer",
+                            "transformer_blocks.0.img_mlp.net.0.proj.weight"),
+        "tiny-wan": ("diffusion_model.blocks.1.self_attn.q", "transformer", "blocks.1.attn1.to_q.weight"),
+    }
+    for preset, (prefix, component, param) in cases.items():
+        engine = Engine(EngineConfig(model=preset, adapters=tmp_path, compile=False, warmup=False))
+        out_features, in_features = engine.components[component].get_parameter(param).shape
+        if preset == "tiny-qwen-image":
+            factors = {"hada_w1_a": randn(out_features, 4), "hada_w1_b": randn(4, in_features, seed=1),
+                       "hada_w2_a": randn(out_features, 4, seed=2), "hada_w2_b": randn(4, in_features, seed=3)}
+            change = loha_diff_weight(factors["hada_w1_b"], factors["hada_w1_a"], factors["hada_w2_b"],
+                                      factors["hada_w2_a"], None, None, gamma=0.5, backend="torch")  # 2 / 4
+        else:
+            factors = {"lokr_w1": randn(4, 2), "lokr_w2_a": randn(out_features // 4, 2),
+                       "lokr_w2_b": randn(2, in_features // 2, seed=4)}
+            change = kron_weight(factors["lokr_w1"], None, None, None, factors["lokr_w2_a"], factors["lokr_w2_b"],
+                                 scale=1.0, backend="torch")  # alpha 2 / rank 2
+        tensors = {f"{prefix}.{k}": v for k, v in factors.items()} | {f"{prefix}.alpha": torch.tensor(2.0)}
+        save_file(tensors, str(tmp_path / f"{preset}.safetensors"))
+        before = weights_snapshot(engine.components)
+        engine.set_adapters([(preset, 1.0)])
+        after = weights_snapshot(engine.components)
+        key = f"{component}.{param}"
+        assert change.abs().max() > 1e-2
+        torch.testing.assert_close(after[key] - before[key], change, rtol=1e-4, atol=1e-6, msg=key)
+        assert {k for k in before if not torch.equal(before[k], after[k])} == {key}
