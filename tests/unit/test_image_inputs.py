@@ -82,3 +82,12 @@ def test_img2img_makes_the_asked_size_where_the_pipeline_takes_none():
     request = GenerateRequest(prompt=PROMPT, seed=1, steps=2, image=input_image().resize((72, 40)), width=64,
                               height=32, strength=0.5)
     assert engine.generate(request).image.size == (64, 32)
+
+
+def test_a_model_without_image_inputs_refuses_an_image():
+    engine = Engine(EngineConfig(model="tiny-wan", compile=False, warmup=False))
+    with pytest.raises(UnsupportedInput, match="takes no image input"):
+        engine.generate(GenerateRequest(prompt="x", image=input_image()))
+    edit = Engine(EngineConfig(model="tiny-qwen-image-edit", compile=False, warmup=False))
+    with pytest.raises(UnsupportedInput, match="edit model: send the image"):
+        edit.generate(GenerateRequest(prompt="x"))
