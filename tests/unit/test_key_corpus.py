@@ -31,6 +31,9 @@ REFUSED = {
     "sd35_kohya_sai_names": ("'lora_unet_joint_blocks_0_", "does not exist in this model"),
     # a Wan I2V LoRA's image cross-attention: the T2V transformer has none
     "wan_i2v_lightx2v_comfy_on_t2v": ("k_img", "does not exist in this model"),
+    # fused and split LoRAs of the same attention: diffusers keeps the split ones and skips
+    # the fused; loraswap will not guess which one the trainer meant
+    "z_image_kohya_fused_and_split": ("name the same weight",),
 }
 
 

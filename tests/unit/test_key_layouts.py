@@ -124,3 +124,24 @@ def test_loha_and_lokr_in_trainer_naming_on_the_new_families(tmp_path):
         assert change.abs().max() > 1e-2
         torch.testing.assert_close(after[key] - before[key], change, rtol=1e-4, atol=1e-6, msg=key)
         assert {k for k in before if not torch.equal(before[k], after[k])} == {key}
+
+
+def test_wan_modulation_differences_are_applied_to_the_blocks_tables(tmp_path):
+    """lightx2v's Wan LoRAs carry `diffusion_model.blocks.N.diff_m`, the change of a block's
+    modulation table; diffusers' loader drops them with a log line, loraswap applies them."""
+    engine = Engine(EngineConfig(model="tiny-wan", adapters=tmp_path, compile=False, warmup=False))
+    table = engine.pipeline.transformer.blocks[0].scale_shift_table
+    q = engine.pipeline.transformer.blocks[0].attn1.to_q.weight
+    tensors = {"diffusion_model.blocks.0.diff_m": randn(*table.shape), "diffusion_model.blocks.0.self_attn.q.lora_down"
+               ".weight": randn(2, q.shape[1], seed=1), "diffusion_model.blocks.0.self_attn.q.lora_up.weight":
+               randn(q.shape[0], 2, seed=2), "diffusion_model.blocks.0.self_attn.q.alpha": torch.tensor(2.0)}
+    save_file(tensors, str(tmp_path / "lightx2v.safetensors"))
+    before = weights_snapshot(engine.components)
+    engine.set_adapters([("lightx2v", 1.0)])
+    after = weights_snapshot(engine.components)
+    key = "transformer.blocks.0.scale_shift_table"
+    torch.testing.assert_close(after[key] - before[key], tensors["diffusion_model.blocks.0.diff_m"])
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed == {key, "transformer.blocks.0.attn1.to_q.weight"}
+    engine.set_adapters([])
+    assert all(torch.equal(before[k], v) for k, v in weights_snapshot(engine.components).items())

@@ -127,6 +127,7 @@ class ProbeKeys:
 
 
 KOHYA_PROBE = ProbeKeys(".lora_down.weight", ".lora_up.weight")
+PEFT_PROBE = ProbeKeys(".lora_A.weight", ".lora_B.weight", None)
 
 
 class DiffusersProbe:

@@ -47,6 +47,8 @@ def module_layers(aid: str, prefix: str, module, place: Place, config: dict) -> 
             raise AdapterInvalid(aid, f"'{prefix}.lora_B.bias' has no LoRA pair", "Export the adapter again")
         scale = out[place.module + ".weight"].scale if factor == "lora_bias" else 1.0
         out[place.module + ".bias"] = _rows(aid, prefix, Layer("full", {"diff": tensor}, scale), place.rows)
+    if "modulation" in parts:  # the block's modulation table, changed as a whole
+        out[place.module + ".scale_shift_table"] = Layer("full", {"diff": parts["modulation"]["diff"]})
     return out
 
 

@@ -17,7 +17,7 @@ from diffusers import DiffusionPipeline
 from ..errors import AdapterIncompatible, AdapterInvalid
 from .formats import read_safetensors
 from .kinds import Layer, delta_shape
-from .layout import KOHYA_PROBE, DiffusersProbe, ModuleNames, Place, ProbeKeys
+from .layout import KOHYA_PROBE, PEFT_PROBE, DiffusersProbe, ModuleNames, Place, ProbeKeys
 from .metadata import declared_base_models
 from .module_layers import WEIGHT_KINDS, complete, module_layers
 
@@ -31,12 +31,14 @@ SUFFIXES = (
     (".lora.down.weight", "lora", "down"), (".lora.up.weight", "lora", "up"),
     (".lora_down.weight", "lora", "down"), (".lora_up.weight", "lora", "up"), (".lora_mid.weight", "lora", "mid"),
     (".lora_A.weight", "lora", "down"), (".lora_B.weight", "lora", "up"), (".lora_B.bias", "bias", "lora_bias"),
+    (".lora_A.default.weight", "lora", "down"), (".lora_B.default.weight", "lora", "up"),  # DiffSynth's PEFT
     (".down.weight", "lora", "down"), (".up.weight", "lora", "up"),
     (".hada_w1_a", "loha", "w1a"), (".hada_w1_b", "loha", "w1b"), (".hada_w2_a", "loha", "w2a"),
     (".hada_w2_b", "loha", "w2b"), (".hada_t1", "loha", "t1"), (".hada_t2", "loha", "t2"),
     (".lokr_w1", "lokr", "w1"), (".lokr_w1_a", "lokr", "w1a"), (".lokr_w1_b", "lokr", "w1b"),
     (".lokr_w2", "lokr", "w2"), (".lokr_w2_a", "lokr", "w2a"), (".lokr_w2_b", "lokr", "w2b"),
     (".lokr_t2", "lokr", "t2"), (".diff_b", "bias", "diff"), (".diff", "full", "diff"),
+    (".diff_m", "modulation", "diff"),  # a Wan block's scale_shift_table (lightx2v)
     (".w_norm", "full", "diff"), (".b_norm", "bias", "diff"),  # LyCORIS norm layers
     (".dora_scale", "dora", "lycoris"), (".lora_magnitude_vector.weight", "dora", "peft"),
     (".lora_magnitude_vector", "dora", "peft"), (".alpha", "alpha", "alpha"),
@@ -206,10 +208,12 @@ def _place(adapter_id: str, pipeline_cls, modules: dict[str, FileModule], names:
     rest = {p: _probe_keys(m) for p, m in modules.items() if p not in places}
     if rest:
         places.update(_probe(probe, rest))
-    # BFL names with PEFT suffixes (ai-toolkit): diffusers reads those names with kohya's
-    retry = {p: (rows, KOHYA_PROBE) for p, (rows, keys) in rest.items() if p not in places and keys != KOHYA_PROBE}
-    if retry:
-        places.update(_probe(probe, retry))
+    # names diffusers reads only with the other suffixes: BFL names with PEFT's (ai-toolkit's
+    # LoRAs: read with kohya's), FLUX.2 names of non-LoRA kinds (ai-toolkit's LoKr: PEFT's)
+    for fallback in (KOHYA_PROBE, PEFT_PROBE):
+        retry = {p: (rows, fallback) for p, (rows, keys) in rest.items() if p not in places and keys != fallback}
+        if retry:
+            places.update(_probe(probe, retry))
     for prefix, module in modules.items():
         if not places.get(prefix):
             _refuse_unplaced(adapter_id, pipeline_cls, names, module.first_key(prefix), prefix)
