@@ -128,3 +128,19 @@ def test_bench_family_swaps_per_request_against_base_and_load_and_fuse(tmp_path)
     assert len(report["fused"]["rows"]) == 4
     assert report["fused"]["recompiles"] == 0
     assert (tmp_path / "family-tiny-sd.json").exists()
+
+
+def test_bench_swap_keeps_load_and_fuse_in_full_precision_beside_float8():
+    """diffusers cannot merge into float8 weights: with --quantize the load-and-fuse copy stays
+    in full precision (as a server using diffusers' loader would run), the others are float8."""
+    import torch
+
+    from loraswap.bench.swap import SwapBench
+
+    bench = SwapBench.__new__(SwapBench)  # only the builder, not the adapters and rounds
+    bench.variants, bench.device, bench.dtype = ("load-and-fuse", "fused", "base"), torch.device("cpu"), torch.float32
+    models, prefix, _ = bench._build("tiny-sd", "fp8-weight-only")
+    assert prefix == "unet" and set(models) == {"load-and-fuse", "fused"}
+    weight_types = {name: type(model.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q.weight).__name__
+                    for name, model in models.items()}
+    assert weight_types == {"load-and-fuse": "Parameter", "fused": "Float8Tensor"}
