@@ -174,8 +174,8 @@ class GpuWorker:
         try:
             if ready:
                 hooks = [job.on_step for job in ready if job.on_step]
-                results = self.engine.generate_batch([job.request for job in ready], held[0],
-                                                     lambda done, total: [hook(done, total) for hook in hooks])
+                progress = {"on_step": lambda done, total: [hook(done, total) for hook in hooks]} if hooks else {}
+                results = self.engine.generate_batch([job.request for job in ready], held[0], **progress)
                 for job, result in zip(ready, results):
                     job.future.set_result(result)
         except BaseException as e:  # delivered to the waiting handlers
