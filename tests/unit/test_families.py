@@ -252,3 +252,19 @@ def test_an_expert_pair_on_a_model_with_one_transformer_is_refused(tmp_path):
     one_transformer = Engine(EngineConfig(model="tiny-flux", adapters=tmp_path, compile=False, warmup=False))
     with pytest.raises(AdapterIncompatible, match="pair of expert files"):
         one_transformer.set_adapters([("pair", 1.0)])
+
+
+def test_video_progress_reaches_a_job_through_the_gpu_worker():
+    from loraswap.engine.worker import GpuWorker, SchedulerConfig
+
+    engine = Engine(EngineConfig(model="tiny-wan", compile=False, warmup=False))
+    worker = GpuWorker(engine, SchedulerConfig())
+    worker.start()
+    steps = []
+    try:
+        future = worker.submit(GenerateRequest(prompt=PROMPT, seed=1, steps=2, frames=5), None,
+                               lambda done, total: steps.append((done, total)))
+        assert len(future.result(timeout=120).frames) == 5
+    finally:
+        worker.stop()
+    assert steps == [(1, 2), (2, 2)]

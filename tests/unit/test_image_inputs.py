@@ -91,3 +91,44 @@ def test_a_model_without_image_inputs_refuses_an_image():
     edit = Engine(EngineConfig(model="tiny-qwen-image-edit", compile=False, warmup=False))
     with pytest.raises(UnsupportedInput, match="edit model: send the image"):
         edit.generate(GenerateRequest(prompt="x"))
+
+
+def test_every_family_image_pipeline_shares_the_loaded_modules():
+    """Each family's img2img and inpainting pipelines exist in diffusers and are made from the
+    loaded one with its very modules."""
+    for preset, family in PRESET_FAMILIES.items():
+        if not family.image_pipelines:
+            continue
+        engine = Engine(EngineConfig(model=preset, compile=False, warmup=False))
+        for task, name in family.image_pipelines.items():
+            made = engine.calls.pipeline(task)
+            assert type(made).__name__ == name, (preset, task)
+            assert all(made.components[c] is m for c, m in engine.components.items()), (preset, task)
+
+
+@pytest.mark.parametrize(("preset", "request_fields", "words"), [
+    ("tiny-sd3", {"width": 72}, "width that is a multiple of 16, not 72"),
+    ("tiny-wan", {"output": "image"}, "makes videos, not images"),
+    ("tiny-sd", {"output": "video"}, "makes images, not videos"),
+    ("tiny-flux-kontext", {"image": input_image(), "strength": 0.5}, "takes no strength"),
+])
+def test_requests_the_model_cannot_take_are_refused_before_the_swap(preset, request_fields, words, adapter_factory):
+    path = adapter_factory(f"refused-{preset}", preset, rank=4, seed=23)
+    engine = Engine(EngineConfig(model=preset, adapters=path.parent, compile=False, warmup=False))
+    with pytest.raises(UnsupportedInput, match=words):
+        engine.generate(GenerateRequest(prompt="x", loras=[(path.stem, 1.0)], **request_fields))
+    assert engine.applied_ids == (), "refused before the adapter was swapped in"
+
+
+def test_a_size_of_a_multiple_of_8_is_enough_for_sd():
+    engine = Engine(EngineConfig(model="tiny-sd", compile=False, warmup=False))
+    assert engine.generate(GenerateRequest(prompt="x", steps=1, width=72, height=40)).image.size == (72, 40)
+
+
+def test_qwen_guidance_comes_with_a_blank_negative_prompt():
+    from loraswap.models.families.qwen_image import guided_with_a_negative_prompt
+
+    assert guided_with_a_negative_prompt({"prompt": ["a", "b"], "true_cfg_scale": 4.0})["negative_prompt"] == [" "] * 2
+    kept = {"prompt": ["a"], "true_cfg_scale": 4.0, "negative_prompt": ["blur"]}
+    assert guided_with_a_negative_prompt(kept) == kept
+    assert "negative_prompt" not in guided_with_a_negative_prompt({"prompt": ["a"]})

@@ -99,7 +99,7 @@ def test_both_apis_parse_into_one_request():
     assert client.post("/v1/images/generations", json={**openai, "model": "style"},
                        headers={"lora": "second:0.25, style:0.5"}).status_code == 200
     expected = GenerateRequest(prompt="a fox", negative_prompt="blur", steps=3, guidance=2.5, width=64, height=32,
-                               seed=9, loras=[("style", 0.5), ("second", 0.25)])
+                               seed=9, loras=[("style", 0.5), ("second", 0.25)], output="image")
     requests = [request for request, _ in backend.generated]
     assert requests[0] == requests[2] == expected
     # the route's adapter and the header's: the header gives an adapter it names its weight

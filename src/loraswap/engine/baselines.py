@@ -87,7 +87,7 @@ class LoadAndFuseSwapper:
         low-noise file of a pair, or a file's `transformer_2.` keys, which `load_lora_weights`
         otherwise skips without an error (loaded as `transformer.` keys, with their scales)."""
         pipeline = self.pipeline
-        if "transformer_2" not in getattr(pipeline, "_lora_loadable_modules", ()):
+        if getattr(pipeline, "transformer_2", None) is None:  # Wan 2.1 (and a bench's bare denoiser)
             return
         if location.second_expert is not None:
             pipeline.load_lora_weights(str(location.second_expert), adapter_name=name, load_into_transformer_2=True)
@@ -172,9 +172,9 @@ class HotswapSwapper:
         refuse_kinds_diffusers_drops(location, self.pipeline)
         with safe_open(str(location.weights), "pt") as f:
             for key in f.keys():
-                if key.startswith(("text_encoder", "lora_te")):
-                    raise AdapterIncompatible(aid, f"key '{key}' targets a text encoder, which hotswap cannot "
-                                              "swap", "Use --swap-mode fused for text-encoder adapters")
+                if key.startswith(("text_encoder", "lora_te", "transformer_2.")):
+                    raise AdapterIncompatible(aid, f"key '{key}' targets a text encoder or a second expert, which "
+                                              "hotswap cannot swap", "Use --swap-mode fused for these adapters")
                 is_down = ".lora_A." in key or ".lora_down." in key
                 if is_down and f.get_slice(key).get_shape()[0] > self.target_rank:
                     raise AdapterIncompatible(aid, f"key '{key}' has a rank over the hotswap target rank "

@@ -32,6 +32,22 @@ class PipelineCalls:
     # ------------------------------------------------------------ which pipeline
     def task(self, request: GenerateRequest) -> str:
         """The pipeline `request` needs; UnsupportedInput (422) when the model has none for it."""
+        self._check_output_and_size(request)
+        return self._input_task(request)
+
+    def _check_output_and_size(self, request: GenerateRequest) -> None:
+        family, name = self.family, self.family.name if self.family else "this model"
+        makes = family.output if family else "image"
+        if request.output not in (None, makes) or (request.frames is not None and makes == "image"):
+            fix = "use the videos API (POST /v1/videos)" if makes == "video" else "ask for an image"
+            raise UnsupportedInput(f"{name} makes {makes}s, not {'images' if makes == 'video' else 'videos'}: {fix}")
+        multiple = family.size_multiple if family else 8
+        for side in ("width", "height"):
+            value = getattr(request, side) or self.defaults.get(side)
+            if value is not None and value % multiple:
+                raise UnsupportedInput(f"{name} needs a {side} that is a multiple of {multiple}, not {value}")
+
+    def _input_task(self, request: GenerateRequest) -> str:
         family, name = self.family, self.family.name if self.family else "this model"
         image_input = family.image_input if family else "none"
         if request.mask is not None:
@@ -46,8 +62,6 @@ class PipelineCalls:
             return IMG2IMG if image_input == "variants" else TEXT
         if image_input == "required":
             raise UnsupportedInput(f"{name} is an edit model: send the image to edit")
-        if request.frames is not None and not (family and family.output == "video"):
-            raise UnsupportedInput(f"{name} makes images, not videos: leave out the number of frames")
         return TEXT
 
     def pipeline(self, task: str) -> DiffusionPipeline:
@@ -80,6 +94,8 @@ class PipelineCalls:
         """The pipeline's keyword arguments for these requests (their shared parameters, the
         model's defaults for what they leave out), limited to what its `__call__` takes."""
         first, defaults, takes = requests[0], self.defaults, self.parameters(task)
+        if first.strength is not None and "strength" not in takes:
+            raise UnsupportedInput(f"{type(self.pipeline(task)).__name__} takes no strength: leave it out")
         kwargs = dict(prompt=[r.prompt for r in requests])
         if self.images_on_device(task):
             kwargs["output_type"] = "pt"  # made 8-bit on the device (`to_pil`), not as floats on the host

@@ -99,3 +99,4 @@ class GenerateRequest(BaseModel):
     mask: Image.Image | None = None
     strength: float | None = Field(None, gt=0, le=1)
     frames: int | None = Field(None, ge=1, le=1000)
+    output: Literal["image", "video"] | None = None  # what the API asked for (None: what the model makes)

@@ -24,7 +24,7 @@ from ..adapters.store import Acquired, AdapterStore, StoreLimits, TargetModel
 from ..models import adapter_targets, denoiser_name, family_of, generation_defaults, model_name, resolve_device
 from .attention import AttentionBackend
 from .baselines import HotswapSwapper, LoadAndFuseSwapper
-from .calls import PipelineCalls
+from .calls import TEXT, PipelineCalls
 from .compile import graph_count
 from .config import EngineConfig, GenerateRequest
 from .startup import Startup
@@ -79,8 +79,8 @@ class Engine:
         self.swapper = SWAPPERS[config.swap_mode].for_engine(self.pipeline, layers, config)
         self.adapters = self._make_store(layers)
         self._applied: Acquired = []  # what the swapper applied, as the store handed it (on failure: base)
-        self.family = family_of(self.pipeline)  # None: a pipeline no family lists (served text to image)
-        self.calls = PipelineCalls(self.pipeline, self.family, generation_defaults(config.model))
+        # the family (None: a pipeline no family lists, served text to image) and its pipelines
+        self.calls = PipelineCalls(self.pipeline, family_of(self.pipeline), generation_defaults(config.model))
         self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
         with on_device(self.device):
             self.start.compile_and_warm_up(self)
@@ -139,14 +139,14 @@ class Engine:
         Each image has its own prompt and seed (a generator per image), so it is the image
         the request would get alone, up to the numerics of a larger batch.
         """
-        # 1. the pipeline that takes these inputs (refused before anything changes), and the
-        #    requested adapters on the model (validated before anything changes)
+        # 1. the pipeline that takes these inputs and its call, refused before anything changes;
+        #    seeds drive CPU generators, as the HF image does
         task = self.calls.task(requests[0])
-        swap_seconds = self.set_adapters(requests[0].loras, acquired)
-        # 2. build the pipeline call; seeds drive CPU generators, as the HF image does
-        seeds = [r.seed if r.seed is not None else random.randrange(2**31) for r in requests]
         kwargs = self.calls.arguments(task, requests) | self.calls.progress(task, on_step)
-        pipeline = self.calls.pipeline(task)
+        pipeline = self.pipeline if task == TEXT else self.calls.pipeline(task)  # the loaded one, for text
+        seeds = [r.seed if r.seed is not None else random.randrange(2**31) for r in requests]
+        # 2. the requested adapters on the model (validated before anything changes)
+        swap_seconds = self.set_adapters(requests[0].loras, acquired)
 
         # 3. generate (generators made per attempt: a call retried cold starts from the seeds again)
         def generators() -> list[torch.Generator]:
@@ -158,7 +158,7 @@ class Engine:
         videos = self.calls.outputs(task, output)
         seconds = time.perf_counter() - started
         self.start.maybe_record_first_image(self.model_name)
-        fps = self.family.fps if self.calls.is_video else None
+        fps = self.calls.family.fps if self.calls.is_video else None
         return [GenerateResult(frames[0], seed, swap_seconds, seconds, frames if fps else None, fps)
                 for frames, seed in zip(videos, seeds)]
 

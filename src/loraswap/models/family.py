@@ -48,6 +48,8 @@ class Family:
       (Qwen-Image's `true_cfg_scale` for the guidance scale).
     - `adjust_call`: the family's own change to a call's keyword arguments, if any (FLUX.1
       Kontext's output area follows the asked size only when told so).
+    - `size_multiple`: what width and height must be multiples of (latents an eighth of the
+      image, packed in 2x2 patches by the transformers: 16).
     """
 
     name: str
@@ -61,15 +63,13 @@ class Family:
     defaults: Mapping[str, int] = field(default_factory=dict)
     call_names: Mapping[str, str] = field(default_factory=dict)
     adjust_call: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    size_multiple: int = 16
 
     @property
     def pipeline_class(self) -> type[DiffusionPipeline]:
         import diffusers
 
         return getattr(diffusers, self.pipeline)
-
-    def takes_images(self) -> bool:
-        return self.image_input != "none"
 
     def takes_masks(self) -> bool:
         return "inpaint" in self.image_pipelines

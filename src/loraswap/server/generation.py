@@ -1,6 +1,7 @@
 """What the generation APIs do once a request is parsed: generate through the backend
 (counted, timed and logged at the edge) and encode the image as the client accepts."""
 
+import asyncio
 import io
 import logging
 import time
@@ -42,7 +43,7 @@ async def run_generation(state, route: str, gen: GenerateRequest, model: str | N
     except torch.OutOfMemoryError:
         status = 503
         raise Overloaded("the GPU ran out of memory for this request; retry, or ask for a smaller image") from None
-    except ClientGone:
+    except (ClientGone, asyncio.CancelledError):  # a client that left, a video job deleted or stopped
         status = 499
         raise
     except LoraswapError as e:

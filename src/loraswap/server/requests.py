@@ -125,7 +125,7 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
     count = fields.get("n") or 1
     last_seed = fields["seed"] + count - 1 if fields.get("seed") is not None else None
     check_limits({"width": fields.get("width"), "height": fields.get("height"), "seed": last_seed}, config)
-    frames = _video_frames(fields, config)
+    frames, fps = _video_frames(fields, config)
     require_image(fields.get("image") is not None, fields.get("mask") is not None, fields.get("strength"))
     # 3. the name: a hosted base model, or adapters put before those of the `lora` header
     model, loras = _model_and_adapters(backend, named, api.names_blend, request.headers.get("lora"))
@@ -141,23 +141,25 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
                                    steps=fields.get("num_inference_steps"), guidance=fields.get("guidance_scale"),
                                    width=fields.get("width"), height=fields.get("height"), seed=fields.get("seed"),
                                    loras=loras, image=image, mask=mask, strength=fields.get("strength"),
-                                   frames=frames)
+                                   frames=frames, output=api.output)
     except ValidationError as e:
         raise BadRequest(describe(e.errors())) from None
-    return ImageRequest(generate, model, count, fields.get("fps"))
+    return ImageRequest(generate, model, count, fps)
 
 
-def _video_frames(fields: dict, config: ServerConfig) -> int | None:
-    """A video's frames: as asked (`frames`, or diffusers' `num_frames`), else `seconds` at the
-    asked fps (else the server's `video_fps`); None: the model's default (and for images)."""
+def _video_frames(fields: dict, config: ServerConfig) -> tuple[int | None, int | None]:
+    """A video's frames and the fps it plays at: the frames as asked (`frames`, or diffusers'
+    `num_frames`), else `seconds` at the asked fps (else the server's `video_fps`, which the
+    video then plays at, so that it lasts the seconds asked); None: the model's default."""
     if fields.get("seconds") is None:
-        return next((fields[n] for n in ("frames", "num_frames") if fields.get(n) is not None), None)
+        frames = next((fields[n] for n in ("frames", "num_frames") if fields.get(n) is not None), None)
+        return frames, fields.get("fps")
     fps = fields.get("fps") or config.video_fps
     frames = round(fields["seconds"] * fps)
     if not 1 <= frames <= config.max_video_frames:
         raise BadRequest(f"seconds {fields['seconds']:g} at {fps} fps is {frames} frames; a video has 1 to "
                          f"{config.max_video_frames} frames (seconds x fps)")
-    return frames
+    return frames, fps
 
 
 def _model_and_adapters(backend: Backend, named: str | None, blend: bool,

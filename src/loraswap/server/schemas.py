@@ -44,6 +44,7 @@ class ApiBody(BaseModel):
     names_blend: ClassVar[bool]  # whether the model the request names may be a blend (`id1:0.8, id2:0.5`)
     takes_images: ClassVar[bool] = False  # the body may carry an image and a mask (beyond max_body_bytes)
     form: ClassVar[bool] = False  # the body is multipart/form-data, not JSON
+    output: ClassVar[str] = "image"  # what the route answers with: "image" or "video"
 
     @classmethod
     def parse(cls, body: Any) -> "ApiBody":
@@ -147,6 +148,7 @@ class OpenAIVideoRequest(ApiBody):
     example: ClassVar[str] = "a multipart form: prompt, model, seconds, size (curl -F prompt=... -F model=...)"
     names_blend: ClassVar[bool] = True
     form: ClassVar[bool] = True
+    output: ClassVar[str] = "video"
 
     prompt: str
     model: str | None = None

@@ -108,6 +108,14 @@ QWEN_IMAGE_COMPONENTS = {"transformer": (QwenImageTransformer2DModel, QWEN_IMAGE
                          "vae": (AutoencoderKLQwenImage, VAE_QWEN_IMAGE)}
 QWEN_IMAGE_SHAPE = Shape(components=QWEN_IMAGE_COMPONENTS, extras=qwen_image_extras)
 
+def guided_with_a_negative_prompt(kwargs: dict) -> dict:
+    """A guidance scale is applied: Qwen-Image's true guidance runs only beside a negative
+    prompt, so a request with a scale and no negative prompt gets a blank one."""
+    if kwargs.get("true_cfg_scale", 1.0) > 1.0 and "negative_prompt" not in kwargs:
+        return dict(kwargs, negative_prompt=[" "] * len(kwargs["prompt"]))
+    return kwargs
+
+
 FAMILY = Family(
     name="qwen-image",
     pipeline="QwenImagePipeline",
@@ -117,4 +125,5 @@ FAMILY = Family(
     image_input="variants",
     defaults=TINY_DEFAULTS,
     call_names={"guidance_scale": "true_cfg_scale"},
+    adjust_call=guided_with_a_negative_prompt,
 )

@@ -11,7 +11,12 @@ limits 1369 vision tokens in the prompt. Guidance is `true_cfg_scale`, as Qwen-I
 from diffusers import QwenImageEditPipeline
 
 from ..family import TINY_DEFAULTS, Family, Shape
-from .qwen_image import QWEN_IMAGE_COMPONENTS, qwen_image_extras, tiny_qwen_image_components
+from .qwen_image import (
+    QWEN_IMAGE_COMPONENTS,
+    guided_with_a_negative_prompt,
+    qwen_image_extras,
+    tiny_qwen_image_components,
+)
 from .qwen_tokenizer import make_qwen2_vl_processor
 
 # The tiny processor caps the image at 112x112 for the vision tower (16 tokens), where the
@@ -37,4 +42,5 @@ FAMILY = Family(
     image_input="required",
     defaults=TINY_DEFAULTS,
     call_names={"guidance_scale": "true_cfg_scale"},
+    adjust_call=guided_with_a_negative_prompt,
 )

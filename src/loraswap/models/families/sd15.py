@@ -45,4 +45,5 @@ FAMILY = Family(
     image_pipelines={"img2img": "StableDiffusionImg2ImgPipeline", "inpaint": "StableDiffusionInpaintPipeline"},
     image_input="variants",
     defaults=TINY_DEFAULTS,
+    size_multiple=8,
 )

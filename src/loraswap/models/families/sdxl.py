@@ -63,4 +63,5 @@ FAMILY = Family(
     image_pipelines={"img2img": "StableDiffusionXLImg2ImgPipeline", "inpaint": "StableDiffusionXLInpaintPipeline"},
     image_input="variants",
     defaults=TINY_DEFAULTS,
+    size_multiple=8,
 )
