@@ -98,17 +98,15 @@ def read_image_inputs(image: Path | None, mask: Path | None, strength: float | N
     """The request's image fields, with the server's checks (server/images.py): the image as
     RGB, the mask as "L", the size to generate (the image's, rounded down to a multiple of 16,
     when --width and --height are not given)."""
-    from ..server.images import ImageLimits, check_mask_fits, output_size, read_image, read_mask, require_image
+    from ..server.images import ImageLimits, output_size, read_inputs, require_image
     from ..server.limits import engine_bounds
 
     require_image(image is not None, mask is not None, strength)
     if image is None:
         return {"width": width, "height": height}
     limits = ImageLimits.of(server_config({name: given[name] for name in given if name in IMAGE_NAMES}))
-    picture = read_image(_read_file(image, "image", limits), "image", limits)
-    painted = read_mask(_read_file(mask, "mask", limits), limits) if mask else None
-    if painted is not None:
-        check_mask_fits(picture, painted)
+    picture, painted = read_inputs(_read_file(image, "image", limits), _read_file(mask, "mask", limits) if mask
+                                   else None, limits)
     most = int(engine_bounds("width")[1])  # no server limits here: the engine's
     width, height = output_size(picture, width, height, most, most)
     return {"width": width, "height": height, "image": picture, "mask": painted, "strength": strength}

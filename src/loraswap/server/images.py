@@ -142,15 +142,21 @@ async def decode_inputs(image: bytes | str | None, mask: bytes | str | None,
     if image is None:
         return None, None
 
-    def decode():
-        picture = read_image(_as_bytes(image, "image", limits), "image", limits)
-        if mask is None:
-            return picture, None
-        painted = read_mask(_as_bytes(mask, "mask", limits), limits)
-        check_mask_fits(picture, painted)
-        return picture, painted
+    def decode():  # base64 too: a large image takes a CPU for a while either way
+        return read_inputs(_as_bytes(image, "image", limits), None if mask is None else _as_bytes(mask, "mask", limits),
+                           limits)
 
     return await run_in_threadpool(decode)
+
+
+def read_inputs(image: bytes, mask: bytes | None, limits: ImageLimits) -> tuple[Image.Image, Image.Image | None]:
+    """The image (RGB) and the mask ("L", of the image's size), decoded and checked."""
+    picture = read_image(image, "image", limits)
+    if mask is None:
+        return picture, None
+    painted = read_mask(mask, limits)
+    check_mask_fits(picture, painted)
+    return picture, painted
 
 
 def _as_bytes(value: bytes | str, what: str, limits: ImageLimits) -> bytes:
