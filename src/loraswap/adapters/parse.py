@@ -250,12 +250,11 @@ def load_adapter(location, pipeline_cls: type[DiffusionPipeline], component_modu
         raise AdapterIncompatible(location.adapter_id, "it is a pair of expert files (high and low noise) for Wan "
                                   "2.2's two transformers, and this model has one", "Serve it on a Wan 2.2 model, "
                                   "or keep one file")
-    tensors, metadata = read_safetensors(location.weights, location.adapter_id, max_bytes)
-    if LORA_ADAPTER_METADATA_KEY not in metadata and location.folder is not None:
-        metadata = metadata | _peft_config_metadata(location.adapter_id, location.folder, component_modules)
+    tensors, metadata = _read(location, location.weights, component_modules, max_bytes)
     parsed = parse_adapter(location.adapter_id, tensors, metadata, pipeline_cls, component_modules, unet_config)
     if location.second_expert is not None:
-        _add_second_expert(parsed, location, pipeline_cls, component_modules, max_bytes - parsed.nbytes)
+        _add_second_expert(parsed, location, pipeline_cls, component_modules,
+                           max_bytes - location.weights.stat().st_size)
     parsed.base_models = declared_base_models(metadata, location.folder)
     return parsed
 
@@ -266,8 +265,8 @@ def _add_second_expert(parsed: ParsedAdapter, location, pipeline_cls, component_
     the denoiser (`diffusion_model.`, `transformer.`, `lora_unet_`) go into `transformer_2`,
     which has the same module names as `transformer`."""
     adapter_id = location.adapter_id
-    tensors, metadata = read_safetensors(location.second_expert, adapter_id, max_bytes)
     as_first = dict(component_modules, transformer=component_modules["transformer_2"])
+    tensors, metadata = _read(location, location.second_expert, as_first, max_bytes)
     second = parse_adapter(adapter_id, tensors, metadata, pipeline_cls, as_first)
     for component, params in second.layers.items():
         target = "transformer_2" if component == "transformer" else component
@@ -276,6 +275,15 @@ def _add_second_expert(parsed: ParsedAdapter, location, pipeline_cls, component_
                                  "own file")
         parsed.layers[target] = params
     parsed.num_tensors += second.num_tensors
+
+
+def _read(location, path, component_modules: dict[str, set[str]], max_bytes: int):
+    """One weight file's tensors and metadata; a PEFT folder's adapter_config.json gives the
+    scales of a file that carries none (both files of a Wan 2.2 pair alike)."""
+    tensors, metadata = read_safetensors(path, location.adapter_id, max_bytes)
+    if LORA_ADAPTER_METADATA_KEY not in metadata and location.folder is not None:
+        metadata = metadata | _peft_config_metadata(location.adapter_id, location.folder, component_modules)
+    return tensors, metadata
 
 
 _PEFT_SCALE_KEYS = ("r", "lora_alpha", "alpha_pattern", "rank_pattern", "use_rslora")
