@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from helpers import assert_bitwise_equal, rel_err, weights_snapshot
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
-from loraswap.errors import AdapterIncompatible
+from loraswap.errors import AdapterIncompatible, BadRequest
 from loraswap.models import PRESET_FAMILIES, load_pipeline
 
 # preset -> how its adapters are scaled up (the tiny VAEs damp changes, and the effect check
@@ -268,3 +268,10 @@ def test_video_progress_reaches_a_job_through_the_gpu_worker():
     finally:
         worker.stop()
     assert steps == [(1, 2), (2, 2)]
+
+
+def test_the_models_default_frames_are_held_to_the_servers_limit():
+    engine = Engine(EngineConfig(model="tiny-wan", compile=False, warmup=False))
+    with pytest.raises(BadRequest, match="makes 5 frames by default, over the limit of 3"):
+        engine.generate(GenerateRequest(prompt=PROMPT, max_frames=3))
+    assert len(engine.generate(GenerateRequest(prompt=PROMPT, steps=1, frames=1, max_frames=3)).frames) == 1

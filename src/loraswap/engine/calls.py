@@ -13,7 +13,7 @@ from diffusers import DiffusionPipeline
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
-from ..errors import UnsupportedInput
+from ..errors import BadRequest, UnsupportedInput
 from ..models import Family
 from .config import GenerateRequest
 
@@ -96,6 +96,7 @@ class PipelineCalls:
         first, defaults, takes = requests[0], self.defaults, self.parameters(task)
         if first.strength is not None and "strength" not in takes:
             raise UnsupportedInput(f"{type(self.pipeline(task)).__name__} takes no strength: leave it out")
+        self._check_frames(task, first)
         kwargs = dict(prompt=[r.prompt for r in requests])
         if self.images_on_device(task):
             kwargs["output_type"] = "pt"  # made 8-bit on the device (`to_pil`), not as floats on the host
@@ -118,6 +119,16 @@ class PipelineCalls:
                 kwargs[name] = value
         adjust = self.family.adjust_call if self.family else None
         return adjust(kwargs) if adjust else kwargs
+
+    def _check_frames(self, task: str, request: GenerateRequest) -> None:
+        """A video's frames within the server's limit, the model's default number included."""
+        if not self.is_video or request.max_frames is None:
+            return
+        default = inspect.signature(self.pipeline(task).__call__).parameters["num_frames"].default
+        frames = request.frames or self.defaults.get("frames") or default
+        if frames > request.max_frames:
+            raise BadRequest(f"this model makes {frames} frames by default, over the limit of {request.max_frames}: "
+                             "ask for fewer (frames, or seconds)")
 
     @staticmethod
     def _sized(image: Image.Image, size: tuple[int | None, int | None], takes: set[str]) -> Image.Image:

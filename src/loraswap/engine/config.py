@@ -100,3 +100,4 @@ class GenerateRequest(BaseModel):
     strength: float | None = Field(None, gt=0, le=1)
     frames: int | None = Field(None, ge=1, le=1000)
     output: Literal["image", "video"] | None = None  # what the API asked for (None: what the model makes)
+    max_frames: int | None = Field(None, ge=1)  # the server's limit, held against the model's default too

@@ -141,7 +141,8 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
                                    steps=fields.get("num_inference_steps"), guidance=fields.get("guidance_scale"),
                                    width=fields.get("width"), height=fields.get("height"), seed=fields.get("seed"),
                                    loras=loras, image=image, mask=mask, strength=fields.get("strength"),
-                                   frames=frames, output=api.output)
+                                   frames=frames, output=api.output,
+                                   max_frames=config.max_video_frames if api.output == "video" else None)
     except ValidationError as e:
         raise BadRequest(describe(e.errors())) from None
     return ImageRequest(generate, model, count, fps)
