@@ -60,7 +60,8 @@ def test_seconds_from_the_client_count_in_the_servers_fps(video_server):
     frames, meta = read_mp4(client.videos.download_content(video.id).content)
     assert (frames.shape[0], meta["fps"], video.seconds, video.model) == (8, 2, "4", "fake")
     video = client.videos.create_and_poll(prompt="a fast river", seconds="4", poll_interval_ms=50)
-    assert read_mp4(client.videos.download_content(video.id).content)[0].shape[0] == 24  # 4 s at video_fps 6
+    frames, meta = read_mp4(client.videos.download_content(video.id).content)
+    assert (frames.shape[0], meta["fps"]) == (24, 6)  # 4 s at video_fps 6, played at 6: it lasts 4 s
 
 
 def test_the_clients_errors_unknown_ids_early_downloads_and_delete(video_server):
