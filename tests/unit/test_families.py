@@ -265,6 +265,12 @@ def test_video_progress_reaches_a_job_through_the_gpu_worker():
         future = worker.submit(GenerateRequest(prompt=PROMPT, seed=1, steps=2, frames=5), None,
                                lambda done, total: steps.append((done, total)))
         assert len(future.result(timeout=120).frames) == 5
+
+        def broken(done, total):
+            raise RuntimeError("a hook that fails")
+
+        failing = worker.submit(GenerateRequest(prompt=PROMPT, seed=1, steps=1, frames=5), None, broken)
+        assert len(failing.result(timeout=120).frames) == 5, "a failing progress hook does not fail the video"
     finally:
         worker.stop()
     assert steps == [(1, 2), (2, 2)]

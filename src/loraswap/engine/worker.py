@@ -174,7 +174,7 @@ class GpuWorker:
         try:
             if ready:
                 hooks = [job.on_step for job in ready if job.on_step]
-                progress = {"on_step": lambda done, total: [hook(done, total) for hook in hooks]} if hooks else {}
+                progress = {"on_step": lambda done, total: _report_progress(hooks, done, total)} if hooks else {}
                 results = self.engine.generate_batch([job.request for job in ready], held[0], **progress)
                 for job, result in zip(ready, results):
                     job.future.set_result(result)
@@ -195,3 +195,12 @@ def _release_when_done(engine: Engine, job: Job) -> None:
         if not future.cancelled() and future.exception() is None:
             engine.adapters.release(future.result())
     job.prefetch.add_done_callback(release)
+
+
+def _report_progress(hooks: list[Callable[[int, int], None]], done: int, total: int) -> None:
+    """Each job's progress hook; one that fails is logged, never the batch's failure."""
+    for hook in hooks:
+        try:
+            hook(done, total)
+        except Exception:
+            logger.exception("a progress hook failed at step %d of %d", done, total)

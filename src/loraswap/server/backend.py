@@ -91,6 +91,11 @@ class Backend(Protocol):
     async def figures(self) -> EngineFigures: ...
 
 
+def not_ready(load_error: str | None) -> Overloaded:
+    """The 503 of a backend whose model is not serving yet: still loading, or failed to load."""
+    return Overloaded(f"loading failed: {load_error}" if load_error else "the model is still loading")
+
+
 class LocalBackend:
     """Engines and their GPU workers in this process, built by a loader thread at start-up.
 
@@ -153,8 +158,7 @@ class LocalBackend:
 
     def _deployment(self) -> Deployment:
         if self.state.worker is None:
-            reason = f"loading failed: {self.load_error}" if self.load_error else "the model is still loading"
-            raise Overloaded(reason)
+            raise not_ready(self.load_error)
         return self.state.deployment
 
     def ready_info(self) -> dict | None:

@@ -91,10 +91,7 @@ def decode_base64(text: str, what: str, limits: ImageLimits) -> bytes:
 
 def read_image(data: bytes, what: str, limits: ImageLimits) -> Image.Image:
     """The picture in `data` (PNG, JPEG or WebP; an animation's first frame) as RGB, upright."""
-    image = _decode(data, what, limits)
-    if image.mode.startswith("I;16"):
-        image = _eight_bit(image)
-    return image.convert("RGB")
+    return _decode(data, what, limits).convert("RGB")
 
 
 def read_mask(data: bytes, limits: ImageLimits) -> Image.Image:
@@ -102,9 +99,7 @@ def read_mask(data: bytes, limits: ImageLimits) -> Image.Image:
     repaints where it is transparent (OpenAI's convention); one without, where it is white
     (diffusers'). A fully opaque alpha channel carries nothing: its grey is read instead."""
     mask = _decode(data, "mask", limits)
-    if mask.mode.startswith("I;16"):
-        mask = _eight_bit(mask)
-    elif mask.mode in ("P", "PA"):  # a palette: its colours, and its transparency if it has one
+    if mask.mode in ("P", "PA"):  # a palette: its colours, and its transparency if it has one
         mask = mask.convert("RGBA" if mask.mode == "PA" or "transparency" in mask.info else "RGB")
     if mask.mode in ("RGBA", "LA") and mask.getchannel("A").getextrema() != (255, 255):
         return ImageOps.invert(mask.getchannel("A"))
@@ -171,19 +166,21 @@ def check_file_bytes(size: int, what: str, limits: ImageLimits) -> None:
 
 
 def _decode(data: bytes, what: str, limits: ImageLimits) -> Image.Image:
-    """`data` opened (header only), its size checked, then decoded and turned upright."""
+    """`data` opened (header only), its size checked, then decoded and turned upright (16-bit
+    grey made 8-bit)."""
     check_file_bytes(len(data), what, limits)
     image = _open(data, what, limits)
     _check_size(image.width, image.height, what, limits)
     try:
         image.load()
-        return ImageOps.exif_transpose(image)
+        image = ImageOps.exif_transpose(image)
     # a decoder fed hostile bytes raises many types (OSError, ValueError, SyntaxError, struct.error,
     # IndexError, ...): all mean "this file cannot be read", which is the client's to fix
     except Exception as e:
         logger.debug("undecodable %s (%s): %r", what, image.format, e)
         raise BadRequest(f"the {what} is a {image.format} file that cannot be decoded ({_reason(e)}): it is "
                          "truncated or corrupt; send the whole file") from None
+    return _eight_bit(image) if image.mode.startswith("I;16") else image
 
 
 def _open(data: bytes, what: str, limits: ImageLimits) -> Image.Image:

@@ -143,8 +143,8 @@ class VideoStore:
         # 3. start it; nothing waits on it, so it runs whether or not its client stays
         job = VideoJob("video_" + secrets.token_hex(16), request, model, fps, self.clock())
         job.size = f"{request.width}x{request.height}" if request.width and request.height else "auto"
-        if request.frames:
-            job.seconds = f"{request.frames / (fps or self.config.video_fps):g}"
+        if request.frames and fps:  # the length is known now only when the rate it plays at is
+            job.seconds = f"{request.frames / fps:g}"
         self._jobs[job.id] = job
         job.task = asyncio.get_running_loop().create_task(self._run(job, make), name=f"loraswap-{job.id}")
         return job

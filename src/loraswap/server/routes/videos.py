@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse
 
 from ...adapters.source import check_adapter_id
 from ...engine.engine import GenerateResult
-from ...errors import Overloaded
 from ..auth import Access, require_api_key
+from ..backend import not_ready
 from ..generation import encode, run_generation
 from ..openapi import LORA_HEADER, form_body
 from ..requests import parse_request
@@ -39,8 +39,7 @@ async def create_video(request: Request):
         check_adapter_id(adapter_id)
     info = state.backend.ready_info()
     if info is None:  # a job started now would only fail
-        load_error = state.backend.load_error
-        raise Overloaded(f"loading failed: {load_error}" if load_error else "the model is still loading")
+        raise not_ready(state.backend.load_error)
     # 2. start the job; it generates through the backend as an image request does, with nobody
     #    waiting on it (a client that leaves cancels nothing) and its progress hook
 
