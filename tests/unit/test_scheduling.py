@@ -50,7 +50,9 @@ def test_slow_source_is_read_ahead_and_the_worker_only_swaps(many_adapters):
     results = [f.result(timeout=60) for f in futures]
     elapsed = time.perf_counter() - started
     swaps = [r.swap_seconds for r in results]
-    assert max(swaps) < 0.05, swaps
+    # A swap that waited on the source would take its 0.5 s; a busy 2-core CI box can make the
+    # tiny swap itself take tens of ms, so the bound sits at half a read, not at the swap's own cost.
+    assert max(swaps) < source.delay / 2, swaps
     assert elapsed < 8 * 0.5, "the eight 0.5 s reads overlapped"
     assert source.threads and all(name.startswith("loraswap-prefetch") for name in source.threads)
     worker.stop()
