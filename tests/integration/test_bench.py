@@ -42,6 +42,28 @@ def test_bench_serve_runs_both_modes(tmp_path):
     assert set(report["speedup_p50"]) == {"1", "2"}
 
 
+def test_bench_serve_measures_ray_against_the_plain_server_in_turns(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "serve", "--model", "tiny-sd", "--adapters-count", "20",
+                                      "--requests", "4", "--concurrency", "2", "--steps", "2", "--width", "64",
+                                      "--height", "64", "--modes", "fused,ray", "--rounds", "2", "--out",
+                                      str(tmp_path / "out"), "--workdir", str(tmp_path / "work")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "serve-tiny-sd.json").read_text())
+    assert "deployment" in (tmp_path / "work" / "server-ray.log").read_text().lower()  # Ray Serve served it
+    for mode in ("fused", "ray"):
+        data = report["modes"][mode]
+        assert [(r["round"], r["concurrency"]) for r in data["runs"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+        assert all(r["errors"] == [] and len(r["compute_s"]) == 4 for r in data["runs"])
+        # the server's compute is part of what the client waited for
+        assert all(0 < c < lat for r in data["runs"] for c, lat in zip(r["compute_s"], r["latencies"]))
+        assert data["recompiles"] == 0 and data["swap_ms_mean"] > 0 and data["cache_misses"] > 0
+    assert set(report["ray_overhead"]) == {"1", "2"}
+    one = report["ray_overhead"]["1"]
+    medians = report["medians"]
+    assert one["p50_ms"] == pytest.approx((medians["ray"]["1"]["p50_s"] - medians["fused"]["1"]["p50_s"]) * 1e3)
+    assert "speedup_p50" not in report  # no baseline in this run
+
+
 def _servers_under(folder: Path) -> list[int]:
     """PIDs of `loraswap serve` processes whose command line names `folder`."""
     pids = []

@@ -82,6 +82,8 @@ def test_each_adapter_is_loaded_on_one_replica_only(cluster):
     loads = {r["replica"]: r["loads"] for r in sd}
     print("loads per replica:", loads, "served per replica:", {r["replica"]: r["served"] for r in sd})
     assert len(sd) == 2
+    # where each runs: no GPU here, so Ray gave none and the engine is on the CPU
+    assert all(r["device"] == "cpu" and r["gpu_ids"] == [] and r["gpus"] == [] for r in sd), sd
     assert sum(loads.values()) == 6, f"6 adapters, each loaded once in the whole deployment: {loads}"
     held = [set(r["held"]) for r in sd]
     assert held[0] | held[1] == set(SD_IDS) and not held[0] & held[1], held

@@ -247,3 +247,24 @@ def test_ingress_lists_every_adapter_a_replica_caches_hub_ones_too(tmp_path):
     backend.reports = FakeReports([])
     assert asyncio.run(backend.list_adapters())["adapters"] == [
         {"id": "style", "cached": "disk", "kept": False, "applied": False, "model": None, "replicas": []}]
+
+
+def test_each_replicas_gpu_is_listed_and_its_memory_in_metrics(tmp_path):
+    """On a GPU cluster the ingress sees no GPU (Ray hides them from actors that asked for none):
+    the GPU figures are the replicas' own, reported with where each runs."""
+    from loraswap.server.metrics import Metrics
+
+    gpu = {"device": "0", "allocated_bytes": 7 * 2**30, "peak_bytes": 9 * 2**30, "name": "NVIDIA H200",
+           "total_bytes": 140 * 2**30}
+    placed = {"device": "cuda:0", "gpu_ids": ["3"], "visible_devices": "3", "gpus": [gpu]}
+    live = {**report("r1", 1), **placed, "alive": True}
+    gone = {**report("r2", 1), **placed, "gpu_ids": ["5"], "visible_devices": "5", "alive": False}
+    backend = ingress_over(FakeHandle(), tmp_path)
+    backend.reports = FakeReports([live, gone])
+    rows = {row["replica"]: row for row in asyncio.run(backend.replicas())}
+    assert rows["r1"]["device"] == "cuda:0" and rows["r1"]["gpu_ids"] == ["3"] and rows["r1"]["gpus"] == [gpu]
+    backend.names = ["tiny-sd"]
+    text = Metrics().render(asyncio.run(backend.figures())).decode()
+    assert 'loraswap_replica_gpu_memory_peak_bytes{device="0",model="tiny-sd",replica="r1"} 9.663676416e+09' in text
+    assert 'loraswap_replica_gpu_memory_bytes{device="0",model="tiny-sd",replica="r1"}' in text
+    assert 'replica="r2",' not in text.split("loraswap_replica_gpu_memory_bytes", 1)[1], "a gone replica's is freed"

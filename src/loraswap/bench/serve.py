@@ -1,10 +1,16 @@
 """`loraswap bench serve`: the HTTP server under a Zipf(1.0) stream over many adapters.
 
 The same stream of requests (adapter ids drawn with p(k) ~ 1/k over `num_ids` ids,
-fixed seed) is sent by one client and then by `concurrency` clients to a loraswap
-server (fused swap, compiled) and to the same server in load-and-fuse mode (diffusers
-`load_lora_weights` + `fuse_lora` per request, eager). Each server runs in its own
-process, one after the other, on the same model and adapters.
+fixed seed) is sent by one client and then by `concurrency` clients to each server:
+loraswap (`fused`: fused swap, compiled), the same flags on Ray Serve with one replica
+(`ray`), and loraswap in load-and-fuse mode (diffusers `load_lora_weights` + `fuse_lora`
+per request, eager). Every server is started first, each in its own process, on the same
+model and adapters; then the passes go round the servers in turn, `rounds` times, so a
+slow minute of a noisy machine falls on every server alike.
+
+Each response's `x-compute-time` (the server's swap + generation) is kept beside its
+latency: the difference is what the HTTP path (and Ray's hops) adds to a request, a
+figure the GPU's own noise does not blur.
 
 The ids are hard links to `distinct` real-size random adapter files (mixed ranks and
 target sets), so every id is a different adapter to the server (its own cache entry,
@@ -17,6 +23,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -28,6 +35,14 @@ import httpx
 from .common import environment, plot_bars, print_table, summary, write_random_adapters, write_results
 
 logger = logging.getLogger(__name__)
+
+MODES = {  # each server's `loraswap serve` flags
+    "fused": ["--swap-mode", "fused"],
+    "ray": ["--swap-mode", "fused", "--ray", "--replicas", "1"],
+    "load-and-fuse": ["--swap-mode", "load-and-fuse"],
+}
+LORASWAP_MODES = ("fused", "ray")  # these take the speed options; the baseline runs as diffusers serves it
+RAY_ENV = {"RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"}  # a local cluster of its own; nothing sent out
 
 SPECS = [(4, "attn"), (8, "all"), (16, "attn"), (32, "all"), (64, "all"), (16, "all"), (4, "all"), (8, "attn")]
 
@@ -59,9 +74,10 @@ def _free_port() -> int:
 def _start_server(model: str, adapters: Path, mode: str, log_path: Path, extra: list[str]) -> tuple:
     port = _free_port()
     log = log_path.open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "loraswap", "serve", "--model", model, "--adapters", str(adapters),
-                             "--port", str(port), "--swap-mode", mode, "--max-queue", "64", *extra],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(RAY_ENV if mode == "ray" else {})}
+    proc = subprocess.Popen([sys.executable, "-m", "loraswap", "serve", "--model", model, "--adapters",
+                             str(adapters), "--port", str(port), *MODES[mode], "--max-queue", "64", *extra],
+                            stdout=log, stderr=subprocess.STDOUT, env=env,
                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     url = f"http://127.0.0.1:{port}"
     started = time.perf_counter()
@@ -103,8 +119,9 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _drive(url: str, stream: list[str], concurrency: int, params: dict) -> dict:
-    """Send `stream` with `concurrency` clients; latencies, errors and images/s."""
-    latencies, errors, lock = [], [], threading.Lock()
+    """Send `stream` with `concurrency` clients: latencies, the server's own compute time of
+    each (`x-compute-time`), errors and images/s."""
+    latencies, computes, errors, lock = [], [], [], threading.Lock()
     position = iter(range(len(stream)))
 
     def client():
@@ -119,8 +136,11 @@ def _drive(url: str, stream: list[str], concurrency: int, params: dict) -> dict:
                                      headers={"lora": stream[i]})
                 elapsed = time.perf_counter() - started
                 with lock:
-                    (latencies if response.status_code == 200 else errors).append(
-                        elapsed if response.status_code == 200 else response.status_code)
+                    if response.status_code != 200:
+                        errors.append(response.status_code)
+                        continue
+                    latencies.append(elapsed)
+                    computes.append(float(response.headers["x-compute-time"]))
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -129,8 +149,12 @@ def _drive(url: str, stream: list[str], concurrency: int, params: dict) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - started
+    # latency - compute: with one client the HTTP path alone (and Ray's hops); with more, the queue too
+    overheads = [latency - compute for latency, compute in zip(latencies, computes)]
     return {"concurrency": concurrency, "requests": len(stream), "errors": errors, "wall_s": wall,
-            "images_per_s": len(latencies) / wall, "latency_s": summary(latencies), "latencies": latencies}
+            "images_per_s": len(latencies) / wall, "latency_s": summary(latencies),
+            "overhead_ms": {k: v * 1e3 if k != "n" else v for k, v in summary(overheads).items()},
+            "latencies": latencies, "compute_s": computes}
 
 
 def _metric(url: str, name: str) -> float:
@@ -139,38 +163,58 @@ def _metric(url: str, name: str) -> float:
                if line.startswith((name + " ", name + "{")))
 
 
+def _server_figures(url: str) -> dict:
+    """What the server counted: recompiles, adapter cache, swap time, GPU memory peak (a Ray
+    deployment's replicas report theirs)."""
+    swaps = _metric(url, "loraswap_adapter_swap_seconds_count")
+    peak = _metric(url, "loraswap_gpu_memory_peak_bytes") + _metric(url, "loraswap_replica_gpu_memory_peak_bytes")
+    return {"recompiles": _metric(url, "loraswap_recompiles_total"),
+            "cache_hits": _metric(url, "loraswap_adapter_cache_hits_total"),
+            "cache_misses": _metric(url, "loraswap_adapter_cache_misses_total"),
+            "swap_ms_mean": _metric(url, "loraswap_adapter_swap_seconds_sum") / swaps * 1e3 if swaps else 0.0,
+            "gpu_peak_GiB": peak / 2**30}
+
+
 def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: int = 24, concurrency: int = 4,
                     steps: int = 25, width: int = 1024, height: int = 1024, workdir: Path | None = None,
                     out_dir: Path = Path("bench/results"), modes: tuple[str, ...] = ("fused", "load-and-fuse"),
-                    extra_args: tuple[str, ...] = (), fused_args: tuple[str, ...] = ()) -> dict:
-    """`extra_args` go to both servers; `fused_args` (speed options: `--compile-mode`,
-    `--quantize`, `--attention`) to loraswap's alone, the baseline staying as diffusers serves it."""
+                    extra_args: tuple[str, ...] = (), fused_args: tuple[str, ...] = (), rounds: int = 1) -> dict:
+    """`extra_args` go to every server; `fused_args` (speed options: `--compile-mode`,
+    `--quantize`, `--attention`) to loraswap's own (`fused`, `ray`), the baseline staying as
+    diffusers serves it."""
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise ValueError(f"unknown modes {sorted(unknown)}: choose from {', '.join(MODES)}")
     shape = model.removesuffix("-random")
     workdir = Path(workdir or "/tmp/loraswap-bench-serve")
     ids = prepare_adapters(shape, workdir / "adapters", num_ids)
     stream = [ids[k] for k in zipf_stream(num_ids, requests)]
     params = {"num_inference_steps": steps, "width": width, "height": height}
     results = {"model": model, "num_ids": num_ids, "requests": requests, "distinct_in_stream": len(set(stream)),
-               "params": params, "env": environment(), "fused_args": list(fused_args), "modes": {}}
-    for mode in modes:
-        proc, url, log, ready_s = _start_server(model, workdir / "adapters", mode, workdir / f"server-{mode}.log",
-                                                [*extra_args, *(fused_args if mode == "fused" else ())])
-        try:
-            _drive(url, [ids[0]], 1, params)  # one request outside the figures (first-request effects)
-            runs = []
-            results["modes"][mode] = {"ready_s": ready_s, "runs": runs}
+               "params": params, "rounds": rounds, "env": environment(), "fused_args": list(fused_args),
+               "modes": {}}
+    servers = {}
+    try:
+        # 1. every server up, each warmed by one request outside the figures (first-request effects)
+        for mode in modes:
+            flags = [*extra_args, *(fused_args if mode in LORASWAP_MODES else ())]
+            proc, url, log, ready_s = _start_server(model, workdir / "adapters", mode,
+                                                    workdir / f"server-{mode}.log", flags)
+            servers[mode] = (proc, url, log)
+            results["modes"][mode] = {"ready_s": ready_s, "runs": []}
+            _drive(url, [ids[0]], 1, params)
+        # 2. the passes, round the servers in turn
+        for round_index in range(rounds):
             for clients in (1, concurrency):
-                runs.append(_drive(url, stream, clients, params))
-                write_results(out_dir, f"serve-{model}", results)  # a time limit cuts off only the pass it hits
-            results["modes"][mode].update(recompiles=_metric(url, "loraswap_recompiles_total"),
-                                          cache_hits=_metric(url, "loraswap_adapter_cache_hits_total"),
-                                          cache_misses=_metric(url, "loraswap_adapter_cache_misses_total"),
-                                          gpu_peak_GiB=_metric(url, "loraswap_gpu_memory_peak_bytes") / 2**30)
-            for run in runs:
-                logger.info("%s c=%d: p50 %.2f s p99 %.2f s %.3f img/s errors %s", mode, run["concurrency"],
-                            run["latency_s"].get("p50", 0), run["latency_s"].get("p99", 0), run["images_per_s"],
-                            run["errors"])
-        finally:
+                for mode in modes:
+                    run = _drive(servers[mode][1], stream, clients, params)
+                    results["modes"][mode]["runs"].append({"round": round_index, **run})
+                    _log_run(mode, run)
+                    write_results(out_dir, f"serve-{model}", results)  # a time limit cuts off only this pass
+        for mode in modes:
+            results["modes"][mode].update(_server_figures(servers[mode][1]))
+    finally:
+        for proc, _, log in servers.values():
             _stop(proc)
             log.close()
         write_results(out_dir, f"serve-{model}", results)  # partial results survive a later failure
@@ -178,29 +222,63 @@ def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: i
     return results
 
 
-def _report(results: dict, out_dir: Path) -> None:
-    rows, labels, values = [], [], []
-    for mode, data in results["modes"].items():
-        for run in data["runs"]:
-            lat = run["latency_s"]
-            rows.append([mode, run["concurrency"], f"{lat.get('p50', 0):.2f}", f"{lat.get('p99', 0):.2f}",
-                         f"{run['images_per_s']:.3f}", len(run["errors"]), data.get("recompiles", 0)])
-            labels.append(f"{mode} c={run['concurrency']}")
-            values.append(lat.get("p50", 0))
-    fused, base = results["modes"].get("fused"), results["modes"].get("load-and-fuse")
+def _log_run(mode: str, run: dict) -> None:
+    logger.info("%s c=%d: p50 %.2f s p99 %.2f s %.3f img/s, latency - compute p50 %.1f ms, errors %s", mode,
+                run["concurrency"], run["latency_s"].get("p50", 0), run["latency_s"].get("p99", 0),
+                run["images_per_s"], run["overhead_ms"].get("p50", 0), run["errors"])
+
+
+def _medians(runs: list[dict]) -> dict[int, dict]:
+    """Per number of clients, the median over rounds of each pass's p50, p99, images/s and
+    latency - compute."""
+    by_clients: dict[int, list[dict]] = {}
+    for run in runs:
+        by_clients.setdefault(run["concurrency"], []).append(run)
+    pick = lambda passes, get: statistics.median(get(p) for p in passes)  # noqa: E731
+    return {clients: {"p50_s": pick(passes, lambda p: p["latency_s"].get("p50", 0)),
+                      "p99_s": pick(passes, lambda p: p["latency_s"].get("p99", 0)),
+                      "images_per_s": pick(passes, lambda p: p["images_per_s"]),
+                      "overhead_p50_ms": pick(passes, lambda p: p["overhead_ms"].get("p50", 0))}
+            for clients, passes in by_clients.items()}
+
+
+def _ratios(results: dict) -> None:
+    """load-and-fuse against fused, and what Ray adds to the same server (medians over rounds)."""
+    medians = {mode: _medians(data["runs"]) for mode, data in results["modes"].items()}
+    results["medians"] = {mode: {str(c): m for c, m in per.items()} for mode, per in medians.items()}
+    fused, base, ray = medians.get("fused"), medians.get("load-and-fuse"), medians.get("ray")
     if fused and base:
-        results["speedup_p50"] = {str(f["concurrency"]): b["latency_s"]["p50"] / f["latency_s"]["p50"]
-                                  for f, b in zip(fused["runs"], base["runs"])}
-        results["speedup_throughput"] = {str(f["concurrency"]): f["images_per_s"] / b["images_per_s"]
-                                         for f, b in zip(fused["runs"], base["runs"])}
+        results["speedup_p50"] = {str(c): base[c]["p50_s"] / fused[c]["p50_s"] for c in fused if c in base}
+        results["speedup_throughput"] = {str(c): fused[c]["images_per_s"] / base[c]["images_per_s"]
+                                         for c in fused if c in base}
+    if fused and ray:
+        results["ray_overhead"] = {str(c): {
+            "p50_ms": (ray[c]["p50_s"] - fused[c]["p50_s"]) * 1e3,
+            "p50_ratio": ray[c]["p50_s"] / fused[c]["p50_s"],
+            "throughput_ratio": ray[c]["images_per_s"] / fused[c]["images_per_s"],
+            "http_path_ms": ray[c]["overhead_p50_ms"] - fused[c]["overhead_p50_ms"]} for c in fused if c in ray}
+
+
+def _report(results: dict, out_dir: Path) -> None:
+    _ratios(results)
+    rows, labels, values = [], [], []
+    for mode, per_clients in results["medians"].items():
+        data = results["modes"][mode]
+        for clients, m in per_clients.items():
+            errors = sum(len(r["errors"]) for r in data["runs"] if str(r["concurrency"]) == clients)
+            rows.append([mode, clients, f"{m['p50_s']:.3f}", f"{m['p99_s']:.3f}", f"{m['images_per_s']:.3f}",
+                         f"{m['overhead_p50_ms']:.1f}", f"{data.get('swap_ms_mean', 0):.1f}", errors,
+                         data.get("recompiles", 0)])
+            labels.append(f"{mode} c={clients}")
+            values.append(m["p50_s"])
     p = results["params"]
     title = (f"bench serve {results['model']} {p['width']}x{p['height']} {p['num_inference_steps']} steps, Zipf(1.0) "
-             f"over {results['num_ids']} adapters, {results['requests']} requests "
-             f"({results['env'].get('gpu', 'cpu')})")
-    results["table"] = print_table(title, ["mode", "clients", "p50 s", "p99 s", "images/s", "errors", "recompiles"],
-                                   rows)
-    if "speedup_p50" in results:
-        print("p50 latency, load-and-fuse / fused:", results["speedup_p50"], "throughput ratio:",
-              results["speedup_throughput"], flush=True)
+             f"over {results['num_ids']} adapters, {results['requests']} requests, medians of "
+             f"{results['rounds']} round(s) ({results['env'].get('gpu', 'cpu')})")
+    results["table"] = print_table(title, ["mode", "clients", "p50 s", "p99 s", "images/s", "latency-compute p50 ms",
+                                           "swap ms", "errors", "recompiles"], rows)
+    for key in ("speedup_p50", "speedup_throughput", "ray_overhead"):
+        if key in results:
+            print(f"{key}: {results[key]}", flush=True)
     write_results(out_dir, f"serve-{results['model']}", results)
     plot_bars(out_dir / f"serve-{results['model']}.png", title, labels, values, "p50 latency (s)")

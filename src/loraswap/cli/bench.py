@@ -148,20 +148,24 @@ def bench_serve(
     steps: Annotated[int, typer.Option("--steps")] = 25,
     width: Annotated[int, typer.Option("--width")] = 1024,
     height: Annotated[int, typer.Option("--height")] = 1024,
-    modes: Annotated[str, typer.Option("--modes", help="Comma-separated `serve --swap-mode`s: fused (loraswap) "
-                                       "and/or load-and-fuse (the baseline).")]
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated servers: fused (loraswap), ray (the same "
+                                       "on Ray Serve, one replica), load-and-fuse (the baseline).")]
     = "fused,load-and-fuse",
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Passes round the servers (all started first); "
+                                        "the table gives medians over rounds.")] = 1,
     out: Out = Path("bench/results"),
     fused_args: Annotated[str, typer.Option("--fused-args", help="Extra `loraswap serve` flags for loraswap's "
-                                            "server only, e.g. '--compile-mode reduce-overhead'.")] = "",
+                                            "servers (fused, ray) only, e.g. '--compile-mode reduce-overhead'.")]
+    = "",
     workdir: Annotated[Path | None, typer.Option("--workdir", help="Adapters and server logs.")] = None,
 ) -> None:
-    """Latency and throughput of the HTTP server under a Zipf stream, against the load-and-fuse baseline."""
+    """Latency and throughput of the HTTP server under a Zipf stream, against the load-and-fuse
+    baseline and on Ray Serve."""
     from ..bench.serve import run_serve_bench
 
     setup_logging(False)
     run_serve_bench(model, num_ids, requests, concurrency, steps, width, height, workdir, out, _split(modes),
-                    fused_args=tuple(shlex.split(fused_args)))
+                    fused_args=tuple(shlex.split(fused_args)), rounds=rounds)
 
 
 @bench_app.command("startup")

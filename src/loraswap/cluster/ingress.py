@@ -154,10 +154,12 @@ class RayBackend:
 
     async def replicas(self) -> list[dict]:
         """Every model replica that reported: id, deployment, model, pid, alive, loads, evictions,
-        images served and the adapter sets it holds."""
+        images served, the adapter sets it holds, and where it runs: its torch device, the GPU
+        ids Ray gave it, and each visible GPU's name and memory (allocated, peak, total)."""
         reports = await self._call(lambda: self.reports.collect.remote())
-        keys = ("replica", "deployment", "model", "pid", "alive", "loads", "evictions", "served", "held")
-        return [{k: r[k] for k in keys} for r in sorted(reports, key=lambda r: (r["deployment"], r["replica"]))]
+        keys = ("replica", "deployment", "model", "pid", "alive", "loads", "evictions", "served", "held",
+                "device", "gpu_ids", "visible_devices", "gpus")
+        return [{k: r.get(k) for k in keys} for r in sorted(reports, key=lambda r: (r["deployment"], r["replica"]))]
 
     async def figures(self) -> EngineFigures:
         reports = await self._call(lambda: self.reports.collect.remote())

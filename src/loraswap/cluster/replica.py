@@ -19,13 +19,14 @@ import os
 import threading
 from collections import Counter
 
+import ray
 import torch
 from ray import serve
 
 from ..engine.config import GenerateRequest
 from ..engine.engine import Engine, GenerateResult
 from ..engine.worker import GpuWorker, SchedulerConfig
-from ..server.metrics import EngineFigures
+from ..server.metrics import EngineFigures, gpu_memory
 from .config import ModelDeploymentConfig
 
 logger = logging.getLogger("loraswap.cluster")
@@ -44,6 +45,14 @@ def log_to_stderr() -> None:
 def adapter_key(loras: list[tuple[str, float]]) -> str:
     """The multiplexed model id of a request: its adapter ids, sorted, comma-joined ('' for none)."""
     return ",".join(sorted(adapter_id for adapter_id, _ in loras))
+
+
+def _gpu_names() -> dict[str, dict]:
+    """Each visible GPU's name and memory, by device index (they do not change: read once)."""
+    if not torch.cuda.is_available():
+        return {}
+    properties = (torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count()))
+    return {str(i): {"name": p.name, "total_bytes": p.total_memory} for i, p in enumerate(properties)}
 
 
 class _Held:
@@ -84,6 +93,7 @@ class ModelReplica:
         self._seq = itertools.count(1)
         self._wake = asyncio.Event()
         self._stopping = False
+        self._gpu_names = _gpu_names()
         self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
         logger.info("replica %s of %s ready (%s)", self.replica_id, self.deployment, self.engine.model_name)
 
@@ -165,7 +175,14 @@ class ModelReplica:
         figures.ready = not stopped
         return {"replica": self.replica_id, "deployment": self.deployment, "model": engine.model_name,
                 "seq": next(self._seq), "pid": os.getpid(), "loads": self.loads, "evictions": self.evictions,
-                "served": self.served, "held": held, "cache": cache, "figures": figures}
+                "served": self.served, "held": held, "cache": cache, "figures": figures, **self._placement(),
+                "gpus": [{**row, **self._gpu_names.get(row["device"], {})} for row in gpu_memory()]}
+
+    def _placement(self) -> dict:
+        """Where the engine runs: its torch device and the cluster's GPU ids Ray gave this
+        replica (what CUDA_VISIBLE_DEVICES maps to cuda:0, cuda:1, ... in this process)."""
+        return {"device": str(self.engine.device), "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+                "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     async def _report(self, done: list[int] | None = None, stopped: bool = False) -> list:
         return await self._reports.put.remote(self._snapshot(stopped), done or [], stopped)

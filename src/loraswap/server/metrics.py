@@ -92,22 +92,32 @@ class Metrics:
             return generate_latest(self.registry)
 
 
+def gpu_memory() -> list[dict]:
+    """This process's GPU memory per visible device, now and at its peak (torch's allocator):
+    what `--max-gpu-memory-gb` budgets. Empty without CUDA (a Ray ingress: Ray hides the GPUs
+    from actors that asked for none)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [{"device": str(index), "allocated_bytes": torch.cuda.memory_allocated(index),
+             "peak_bytes": torch.cuda.max_memory_allocated(index)} for index in range(torch.cuda.device_count())]
+
+
 class _GpuMemoryCollector:
-    """This process's GPU memory per device, now and at its peak (torch's allocator): what
-    `--max-gpu-memory-gb` budgets. Nothing without CUDA."""
+    """`gpu_memory()` of the process serving /metrics (the plain server's engines)."""
 
     def collect(self):
-        import torch
-
-        if not torch.cuda.is_available():
+        rows = gpu_memory()
+        if not rows:
             return
         allocated = GaugeMetricFamily("loraswap_gpu_memory_bytes", "GPU memory allocated by this process.",
                                       labels=["device"])
         peak = GaugeMetricFamily("loraswap_gpu_memory_peak_bytes", "Most GPU memory this process has allocated.",
                                  labels=["device"])
-        for index in range(torch.cuda.device_count()):
-            allocated.add_metric([str(index)], torch.cuda.memory_allocated(index))
-            peak.add_metric([str(index)], torch.cuda.max_memory_allocated(index))
+        for row in rows:
+            allocated.add_metric([row["device"]], row["allocated_bytes"])
+            peak.add_metric([row["device"]], row["peak_bytes"])
         yield from (allocated, peak)
 
 
@@ -178,6 +188,10 @@ def _replica_families(replicas: list[dict]):
                                  labels=labels)
     startup = GaugeMetricFamily("loraswap_replica_startup_seconds", "Start-up of the replica's engine by phase "
                                 "(as loraswap_startup_seconds).", labels=[*labels, "phase"])
+    gpu = GaugeMetricFamily("loraswap_replica_gpu_memory_bytes", "GPU memory the replica's process has allocated, "
+                            "by device index (as loraswap_gpu_memory_bytes).", labels=[*labels, "device"])
+    gpu_peak = GaugeMetricFamily("loraswap_replica_gpu_memory_peak_bytes", "Most GPU memory the replica's process "
+                                 "has allocated (as loraswap_gpu_memory_peak_bytes).", labels=[*labels, "device"])
     for row in replicas:
         key = [row["model"], row["replica"]]
         up.add_metric(key, 1 if row["alive"] else 0)
@@ -189,4 +203,7 @@ def _replica_families(replicas: list[dict]):
         for phases in row["figures"].startup.values():
             for phase, seconds in phases.items():
                 startup.add_metric([*key, phase.removesuffix("_s")], seconds)
-    yield from (up, loads, evictions, held, served, misses, startup)
+        for device in row.get("gpus", []) if row["alive"] else []:  # a gone replica's memory is freed
+            gpu.add_metric([*key, device["device"]], device["allocated_bytes"])
+            gpu_peak.add_metric([*key, device["device"]], device["peak_bytes"])
+    yield from (up, loads, evictions, held, served, misses, startup, gpu, gpu_peak)
