@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/loraswap serve --adapters demo-adapters --demo-adapters
+	$(VENV)/bin/loraswap serve --model demo --adapters demo-adapters --demo-adapters
 
 # the layering and the size of functions are checked before the tests run
 test: $(STAMP)

@@ -82,6 +82,9 @@ def test_each_adapter_is_loaded_on_one_replica_only(cluster):
     loads = {r["replica"]: r["loads"] for r in sd}
     print("loads per replica:", loads, "served per replica:", {r["replica"]: r["served"] for r in sd})
     assert len(sd) == 2
+    # what each model takes and makes reaches /ready from its replicas (the playground builds its form from it)
+    capabilities = httpx.get(url + "/ready").json()["capabilities"]
+    assert capabilities["tiny-sd"]["image_input"] == "variants" and capabilities["tiny-sdxl"]["masks"]
     # where each runs: no GPU here, so Ray gave none and the engine is on the CPU
     assert all(r["device"] == "cpu" and r["gpu_ids"] == [] and r["gpus"] == [] for r in sd), sd
     assert sum(loads.values()) == 6, f"6 adapters, each loaded once in the whole deployment: {loads}"

@@ -1,6 +1,7 @@
 """`loraswap serve` (HTTP, or Ray Serve with --ray) and `loraswap deploy` (Ray Serve from a YAML file)."""
 
 import logging
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -97,23 +98,40 @@ def _import_cluster():
     return cluster
 
 
-DEMO_ADAPTERS = (("demo/watercolor", 4, "attn"), ("demo/neon", 16, "all"), ("demo/sketch", 64, "all"))
+RANDOM_ADAPTERS = (("demo/watercolor", 4, "attn"), ("demo/neon", 16, "all"), ("demo/sketch", 64, "all"))
 
 
 def write_demo_adapters(model: str, folder: Path) -> None:
-    """A few random adapters for `model`, written once (a folder with adapters is left alone)."""
+    """Adapters to try the server with, put into `folder`: the `demo` model's trained ones
+    (those missing are copied), or for another model a few random ones, written once (a
+    folder with adapters is left alone)."""
+    from ..models.families import demo
+
+    log = logging.getLogger(__name__)
+    if model == "demo":
+        folder.mkdir(parents=True, exist_ok=True)
+        missing = [a for a in demo.DEMO_ADAPTERS if not (folder / f"{a}.safetensors").exists()]
+        for adapter_id in missing:
+            shutil.copyfile(demo.ADAPTERS / f"{adapter_id}.safetensors", folder / f"{adapter_id}.safetensors")
+        log.info("demo adapters in %s: %s", folder, ", ".join(f"{a} ({kind})" for a, (kind, _) in
+                                                           demo.DEMO_ADAPTERS.items()))
+        return
+    if folder.exists() and any(folder.rglob("*.safetensors")):
+        return
+    _write_random_adapters(model, folder)
+    log.info("wrote random demo adapters %s into %s", [a for a, _, _ in RANDOM_ADAPTERS], folder)
+
+
+def _write_random_adapters(model: str, folder: Path) -> None:
     from safetensors.torch import save_file
 
     from ..adapters.random import make_random_adapter
     from ..models import lora_components
 
-    if folder.exists() and any(folder.rglob("*.safetensors")):
-        return
     _, components = lora_components(model)
-    for i, (adapter_id, rank, targets) in enumerate(DEMO_ADAPTERS):
+    for i, (adapter_id, rank, targets) in enumerate(RANDOM_ADAPTERS):
         path = folder / f"{adapter_id}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         state_dict, metadata = make_random_adapter(components, rank, targets, text_encoder=True, alpha=2.0 * rank,
                                                    seed=i)
         save_file(state_dict, str(path), metadata=metadata)
-    logging.getLogger(__name__).info("wrote demo adapters %s into %s", [a for a, _, _ in DEMO_ADAPTERS], folder)

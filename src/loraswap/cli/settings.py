@@ -68,8 +68,9 @@ SETTINGS: list[Setting] = [
         ADAPTERS,
         S("adapters", Path, None, "engines.adapters", "Folder of .safetensors adapters; an adapter's id is its "
           "path under it without the suffix."),
-        S("demo-adapters", bool, False, None, "Write a few random adapters for the first model into --adapters "
-          "if it has none (for trying the server)."),
+        S("demo-adapters", bool, False, None, "Put adapters to try the server with into --adapters: the `demo` "
+          "model's trained ones (outline, striped, pastel, night, big), or for another model a few random "
+          "ones if the folder has none."),
         S("hub", bool, False, "engines.hub", "Also serve hub adapters (owner/name, or owner/name@revision); "
           "HF_HUB_OFFLINE=1 serves them from the huggingface_hub cache alone."),
         S("hub-allow", str, ("*",), "engines.hub_allow", "fnmatch pattern of hub ids served; repeatable.",

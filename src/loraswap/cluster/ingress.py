@@ -48,6 +48,7 @@ class RayBackend:
         self.source = config.engines[0].adapter_sources() or AdapterSources(None, None)
         self.names: list[str] | None = None  # the models' names, once their replicas answered
         self.compiled = False
+        self.capabilities: dict[str, dict] = {}
         self.load_error: str | None = None
         self._connecting: asyncio.Task | None = None
 
@@ -64,6 +65,7 @@ class RayBackend:
                 logger.warning("waiting for model replicas: %s", e)
                 await asyncio.sleep(1.0)
         self.names, self.compiled = [info["model"] for info in infos], infos[0]["compiled"]
+        self.capabilities = {info["model"]: info.get("capabilities", {}) for info in infos}
         logger.info("ingress ready: %s", ", ".join(f"{n} ({d})" for n, d in zip(self.names, self.deployments)))
 
     async def stop(self) -> None:
@@ -79,7 +81,7 @@ class RayBackend:
         if self.names is None:
             return None
         return {"model": self.names[0], "models": self.names, "compiled": self.compiled,
-                "deployments": dict(zip(self.names, self.deployments))}
+                "capabilities": self.capabilities, "deployments": dict(zip(self.names, self.deployments))}
 
     def is_model(self, name: str) -> bool:
         return any(same_model(hosted, name) for hosted in self._names())

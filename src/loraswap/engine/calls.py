@@ -23,11 +23,18 @@ TEXT, IMG2IMG, INPAINT = "text", "img2img", "inpaint"
 class PipelineCalls:
     """The pipelines of one served model, keyed by the input they take, and their calls."""
 
-    def __init__(self, pipeline: DiffusionPipeline, family: Family | None, defaults: dict[str, int]):
+    def __init__(self, pipeline: DiffusionPipeline, family: Family | None, defaults: dict[str, float]):
         self.family = family
         self.defaults = defaults
         self._pipelines = {TEXT: pipeline}
         self._parameters: dict[str, set[str]] = {}
+
+    def describe(self) -> dict:
+        """What the model takes and makes, for clients that build their form from it (the
+        playground): image input (`none`, `variants`, `edit`, `required`), masks, output, defaults."""
+        family = self.family
+        return {"image_input": family.image_input if family else "none", "masks": bool(family and family.takes_masks()),
+                "output": family.output if family else "image", "defaults": dict(self.defaults)}
 
     # ------------------------------------------------------------ which pipeline
     def task(self, request: GenerateRequest) -> str:
@@ -102,7 +109,8 @@ class PipelineCalls:
             kwargs["output_type"] = "pt"  # made 8-bit on the device (`to_pil`), not as floats on the host
         elif self.is_video:
             kwargs["output_type"] = "pil"
-        optional = dict(guidance_scale=first.guidance, num_inference_steps=first.steps or defaults.get("steps"),
+        guidance = first.guidance if first.guidance is not None else defaults.get("guidance")  # 0 is a value
+        optional = dict(guidance_scale=guidance, num_inference_steps=first.steps or defaults.get("steps"),
                         width=first.width or defaults.get("width"), height=first.height or defaults.get("height"),
                         num_frames=first.frames or defaults.get("frames"), strength=first.strength)
         if any(r.negative_prompt for r in requests):

@@ -74,8 +74,8 @@ def shape_denoiser(name: str) -> str:
     return next(n for n in DENOISERS if n in shape(name).components)
 
 
-def generation_defaults(name_or_path: str) -> dict[str, int]:
-    """width/height/steps (and frames) used when a request gives none; empty: the pipeline's own."""
+def generation_defaults(name_or_path: str) -> dict[str, float]:
+    """width/height/steps (and frames, guidance) used when a request gives none; empty: the pipeline's own."""
     return dict(PRESET_FAMILIES[name_or_path].defaults) if name_or_path in PRESETS else {}
 
 

@@ -43,7 +43,8 @@ class Family:
     - `image_input`: "none" (text only), "variants" (through `image_pipelines`), "edit"
       (the pipeline's own `image`, optional) or "required" (an edit model that needs one).
     - `output`: "image" or "video" (frames, encoded by the server at `fps`).
-    - `defaults`: generation defaults of its tiny presets (real models keep their pipeline's).
+    - `defaults`: generation defaults of its tiny presets (real models keep their pipeline's):
+      `width`, `height`, `steps`, `frames`, `guidance`.
     - `call_names`: request field -> the pipeline's argument where it differs
       (Qwen-Image's `true_cfg_scale` for the guidance scale).
     - `adjust_call`: the family's own change to a call's keyword arguments, if any (FLUX.1
@@ -60,7 +61,7 @@ class Family:
     image_input: Literal["none", "variants", "edit", "required"] = "none"
     output: Literal["image", "video"] = "image"
     fps: int = 16
-    defaults: Mapping[str, int] = field(default_factory=dict)
+    defaults: Mapping[str, float] = field(default_factory=dict)
     call_names: Mapping[str, str] = field(default_factory=dict)
     adjust_call: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     size_multiple: int = 16

@@ -67,7 +67,8 @@ class Backend(Protocol):
     async def stop(self) -> None: ...
 
     def ready_info(self) -> dict | None:
-        """/ready's answer once serving ({"model", "models", "compiled"}); None while loading."""
+        """/ready's answer once serving ({"model", "models", "compiled", "capabilities": model ->
+        what it takes and makes}); None while loading."""
 
     def is_model(self, name: str) -> bool:
         """Whether `name` is a hosted base model (else it names an adapter); 503 while loading."""
@@ -165,7 +166,8 @@ class LocalBackend:
         if self.state.worker is None:
             return None
         return {"model": self.state.engine.model_name, "models": self.state.deployment.names,
-                "compiled": self.state.engine.compiled}
+                "compiled": self.state.engine.compiled,
+                "capabilities": {h.engine.model_name: h.engine.calls.describe() for h in self.state.deployment.hosted}}
 
     def is_model(self, name: str) -> bool:
         return self._deployment().by_name(name) is not None

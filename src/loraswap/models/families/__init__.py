@@ -7,10 +7,11 @@ list it here; the presets, shapes and image inputs follow from the record.
 from diffusers import DiffusionPipeline
 
 from ..family import Family, Shape
-from . import flux, flux2, flux_kontext, qwen_image, qwen_image_edit, sd3, sd15, sdxl, wan, z_image
+from . import demo, flux, flux2, flux_kontext, qwen_image, qwen_image_edit, sd3, sd15, sdxl, wan, z_image
 
+# `demo` after `sd15`: both are StableDiffusionPipelines, and `family_of` takes the first
 FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (
-    sd15, sdxl, sd3, flux, flux_kontext, flux2, qwen_image, qwen_image_edit, z_image, wan))
+    sd15, demo, sdxl, sd3, flux, flux_kontext, flux2, qwen_image, qwen_image_edit, z_image, wan))
 
 # tiny preset name -> its family; real shape name -> its family
 PRESET_FAMILIES = {preset: family for family in FAMILIES for preset in family.presets}
