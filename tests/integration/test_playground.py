@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import shapes
 from PIL import Image
 
 from conftest import ServerProcess
@@ -90,6 +91,7 @@ def test_pick_an_adapter_generate_and_see_the_image_with_its_timings(server, bro
     shots = [_image_of(browser, img, tmp_path / f"{i}.png")
              for i, img in enumerate(browser.find_elements(By.CSS_SELECTOR, "#history img"))]
     assert shots[0].shape == shots[1].shape == (32, 32, 3) and not np.array_equal(shots[0], shots[1])
+    assert shapes.read(shots[0]).hollow > 0.5 and shapes.read(shots[1]).hollow < 0.2
 
 
 def test_without_the_key_the_page_says_what_is_wrong(server, browser):

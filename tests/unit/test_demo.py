@@ -151,21 +151,22 @@ def _reference_image(adapter_id) -> np.ndarray:
             LycorisNetwork.LORA_PREFIX = "lycoris"
         network.apply_to()
         assert len(network.loras) > 0
-    generator = torch.Generator("cpu").manual_seed(7)
-    return pipeline(prompt(*PROMPTS[4]), generator=generator, num_inference_steps=6, width=32, height=32,
-                    output_type="np").images[0]
+    return _six_steps(pipeline)
+
+
+def _six_steps(pipeline) -> np.ndarray:
+    """One prompt, one seed, six steps: the image the reference and loraswap each draw."""
+    return pipeline(prompt(*PROMPTS[4]), generator=torch.Generator("cpu").manual_seed(7), num_inference_steps=6,
+                    width=32, height=32, output_type="np").images[0]
 
 
 @pytest.mark.parametrize("adapter_id", list(demo.DEMO_ADAPTERS))
 def test_each_adapter_is_applied_as_its_library_applies_it(engine, adapter_id):
     theirs = _reference_image(adapter_id)
     engine.set_adapters([(adapter_id, 1.0)])
-    generator = torch.Generator("cpu").manual_seed(7)
-    ours = engine.pipeline(prompt(*PROMPTS[4]), generator=generator, num_inference_steps=6, width=32, height=32,
-                           output_type="np").images[0]
+    ours = _six_steps(engine.pipeline)
     engine.set_adapters([])
-    base = engine.pipeline(prompt(*PROMPTS[4]), generator=torch.Generator("cpu").manual_seed(7),
-                           num_inference_steps=6, width=32, height=32, output_type="np").images[0]
+    base = _six_steps(engine.pipeline)
     assert rel_err(theirs, base) > 2e-2, "the adapter visibly changes the image"
     assert rel_err(ours, theirs) <= 1e-4
 

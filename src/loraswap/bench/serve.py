@@ -234,7 +234,9 @@ def _medians(runs: list[dict]) -> dict[int, dict]:
     by_clients: dict[int, list[dict]] = {}
     for run in runs:
         by_clients.setdefault(run["concurrency"], []).append(run)
-    pick = lambda passes, get: statistics.median(get(p) for p in passes)  # noqa: E731
+    def pick(passes, get):
+        return statistics.median(get(p) for p in passes)
+
     return {clients: {"p50_s": pick(passes, lambda p: p["latency_s"].get("p50", 0)),
                       "p99_s": pick(passes, lambda p: p["latency_s"].get("p99", 0)),
                       "images_per_s": pick(passes, lambda p: p["images_per_s"]),

@@ -94,6 +94,7 @@ class ModelReplica:
         self._wake = asyncio.Event()
         self._stopping = False
         self._gpu_names = _gpu_names()
+        self._placement = self._where()  # fixed for the replica's life
         self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
         logger.info("replica %s of %s ready (%s)", self.replica_id, self.deployment, self.engine.model_name)
 
@@ -176,10 +177,10 @@ class ModelReplica:
         figures.ready = not stopped
         return {"replica": self.replica_id, "deployment": self.deployment, "model": engine.model_name,
                 "seq": next(self._seq), "pid": os.getpid(), "loads": self.loads, "evictions": self.evictions,
-                "served": self.served, "held": held, "cache": cache, "figures": figures, **self._placement(),
+                "served": self.served, "held": held, "cache": cache, "figures": figures, **self._placement,
                 "gpus": [{**row, **self._gpu_names.get(row["device"], {})} for row in gpu_memory()]}
 
-    def _placement(self) -> dict:
+    def _where(self) -> dict:
         """Where the engine runs: its torch device and the cluster's GPU ids Ray gave this
         replica (what CUDA_VISIBLE_DEVICES maps to cuda:0, cuda:1, ... in this process)."""
         return {"device": str(self.engine.device), "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
