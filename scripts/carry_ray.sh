@@ -1,41 +1,56 @@
 #!/usr/bin/env bash
-# Carry Ray Serve to a machine without a package index, in pieces small enough for a link
-# that caps each transfer (the device tool's 64 MiB a call; the ray wheel alone is ~76 MiB).
+# Carry Ray Serve (and any other packages) to a machine without a package index, in pieces
+# small enough for a link that caps each transfer (the device tool's 64 MiB a call; the ray
+# wheel alone is ~76 MiB).
 #
-#   scripts/carry_ray.sh pack [DIR]       where pip can download: every wheel `ray[serve]`
-#                                         needs for the target's Python, less what the target
-#                                         has (HAVE=its `pip list --format=freeze`), in one
-#                                         archive split into DIR/1, DIR/2, ... (PIECE=40M each)
-#                                         beside SHA256SUMS. Default DIR: .raycarry
+#   scripts/carry_ray.sh pack [DIR] [REQ...]  where pip can download: every wheel that
+#                                         `ray[serve]` and the extra requirements REQ need for
+#                                         the target's Python, in one archive split into DIR/1,
+#                                         DIR/2, ... (PIECE=48M each) beside SHA256SUMS.
+#                                         HAVE=the target's `pip list --format=freeze` leaves
+#                                         out each wheel whose package the target has at a
+#                                         version every requirement on it accepts.
+#                                         WHEELS=a folder already downloaded skips pip.
+#                                         Default DIR: .raycarry
 #   scripts/carry_ray.sh receive DIR/N    on the target, one call per piece, made back to
 #                                         back: keep the piece under $STASH (default
 #                                         /tmp/ray-carry, which outlives the call)
 #   scripts/carry_ray.sh install SITE     on the target, after the last piece: join, check
-#                                         the checksum, unpack, pip install --no-index into
-#                                         SITE (add it to PYTHONPATH)
+#                                         the checksum, unpack, choose the wheels the target
+#                                         needs (scripts/carry_select.py, against its own
+#                                         installed versions), pip install --no-index into
+#                                         SITE, then `check` (add SITE to PYTHONPATH)
+#   scripts/carry_ray.sh check SITE       import ray.serve, start a one-replica application,
+#                                         call it, stop it
 #
 # PYTHON_VERSION (3.12) and PLATFORM (manylinux2014_x86_64) name the target; RAY pins the
 # version (the one pyproject.toml's `ray` extra pins).
 set -euo pipefail
 RAY=${RAY:-2.60.0}
 STASH=${STASH:-/tmp/ray-carry}
+HERE=$(cd "$(dirname "$0")" && pwd)
 
 pack() {
   local dir=${1:-.raycarry} work
+  shift || true
   work=$(mktemp -d)
-  python3 -m pip download -q "ray[serve]==$RAY" -d "$work/wheels" --only-binary=:all: \
-    --python-version "${PYTHON_VERSION:-3.12}" --platform "${PLATFORM:-manylinux2014_x86_64}" \
-    --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
-  if [[ -n ${HAVE:-} ]]; then  # drop what the target already has (any version: it is installed there)
-    while IFS='=' read -r name _; do
-      local norm=${name,,}; norm=${norm//-/_}
-      find "$work/wheels" -iname "${norm}-[0-9]*.whl" -delete
-    done < "$HAVE"
+  mkdir -p "$work/wheels"
+  printf '%s\n' "ray[serve]==$RAY" "$@" > "$work/wheels/REQUIREMENTS.txt"
+  local downloaded=${WHEELS:-$work/downloaded}
+  if [[ -z ${WHEELS:-} ]]; then
+    python3 -m pip download -q -r "$work/wheels/REQUIREMENTS.txt" -d "$downloaded" --only-binary=:all: \
+      --python-version "${PYTHON_VERSION:-3.12}" --platform "${PLATFORM:-manylinux2014_x86_64}" \
+      --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
   fi
+  # without HAVE every wheel travels and the target chooses at `install`
+  python3 "$HERE/carry_select.py" "$downloaded" "$work/wheels/REQUIREMENTS.txt" --python "${PYTHON_VERSION:-3.12}" \
+    ${HAVE:+--have "$HAVE"} > "$work/chosen"
+  [[ -n ${HAVE:-} ]] || ls "$downloaded"/*.whl > "$work/chosen"
+  xargs -a "$work/chosen" cp -t "$work/wheels"
   rm -rf "$dir" && mkdir -p "$dir"
   tar -C "$work" -cf "$work/ray.tar" wheels
   (cd "$work" && sha256sum ray.tar) > "$dir/SHA256SUMS"
-  split -b "${PIECE:-40M}" -d -a 1 "$work/ray.tar" "$work/piece."
+  split -b "${PIECE:-48M}" -d -a 3 "$work/ray.tar" "$work/piece."
   local n=0
   for piece in "$work"/piece.*; do
     n=$((n + 1)); mkdir -p "$dir/$n"; mv "$piece" "$dir/$n/"; cp "$dir/SHA256SUMS" "$dir/$n/"
@@ -54,14 +69,45 @@ install() {
   local site=$1
   cat "$STASH"/piece.* > "$STASH/ray.tar"
   (cd "$STASH" && sha256sum -c SHA256SUMS) || { echo "checksum mismatch: a piece is missing or stale" >&2; exit 1; }
-  tar -C "$STASH" -xf "$STASH/ray.tar"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$STASH"/wheels/*.whl
-  PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 -c "import ray, ray.serve; print('ray', ray.__version__)"
+  rm -rf "$STASH/wheels" && tar -C "$STASH" -xf "$STASH/ray.tar"
+  # choose against the target's own installed versions (not SITE's: PYTHONPATH left out);
+  # `packaging` from the carried wheel if the target has none
+  local path=""
+  python3 -c "import packaging" 2>/dev/null || path=$(ls "$STASH"/wheels/packaging-*.whl)
+  env -u PYTHONPATH ${path:+PYTHONPATH=$path} python3 "$HERE/carry_select.py" \
+    "$STASH/wheels" "$STASH/wheels/REQUIREMENTS.txt" > "$STASH/chosen"
+  echo "installing $(wc -l < "$STASH/chosen") of $(ls "$STASH"/wheels/*.whl | wc -l) wheels into $site"
+  xargs -a "$STASH/chosen" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$site"
+  check "$site"
+}
+
+check() {
+  PYTHONPATH="$1${PYTHONPATH:+:$PYTHONPATH}" RAY_USAGE_STATS_ENABLED=0 timeout 180 python3 - <<'EOF'
+import ray
+from ray import serve
+
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+
+@serve.deployment
+class Echo:
+    def __call__(self, value):
+        return value
+
+
+handle = serve.run(Echo.bind(), name="carry-check", route_prefix=None)
+assert handle.remote(41).result(timeout_s=60) == 41
+serve.shutdown()
+ray.shutdown()
+print(f"ray {ray.__version__}: a one-replica Serve application started, answered and stopped")
+EOF
 }
 
 case ${1:-} in
-  pack) pack "${2:-}" ;;
+  pack) shift; pack "$@" ;;
   receive) receive "$2" ;;
   install) install "$2" ;;
-  *) sed -n '2,19p' "$0"; exit 2 ;;
+  check) check "$2" ;;
+  *) sed -n '2,29p' "$0"; exit 2 ;;
 esac

@@ -57,6 +57,12 @@ def test_bench_serve_measures_ray_against_the_plain_server_in_turns(tmp_path):
         # the server's compute is part of what the client waited for
         assert all(0 < c < lat for r in data["runs"] for c, lat in zip(r["compute_s"], r["latencies"]))
         assert data["recompiles"] == 0 and data["swap_ms_mean"] > 0 and data["cache_misses"] > 0
+        # where each request's time went, from its Server-Timing; Ray's share only on Ray
+        for run in data["runs"]:
+            assert len(run["server_timing_ms"]) == 4
+            assert {"parse", "read", "wait", "swap", "generate", "encode", "unaccounted"} <= set(run["phases_ms"])
+            assert ("ray" in run["phases_ms"]) == (mode == "ray")
+            assert run["phases_ms"]["generate"]["p50"] > 0
     assert set(report["ray_overhead"]) == {"1", "2"}
     one = report["ray_overhead"]["1"]
     medians = report["medians"]

@@ -166,3 +166,23 @@ def test_health_ready_metrics_and_adapter_endpoints(server):
                  "loraswap_adapter_cache_hits_total", "loraswap_adapter_cache_misses_total", "loraswap_queue_depth"):
         assert name in metrics, name
     assert server.metric("loraswap_requests_total", '{route="/",status="404"}') >= 1
+
+
+def test_server_timing_says_where_a_requests_time_went(server):
+    body = {"inputs": "a red fox", "parameters": {"seed": 3, "num_inference_steps": 2}}
+    response = httpx.post(server.url + "/", json=body, headers={"lora": "style:0.5, styles/second:0.5"})
+    assert response.status_code == 200
+    phases = {name: float(duration) for name, duration in
+              (item.strip().split(";dur=") for item in response.headers["server-timing"].split(","))}
+    expected = {"parse", "read", "wait", "swap", "generate", "encode"}
+    if "--ray" in server.proc.args:  # Serve's routing and transport, and the replica taking the adapters in
+        expected |= {"ray", "hold"}
+    assert set(phases) == expected, phases
+    assert all(ms >= 0 for ms in phases.values()), phases
+    # the swap and the generation are x-compute-time, in milliseconds (each rounded to 0.1 ms)
+    assert phases["swap"] + phases["generate"] == pytest.approx(float(response.headers["x-compute-time"]) * 1e3,
+                                                                abs=0.3)
+    assert phases["read"] <= phases["wait"], "waiting for the worker includes waiting for the read"
+    # every phase happened within the request: their sum (the read is inside the wait) fits the latency
+    spent = sum(ms for name, ms in phases.items() if name != "read")
+    assert spent <= response.elapsed.total_seconds() * 1e3, (phases, response.elapsed)

@@ -5,17 +5,19 @@ runs the real thing.)"""
 import asyncio
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 from ray.exceptions import ActorDiedError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from loraswap.cluster.app import load_config, replica_gpus
+from loraswap.cluster.app import build_app, load_config, replica_gpus
 from loraswap.cluster.config import ClusterConfig, ModelDeploymentConfig
 from loraswap.cluster.ingress import RayBackend
 from loraswap.cluster.replica import adapter_key
 from loraswap.cluster.reports import Reports
+from loraswap.cluster.request_router import LeastBusyAdapterRouter
 from loraswap.engine.config import GenerateRequest
 from loraswap.errors import AdapterIncompatible, AdapterNotFound, BadRequest, Overloaded
 from loraswap.server.metrics import EngineFigures
@@ -67,6 +69,42 @@ def test_multiplexed_id_is_the_adapter_set():
     assert adapter_key([]) == ""
     assert adapter_key([("style", 1.0)]) == "style"
     assert adapter_key([("b", 0.3), ("a", 0.8)]) == adapter_key([("a", 0.1), ("b", 1.0)]) == "a,b"
+
+
+def test_replicas_are_ranked_least_busy_first_by_serve_holders_breaking_ties():
+    """Serve probes the queue lengths of the list it gets and takes the shortest, the first of
+    equals: the router lists every replica, those holding the request's adapters first, then
+    those holding fewer adapter sets; a free slot goes to the oldest waiting request."""
+    router = object.__new__(LeastBusyAdapterRouter)  # its ranking needs no running Serve
+    router._multiplexed_model_id_to_replica_ids = {"a,b": {"r3"}}
+
+    def replica(name, held):
+        return SimpleNamespace(replica_id=name, multiplexed_model_ids=set(held))
+
+    replicas = [replica("r1", ["x", "y"]), replica("r2", ["z"]), replica("r3", ["a,b", "x", "y"])]
+
+    def ranked(model_id):
+        request = SimpleNamespace(metadata=SimpleNamespace(multiplexed_model_id=model_id))
+        lists = asyncio.run(router.choose_replicas(replicas, request))
+        assert len(lists) == 1, "one list: Serve then takes the least busy of all"
+        return [r.replica_id for r in lists[0]]
+
+    assert ranked("a,b") == ["r3", "r2", "r1"]
+    assert ranked("new") == ["r2", "r1", "r3"]
+    assert ranked("") == ["r2", "r1", "r3"]
+    assert router._get_pending_request_matching_metadata(SimpleNamespace(multiplexed_model_id="a,b")) is None
+
+
+def test_model_deployments_take_what_their_worker_holds_and_route_least_busy():
+    config = ClusterConfig(scheduler={"max_queue": 20, "max_batch": 2},
+                           engines=[ModelDeploymentConfig(model="tiny-sd"),
+                                    ModelDeploymentConfig(model="tiny-sdxl", max_ongoing_requests=3)])
+    # the ingress is bound with (config, model deployments, reports)
+    deployments = [model._bound_deployment for model in build_app(config)._bound_deployment.init_args[1]]
+    assert [d.max_ongoing_requests for d in deployments] == [22, 3]  # max_queue + max_batch, or as set
+    assert [d.max_queued_requests for d in deployments] == [20, 20]
+    routers = [d._deployment_config.request_router_config.request_router_class for d in deployments]
+    assert all("LeastBusyAdapterRouter" in str(r) for r in routers), routers
 
 
 def test_gpus_per_replica():

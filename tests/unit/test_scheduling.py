@@ -53,6 +53,9 @@ def test_slow_source_is_read_ahead_and_the_worker_only_swaps(many_adapters):
     # A swap that waited on the source would take its 0.5 s; a busy 2-core CI box can make the
     # tiny swap itself take tens of ms, so the bound sits at half a read, not at the swap's own cost.
     assert max(swaps) < source.delay / 2, swaps
+    # each result says it waited for its read (the source's 0.5 s), and the wait for the worker includes it
+    assert all(r.timings["read"] >= 0.8 * source.delay for r in results), [r.timings for r in results]
+    assert all(r.timings["wait"] >= r.timings["read"] for r in results), [r.timings for r in results]
     assert elapsed < 8 * 0.5, "the eight 0.5 s reads overlapped"
     assert source.threads and all(name.startswith("loraswap-prefetch") for name in source.threads)
     worker.stop()

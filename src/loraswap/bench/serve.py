@@ -71,7 +71,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(model: str, adapters: Path, mode: str, log_path: Path, extra: list[str]) -> tuple:
+def start_server(model: str, adapters: Path, mode: str, log_path: Path, extra: list[str]) -> tuple:
     port = _free_port()
     log = log_path.open("w")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(RAY_ENV if mode == "ray" else {})}
@@ -94,7 +94,7 @@ def _start_server(model: str, adapters: Path, mode: str, log_path: Path, extra: 
                 raise TimeoutError(f"{mode} server not ready:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.5)
     except BaseException:  # not ready (or interrupted): the bench may go on, so stop the server now
-        _stop(proc)
+        stop_server(proc)
         log.close()
         raise
     logger.info("%s server ready in %.0f s", mode, time.perf_counter() - started)
@@ -108,7 +108,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen) -> None:
     """Stop a server: SIGTERM, then SIGKILL if it has not exited after 60 s."""
     proc.terminate()
     try:
@@ -121,7 +121,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def _drive(url: str, stream: list[str], concurrency: int, params: dict) -> dict:
     """Send `stream` with `concurrency` clients: latencies, the server's own compute time of
     each (`x-compute-time`), errors and images/s."""
-    latencies, computes, errors, lock = [], [], [], threading.Lock()
+    latencies, computes, phases, errors, lock = [], [], [], [], threading.Lock()
     position = iter(range(len(stream)))
 
     def client():
@@ -141,6 +141,7 @@ def _drive(url: str, stream: list[str], concurrency: int, params: dict) -> dict:
                         continue
                     latencies.append(elapsed)
                     computes.append(float(response.headers["x-compute-time"]))
+                    phases.append(_server_timing(response.headers.get("server-timing", "")))
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -154,7 +155,27 @@ def _drive(url: str, stream: list[str], concurrency: int, params: dict) -> dict:
     return {"concurrency": concurrency, "requests": len(stream), "errors": errors, "wall_s": wall,
             "images_per_s": len(latencies) / wall, "latency_s": summary(latencies),
             "overhead_ms": {k: v * 1e3 if k != "n" else v for k, v in summary(overheads).items()},
-            "latencies": latencies, "compute_s": computes}
+            "phases_ms": _phase_summary(phases, latencies), "latencies": latencies, "compute_s": computes,
+            "server_timing_ms": phases}
+
+
+def _server_timing(header: str) -> dict[str, float]:
+    """`parse;dur=1.2, swap;dur=3.4` -> {"parse": 1.2, "swap": 3.4} (milliseconds)."""
+    phases = {}
+    for item in filter(None, (part.strip() for part in header.split(","))):
+        name, _, rest = item.partition(";dur=")
+        phases[name] = float(rest)
+    return phases
+
+
+def _phase_summary(phases: list[dict[str, float]], latencies: list[float]) -> dict[str, dict]:
+    """p50 and p99 of each phase the server reported, and of what no phase covers (the HTTP
+    server, the network, the client): latency - the phases' sum (the read is within the wait)."""
+    names = sorted({name for p in phases for name in p})
+    per = {name: summary([p.get(name, 0.0) for p in phases]) for name in names}
+    per["unaccounted"] = summary([lat * 1e3 - sum(ms for name, ms in p.items() if name != "read")
+                                  for p, lat in zip(phases, latencies)])
+    return {name: {"p50": s.get("p50", 0.0), "p99": s.get("p99", 0.0)} for name, s in per.items()}
 
 
 def _metric(url: str, name: str) -> float:
@@ -198,7 +219,7 @@ def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: i
         # 1. every server up, each warmed by one request outside the figures (first-request effects)
         for mode in modes:
             flags = [*extra_args, *(fused_args if mode in LORASWAP_MODES else ())]
-            proc, url, log, ready_s = _start_server(model, workdir / "adapters", mode,
+            proc, url, log, ready_s = start_server(model, workdir / "adapters", mode,
                                                     workdir / f"server-{mode}.log", flags)
             servers[mode] = (proc, url, log)
             results["modes"][mode] = {"ready_s": ready_s, "runs": []}
@@ -215,7 +236,7 @@ def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: i
             results["modes"][mode].update(_server_figures(servers[mode][1]))
     finally:
         for proc, _, log in servers.values():
-            _stop(proc)
+            stop_server(proc)
             log.close()
         write_results(out_dir, f"serve-{model}", results)  # partial results survive a later failure
     _report(results, out_dir)
@@ -226,6 +247,8 @@ def _log_run(mode: str, run: dict) -> None:
     logger.info("%s c=%d: p50 %.2f s p99 %.2f s %.3f img/s, latency - compute p50 %.1f ms, errors %s", mode,
                 run["concurrency"], run["latency_s"].get("p50", 0), run["latency_s"].get("p99", 0),
                 run["images_per_s"], run["overhead_ms"].get("p50", 0), run["errors"])
+    logger.info("%s c=%d phases ms (p50/p99): %s", mode, run["concurrency"],
+                ", ".join(f"{k} {v['p50']:.1f}/{v['p99']:.1f}" for k, v in run["phases_ms"].items()))
 
 
 def _medians(runs: list[dict]) -> dict[int, dict]:
@@ -240,7 +263,8 @@ def _medians(runs: list[dict]) -> dict[int, dict]:
     return {clients: {"p50_s": pick(passes, lambda p: p["latency_s"].get("p50", 0)),
                       "p99_s": pick(passes, lambda p: p["latency_s"].get("p99", 0)),
                       "images_per_s": pick(passes, lambda p: p["images_per_s"]),
-                      "overhead_p50_ms": pick(passes, lambda p: p["overhead_ms"].get("p50", 0))}
+                      "overhead_p50_ms": pick(passes, lambda p: p["overhead_ms"].get("p50", 0)),
+                      "generate_p50_ms": pick(passes, lambda p: p["phases_ms"].get("generate", {}).get("p50", 0))}
             for clients, passes in by_clients.items()}
 
 
@@ -258,6 +282,8 @@ def _ratios(results: dict) -> None:
             "p50_ms": (ray[c]["p50_s"] - fused[c]["p50_s"]) * 1e3,
             "p50_ratio": ray[c]["p50_s"] / fused[c]["p50_s"],
             "throughput_ratio": ray[c]["images_per_s"] / fused[c]["images_per_s"],
+            # the replica's own generation against the plain server's: what throughput can reach
+            "generate_ratio": ray[c]["generate_p50_ms"] / max(fused[c]["generate_p50_ms"], 1e-9),
             "http_path_ms": ray[c]["overhead_p50_ms"] - fused[c]["overhead_p50_ms"]} for c in fused if c in ray}
 
 

@@ -22,7 +22,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from .common import environment, plot_bars, print_table, write_results
-from .serve import _start_server
+from .serve import start_server
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def _empty_cache_root(compile_cache: Path | None, workdir: Path) -> Path:
 
 
 def _start_once(model: str, workdir: Path, cache_dir: Path, extra: list[str], steps: int, log_path: Path) -> dict:
-    proc, url, log, ready_s = _start_server(model, workdir / "adapters", "fused", log_path,
+    proc, url, log, ready_s = start_server(model, workdir / "adapters", "fused", log_path,
                                             [*extra, "--compile-cache", str(cache_dir)])
     try:
         started = time.perf_counter()

@@ -23,9 +23,10 @@ class ModelDeploymentConfig(EngineConfig):
     replicas: int = Field(1, ge=1, le=1024, description="Replicas, each one engine on one GPU (or CPU).")
     max_adapters: int = Field(32, ge=1, description="Adapters (or blends) one replica holds; the least "
                               "recently used is evicted past this (Ray Serve multiplexing budget).")
-    max_ongoing_requests: int = Field(2, ge=1, le=64, description="Requests one replica takes at once: one "
-                                      "generating, one prefetching. More wait at the router, which sends them "
-                                      "to another replica (that loads the adapter too) once this one is full.")
+    max_ongoing_requests: int | None = Field(None, ge=1, le=1024, description="Requests one replica takes "
+                                             "at once; None: what its GPU worker holds (the scheduler's "
+                                             "max_queue + max_batch), so the worker's scheduler orders them. "
+                                             "More wait at the router, oldest first.")
     num_gpus: float | None = Field(None, ge=0, description="GPUs per replica; None: 1 when the device is "
                                    "cuda, or auto on a cluster with GPUs; else 0.")
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica (Ray logical CPUs).")

@@ -9,6 +9,7 @@ id, so Serve picks a replica that holds it. No GPU and no multiplexing here.
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -101,7 +102,11 @@ class RayBackend:
         handle = self.handles[index].options(multiplexed_model_id=adapter_key(request.loras))
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                return await self._call(lambda: handle.generate.remote(request), is_disconnected)
+                sent = time.perf_counter()
+                result = await self._call(lambda: handle.generate.remote(request), is_disconnected)
+                # Serve's share: routing (queued, backing off) and the hops both ways
+                result.timings["ray"] = time.perf_counter() - sent - result.timings.pop("replica", 0.0)
+                return result
             except REPLICA_GONE as e:
                 if attempt == ATTEMPTS:
                     raise Overloaded("the replica serving this request went away; retry") from e

@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections import Counter
 
 import ray
@@ -105,13 +106,16 @@ class ModelReplica:
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         # 1. hold the request's adapters in this replica's budget (Serve routed it here for them)
+        received = time.perf_counter()
         key = serve.get_multiplexed_model_id()
         if key:
             await self._load(key)
+        held = time.perf_counter()
         # 2. queue for the GPU worker (adapters from the cache); a cancelled request is dropped
         future = self.worker.submit(request, self.engine.adapters.prefetch(request.loras))
         result = await asyncio.wrap_future(future)
         self.served += 1
+        result.timings |= {"hold": held - received, "replica": time.perf_counter() - received}
         return result
 
     async def keep_adapter(self, adapter_id: str) -> dict:

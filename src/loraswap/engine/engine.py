@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from PIL import Image
@@ -44,6 +44,11 @@ class GenerateResult:
     generate_seconds: float
     frames: list[Image.Image] | None = None  # a video model's frames, in order
     fps: int | None = None  # the frame rate the video is meant to play at
+    # seconds spent before the swap, by phase, filled in by whoever measured it: `read` (waiting
+    # for the adapters to be read), `wait` (queued for the GPU worker, the read included), and
+    # on Ray `hold` (the replica taking the adapters into its budget) and `ray` (Serve's
+    # routing and transport both ways); the server answers them in `Server-Timing`
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def on_device(device: torch.device):

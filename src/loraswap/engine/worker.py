@@ -45,6 +45,7 @@ class Job:
     enqueued: float = field(default_factory=time.monotonic)
     skips: int = 0
     on_step: Callable[[int, int], None] | None = None  # progress: (steps done, steps in all)
+    read_at: float | None = None  # when its adapters were in (time.monotonic)
 
     @property
     def batch_key(self) -> tuple:
@@ -83,7 +84,7 @@ class GpuWorker:
                 raise Overloaded(f"the queue is full ({self.config.max_queue} requests waiting); retry shortly")
             self._jobs.append(job)
             self._cond.notify_all()
-        prefetch.add_done_callback(lambda _: self._wake())
+        prefetch.add_done_callback(lambda _: self._adapters_read(job))
         return job.future
 
     @property
@@ -101,6 +102,10 @@ class GpuWorker:
     def _wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+    def _adapters_read(self, job: Job) -> None:
+        job.read_at = time.monotonic()
+        self._wake()
 
     # ---------------------------------------------------------------- scheduling
     def _next_batch(self) -> list[Job] | None:
@@ -164,6 +169,7 @@ class GpuWorker:
                 self._serve(running)
 
     def _serve(self, jobs: list[Job]) -> None:
+        started = time.monotonic()
         held, ready = [], []
         for job in jobs:  # a request whose adapter failed to load fails alone; nothing was swapped
             try:
@@ -177,6 +183,7 @@ class GpuWorker:
                 progress = {"on_step": lambda done, total: _report_progress(hooks, done, total)} if hooks else {}
                 results = self.engine.generate_batch([job.request for job in ready], held[0], **progress)
                 for job, result in zip(ready, results):
+                    result.timings |= {"read": (job.read_at or started) - job.enqueued, "wait": started - job.enqueued}
                     job.future.set_result(result)
         except BaseException as e:  # delivered to the waiting handlers
             for job in ready:

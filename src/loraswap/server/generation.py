@@ -66,6 +66,17 @@ def _observe(metrics, route: str, status: int, gen: GenerateRequest, result: Gen
                 seconds, status)
 
 
+TIMING_PHASES = ("parse", "ray", "hold", "read", "wait", "swap", "generate", "encode")
+
+
+def server_timing(result: GenerateResult, **measured: float) -> str:
+    """A `Server-Timing` header (milliseconds) of where a request's time went: the phases the
+    engine, worker and Ray measured (`GenerateResult.timings`), the swap and the generation,
+    and what the handler measured itself (`parse`, `encode`)."""
+    seconds = {**result.timings, "swap": result.swap_seconds, "generate": result.generate_seconds, **measured}
+    return ", ".join(f"{phase};dur={seconds[phase] * 1e3:.1f}" for phase in TIMING_PHASES if phase in seconds)
+
+
 async def encode(image, accept: str) -> tuple[bytes, str]:
     """The image in the first format `accept` names (PNG, WebP, JPEG), else JPEG; encoded off
     the event loop."""

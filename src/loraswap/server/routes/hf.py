@@ -1,10 +1,12 @@
 """Hugging Face Inference API text-to-image and image-to-image: `POST /` and
 `POST /models/{model_id}`."""
 
+import time
+
 from fastapi import APIRouter, Depends, Request, Response
 
 from ..auth import Access, require_api_key
-from ..generation import IMAGE_RESPONSES, encode, generate
+from ..generation import IMAGE_RESPONSES, encode, generate, server_timing
 from ..openapi import LORA_HEADER, json_body
 from ..requests import parse_request
 from ..schemas import HFRequest
@@ -34,11 +36,15 @@ async def generate_hf(request: Request, route: str, path_model: str | None) -> R
     # 1. parse: {"inputs": ..., "parameters": {...}} or a bare JSON string (image-to-image:
     #    a base64 image in `inputs`, decoded and checked); the adapters from the `lora` header,
     #    and the path's model id when it names an adapter
+    started = time.perf_counter()
     parsed = await parse_request(request, HFRequest, path_model)
+    parsed_at = time.perf_counter()
     # 2. generate on the GPU worker, 3. encode as the client accepts
     result = await generate(request, route, parsed.generate, parsed.model)
+    generated_at = time.perf_counter()
     data, media = await encode(result.image, request.headers.get("accept", ""))
     total = result.swap_seconds + result.generate_seconds
+    timing = server_timing(result, parse=parsed_at - started, encode=time.perf_counter() - generated_at)
     return Response(data, media_type=media, headers={"x-compute-time": f"{total:.4f}",
                                                      "x-swap-ms": f"{result.swap_seconds * 1e3:.2f}",
-                                                     "x-seed": str(result.seed)})
+                                                     "x-seed": str(result.seed), "server-timing": timing})
