@@ -19,6 +19,7 @@ from loraswap.cluster.replica import adapter_key
 from loraswap.cluster.reports import Reports
 from loraswap.cluster.request_router import LeastBusyAdapterRouter
 from loraswap.engine.config import GenerateRequest
+from loraswap.engine.engine import GenerateResult
 from loraswap.errors import AdapterIncompatible, AdapterNotFound, BadRequest, Overloaded
 from loraswap.server.metrics import EngineFigures
 
@@ -200,7 +201,8 @@ class FakeResponse:
     def __await__(self):
         if self.error is not None:
             raise self.error
-        return "an image"
+        # as a replica answers: with the time it spent itself, for the ingress to take from its own
+        return GenerateResult("an image", 1, 0.0, 0.0, timings={"hold": 0.0, "replica": 0.0})
         yield
 
     def cancel(self):
@@ -221,7 +223,9 @@ async def never_gone():
 def test_ingress_sends_a_request_again_when_its_replica_died(tmp_path):
     handle = FakeHandle(ActorDiedError(), ActorDiedError())
     request = GenerateRequest(prompt="x", loras=[("style", 0.5)])
-    assert asyncio.run(ingress_over(handle, tmp_path).generate(request, None, never_gone)) == "an image"
+    result = asyncio.run(ingress_over(handle, tmp_path).generate(request, None, never_gone))
+    assert result.image == "an image"
+    assert set(result.timings) == {"hold", "ray"} and result.timings["ray"] >= 0, "the replica's own time is out"
     assert handle.calls == 3 and handle.ids == ["style"], "the adapter set is the multiplexed model id"
     handle = FakeHandle(ActorDiedError(), ActorDiedError(), ActorDiedError())
     with pytest.raises(Overloaded, match="went away"):

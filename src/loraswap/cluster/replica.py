@@ -2,9 +2,9 @@
 
 The adapter set of a request (`a` or, for a blend, `a,b`) is its Ray Serve multiplexed
 model id. `serve.multiplexed` keeps up to `max_adapters` of them per replica, least
-recently used first out, and tells Serve's router which replica holds which, so the
-next request for an adapter goes to a replica that already has it (one busy past
-`max_ongoing_requests` sends it to another, which loads it too). Loading one reads the
+recently used first out, and tells Serve's router which replica holds which, so among
+replicas equally busy the next request for an adapter goes to one that already has it
+(`request_router.py`; a less busy replica loads it too). Loading one reads the
 adapters into the engine's cache (`engine.adapters.prefetch`); evicting one drops them
 from the cache unless kept or still used by another held set.
 
