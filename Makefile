@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install clean
+.PHONY: serve test test-fast install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff check src tests scripts
 	$(VENV)/bin/python -m pytest -q tests
+
+# before every commit: everything but the soak, load, Ray and browser tests (CI runs `make test`)
+test-fast: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/python -m pytest -q -m "not soak and not load and not ray and not browser" --durations=15 tests
 
 clean:
 	rm -rf $(VENV)

@@ -42,11 +42,16 @@ pack() {
       --python-version "${PYTHON_VERSION:-3.12}" --platform "${PLATFORM:-manylinux2014_x86_64}" \
       --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
   fi
-  # without HAVE every wheel travels and the target chooses at `install`
-  python3 "$HERE/carry_select.py" "$downloaded" "$work/wheels/REQUIREMENTS.txt" --python "${PYTHON_VERSION:-3.12}" \
-    ${HAVE:+--have "$HAVE"} > "$work/chosen"
-  [[ -n ${HAVE:-} ]] || ls "$downloaded"/*.whl > "$work/chosen"
-  xargs -a "$work/chosen" cp -t "$work/wheels"
+  # without HAVE every wheel travels and the target chooses at `install`; with it, what the
+  # target satisfies stays behind but for its metadata (its extras may still ask for wheels)
+  if [[ -n ${HAVE:-} ]]; then
+    python3 "$HERE/carry_select.py" "$downloaded" "$work/wheels/REQUIREMENTS.txt" --python "${PYTHON_VERSION:-3.12}" \
+      --have "$HAVE" > "$work/chosen"
+    python3 "$HERE/carry_select.py" "$downloaded" --write-metadata "$work/wheels/metadata"
+  else
+    ls "$downloaded"/*.whl > "$work/chosen"
+  fi
+  xargs -r -a "$work/chosen" cp -t "$work/wheels"
   rm -rf "$dir" && mkdir -p "$dir"
   tar -C "$work" -cf "$work/ray.tar" wheels
   (cd "$work" && sha256sum ray.tar) > "$dir/SHA256SUMS"
@@ -76,8 +81,8 @@ install() {
   python3 -c "import packaging" 2>/dev/null || path=$(ls "$STASH"/wheels/packaging-*.whl)
   env -u PYTHONPATH ${path:+PYTHONPATH=$path} python3 "$HERE/carry_select.py" \
     "$STASH/wheels" "$STASH/wheels/REQUIREMENTS.txt" > "$STASH/chosen"
-  echo "installing $(wc -l < "$STASH/chosen") of $(ls "$STASH"/wheels/*.whl | wc -l) wheels into $site"
-  xargs -a "$STASH/chosen" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  echo "installing $(grep -c . "$STASH/chosen") of $(ls "$STASH"/wheels/*.whl | wc -l) wheels into $site"
+  xargs -r -a "$STASH/chosen" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target "$site"
   check "$site"
 }

@@ -38,6 +38,68 @@ def live_replicas(url: str) -> list[dict]:
     return [r for r in httpx.get(url + "/replicas", timeout=10).json()["replicas"] if r["alive"]]
 
 
+class Clients:
+    """Clients sending requests back to back, each request's send time, latency and status kept."""
+
+    def __init__(self, url: str, ids: list[str]):
+        self.url, self.ids = url, ids
+        self.records, self.lock, self.stop, self.threads = [], threading.Lock(), threading.Event(), []
+
+    def start(self, name: str, count: int, first_seed: int, steps: int) -> threading.Thread:
+        thread = threading.Thread(target=self._send, args=(name, count, first_seed, steps))
+        thread.start()
+        self.threads.append(thread)
+        return thread
+
+    def _send(self, name: str, count: int, first_seed: int, steps: int) -> None:
+        for seed in range(first_seed, first_seed + count):
+            if self.stop.is_set():
+                return
+            sent = time.time()
+            status, error = post(self.url, self.ids[seed % len(self.ids)], steps, seed)
+            with self.lock:
+                self.records.append({"client": name, "sent": sent, "latency_s": time.time() - sent,
+                                     "status": status, "error": error})
+            if status != 200:
+                time.sleep(0.5)  # as a client would, before trying again
+
+    def served_since(self, moment: float) -> int:
+        with self.lock:
+            return sum(r["sent"] > moment and r["status"] == 200 for r in self.records)
+
+    def finish(self) -> list[dict]:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(900)
+        return self.records
+
+
+def kill_mid_request(url: str, clients: Clients, steps: int) -> dict:
+    """Send a long request (twice the steps: still generating at the kill), then SIGKILL the
+    replica holding its adapter; wait until it is answered."""
+    killed = clients.start("killed", 1, 1, 2 * steps)
+    time.sleep(1.0)  # it is generating (or next in the worker's queue) on the replica
+    live = live_replicas(url)
+    victim = next((r for r in live if clients.ids[1] in r["held"]), live[0])
+    kill_at = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed.join(900)
+    return {"pid": victim["pid"], "replica": victim["replica"], "at": kill_at}
+
+
+def wait_for_replacement(url: str, before: list[dict], clients: Clients, kill_at: float, images: int) -> tuple:
+    """The new replica (and when /replicas listed it), once `images` requests sent after the kill
+    were served; at most 10 minutes."""
+    deadline, known, new = time.time() + 600, {r["replica"] for r in before}, []
+    while time.time() < deadline and not new:
+        new = [r for r in live_replicas(url) if r["replica"] not in known]
+        time.sleep(0.5)
+    listed_at = time.time()
+    while time.time() < deadline and clients.served_since(kill_at) < images:
+        time.sleep(0.5)
+    return new[:1], listed_at - kill_at if new else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="sdxl-random")
@@ -51,59 +113,32 @@ def main() -> None:
     ids = prepare_adapters(args.model.removesuffix("-random"), args.workdir / "adapters", 16)
     proc, url, log, ready_s = start_server(args.model, args.workdir / "adapters", "ray", args.workdir / "server.log",
                                            ["--replicas", str(args.replicas)])
-    records, lock, stop = [], threading.Lock(), threading.Event()
+    clients = Clients(url, ids)
     try:
         post(url, ids[0], args.steps, 0)  # warm
         before = live_replicas(url)
-
-        def client(name: str, count: int, start: int, steps: int):
-            for i in range(start, start + count):
-                if stop.is_set():
-                    return
-                sent = time.time()
-                status, error = post(url, ids[i % len(ids)], steps, i)
-                with lock:
-                    records.append({"client": name, "sent": sent, "latency_s": time.time() - sent,
-                                    "status": status, "error": error})
-                if status != 200:
-                    time.sleep(0.5)  # as a client would, before trying again
-
-        steady = threading.Thread(target=client, args=("steady", 10_000, 100, args.steps))
-        steady.start()
+        clients.start("steady", 10_000, 100, args.steps)
         time.sleep(3.0)
-        killed = threading.Thread(target=client, args=("killed", 1, 1, 2 * args.steps))  # still running at the kill
-        killed.start()
-        time.sleep(1.0)  # it is generating (or next in the worker's queue) on the replica
-        victim = live_replicas(url)[0]
-        kill_at = time.time()
-        os.kill(victim["pid"], signal.SIGKILL)
-        killed.join(900)
-        deadline = time.time() + 600
-        new = []
-        while time.time() < deadline and not new:
-            new = [r for r in live_replicas(url) if r["replica"] not in {b["replica"] for b in before}]
-            time.sleep(0.5)
-        replaced_at = time.time()
-        while time.time() < deadline:
-            with lock:
-                after = [r for r in records if r["sent"] > kill_at and r["status"] == 200]
-            if len(after) >= args.after + 1:
-                break
-            time.sleep(0.5)
+        victim = kill_mid_request(url, clients, args.steps)
+        new, listed_s = wait_for_replacement(url, before, clients, victim["at"], args.after + 1)
     finally:
-        stop.set()
+        records = clients.finish()
         stop_server(proc)
         log.close()
+    write_report(args, ready_s, victim, records, new, listed_s)
+
+
+def write_report(args, ready_s: float, victim: dict, records: list[dict], new: list[dict], listed_s) -> None:
     for record in records:
-        record["sent"] -= kill_at
-    served_after = sorted(r["sent"] + r["latency_s"] for r in records if r["sent"] + r["latency_s"] > 0
-                          and r["status"] == 200)
+        record["sent"] -= victim["at"]
+    done_after = sorted(r["sent"] + r["latency_s"] for r in records if r["status"] == 200
+                        and r["sent"] + r["latency_s"] > 0)
     result = {"model": args.model, "replicas": args.replicas, "steps": args.steps, "ready_s": ready_s,
-              "killed_pid": victim["pid"], "killed_request": next(r for r in records if r["client"] == "killed"),
+              "killed_pid": victim["pid"], "killed_replica": victim["replica"],
+              "killed_request": next((r for r in records if r["client"] == "killed"), None),
               "statuses": dict(Counter(r["status"] for r in records)),
-              "first_image_after_kill_s": served_after[0] if served_after else None,
-              "new_replica_reported_s": replaced_at - kill_at if new else None, "new_replica": new[:1],
-              "records": records}
+              "first_image_after_kill_s": done_after[0] if done_after else None,
+              "new_replica_reported_s": listed_s, "new_replica": new, "records": records}
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "records"}, indent=1))
 

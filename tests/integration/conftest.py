@@ -82,7 +82,7 @@ def ray_env() -> dict:
     return {"RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-@pytest.fixture(scope="module", params=["plain", "ray"])
+@pytest.fixture(scope="module", params=["plain", pytest.param("ray", marks=pytest.mark.ray)])
 def server(request, served_adapters, tmp_path_factory):
     """The same server flags, served by one process (`plain`) and by Ray Serve with 2 replicas (`ray`)."""
     ray = request.param == "ray"

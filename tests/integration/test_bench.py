@@ -42,6 +42,7 @@ def test_bench_serve_runs_both_modes(tmp_path):
     assert set(report["speedup_p50"]) == {"1", "2"}
 
 
+@pytest.mark.ray
 def test_bench_serve_measures_ray_against_the_plain_server_in_turns(tmp_path):
     result = CliRunner().invoke(app, ["bench", "serve", "--model", "tiny-sd", "--adapters-count", "20",
                                       "--requests", "4", "--concurrency", "2", "--steps", "2", "--width", "64",

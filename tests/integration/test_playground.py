@@ -14,8 +14,9 @@ from PIL import Image
 
 from conftest import ServerProcess
 
-pytestmark = pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")),
-                                reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")),
+                                 reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")]
 KEY = "playground-test-key"
 
 

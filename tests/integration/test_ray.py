@@ -21,6 +21,8 @@ import pytest
 
 from conftest import ServerProcess, free_port, ray_env
 
+pytestmark = pytest.mark.ray
+
 SD = "model-tiny-sd"
 XL = "model-tiny-sdxl"
 SD_IDS = [f"sd/{i}" for i in range(6)]

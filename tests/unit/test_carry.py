@@ -79,14 +79,16 @@ def test_a_requirement_no_carried_wheel_meets_is_refused_by_name(tmp_path):
         carry_select.select(wheels, {}, [Requirement("grpcio>=1.90")], carry_select.target_environment("3.12"))
 
 
-def test_pack_carries_what_the_target_lacks_in_checked_pieces(tmp_path):
-    wheels = make_wheels(tmp_path / "wheels")
+def pack(tmp_path: Path, target: list[str], *extra: str) -> Path:
+    """`carry_ray.sh pack` over the test wheels for `target`, its pieces joined, checked against
+    SHA256SUMS and unpacked: the folder `install` chooses from on the target."""
     freeze = tmp_path / "freeze.txt"
-    freeze.write_text("\n".join(TARGET) + "\n")
+    freeze.write_text("\n".join(target) + "\n")
     out = tmp_path / "carry"
-    env = {**os.environ, "WHEELS": str(wheels), "HAVE": str(freeze), "PIECE": "1K", "PYTHON_VERSION": "3.12"}
-    run = subprocess.run(["bash", str(SCRIPTS / "carry_ray.sh"), "pack", str(out)], env=env, capture_output=True,
-                         text=True, check=True)
+    env = {**os.environ, "WHEELS": str(make_wheels(tmp_path / "wheels")), "HAVE": str(freeze), "PIECE": "1K",
+           "PYTHON_VERSION": "3.12"}
+    run = subprocess.run(["bash", str(SCRIPTS / "carry_ray.sh"), "pack", str(out), *extra], env=env,
+                         capture_output=True, text=True, check=True)
     pieces = sorted(out.glob("[0-9]*/piece.*"), key=lambda p: p.name)  # piece.000, piece.001, ...
     assert len(pieces) > 1 and f"{len(pieces)} piece(s)" in run.stdout
     joined = tmp_path / "ray.tar"
@@ -94,7 +96,37 @@ def test_pack_carries_what_the_target_lacks_in_checked_pieces(tmp_path):
     digest = subprocess.run(["sha256sum", str(joined)], capture_output=True, text=True).stdout.split()[0]
     assert (out / "SHA256SUMS").read_text().split()[0] == digest
     with tarfile.open(joined) as archive:
-        names = {Path(n).name for n in archive.getnames() if n.endswith(".whl")}
-        requirements = archive.extractfile("wheels/REQUIREMENTS.txt").read().decode()
-    assert chosen_names(names) == {"ray", "grpcio", "grpcio_reflection", "httptools", "websockets"}
-    assert requirements.split() == ["ray[serve]==2.60.0"]
+        archive.extractall(tmp_path / "unpacked", filter="data")
+    return tmp_path / "unpacked" / "wheels"
+
+
+def install_choice(folder: Path, target: list[str]) -> set[str]:
+    """What `install` chooses on a target with `target` installed (as `carry_select.py` there)."""
+    have = {name: Version(v) for name, v in (line.split("==") for line in target)}
+    roots = [Requirement(line) for line in (folder / "REQUIREMENTS.txt").read_text().splitlines() if line]
+    return chosen_names(carry_select.select(carry_select.read_wheels(folder), have, roots,
+                                            carry_select.target_environment("3.12")))
+
+
+def test_pack_carries_what_the_target_lacks_and_install_chooses_the_same(tmp_path):
+    folder = pack(tmp_path, TARGET)
+    carried = {p.name for p in folder.glob("*.whl")}
+    assert chosen_names(carried) == {"ray", "grpcio", "grpcio_reflection", "httptools", "websockets"}
+    assert (folder / "REQUIREMENTS.txt").read_text().split() == ["ray[serve]==2.60.0"]
+    # uvicorn stayed behind, its metadata did not: on the target its `standard` extra still asks
+    # for httptools and websockets
+    assert install_choice(folder, TARGET) == chosen_names(carried)
+
+
+def test_a_target_that_has_everything_gets_nothing_and_other_platforms_roots_are_skipped(tmp_path):
+    everything = [f"{stem.split('-')[0].replace('_', '-')}=={stem.split('-')[1]}" for stem in WHEELS]
+    folder = pack(tmp_path, everything, 'colorama==0.4.6 ; sys_platform == "win32"')
+    assert list(folder.glob("*.whl")) == []
+    assert install_choice(folder, everything) == set()
+
+
+def test_a_version_that_is_not_pep_440_counts_as_absent(tmp_path):
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("grpcio==1.84.0\npython-apt==2.4.0+ubuntu1build1\ndistro-info==1.1build1\n")
+    assert carry_select.read_freeze(freeze) == {"grpcio": Version("1.84.0"),
+                                                "python-apt": Version("2.4.0+ubuntu1build1")}

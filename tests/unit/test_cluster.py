@@ -4,6 +4,7 @@ runs the real thing.)"""
 
 import asyncio
 import pickle
+from collections import defaultdict, deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -72,28 +73,57 @@ def test_multiplexed_id_is_the_adapter_set():
     assert adapter_key([("b", 0.3), ("a", 0.8)]) == adapter_key([("a", 0.1), ("b", 1.0)]) == "a,b"
 
 
+def bare_router() -> LeastBusyAdapterRouter:
+    """The router's state without a running Serve: what ranking and fulfilling read."""
+    router = object.__new__(LeastBusyAdapterRouter)
+    router._multiplexed_model_id_to_replica_ids = {"a,b": {"r3"}}
+    router._pending_requests_by_id, router._pending_requests_by_model_id = {}, defaultdict(deque)
+    router._pending_requests_to_fulfill = deque()
+    router._routing_task_by_pending_request_future = {}
+    router.queue_wait_time_ms_histogram = SimpleNamespace(observe=lambda ms: None)
+    return router
+
+
+def waiting(request_id: str, model_id: str) -> SimpleNamespace:
+    return SimpleNamespace(metadata=SimpleNamespace(internal_request_id=request_id, multiplexed_model_id=model_id),
+                           routing_context=SimpleNamespace(should_backoff=False),
+                           future=asyncio.get_running_loop().create_future(), created_at=0.0)
+
+
 def test_replicas_are_ranked_least_busy_first_by_serve_holders_breaking_ties():
     """Serve probes the queue lengths of the list it gets and takes the shortest, the first of
     equals: the router lists every replica, those holding the request's adapters first, then
-    those holding fewer adapter sets; a free slot goes to the oldest waiting request."""
-    router = object.__new__(LeastBusyAdapterRouter)  # its ranking needs no running Serve
-    router._multiplexed_model_id_to_replica_ids = {"a,b": {"r3"}}
+    those holding fewer adapter sets."""
+    router = bare_router()
+    replicas = [SimpleNamespace(replica_id=name, multiplexed_model_ids=set(held))
+                for name, held in (("r1", ["x", "y"]), ("r2", ["z"]), ("r3", ["a,b", "x", "y"]))]
 
-    def replica(name, held):
-        return SimpleNamespace(replica_id=name, multiplexed_model_ids=set(held))
-
-    replicas = [replica("r1", ["x", "y"]), replica("r2", ["z"]), replica("r3", ["a,b", "x", "y"])]
-
-    def ranked(model_id):
-        request = SimpleNamespace(metadata=SimpleNamespace(multiplexed_model_id=model_id))
-        lists = asyncio.run(router.choose_replicas(replicas, request))
+    async def ranked(model_id):
+        request = waiting("q", model_id)
+        lists = await router.choose_replicas(replicas, request)
         assert len(lists) == 1, "one list: Serve then takes the least busy of all"
+        assert request.routing_context.should_backoff, "every replica was asked: wait before asking again"
         return [r.replica_id for r in lists[0]]
 
-    assert ranked("a,b") == ["r3", "r2", "r1"]
-    assert ranked("new") == ["r2", "r1", "r3"]
-    assert ranked("") == ["r2", "r1", "r3"]
-    assert router._get_pending_request_matching_metadata(SimpleNamespace(multiplexed_model_id="a,b")) is None
+    assert asyncio.run(ranked("a,b")) == ["r3", "r2", "r1"]
+    assert asyncio.run(ranked("new")) == ["r2", "r1", "r3"]
+    assert asyncio.run(ranked("")) == ["r2", "r1", "r3"]
+
+
+def test_a_free_slot_goes_to_the_oldest_waiting_request_and_nothing_is_kept_by_model_id():
+    async def fulfil():
+        router = bare_router()
+        old, new = waiting("old", "a"), waiting("new", "b")
+        for request in (old, new):
+            router._pending_requests_to_fulfill.append(request)
+            router._add_pending_request_to_indices(request)
+        assert dict(router._pending_requests_by_model_id) == {}, "filed by id only: nothing to leak"
+        # the routing task of the newer request found a free slot: the older request takes it
+        router._fulfill_next_pending_request("replica-1", new.metadata)
+        assert old.future.done() and old.future.result() == "replica-1" and not new.future.done()
+        assert list(router._pending_requests_by_id) == ["new"]
+
+    asyncio.run(fulfil())
 
 
 def test_model_deployments_take_what_their_worker_holds_and_route_least_busy():
@@ -102,7 +132,7 @@ def test_model_deployments_take_what_their_worker_holds_and_route_least_busy():
                                     ModelDeploymentConfig(model="tiny-sdxl", max_ongoing_requests=3)])
     # the ingress is bound with (config, model deployments, reports)
     deployments = [model._bound_deployment for model in build_app(config)._bound_deployment.init_args[1]]
-    assert [d.max_ongoing_requests for d in deployments] == [22, 3]  # max_queue + max_batch, or as set
+    assert [d.max_ongoing_requests for d in deployments] == [21, 3]  # max_queue + the one generating, or as set
     assert [d.max_queued_requests for d in deployments] == [20, 20]
     routers = [d._deployment_config.request_router_config.request_router_class for d in deployments]
     assert all("LeastBusyAdapterRouter" in str(r) for r in routers), routers

@@ -164,7 +164,8 @@ def _server_timing(header: str) -> dict[str, float]:
     phases = {}
     for item in filter(None, (part.strip() for part in header.split(","))):
         name, _, rest = item.partition(";dur=")
-        phases[name] = float(rest)
+        if rest:  # a metric without a duration says nothing here
+            phases[name] = float(rest)
     return phases
 
 

@@ -23,7 +23,7 @@ from .config import ClusterConfig, ModelDeploymentConfig
 from .ingress import Ingress
 from .replica import ModelReplica
 from .reports import Reports
-from .request_router import LeastBusyAdapterRouter
+from .request_router import RETRY_BACKOFF, LeastBusyAdapterRouter
 
 logger = logging.getLogger("loraswap.cluster")
 
@@ -48,13 +48,13 @@ def build_app(config: ClusterConfig) -> serve.Application:
                                ray_actor_options={"num_cpus": 0},
                                logging_config={"enable_access_log": False}).bind(config.report_interval_s)
     models = []
-    worker_holds = config.scheduler.max_queue + config.scheduler.max_batch
+    worker_holds = config.scheduler.max_queue + 1  # its queue, and the request generating
     for engine in config.engines:
         deployment = serve.deployment(
             ModelReplica, name=engine.deployment_name, num_replicas=engine.replicas,
             max_ongoing_requests=engine.max_ongoing_requests or worker_holds,
             max_queued_requests=config.scheduler.max_queue,
-            request_router_config=RequestRouterConfig(request_router_class=LeastBusyAdapterRouter),
+            request_router_config=RequestRouterConfig(request_router_class=LeastBusyAdapterRouter, **RETRY_BACKOFF),
             ray_actor_options={"num_gpus": replica_gpus(engine), "num_cpus": engine.num_cpus},
             health_check_period_s=engine.health_check_period_s,
             graceful_shutdown_timeout_s=engine.graceful_shutdown_timeout_s)

@@ -25,7 +25,7 @@ class ModelDeploymentConfig(EngineConfig):
                               "recently used is evicted past this (Ray Serve multiplexing budget).")
     max_ongoing_requests: int | None = Field(None, ge=1, le=1024, description="Requests one replica takes "
                                              "at once; None: what its GPU worker holds (the scheduler's "
-                                             "max_queue + max_batch), so the worker's scheduler orders them. "
+                                             "max_queue + 1), so the worker's scheduler orders them. "
                                              "More wait at the router, oldest first.")
     num_gpus: float | None = Field(None, ge=0, description="GPUs per replica; None: 1 when the device is "
                                    "cuda, or auto on a cluster with GPUs; else 0.")

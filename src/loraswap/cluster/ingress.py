@@ -100,11 +100,12 @@ class RayBackend:
         # not pickle; reporting steps back needs a channel from replica to ingress
         index = await run_in_threadpool(self._route, request.loras, model)
         handle = self.handles[index].options(multiplexed_model_id=adapter_key(request.loras))
+        sent = time.perf_counter()
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                sent = time.perf_counter()
                 result = await self._call(lambda: handle.generate.remote(request), is_disconnected)
-                # Serve's share: routing (queued, backing off) and the hops both ways
+                # Serve's share: routing (waiting at the router), the hops both ways, and any
+                # attempt a dying replica cost
                 result.timings["ray"] = time.perf_counter() - sent - result.timings.pop("replica", 0.0)
                 return result
             except REPLICA_GONE as e:
