@@ -23,11 +23,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check src tests scripts
 	$(VENV)/bin/python -m pytest -q tests
 
-# before every commit: everything but the soak, load, Ray and browser tests (CI runs `make test`)
+# before every commit: everything but the soak, load, Ray, browser and slow tests (CI runs `make test`)
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff check src tests scripts
-	$(VENV)/bin/python -m pytest -q -m "not soak and not load and not ray and not browser" --durations=15 tests
+	$(VENV)/bin/python -m pytest -q -m "not soak and not load and not ray and not browser and not slow" --durations=15 tests
 
 clean:
 	rm -rf $(VENV)

@@ -14,6 +14,8 @@ from typer.testing import CliRunner
 from loraswap.bench.serve import zipf_stream
 from loraswap.cli import app
 
+pytestmark = pytest.mark.slow  # runs the benchmarks, servers and all
+
 
 def test_zipf_stream_is_heavy_headed_and_fixed():
     stream = zipf_stream(2500, 5000, seed=1)

@@ -25,6 +25,8 @@ from conftest import ServerProcess
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 
+pytestmark = pytest.mark.slow  # schemathesis over the whole API
+
 EXAMPLES_PER_OPERATION = 40  # 14 operations x 2 modes: ~1100 requests, 60-90 s on 2 busy cores
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection]

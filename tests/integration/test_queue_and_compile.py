@@ -8,6 +8,8 @@ import pytest
 
 from conftest import ServerProcess
 
+pytestmark = pytest.mark.slow  # compiles, and fills queues of real servers
+
 SLOW = {"inputs": "a slow one", "parameters": {"width": 512, "height": 512, "num_inference_steps": 40}}
 
 

@@ -11,6 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ServerProcess
 
+pytestmark = pytest.mark.slow  # compiles, then restarts
+
 REQUEST = {"inputs": "a lighthouse", "parameters": {"seed": 3, "num_inference_steps": 2}}
 
 

@@ -112,6 +112,7 @@ def test_swap_through_the_kernel_matches_addmm_and_returns_to_base(interpreted, 
 FLOAT8 = torch.float8_e4m3fn
 
 
+@pytest.mark.slow  # Triton's interpreter
 def test_float8_kernel_rounds_to_nearest_even_as_torch_does(interpreted):
     """Per tensor, with P = 0 and the largest |value| 448, the scale stays 1 and the kernel's
     float8 values are its own rounding of `values`: ties, carries into the exponent
@@ -164,6 +165,7 @@ def test_float8_kernel_matches_torchaos_requantization(interpreted, per_row, m, 
     assert torch.equal(pristine, base.qdata)  # the pristine copy is only read
 
 
+@pytest.mark.slow  # Triton's interpreter
 def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(interpreted, adapter_factory, tmp_path):
     pytest.importorskip("torchao", reason="the test extra pins torchao")
     from loraswap.engine.config import EngineConfig
@@ -212,6 +214,7 @@ def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(interpre
     assert all(torch.equal(base[n][0], after[n][0]) and torch.equal(base[n][1], after[n][1]) for n in base)
 
 
+@pytest.mark.slow  # Triton's interpreter
 def test_warm_up_compiles_the_variants_the_models_row_lengths_need(interpreted, monkeypatch):
     """Triton specializes row lengths that are multiples of 16 (and 1): a model whose rows
     all are (every real one) warms three variants, one per class of rank, not six; a model

@@ -15,6 +15,8 @@ from loraswap.adapters.module_layers import WEIGHT_KINDS, complete
 from loraswap.adapters.parse import split_key
 from loraswap.cli import app
 
+pytestmark = pytest.mark.slow  # every published key layout
+
 CORPUS = Path(__file__).parent.parent / "fixtures" / "key_layouts"
 DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 UNKNOWN_RANK = 4  # sources that list names without ranks

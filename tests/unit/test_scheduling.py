@@ -122,6 +122,7 @@ def test_fairness_under_a_continuous_stream_of_the_applied_adapter(many_adapters
     assert waited < 0.5 + 1.0, waited
 
 
+@pytest.mark.load  # 32 clients at once
 def test_32_threads_40_adapters_through_a_10_adapter_budget(many_adapters):
     probe = Engine(EngineConfig(model="tiny-sd", adapters=many_adapters, warmup=False))
     size = probe.adapters.resolve("m00").nbytes

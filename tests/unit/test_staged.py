@@ -122,6 +122,7 @@ def _graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow  # compiles
 def test_the_stand_in_compiles_every_graph_the_warm_up_runs_and_the_model_keeps_its_weights(
         folders, monkeypatch, eager_image):
     torch._dynamo.reset()
@@ -142,6 +143,7 @@ def test_the_stand_in_compiles_every_graph_the_warm_up_runs_and_the_model_keeps_
     assert torch.get_default_dtype() is torch.float32, "the process's default dtype is as it was"
 
 
+@pytest.mark.slow  # compiles
 def test_a_stand_in_that_fails_leaves_the_compile_to_the_warm_up(folders, monkeypatch, caplog, eager_image):
     torch._dynamo.reset()
     before = _graphs()
@@ -158,6 +160,7 @@ def test_a_stand_in_that_fails_leaves_the_compile_to_the_warm_up(folders, monkey
     assert rel_err(image_array(engine.pipeline), eager_image) <= 1e-4
 
 
+@pytest.mark.slow  # compiles
 def test_a_refused_folder_loads_through_from_pretrained_after_the_stand_in(folders, tmp_path, monkeypatch,
                                                                             eager_image):
     folder = _copy(folders, tmp_path)
