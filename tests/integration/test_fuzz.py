@@ -20,8 +20,8 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from support.servers import ServerProcess
 
-from conftest import ServerProcess
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
+from support.numerics import assert_bitwise_equal, weights_snapshot
 
-from helpers import assert_bitwise_equal, weights_snapshot
 from loraswap.engine.config import EngineConfig
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig

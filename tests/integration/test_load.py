@@ -15,8 +15,7 @@ from collections import Counter, defaultdict
 import httpx
 import numpy as np
 import pytest
-
-from conftest import ServerProcess
+from support.servers import ServerProcess
 
 CLIENTS = 16
 REQUESTS = 100

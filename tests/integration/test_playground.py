@@ -9,10 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import shapes
 from PIL import Image
-
-from conftest import ServerProcess
+from support import shapes
+from support.servers import ServerProcess
 
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")),

@@ -5,8 +5,7 @@ import time
 
 import httpx
 import pytest
-
-from conftest import ServerProcess
+from support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow  # compiles, and fills queues of real servers
 

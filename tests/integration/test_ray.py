@@ -18,8 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from conftest import ServerProcess, free_port, ray_env
+from support.servers import ServerProcess, free_port, ray_env
 
 pytestmark = pytest.mark.ray
 

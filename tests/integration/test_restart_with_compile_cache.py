@@ -8,8 +8,7 @@ AOTAutograd cache hits and no misses, the same image, and its start-up in /metri
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-from conftest import ServerProcess
+from support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow  # compiles, then restarts
 

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from support.numerics import assert_bitwise_equal, weights_snapshot
 from torch.overrides import TorchFunctionMode
 
-from helpers import assert_bitwise_equal, weights_snapshot
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.swap import FusedSwapper

@@ -11,7 +11,7 @@ import numpy as np
 import openai
 import pytest
 from openai import OpenAI
-from unit.server_fakes import fake_app, frame_red, serve_on_loopback
+from support.fakes import fake_app, frame_red, serve_on_loopback
 
 from loraswap.engine.config import EngineConfig
 from loraswap.server.app import create_app

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 from pydantic import ValidationError
+from support.numerics import rel_err
 
-from helpers import rel_err
 from loraswap.engine.compile import compile_pipeline
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine

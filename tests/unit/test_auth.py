@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
-from server_fakes import fake_app, serve_on_loopback
+from support.fakes import fake_app, serve_on_loopback
 
 from loraswap.server import auth
 from loraswap.server.app import create_app

@@ -4,8 +4,8 @@ the images of diffusers' own loading, and refusals that leave the model as it wa
 import pytest
 import torch
 from safetensors.torch import save_file
+from support.numerics import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 
-from helpers import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.errors import AdapterIncompatible, BadRequest

@@ -4,19 +4,9 @@ import threading
 
 import pytest
 import torch
+from support.adapters import MB, adapter
 
-from loraswap.adapters.bound import BoundAdapter
 from loraswap.adapters.cache import AdapterCache, CacheConfig, Tier
-from loraswap.adapters.kinds import Layer
-
-MB = 2**20
-
-
-def adapter(name: str, mib: int) -> BoundAdapter:
-    """A bound adapter whose factors take `mib` MiB (fp32)."""
-    n = mib * MB // 4 // 2
-    layer = Layer("lora", {"down": torch.zeros(1, n), "up": torch.zeros(n, 1)})
-    return BoundAdapter(name, {("unet", "x.weight"): layer})
 
 
 def rows(cache):

@@ -2,8 +2,8 @@
 
 import torch
 import torch._dynamo
+from support.numerics import image_array, rel_err
 
-from helpers import image_array, rel_err
 from loraswap.engine.compile import graph_count
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine

@@ -5,11 +5,11 @@ libraries, and loraswap applies them as those libraries do."""
 
 import numpy as np
 import pytest
-import shapes
 import torch
 from safetensors import safe_open
+from support import shapes
+from support.numerics import assert_bitwise_equal, rel_err, weights_snapshot
 
-from helpers import assert_bitwise_equal, rel_err, weights_snapshot
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 from loraswap.models import load_pipeline

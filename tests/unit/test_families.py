@@ -9,8 +9,8 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
+from support.numerics import assert_bitwise_equal, rel_err, weights_snapshot
 
-from helpers import assert_bitwise_equal, rel_err, weights_snapshot
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 from loraswap.errors import AdapterIncompatible, BadRequest

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 import torch
+from support.numerics import assert_bitwise_equal, weights_snapshot
 
-from helpers import assert_bitwise_equal, weights_snapshot
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.errors import AdapterInvalid

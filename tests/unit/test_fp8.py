@@ -7,8 +7,7 @@ capability 8.9+); the swap path is the same: `Float8Tensor.qdata` and `scale` re
 import numpy as np
 import pytest
 import torch
-
-from helpers import rel_err
+from support.numerics import rel_err
 
 pytest.importorskip("torchao", reason="the test extra pins torchao")
 

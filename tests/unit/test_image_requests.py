@@ -10,8 +10,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
-from server_fakes import fake_app, serve_on_loopback
-from test_images import REFUSALS, encode, noise, png_declaring
+from support.fakes import fake_app, serve_on_loopback
+from support.images import REFUSALS, encode, noise, png_declaring
 from typer.testing import CliRunner
 
 from loraswap.cli import app as cli_app

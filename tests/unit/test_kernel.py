@@ -8,8 +8,7 @@ masking, blending and float8 rounding."""
 
 import pytest
 import torch
-
-from helpers import assert_bitwise_equal, weights_snapshot
+from support.numerics import assert_bitwise_equal, weights_snapshot
 
 pytest.importorskip("triton", reason="the test extra pins triton for the CPU interpreter")
 

@@ -9,8 +9,8 @@ import torch
 from lycoris.functional.loha import diff_weight as loha_diff_weight
 from lycoris.functional.lokr import kron_weight
 from safetensors.torch import save_file
+from support.numerics import weights_snapshot
 
-from helpers import weights_snapshot
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 

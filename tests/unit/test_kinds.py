@@ -11,8 +11,8 @@ import pytest
 import torch
 from lycoris import LycorisNetwork, create_lycoris
 from safetensors.torch import load_file, save_file
+from support.numerics import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 
-from helpers import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.errors import AdapterInvalid

@@ -6,7 +6,7 @@ import math
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
-from server_fakes import fake_app
+from support.fakes import fake_app
 
 from loraswap.engine.config import GenerateRequest
 from loraswap.errors import BadRequest

@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 from diffusers import FluxPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+from support.numerics import image_array, rel_err
 
-from helpers import image_array, rel_err
 from loraswap.models import load_pipeline, lora_components, model_name
 
 CLASSES = {"tiny-sd": StableDiffusionPipeline, "tiny-sdxl": StableDiffusionXLPipeline, "tiny-flux": FluxPipeline}

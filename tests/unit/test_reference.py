@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from support.numerics import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 
-from helpers import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 from loraswap.models import load_pipeline

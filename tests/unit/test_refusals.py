@@ -3,8 +3,8 @@
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support.numerics import assert_bitwise_equal, weights_snapshot
 
-from helpers import assert_bitwise_equal, weights_snapshot
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.errors import AdapterIncompatible, AdapterInvalid, AdapterNotFound, BadRequest

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers.image_processor import VaeImageProcessor
-from test_cache import adapter
+from support.adapters import adapter
 
 from loraswap.adapters.bound import BoundAdapter
 from loraswap.adapters.cache import AdapterCache, CacheConfig

@@ -5,8 +5,8 @@ import time
 
 import numpy as np
 import pytest
+from support.numerics import rel_err
 
-from helpers import rel_err
 from loraswap.adapters.cache import CacheConfig, Tier
 from loraswap.adapters.source import LocalAdapterSource
 from loraswap.engine.config import EngineConfig, GenerateRequest

@@ -14,8 +14,8 @@ import time
 import psutil
 import pytest
 import torch
+from support.numerics import assert_bitwise_equal, weights_snapshot
 
-from helpers import assert_bitwise_equal, weights_snapshot
 from loraswap.adapters.cache import CacheConfig, Tier
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine

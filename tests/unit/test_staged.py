@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch._dynamo
 from safetensors.torch import load_file, save_file
+from support.numerics import image_array, rel_err
 
-from helpers import image_array, rel_err
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.prewarm import Prewarm, denoiser_config

@@ -1,8 +1,8 @@
 """The fused swapper's own guarantees: packed factors, idempotence, pristine bookkeeping."""
 
 import torch
+from support.numerics import assert_bitwise_equal, weights_snapshot
 
-from helpers import assert_bitwise_equal, weights_snapshot
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
-from server_fakes import fake_app, frame_red
+from support.fakes import fake_app, frame_red
 
 from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult

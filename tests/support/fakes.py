@@ -2,7 +2,6 @@
 hosts one model, "fake", and records every call; and a real server over it on loopback."""
 
 import asyncio
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -15,6 +14,7 @@ from loraswap.engine.engine import GenerateResult
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 from loraswap.server.metrics import EngineFigures
+from support.servers import free_port
 
 
 def frame_red(i: int) -> int:
@@ -81,12 +81,6 @@ def fake_app(**config):
     """(app, backend): the HTTP app over a FakeBackend, with these ServerConfig fields."""
     backend = FakeBackend()
     return create_app(ServerConfig(**config), backend=backend), backend
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

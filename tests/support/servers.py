@@ -1,0 +1,70 @@
+"""Real servers for tests: a loraswap process on 127.0.0.1, a free port, Ray's environment."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, command: str = "serve",
+                 port: int | None = None):
+        """`loraswap serve --port PORT ARGS`, or `loraswap COMMAND ARGS` listening on `port`."""
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        argv = ["serve", "--port", str(self.port), *args] if command == "serve" else [command, *args]
+        self.proc = subprocess.Popen([sys.executable, "-m", "loraswap", *argv],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready in {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name + labels + " ") or (not labels and line.startswith(name + " ")):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # never leave a server behind to slow the tests after this one
+            self.proc.wait(30)
+            raise
+        finally:
+            self._log.close()
+
+
+def ray_env() -> dict:
+    """Environment of a process that starts its own local Ray cluster (never joins another)."""
+    return {"RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"}
