@@ -179,3 +179,25 @@ def test_help_names_no_seed(command):
     result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert not re.search(r"seed[ _-]?[12]\b", result.output, re.IGNORECASE)
+
+
+@pytest.mark.parametrize("spec,message", [("style:99", "out of range [-10, 10]"), ("style:nan", "out of range"),
+                                          ("style:x", "must be a number"), ("a:0.5:0.3", "must be a number")])
+def test_lora_flag_refuses_what_the_lora_header_refuses(spec, message, tmp_path):
+    """One reader for `--lora`, the `lora` header and `model`: the same specs pass and fail."""
+    from loraswap.adapters.specs import parse_adapter_specs
+    from loraswap.errors import BadRequest
+
+    with pytest.raises(BadRequest) as header:
+        parse_adapter_specs(spec)
+    assert message in str(header.value)
+    result = CliRunner().invoke(app, ["generate", "a fox", "--model", "tiny-sd", "--lora", spec,
+                                      "-o", str(tmp_path / "x.png")])
+    assert result.exit_code == 2 and not (tmp_path / "x.png").exists(), result.output
+    assert str(header.value)[:40] in " ".join(result.output.split()), result.output
+
+
+def test_lora_flag_takes_a_blend_as_the_header_does():
+    from loraswap.cli.generate import parse_loras
+
+    assert parse_loras(["a:0.8, b", "c:-0.5"]) == [("a", 0.8), ("b", 1.0), ("c", -0.5)]

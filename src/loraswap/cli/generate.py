@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from ..adapters.specs import parse_adapter_specs
 from ..errors import BadRequest, LoraswapError
 from .options import Verbose, env_option, setup_logging, with_settings
 from .settings import engine_config, one_model, pick, server_config
@@ -19,13 +20,12 @@ GENERATE_SETTINGS = [one_model(), *pick("adapters", "hub", "device", "dtype", "c
                                         "max-gpu-memory-gb", "compile-cache"), *IMAGE_SETTINGS]
 
 
-def parse_lora(spec: str) -> tuple[str, float]:
-    """`ID[:WEIGHT]` -> (id, weight)."""
-    adapter_id, _, weight = spec.strip().partition(":")
+def parse_loras(specs: list[str]) -> list[tuple[str, float]]:
+    """Each `--lora ID[:WEIGHT]` (or `a:0.8, b:0.5`), read as the `lora` header is."""
     try:
-        return adapter_id.strip(), float(weight) if weight else 1.0
-    except ValueError:
-        raise typer.BadParameter(f"--lora {spec!r}: the weight after ':' must be a number") from None
+        return [lora for spec in specs for lora in parse_adapter_specs(spec)]
+    except BadRequest as e:
+        raise typer.BadParameter(f"--lora: {e}") from None
 
 
 @with_settings(*GENERATE_SETTINGS)
@@ -66,7 +66,7 @@ def generate(
         inputs = read_image_inputs(image, mask, strength, width, height, given)
         engine = Engine(engine_config(given, warmup=False))
         request = GenerateRequest(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
-                                  seed=seed, frames=frames, loras=[parse_lora(s) for s in lora or []], **inputs)
+                                  seed=seed, frames=frames, loras=parse_loras(lora or []), **inputs)
         result = engine.generate(request)
         write_output(result, output)
     except LoraswapError as e:

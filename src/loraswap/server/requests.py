@@ -12,13 +12,14 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
+from ..adapters.specs import parse_adapter_specs
 from ..engine.config import GenerateRequest
 from ..errors import BadRequest
 from .backend import Backend
 from .config import ServerConfig
 from .images import ImageLimits, decode_inputs, looks_like_image, output_size, require_image
 from .limits import check_limits
-from .schemas import ApiBody, describe, parse_lora_header, parse_size
+from .schemas import ApiBody, describe, parse_size
 
 
 @dataclass(frozen=True)
@@ -167,11 +168,11 @@ def _model_and_adapters(backend: Backend, named: str | None, blend: bool,
                         header: str | None) -> tuple[str | None, list[tuple[str, float]]]:
     """The hosted model `named` is, or the adapters it names (weight 1.0, or a blend when the API
     allows one) with the header's; an adapter in both takes the header's weight."""
-    loras = parse_lora_header(header)
+    loras = parse_adapter_specs(header)
     if not named:
         return None, loras
     if backend.is_model(named):
         return named, loras
-    by_name = parse_lora_header(named) if blend else [(named, 1.0)]
+    by_name = parse_adapter_specs(named) if blend else [(named, 1.0)]
     in_header = {adapter_id for adapter_id, _ in loras}
     return None, [lora for lora in by_name if lora[0] not in in_header] + loras

@@ -5,7 +5,6 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..adapters.source import check_adapter_id
 from ..errors import BadRequest, UnsupportedInput
 from .images import looks_like_image
 
@@ -190,21 +189,3 @@ def parse_size(size: str | None) -> tuple[int | None, int | None]:
         return None, None
     width, _, height = size.partition("x")
     return int(width), int(height)
-
-
-def parse_lora_header(value: str | None) -> list[tuple[str, float]]:
-    """`id1:0.8, id2:0.5` -> [(id1, 0.8), (id2, 0.5)]; a missing weight is 1.0."""
-    if value is None or not value.strip():
-        return []
-    loras = []
-    for part in value.split(","):
-        adapter_id, _, weight = part.strip().partition(":")
-        if "/" in weight or "\\" in part:  # a URL or a path (C:\x), not an id with a weight
-            check_adapter_id(part.strip())
-        try:
-            loras.append((adapter_id.strip(), float(weight) if weight.strip() else 1.0))
-        except ValueError:
-            raise BadRequest(f"lora header part {part.strip()!r}: the weight after ':' must be a number") from None
-        if not -10.0 <= loras[-1][1] <= 10.0 or loras[-1][1] != loras[-1][1]:
-            raise BadRequest(f"lora weight {weight.strip()} is out of range [-10, 10]")
-    return loras
