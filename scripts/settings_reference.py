@@ -1,0 +1,14 @@
+"""Write docs/settings.md from the settings table (every `loraswap serve` flag).
+
+    PYTHONPATH=src python scripts/settings_reference.py
+"""
+
+from pathlib import Path
+
+from loraswap.cli.reference import settings_markdown
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
+
+if __name__ == "__main__":
+    PAGE.write_text(settings_markdown())
+    print(f"wrote {PAGE}")

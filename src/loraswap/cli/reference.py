@@ -1,0 +1,45 @@
+"""docs/settings.md, written from the settings table: every `serve` flag, its variable, its
+default and its help, by panel. `scripts/settings_reference.py` writes the page and a test
+checks it is current, so the page cannot drift from the flags."""
+
+from .settings import SETTINGS, Setting
+
+HEADER = """# Settings of `loraswap serve`
+
+Every flag is also a `LORASWAP_*` variable and a key of a `--config` file (TOML or YAML;
+`max-queue` or `max_queue`). Precedence, lowest first: the defaults, the file, the
+variables, the flags. A repeatable flag takes a list in a file. This page is written from
+the settings table (`src/loraswap/cli/settings.py`) by `scripts/settings_reference.py`.
+
+Besides these: `--config FILE` (a TOML or YAML file of these settings; `examples/serve.toml`),
+`--print-config` (print the settings as a config file, API keys left out, and exit) and
+`--verbose` / `-v` (log debug messages).
+"""
+
+
+def _default(setting: Setting) -> str:
+    if setting.secret or setting.default in (None, (), ""):
+        return ""
+    values = setting.default if isinstance(setting.default, tuple) else (setting.default,)
+    shown = ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in values)
+    return f"`{shown}`"
+
+
+def _row(setting: Setting) -> str:
+    flag = f"`--{setting.name}`" + (" (repeatable)" if setting.multiple else "")
+    if setting.type is bool:
+        flag = f"`--{setting.name}` / `--no-{setting.name}`"
+    note = " With `--ray` only." if setting.ray_only else ""
+    help_text = (setting.help + note).replace("|", "\\|")
+    return f"| {flag} | `{setting.env}` | {_default(setting)} | {help_text} |"
+
+
+def settings_markdown() -> str:
+    panels: dict[str, list[Setting]] = {}
+    for setting in SETTINGS:
+        panels.setdefault(setting.panel, []).append(setting)
+    parts = [HEADER]
+    for panel, settings in panels.items():
+        parts += [f"\n## {panel}\n", "| flag | variable | default | what it does |", "|---|---|---|---|",
+                  *(_row(s) for s in settings)]
+    return "\n".join(parts) + "\n"
