@@ -9,6 +9,8 @@ from pathlib import Path
 
 import httpx
 
+from loraswap.bench.serve import RAY_ENV
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -67,4 +69,4 @@ class ServerProcess:
 
 def ray_env() -> dict:
     """Environment of a process that starts its own local Ray cluster (never joins another)."""
-    return {"RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"}
+    return dict(RAY_ENV)

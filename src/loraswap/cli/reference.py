@@ -26,9 +26,10 @@ def _default(setting: Setting) -> str:
 
 
 def _row(setting: Setting) -> str:
-    flag = f"`--{setting.name}`" + (" (repeatable)" if setting.multiple else "")
     if setting.type is bool:
         flag = f"`--{setting.name}` / `--no-{setting.name}`"
+    else:
+        flag = f"`--{setting.name}`" + (" (repeatable)" if setting.multiple else "")
     note = " With `--ray` only." if setting.ray_only else ""
     help_text = (setting.help + note).replace("|", "\\|")
     return f"| {flag} | `{setting.env}` | {_default(setting)} | {help_text} |"
