@@ -1,4 +1,4 @@
-"""Write docs/settings.md from the settings table (every `loraswap serve` flag).
+"""Write docs/settings.md from the settings (every `loraswap serve` flag, from the config classes).
 
     PYTHONPATH=src python scripts/settings_reference.py
 """

@@ -1,5 +1,6 @@
-"""The settings table of `loraswap serve`: every config field reachable, defaults that match the
-config classes, config files (TOML, YAML) read against the table, and configs built from it."""
+"""The settings of `loraswap serve`, built from the config classes' `Flag` marks: every config
+field reachable, flags whose defaults, units and help are the fields', config files (TOML,
+YAML) read against them, and configs built from them."""
 
 import re
 from pathlib import Path
@@ -40,7 +41,7 @@ def _fields(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
 def test_every_config_field_has_a_setting():
     targets = {s.target for s in SETTINGS}
     missing = set(_fields(ServerConfig)) - targets - NOT_SETTINGS
-    assert not missing, f"no flag sets {sorted(missing)}: add a row to SETTINGS"
+    assert not missing, f"no flag sets {sorted(missing)}: mark the field with a Flag (loraswap/flags.py)"
     assert {"retry_after_s", "max_images", "engines.warmup", "engines.max_adapter_mb", "engines.hub_cache_dir",
             "engines.hotswap_rank", "api_keys", "api_keys_file", "admin_keys", "auth_health"} <= targets
 
@@ -61,6 +62,43 @@ def test_table_defaults_are_the_config_defaults():
         shown = list(setting.default) if setting.multiple else setting.default
         assert shown == expected, setting.name
     assert CacheConfig().host_bytes == BY_NAME["host-cache-mb"].default * 2**20
+
+
+# fields of a Ray deployment set in its YAML file (`loraswap deploy`), not by a `serve --ray` flag
+DEPLOY_FILE_ONLY = {"engines.name", "engines.max_ongoing_requests", "engines.num_gpus", "engines.num_cpus",
+                    "engines.torch_threads", "engines.health_check_period_s", "engines.graceful_shutdown_timeout_s",
+                    "app_name", "ingress_replicas", "report_interval_s"}
+
+
+def test_every_ray_field_is_a_flag_or_named_as_deploy_file_only():
+    from loraswap.cluster.config import ClusterConfig, ModelDeploymentConfig
+
+    deployment = set(ModelDeploymentConfig.model_fields) - set(EngineConfig.model_fields)
+    cluster = set(ClusterConfig.model_fields) - set(ServerConfig.model_fields)
+    ray_fields = {f"engines.{name}" for name in deployment} | cluster
+    flagged = {s.target for s in SETTINGS if s.ray_only}
+    assert ray_fields - flagged == DEPLOY_FILE_ONLY
+    assert flagged == {"engines.replicas", "engines.max_adapters"}
+
+
+def test_help_and_units_come_from_the_fields():
+    fields = _fields(ServerConfig)
+    for setting in SETTINGS:
+        if setting.target is None or setting.ray_only:
+            continue
+        assert fields[setting.target].description.removesuffix(".") in setting.help, setting.name
+    assert BY_NAME["host-cache-mb"].help == "Host RAM for adapters ready to fuse, MiB."
+    assert (BY_NAME["max-body-kb"].default, BY_NAME["max-body-kb"].scale) == (64, 1024)
+    assert BY_NAME["api-key"].secret and BY_NAME["admin-key"].secret and not BY_NAME["api-keys-file"].secret
+    assert BY_NAME["model"].multiple and BY_NAME["model"].help.endswith("the first is the default.")
+    assert BY_NAME["replicas"].help.startswith("--ray: ")
+
+
+def test_a_flag_names_a_known_panel():
+    from loraswap.flags import Flag
+
+    with pytest.raises(ValueError, match="unknown panel 'Colours'"):
+        Flag("Colours")
 
 
 def test_ray_settings_defaults_are_the_deployment_defaults():
@@ -192,7 +230,7 @@ def test_engine_config_errors_name_the_flags():
 
 
 def test_the_settings_page_is_current_and_names_every_serve_flag():
-    """docs/settings.md is written from the table (scripts/settings_reference.py): a flag added
+    """docs/settings.md is written from the settings (scripts/settings_reference.py): a flag added
     or changed without writing the page again fails here."""
     import typer
 

@@ -21,10 +21,12 @@ import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 from pydantic import BaseModel, Field, model_validator
 
+from ..flags import ADAPTERS, Flag
 from .bound import BoundAdapter
 
 logger = logging.getLogger(__name__)
@@ -37,8 +39,10 @@ class Tier(str, enum.Enum):
 
 
 class CacheConfig(BaseModel):
-    host_bytes: int = Field(8 * 2**30, ge=0, description="Host RAM for adapters ready to fuse (bytes).")
-    gpu_bytes: int = Field(2 * 2**30, ge=0, description="GPU memory for adapter copies (bytes); <= host_bytes.")
+    host_bytes: Annotated[int, Flag(ADAPTERS, name="host-cache-mb", unit="MiB", scale=2**20)] = Field(
+        8 * 2**30, ge=0, description="Host RAM for adapters ready to fuse.")
+    gpu_bytes: Annotated[int, Flag(ADAPTERS, name="gpu-cache-mb", unit="MiB", scale=2**20)] = Field(
+        2 * 2**30, ge=0, description="GPU memory for adapter copies (at most the host cache's).")
 
     @model_validator(mode="after")
     def _gpu_within_host(self):

@@ -1,6 +1,7 @@
-"""docs/settings.md, written from the settings table: every `serve` flag, its variable, its
-default and its help, by panel. `scripts/settings_reference.py` writes the page and a test
-checks it is current, so the page cannot drift from the flags."""
+"""docs/settings.md, written from the settings (the config fields marked with a `Flag`):
+every `serve` flag, its variable, its default and its help, by panel.
+`scripts/settings_reference.py` writes the page and a test checks it is current, so the
+page cannot drift from the flags."""
 
 from .settings import SETTINGS, Setting
 

@@ -90,8 +90,9 @@ def deploy(
 
 
 def _import_cluster():
+    """loraswap's Ray Serve application (`run`, `load_config`), or exit 2 saying how to install Ray."""
     try:
-        from .. import cluster
+        from ..cluster import app as cluster
     except ImportError as e:
         typer.echo(f"error: Ray Serve is not installed ({e}); pip install 'loraswap[ray]'", err=True)
         raise typer.Exit(2) from None

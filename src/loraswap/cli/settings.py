@@ -1,26 +1,29 @@
-"""The settings of `loraswap serve`, defined once.
+"""The settings of `loraswap serve`, built from the config classes.
 
-Each row of `SETTINGS` is one setting: its flag, type, default, help, help panel and the
-config field it sets. The flags (`--max-queue`), their `LORASWAP_*` variables
-(`LORASWAP_MAX_QUEUE`) and the keys of a `--config` file (`max-queue` or `max_queue`, TOML
-or YAML) are all built from this table, so the three cannot disagree.
+Every config field marked with a `Flag` (`loraswap/flags.py`) is one setting: its flag
+(`--max-queue`), its `LORASWAP_*` variable (`LORASWAP_MAX_QUEUE`), its key in a `--config`
+file (`max-queue` or `max_queue`, TOML or YAML), its --help text and its row of
+docs/settings.md all come from the field's type, default, description and mark, so none
+of them can disagree with the config. A few settings belong to the command itself
+(`--ray`, `--demo-adapters`): they are written here.
 
 Precedence, lowest first: the config classes' own defaults, the file, `LORASWAP_*`, flags.
-Only what was given reaches the config classes; the table's defaults are shown in --help
-(tests/unit/test_settings.py checks that they equal the classes' defaults).
+Only what was given reaches the config classes.
 """
 
 import difflib
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-MODELS = "Models"
-ADAPTERS = "Adapters and caches"
-SCHEDULING = "Scheduling"
-SPEED = "Speed and memory"
-SERVER = "Server and limits"
-RAY = "Ray"
+from pydantic import BaseModel, ValidationError
+
+from ..cluster.config import ClusterConfig, ModelDeploymentConfig
+from ..engine.config import EngineConfig
+from ..flags import ADAPTERS, PANELS, RAY, Flag
+from ..server.config import ServerConfig
 
 
 @dataclass(frozen=True)
@@ -47,126 +50,66 @@ class Setting:
         return self.envvar or "LORASWAP_" + self.param.upper()
 
 
-def _panel(title: str, *settings: Setting) -> list[Setting]:
-    return [replace(s, panel=title) for s in settings]
+def _value_type(annotation) -> tuple[type, bool]:
+    """(the type of one value, repeatable?) of a field's annotation: `list[str] | None` -> (str, True)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is list:
+        return _value_type(typing.get_args(annotation)[0])[0], True
+    if typing.get_origin(annotation) is typing.Literal:
+        return type(typing.get_args(annotation)[0]), False
+    return annotation, False
 
 
-S = Setting
-MODEL_HELP = "A preset (tiny-sd, tiny-sdxl, tiny-flux, ...), a hub id or a local diffusers folder."
-SETTINGS: list[Setting] = [
-    *_panel(
-        MODELS,
-        S("model", str, ("tiny-sd",), "engines.model", MODEL_HELP + " Repeat to host several base models: the "
-          "first is the default.", multiple=True),
-        S("device", str, "auto", "engines.device", "auto, cpu or cuda."),
-        S("dtype", str, "auto", "engines.dtype", "auto (bfloat16 on CUDA, float32 on CPU), float32, float16 or "
-          "bfloat16."),
-        S("warmup", bool, True, "engines.warmup", "Generate once at start-up, so that the first request finds the "
-          "model compiled."),
-    ),
-    *_panel(
-        ADAPTERS,
-        S("adapters", Path, None, "engines.adapters", "Folder of .safetensors adapters; an adapter's id is its "
-          "path under it without the suffix."),
-        S("demo-adapters", bool, False, None, "Put adapters to try the server with into --adapters: the `demo` "
-          "model's trained ones (outline, striped, pastel, night, big), or for another model a few random "
-          "ones if the folder has none."),
-        S("hub", bool, False, "engines.hub", "Also serve hub adapters (owner/name, or owner/name@revision); "
-          "HF_HUB_OFFLINE=1 serves them from the huggingface_hub cache alone."),
-        S("hub-allow", str, ("*",), "engines.hub_allow", "fnmatch pattern of hub ids served; repeatable.",
-          multiple=True),
-        S("hub-deny", str, (), "engines.hub_deny", "fnmatch pattern of hub ids refused; repeatable.", multiple=True),
-        S("hub-cache-dir", Path, None, "engines.hub_cache_dir", "huggingface_hub's cache folder (default: "
-          "HF_HUB_CACHE)."),
-        S("swap-mode", str, "fused", "engines.swap_mode", "fused (loraswap's swap), or a benchmark baseline: "
-          "load-and-fuse (diffusers' load_lora_weights + fuse_lora per request, eager) or hotswap (diffusers + "
-          "PEFT hotswap, compiled)."),
-        S("hotswap-rank", int, 128, "engines.hotswap_rank", "--swap-mode hotswap: the highest rank served (every "
-          "adapter is padded to it)."),
-        S("max-blend", int, 4, "engines.max_blend", "Most adapters blended in one request."),
-        S("max-rank", int, 1024, "engines.max_rank", "Highest LoRA rank accepted."),
-        S("max-adapter-mb", float, 2048, "engines.max_adapter_mb", "Largest adapter file, MiB."),
-        S("host-cache-mb", float, 8192, "engines.cache.host_bytes", "Host RAM for adapters ready to fuse, MiB.",
-          scale=2**20),
-        S("gpu-cache-mb", float, 2048, "engines.cache.gpu_bytes", "GPU memory for adapter copies, MiB (at most "
-          "--host-cache-mb).", scale=2**20),
-        S("prefetch-threads", int, 4, "engines.prefetch_threads", "Threads reading adapters ahead of the GPU."),
-    ),
-    *_panel(
-        SCHEDULING,
-        S("max-queue", int, 32, "scheduler.max_queue", "Requests waiting before 503."),
-        S("max-batch", int, 1, "scheduler.max_batch", "Requests with the same adapters and parameters batched "
-          "into one pipeline call."),
-        S("max-wait-s", float, 30.0, "scheduler.max_wait_s", "Fairness: a request waiting this long goes next."),
-        S("max-skips", int, 8, "scheduler.max_skips", "Fairness: a request passed over this often goes next."),
-        S("retry-after-s", int, 2, "retry_after_s", "Retry-After sent with a 503, seconds."),
-    ),
-    *_panel(
-        SPEED,
-        S("compile", bool, None, "engines.compile", "Regional torch.compile of the denoiser (default: on CUDA)."),
-        S("compile-mode", str, "default", "engines.compile_mode", "torch.compile mode: default, "
-          "max-autotune-no-cudagraphs, reduce-overhead or max-autotune (CUDA graphs: the whole denoiser)."),
-        S("compile-vae", bool, None, "engines.compile_vae", "With --compile, also compile the VAE decoder: a "
-          "faster decode, a longer start-up (default: with the CUDA-graph compile modes only)."),
-        S("compile-while-loading", bool, False, "engines.compile_while_loading", "A local diffusers folder with "
-          "regional compile: compile a stand-in for the denoiser (FLUX.1) while the weights are copied in "
-          "(experimental)."),
-        S("compile-cache", Path, None, "engines.compile_cache", "Folder for torch.compile's caches, kept across "
-          "restarts: a restarted process compiles from it."),
-        S("attention", str, None, "engines.attention", "Attention backend of diffusers' dispatcher (native, "
-          "_native_cudnn, _native_flash, flex, ...; default: diffusers')."),
-        S("quantize", str, "none", "engines.quantize", "Denoiser weights in float8 (torchao): none, fp8 (weights "
-          "and activations, row-wise scales; CUDA 8.9+), fp8-tensorwise (one scale per tensor) or "
-          "fp8-weight-only."),
-        S("quantize-text-encoders", str, "none", "engines.quantize_text_encoders", "Text encoders' weights in "
-          "float8: none or fp8-weight-only (the low-memory mode)."),
-        S("pristine", str, "device", "engines.pristine", "Where pristine copies of swapped weights live: device, "
-          "or host (pinned RAM; the low-memory mode)."),
-        S("max-gpu-memory-gb", float, None, "engines.max_gpu_memory_gb", "Cap this process's GPU memory (a "
-          "smaller card on a larger one)."),
-    ),
-    *_panel(
-        SERVER,
-        S("host", str, "127.0.0.1", "host", "Interface to listen on."),
-        S("port", int, 8888, "port", "TCP port (0: any free one)."),
-        S("api-key", str, (), "api_keys", "A key clients send as `Authorization: Bearer KEY`; repeatable. Prefer "
-          "LORASWAP_API_KEY (keys separated by spaces), --api-keys-file or --config: a flag shows in `ps`.",
-          multiple=True, secret=True),
-        S("api-keys-file", Path, None, "api_keys_file", "A file of API keys, one a line."),
-        S("admin-key", str, (), "admin_keys", "A key for the adapter routes (load, evict, list); repeatable. Prefer "
-          "LORASWAP_ADMIN_KEY or --config.",
-          multiple=True, secret=True),
-        S("auth-health", bool, False, "auth_health", "Require a key on /health, /ready and /metrics too."),
-        S("max-width", int, 2048, "max_width", "Largest image width."),
-        S("max-height", int, 2048, "max_height", "Largest image height."),
-        S("max-steps", int, 100, "max_steps", "Most denoising steps."),
-        S("max-prompt-chars", int, 2000, "max_prompt_chars", "Longest prompt, characters."),
-        S("max-body-kb", int, 64, "max_body_bytes", "Largest request body, KiB.", scale=1024),
-        S("max-images", int, 4, "max_images", "Most images in one OpenAI request (n)."),
-        S("max-video-frames", int, 121, "max_video_frames", "Most frames in one video (frames, or seconds x fps)."),
-        S("max-video-fps", int, 60, "max_video_fps", "Highest frame rate a video request may ask for."),
-        S("video-fps", int, 16, "video_fps", "The frame rate a video's seconds count in when the request gives "
-          "none, and the MP4's when the model gives none."),
-        S("video-ttl-s", float, 3600.0, "video_ttl_s", "How long a finished video (and its MP4) is kept, seconds."),
-        S("max-video-jobs", int, 64, "max_video_jobs", "Video jobs kept, finished or not; past it the oldest "
-          "finished one is dropped."),
-        S("max-video-jobs-pending", int, 8, "max_video_jobs_pending", "Video jobs queued or in progress at once; "
-          "more: 503."),
-        S("max-image-mb", float, 20, "max_image_bytes", "Largest input image (or mask) file, MiB.", scale=2**20),
-        S("max-image-pixels", int, 4096 * 4096, "max_image_pixels", "Most pixels (width x height) of an input "
-          "image, read from its header before decoding."),
-    ),
-    *_panel(
-        RAY,
-        S("ray", bool, False, None, "Serve on Ray Serve: an HTTP ingress and, per model, --replicas replicas of "
-          "one GPU each (CPU without GPUs), routed by adapter (docs/ray.md)."),
-        S("replicas", int, 1, "engines.replicas", "--ray: replicas per model.", ray_only=True),
-        S("max-adapters", int, 32, "engines.max_adapters", "--ray: adapters held per replica; the least recently "
-          "used is evicted past this.", ray_only=True),
-        S("ray-address", str, None, None, "--ray: the Ray cluster to join (default: a new local one).",
-          envvar="RAY_ADDRESS"),
-    ),
+def _setting(target: str, field, flag: Flag, ray_only: bool) -> Setting:
+    """The setting of one marked field, in the flag's unit."""
+    kind, multiple = _value_type(field.annotation)
+    default = field.get_default(call_default_factory=True)
+    help_text = field.description
+    if flag.scale != 1:
+        kind = float  # a fraction of a MiB is a size too
+        default = default // flag.scale if default % flag.scale == 0 else default / flag.scale
+        help_text = f"{help_text.removesuffix('.')}, {flag.unit}."
+    if flag.repeat:
+        multiple, default, help_text = True, (default,), f"{help_text} {flag.repeat}"
+    if ray_only:
+        help_text = "--ray: " + help_text
+    return Setting(flag.name or target.rsplit(".", 1)[-1].replace("_", "-"), kind,
+                   tuple(default) if multiple else default, target, help_text, flag.panel, multiple=multiple,
+                   scale=flag.scale, secret=field.repr is False, ray_only=ray_only)
+
+
+def _marked(model: type[BaseModel], prefix: str = "", ray_only: bool = False, skip: tuple[str, ...] = ()):
+    """The settings of `model`'s marked fields, nested configs opened; `skip`: fields another walk covers."""
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _marked(field.annotation, f"{prefix}{name}.", ray_only)
+        flag = next((m for m in field.metadata if isinstance(m, Flag)), None)
+        if flag is not None:
+            yield _setting(prefix + name, field, flag, ray_only)
+
+
+def _config_settings() -> list[Setting]:
+    engine = [*_marked(EngineConfig, "engines."),
+              *_marked(ModelDeploymentConfig, "engines.", ray_only=True, skip=tuple(EngineConfig.model_fields))]
+    server = [*_marked(ServerConfig, skip=("engines",)),
+              *_marked(ClusterConfig, ray_only=True, skip=tuple(ServerConfig.model_fields))]
+    return engine + server
+
+
+COMMAND_SETTINGS = [
+    Setting("demo-adapters", bool, False, None, "Put adapters to try the server with into --adapters: the `demo` "
+            "model's trained ones (outline, striped, pastel, night, big), or for another model a few random ones "
+            "if the folder has none.", ADAPTERS),
+    Setting("ray", bool, False, None, "Serve on Ray Serve: an HTTP ingress and, per model, --replicas replicas of "
+            "one GPU each (CPU without GPUs), routed by adapter (docs/ray.md).", RAY),
+    Setting("ray-address", str, None, None, "--ray: the Ray cluster to join (default: a new local one).", RAY,
+            envvar="RAY_ADDRESS"),
 ]
+# by panel; in a panel, the command's own first, then in the order the config classes declare them
+SETTINGS: list[Setting] = sorted([*COMMAND_SETTINGS, *_config_settings()], key=lambda s: PANELS.index(s.panel))
 BY_NAME = {s.name: s for s in SETTINGS}
 
 
@@ -177,7 +120,8 @@ def pick(*names: str) -> list[Setting]:
 
 def one_model() -> Setting:
     """`--model` taken once (generate, inspect)."""
-    return replace(BY_NAME["model"], default="tiny-sd", multiple=False, help=MODEL_HELP)
+    field = EngineConfig.model_fields["model"]
+    return replace(BY_NAME["model"], default=field.default, multiple=False, help=field.description)
 
 
 def defaults(settings: list[Setting] = SETTINGS) -> dict[str, object]:
@@ -296,12 +240,7 @@ def config_tree(values: dict[str, object], ray: bool = False) -> dict:
 
 def server_config(values: dict[str, object], ray: bool = False):
     """The ServerConfig (ClusterConfig with `ray`) the given settings describe; SettingsError if it is wrong."""
-    from pydantic import ValidationError
-
-    if ray:
-        from ..cluster.config import ClusterConfig as config_cls
-    else:
-        from ..server.config import ServerConfig as config_cls
+    config_cls = ClusterConfig if ray else ServerConfig
     try:
         return config_cls.model_validate(config_tree(values, ray))
     except ValidationError as e:
@@ -310,10 +249,6 @@ def server_config(values: dict[str, object], ray: bool = False):
 
 def engine_config(values: dict[str, object], **fields):
     """One EngineConfig from the given settings (the first model's), plus `fields`."""
-    from pydantic import ValidationError
-
-    from ..engine.config import EngineConfig
-
     engine = config_tree(values)["engines"][0]
     try:
         return EngineConfig.model_validate({**engine, **fields})

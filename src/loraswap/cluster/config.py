@@ -8,10 +8,12 @@ which is how KubeRay's RayService runs it.
 """
 
 import re
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
 from ..engine.config import EngineConfig
+from ..flags import RAY, Flag
 from ..server.config import ServerConfig
 
 
@@ -20,9 +22,11 @@ class ModelDeploymentConfig(EngineConfig):
 
     name: str | None = Field(None, description="Deployment name (default: derived from the model); "
                              "the name Serve config files and `serve status` use.")
-    replicas: int = Field(1, ge=1, le=1024, description="Replicas, each one engine on one GPU (or CPU).")
-    max_adapters: int = Field(32, ge=1, description="Adapters (or blends) one replica holds; the least "
-                              "recently used is evicted past this (Ray Serve multiplexing budget).")
+    replicas: Annotated[int, Flag(RAY)] = Field(
+        1, ge=1, le=1024, description="Replicas per model, each one engine on one GPU (or CPU).")
+    max_adapters: Annotated[int, Flag(RAY)] = Field(
+        32, ge=1, description="Adapters (or blends) one replica holds; the least recently used is evicted past "
+                              "this (Ray Serve's multiplexing budget).")
     max_ongoing_requests: int | None = Field(None, ge=1, le=1024, description="Requests one replica takes "
                                              "at once; None: what its GPU worker holds (the scheduler's "
                                              "max_queue + 1), so the worker's scheduler orders them. "

@@ -1,7 +1,7 @@
 """The engine's typed configuration and the shape of one generation request."""
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from PIL import Image
@@ -10,57 +10,84 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..adapters.cache import CacheConfig
 from ..adapters.source import AdapterSources
 from ..adapters.store import make_sources
+from ..flags import ADAPTERS, MODELS, SPEED, Flag
 from .quantize import QuantizeMode
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class EngineConfig(BaseModel):
-    """How one base model is served."""
+    """How one base model is served. Fields marked with a `Flag` are settings of `loraswap serve`."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field("tiny-sd", description="A preset (tiny-sd, tiny-flux, ...), a real architecture with random "
-                       "weights (flux-dev-random, ...), a hub id or a local folder.")
-    adapters: Path | None = Field(None, description="Folder of adapters; ids are paths under it without suffix.")
-    hub: bool = Field(False, description="Serve hub adapters (owner/name[@revision]) through huggingface_hub.")
-    hub_allow: list[str] = Field(default_factory=lambda: ["*"], description="fnmatch patterns of hub ids served.")
-    hub_deny: list[str] = Field(default_factory=list, description="fnmatch patterns of hub ids refused (403).")
-    hub_cache_dir: Path | None = Field(None, description="huggingface_hub cache folder (default: HF_HUB_CACHE).")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present.")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="auto: bf16 on CUDA, fp32 on CPU.")
-    compile: bool | None = Field(None, description="Regional torch.compile of the denoiser; None: on for CUDA only.")
-    compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"] = Field(
-        "default", description="torch.compile mode; the CUDA-graph modes compile the whole denoiser, not its blocks.")
-    compile_vae: bool | None = Field(
-        None, description="With compile on, also compile the VAE decoder; None: with the CUDA-graph compile "
-                          "modes only (short requests, where the decode counts).")
-    attention: str | None = Field(None, description="Attention backend of diffusers' dispatcher (None: its default).")
-    quantize: QuantizeMode = Field(
-        "none", description="Denoiser linear weights in float8 (torchao); fp8 and fp8-tensorwise also quantize "
-                            "activations (CUDA), with scales per row or per tensor.")
-    quantize_text_encoders: Literal["none", "fp8-weight-only"] = Field(
-        "none", description="Text encoders' linear weights in float8 (half their bf16 size).")
-    max_gpu_memory_gb: float | None = Field(
-        None, gt=0, description="Cap on this process's GPU memory (a 24 GB card on a larger one).")
-    compile_cache: Path | None = Field(None, description="Folder of torch.compile's caches, kept across restarts.")
-    swap_mode: Literal["fused", "load-and-fuse", "hotswap"] = Field(
-        "fused", description="fused: loraswap's swap; load-and-fuse: diffusers' load_lora_weights + fuse_lora per "
-                             "request, eager; hotswap: diffusers + PEFT hotswap (the two baselines).")
-    hotswap_rank: int = Field(128, ge=1, le=1024, description="--swap-mode hotswap: the highest rank served "
-                                                               "(every adapter is padded to it).")
-    pristine: Literal["device", "host"] = Field("device", description="Where pristine weight copies live.")
-    max_adapter_mb: float = Field(2048, gt=0, description="Largest adapter file accepted, MiB.")
-    max_rank: int = Field(1024, ge=1, description="Highest LoRA rank accepted.")
-    max_blend: int = Field(4, ge=1, le=32, description="Most adapters blended in one request.")
+    model: Annotated[str, Flag(MODELS, repeat="Repeat to host several base models: the first is the default.")] = (
+        Field("tiny-sd", description="A preset (tiny-sd, tiny-sdxl, tiny-flux, ...), a real architecture with "
+              "random weights (flux-dev-random, ...), a hub id or a local diffusers folder."))
+    device: Annotated[Literal["auto", "cpu", "cuda"], Flag(MODELS)] = Field(
+        "auto", description="auto (CUDA when present), cpu or cuda.")
+    dtype: Annotated[Literal["auto", "float32", "float16", "bfloat16"], Flag(MODELS)] = Field(
+        "auto", description="auto (bfloat16 on CUDA, float32 on CPU), float32, float16 or bfloat16.")
+    warmup: Annotated[bool, Flag(MODELS)] = Field(
+        True, description="Generate once at start-up, so that the first request finds the model compiled.")
+    adapters: Annotated[Path | None, Flag(ADAPTERS)] = Field(
+        None, description="Folder of .safetensors adapters; an adapter's id is its path under it without the "
+                          "suffix.")
+    hub: Annotated[bool, Flag(ADAPTERS)] = Field(
+        False, description="Also serve hub adapters (owner/name, or owner/name@revision); HF_HUB_OFFLINE=1 serves "
+                           "them from the huggingface_hub cache alone.")
+    hub_allow: Annotated[list[str], Flag(ADAPTERS)] = Field(
+        default_factory=lambda: ["*"], description="fnmatch pattern of hub ids served.")
+    hub_deny: Annotated[list[str], Flag(ADAPTERS)] = Field(
+        default_factory=list, description="fnmatch pattern of hub ids refused (403).")
+    hub_cache_dir: Annotated[Path | None, Flag(ADAPTERS)] = Field(
+        None, description="huggingface_hub's cache folder (default: HF_HUB_CACHE).")
+    swap_mode: Annotated[Literal["fused", "load-and-fuse", "hotswap"], Flag(ADAPTERS)] = Field(
+        "fused", description="fused (loraswap's swap), or a benchmark baseline: load-and-fuse (diffusers' "
+                             "load_lora_weights + fuse_lora per request, eager) or hotswap (diffusers + PEFT "
+                             "hotswap, compiled).")
+    hotswap_rank: Annotated[int, Flag(ADAPTERS)] = Field(
+        128, ge=1, le=1024, description="With --swap-mode hotswap: the highest rank served (every adapter is padded "
+                                        "to it).")
+    max_blend: Annotated[int, Flag(ADAPTERS)] = Field(
+        4, ge=1, le=32, description="Most adapters blended in one request.")
+    max_rank: Annotated[int, Flag(ADAPTERS)] = Field(1024, ge=1, description="Highest LoRA rank accepted.")
+    max_adapter_mb: Annotated[float, Flag(ADAPTERS)] = Field(
+        2048, gt=0, description="Largest adapter file, MiB.")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Adapter cache budgets (host, GPU).")
-    prefetch_threads: int = Field(4, ge=1, le=64, description="Threads reading adapters ahead of the GPU worker.")
-    source: object | None = Field(None, exclude=True, description="An adapter source object (tests, hub).")
-    warmup: bool = Field(True, description="Generate once at start-up (compiles when compile is on).")
-    compile_while_loading: bool = Field(
-        False, description="A local diffusers folder with regional compile: build the modules, then compile a "
-                           "stand-in for the denoiser (FLUX.1) on a thread while the weights are copied in.")
+    prefetch_threads: Annotated[int, Flag(ADAPTERS)] = Field(
+        4, ge=1, le=64, description="Threads reading adapters ahead of the GPU.")
+    source: object | None = Field(None, exclude=True, description="An adapter source object handed in by code "
+                                  "(tests, hub); not a setting.")
+    compile: Annotated[bool | None, Flag(SPEED)] = Field(
+        None, description="Regional torch.compile of the denoiser (default: on CUDA).")
+    compile_mode: Annotated[Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"],
+                            Flag(SPEED)] = Field(
+        "default", description="torch.compile mode: default, max-autotune-no-cudagraphs, reduce-overhead or "
+                               "max-autotune (CUDA graphs: the whole denoiser, not its blocks).")
+    compile_vae: Annotated[bool | None, Flag(SPEED)] = Field(
+        None, description="With compile on, also compile the VAE decoder: a faster decode, a longer start-up "
+                          "(default: with the CUDA-graph compile modes only, where the decode counts).")
+    compile_while_loading: Annotated[bool, Flag(SPEED)] = Field(
+        False, description="A local diffusers folder with regional compile: compile a stand-in for the denoiser "
+                           "(FLUX.1) on a thread while the weights are copied in (experimental).")
+    compile_cache: Annotated[Path | None, Flag(SPEED)] = Field(
+        None, description="Folder for torch.compile's caches, kept across restarts: a restarted process compiles "
+                          "from it.")
+    attention: Annotated[str | None, Flag(SPEED)] = Field(
+        None, description="Attention backend of diffusers' dispatcher (native, _native_cudnn, _native_flash, "
+                          "flex, ...; default: diffusers').")
+    quantize: Annotated[QuantizeMode, Flag(SPEED)] = Field(
+        "none", description="Denoiser weights in float8 (torchao): none, fp8 (weights and activations, row-wise "
+                            "scales; CUDA 8.9+), fp8-tensorwise (one scale per tensor) or fp8-weight-only.")
+    quantize_text_encoders: Annotated[Literal["none", "fp8-weight-only"], Flag(SPEED)] = Field(
+        "none", description="Text encoders' weights in float8: none or fp8-weight-only (half their bf16 size; "
+                            "the low-memory mode).")
+    pristine: Annotated[Literal["device", "host"], Flag(SPEED)] = Field(
+        "device", description="Where pristine copies of swapped weights live: device, or host (pinned RAM; the "
+                              "low-memory mode).")
+    max_gpu_memory_gb: Annotated[float | None, Flag(SPEED)] = Field(
+        None, gt=0, description="Cap this process's GPU memory (a smaller card on a larger one).")
 
     @field_validator("attention")
     @classmethod

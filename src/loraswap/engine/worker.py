@@ -20,10 +20,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Annotated
 
 from pydantic import BaseModel, Field
 
 from ..errors import Overloaded
+from ..flags import SCHEDULING, Flag
 from .config import GenerateRequest
 from .engine import Engine
 
@@ -31,10 +33,14 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerConfig(BaseModel):
-    max_queue: int = Field(32, ge=1, description="Requests waiting before 503.")
-    max_batch: int = Field(1, ge=1, le=64, description="Requests with the same adapters and parameters per call.")
-    max_wait_s: float = Field(30.0, gt=0, description="A request waiting this long is served next.")
-    max_skips: int = Field(8, ge=0, description="A request passed over this often is served next.")
+    max_queue: Annotated[int, Flag(SCHEDULING)] = Field(32, ge=1, description="Requests waiting before 503.")
+    max_batch: Annotated[int, Flag(SCHEDULING)] = Field(
+        1, ge=1, le=64, description="Requests with the same adapters and parameters batched into one pipeline "
+                                    "call.")
+    max_wait_s: Annotated[float, Flag(SCHEDULING)] = Field(
+        30.0, gt=0, description="Fairness: a request waiting this long goes next, seconds.")
+    max_skips: Annotated[int, Flag(SCHEDULING)] = Field(
+        8, ge=0, description="Fairness: a request passed over this often goes next.")
 
 
 @dataclass
