@@ -3,7 +3,8 @@
 Adapters ready to fuse (bound, packed factors) live in the host tier; the hottest also
 have a copy in the GPU tier, so a swap needs no host-to-GPU copy. On CUDA a freshly read
 adapter arrives in pageable memory and is pinned afterwards by one background thread,
-off the request's path: pinning costs more than the read (BENCHMARKS.md), and only
+off the request's path: pinning costs more than the read
+(bench/results/runs/2026-12-03-request-sdxl-h200.md), and only
 swaps from the host tier need it. The GPU tier is a subset of the host tier,
 and its budget may not exceed the host budget (checked when the config is built).
 

@@ -149,7 +149,8 @@ def compile_pipeline(pipeline, mode: str, compile_vae: bool) -> None:
 def wants_compiled_vae(setting: bool | None, mode: str) -> bool:
     """Whether the VAE decoder is compiled with the denoiser: as set, else with the
     CUDA-graph modes only. Their requests are short, so the decode counts; with regional
-    compile (long FLUX.1 images) it would cost a restart more than it saves (BENCHMARKS.md)."""
+    compile (long FLUX.1 images) it would cost a restart more than it saves
+    (bench/results/runs/2026-12-03-startup-flux-fp8-h200.md)."""
     return setting if setting is not None else mode in CUDA_GRAPH_MODES
 
 

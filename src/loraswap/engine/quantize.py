@@ -51,7 +51,8 @@ def float8_config(mode: str):
         raise ValueError("--quantize needs torchao: pip install 'loraswap[fp8]'") from None
     # set_inductor_config=False: torchao would otherwise switch on Inductor's coordinate-descent
     # tuning for the whole process, which added minutes to FLUX.1's first compile and to
-    # every restart on a warm compile cache (its results are not reused; BENCHMARKS.md)
+    # every restart on a warm compile cache (its results are not reused;
+    # bench/results/runs/2026-12-03-startup-flux-fp8-h200.md)
     if mode in ("fp8", "fp8-tensorwise"):
         granularity = PerRow() if mode == "fp8" else PerTensor()
         return Float8DynamicActivationFloat8WeightConfig(granularity=granularity, set_inductor_config=False)

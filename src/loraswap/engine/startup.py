@@ -195,8 +195,9 @@ def cap_gpu_memory(device: torch.device, gigabytes: float) -> None:
 
     Under a cap the allocator also grows expandable segments (unless PYTORCH_ALLOC_CONF or
     PYTORCH_CUDA_ALLOC_CONF already say): fixed segments leave memory reserved but unused
-    at the peak, memory the small card does not have (BENCHMARKS.md, 24 GB mode). Set
-    before the first CUDA allocation, so every segment is expandable."""
+    at the peak, memory the small card does not have
+    (bench/results/runs/2026-12-03-lowmem-flux-h200.md). Set before the first CUDA
+    allocation, so every segment is expandable."""
     if use_expandable_segments():
         logger.info("GPU memory in expandable segments (less reserved beyond what is allocated)")
     index = device.index if device.index is not None else torch.cuda.current_device()  # torch wants an index
