@@ -12,7 +12,6 @@ tier), and fresh pinned and pageable host buffers of each adapter's size are tim
 
 import argparse
 import functools
-import io
 import json
 import logging
 import statistics
@@ -26,6 +25,7 @@ from loraswap.bench.common import timed
 from loraswap.bench.serve import SPECS, prepare_adapters
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
+from loraswap.media.images import encode_image
 
 
 def main() -> None:
@@ -69,8 +69,7 @@ def main() -> None:
             finally:
                 engine.adapters.release(acquired)
             encoding = time.perf_counter()
-            buffer = io.BytesIO()
-            result.image.save(buffer, format="JPEG", quality=95)
+            encode_image(result.image, "JPEG")  # as the server encodes a JPEG answer
             jpeg = time.perf_counter() - encoding
             row = {"round": round_name, "adapter": SPECS[i], "read_s": read,
                    "mb": acquired[0][0].host.nbytes / 2**20,

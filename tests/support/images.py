@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 from PIL import Image
 
-from loraswap.server.images import ImageLimits
+from loraswap.media.images import ImageLimits
 
 LIMITS = ImageLimits(max_bytes=64 * 1024, max_pixels=2048 * 2048)
 

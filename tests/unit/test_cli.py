@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from loraswap.cli import app
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
+from loraswap.media.images import encode_image
 
 runner = CliRunner()
 
@@ -31,6 +32,12 @@ def test_generate_writes_the_engine_image(adapter_factory, tmp_path):
     written = np.asarray(Image.open(out))
     assert (written == np.asarray(expected)).all()
     assert (written != np.asarray(base)).any()
+    # a JPEG is written by the encoder the HTTP APIs answer with: the same bytes
+    jpeg = tmp_path / "out.jpg"
+    result = runner.invoke(app, ["generate", "a cat", "--model", "tiny-sd", "--adapters", str(adapter_factory.root),
+                                 "--lora", "cli-style:0.8", "--seed", "3", "--steps", "2", "-o", str(jpeg)])
+    assert result.exit_code == 0, result.output
+    assert jpeg.read_bytes() == encode_image(expected, "JPEG")
 
 
 def test_generate_writes_a_video_model_mp4(tmp_path):

@@ -1,27 +1,35 @@
-"""Image inputs are decoded and checked in one place (`server/images.py`): each refusal says
+"""Image inputs are decoded and checked in one place (`media/images.py`): each refusal says
 what to fix, the size is read from the header before any pixel is decoded, every mode becomes
-RGB (a mask: "L", white where to repaint), EXIF orientation is applied."""
+RGB (a mask: "L", white where to repaint), EXIF orientation is applied. Output images are
+encoded in one place too (`encode_image`), for the HTTP APIs and the CLI alike."""
 
+import asyncio
 import base64
+import io
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 from pydantic import ValidationError
 from support.images import GOOD, LIMITS, REFUSALS, encode, noise, png_declaring
 
 from loraswap.errors import BadRequest
-from loraswap.server.config import ServerConfig
-from loraswap.server.images import (
+from loraswap.media.images import (
     ImageLimits,
     check_mask_fits,
     decode_base64,
+    encode_image,
+    format_for_file,
     looks_like_image,
     output_size,
     read_image,
     read_mask,
     require_image,
 )
+from loraswap.server.config import ServerConfig
+from loraswap.server.generation import encode as encode_for_http
 
 
 @pytest.mark.parametrize("data,message", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
@@ -139,3 +147,26 @@ def test_images_are_told_from_prompts():
 ])
 def test_the_output_size_is_the_images_within_the_limits(image, asked, limit, expected):
     assert output_size(Image.new("RGB", image), *asked, *limit) == expected
+
+
+def test_one_encoder_writes_every_output_format():
+    """PNG keeps every pixel; WebP and JPEG are written at quality 95, above PIL's defaults (80
+    and 75), which blur a generated image's fine detail."""
+    picture = noise(48, 32)
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(encode_image(picture, "PNG")))), np.asarray(picture))
+    for fmt in ("WEBP", "JPEG"):
+        data = encode_image(picture, fmt)
+        assert Image.open(io.BytesIO(data)).format == fmt
+        assert data == encode(picture, fmt, quality=95) and len(data) > len(encode(picture, fmt))
+    names = ("a.png", "b.JPG", "c.jpeg", "d.webp")
+    assert [format_for_file(Path(name)) for name in names] == ["PNG", "JPEG", "JPEG", "WEBP"]
+    with pytest.raises(BadRequest, match=r"cannot write an image as out\.bmp: write a png, jpg or webp"):
+        format_for_file(Path("out.bmp"))
+
+
+@pytest.mark.parametrize("accept,fmt,media", [("image/webp", "WEBP", "image/webp"),
+                                              ("image/png, image/jpeg", "PNG", "image/png"),
+                                              ("*/*", "JPEG", "image/jpeg"), ("", "JPEG", "image/jpeg")])
+def test_the_http_apis_answer_with_the_one_encoder(accept, fmt, media):
+    picture = noise(48, 32)
+    assert asyncio.run(encode_for_http(picture, accept)) == (encode_image(picture, fmt), media)

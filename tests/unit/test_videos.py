@@ -16,8 +16,8 @@ from support.fakes import fake_app, frame_red
 from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
 from loraswap.errors import AdapterNotFound, Overloaded
+from loraswap.media.mp4 import encode_mp4
 from loraswap.server.config import ServerConfig
-from loraswap.server.video_encoding import encode_mp4
 from loraswap.server.videos import VideoNotFound, VideoNotReady, VideoStatus, VideoStore
 
 

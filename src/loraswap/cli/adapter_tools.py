@@ -59,33 +59,54 @@ def _locate(path_or_id: str, adapters: Path | None):
 
 
 def _inspect(location, path_or_id: str, model: str, adapters: Path | None, max_rank: int) -> dict:
-    """What the adapter is, and whether (else why not) it fits `model`."""
-    from ..adapters.bound import ModelLayers, bind_adapter
-    from ..adapters.metadata import refuse_other_base
-    from ..adapters.parse import load_adapter
+    """What the adapter is, and whether (else why not) it fits `model`: read as the server
+    reads it (`read_adapter`: converted, checked, bound), then described from what it became."""
+    from ..adapters.bound import ModelLayers
     from ..adapters.source import LocalAdapterSource
+    from ..adapters.store import StoreLimits, TargetModel, read_adapter
     from ..models import lora_components
 
     pipeline_cls, components = lora_components(model)
-    layers = ModelLayers(components)
+    unet = components.get("unet")
+    target = TargetModel(model, pipeline_cls, ModelLayers(components), None, unet.config if unet else None)
+    # no size limit: a large file is one to inspect, not to refuse; the rank limit is --max-rank
+    limits = StoreLimits(max_adapter_bytes=2**40, max_rank=max_rank)
     report: dict = {"adapter": path_or_id, "model": model}
     try:
         location = location or LocalAdapterSource(adapters).locate(path_or_id)
-        unet = components.get("unet")
-        parsed = load_adapter(location, pipeline_cls, layers.component_modules, 2**40, unet.config if unet else None)
-        report.update(
-            format=parsed.format, tensors=parsed.num_tensors, kinds=parsed.kinds(), base_models=parsed.base_models,
-            bytes=sum(f.stat().st_size for f in (location.weights, location.second_expert) if f),
-            ranks=parsed.ranks, layers=parsed.num_layers,
-            modules={c: len({p.rsplit(".", 1)[0] for p in params}) for c, params in parsed.layers.items()},
-            scales=sorted({round(layer.scale, 6) for _, _, layer in parsed.all_layers()}),
-            targets={c: sorted(params) for c, params in parsed.layers.items()},
-        )
-        bind_adapter(parsed, layers, max_rank=max_rank)
-        refuse_other_base(parsed.adapter_id, parsed.base_models, [model])
+        bound = read_adapter(location, target, limits)
     except LoraswapError as e:
         return {**report, "fits": False, "problem": e.message}
-    return {**report, "fits": True, "problem": None}
+    return {**report, **_describe(location, bound), "fits": True, "problem": None}
+
+
+def _describe(location, bound) -> dict:
+    """The report's figures of a read adapter: its files' layout and tensors (from their headers),
+    then per component its kinds, modules and parameters changed, and its ranks and scales."""
+    from safetensors import safe_open
+
+    from ..adapters.parse import detect_layout
+
+    files = [f for f in (location.weights, location.second_expert) if f]
+    keys = []
+    for file in files:
+        with safe_open(str(file), "pt") as opened:
+            keys.append(list(opened.keys()))
+    targets: dict[str, list[str]] = {}
+    kinds: dict[str, dict[str, int]] = {}
+    for (component, param), layer in bound.layers.items():
+        targets.setdefault(component, []).append(param)
+        counts = kinds.setdefault(component, {})
+        counts[layer.label(param)] = counts.get(layer.label(param), 0) + 1
+    layers = bound.layers.values()
+    return dict(
+        format=detect_layout(keys[0]), tensors=sum(map(len, keys)), kinds=kinds, base_models=list(bound.base_models),
+        bytes=sum(f.stat().st_size for f in files), ranks=sorted({layer.rank for layer in layers if layer.rank}),
+        layers=len(bound.layers),
+        modules={c: len({p.rsplit(".", 1)[0] for p in params}) for c, params in targets.items()},
+        scales=sorted({round(layer.scale, 6) for layer in layers}),
+        targets={c: sorted(params) for c, params in targets.items()},
+    )
 
 
 @adapters_app.command("make-random")

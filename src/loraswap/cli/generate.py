@@ -86,25 +86,27 @@ def write_output(result, output: Path) -> None:
     if wants_video and result.frames is None:
         raise BadRequest("this model makes images: write a png, jpg or webp")
     if wants_video:
-        from ..server.video_encoding import encode_mp4
+        from ..media.mp4 import encode_mp4
 
         output.write_bytes(encode_mp4(result.frames, result.fps))
     else:
-        result.image.save(output)
+        from ..media.images import encode_image, format_for_file
+
+        output.write_bytes(encode_image(result.image, format_for_file(output)))
 
 
 def read_image_inputs(image: Path | None, mask: Path | None, strength: float | None, width: int | None,
                       height: int | None, given: dict) -> dict:
-    """The request's image fields, with the server's checks (server/images.py): the image as
+    """The request's image fields, with the server's checks (media/images.py): the image as
     RGB, the mask as "L", the size to generate (the image's, rounded down to a multiple of 16,
     when --width and --height are not given)."""
-    from ..server.images import ImageLimits, output_size, read_inputs, require_image
-    from ..server.limits import engine_bounds
+    from ..media.images import output_size, read_inputs, require_image
+    from ..server.limits import engine_bounds, image_limits
 
     require_image(image is not None, mask is not None, strength)
     if image is None:
         return {"width": width, "height": height}
-    limits = ImageLimits.of(server_config({name: given[name] for name in given if name in IMAGE_NAMES}))
+    limits = image_limits(server_config({name: given[name] for name in given if name in IMAGE_NAMES}))
     picture, painted = read_inputs(_read_file(image, "image", limits), _read_file(mask, "mask", limits) if mask
                                    else None, limits)
     most = int(engine_bounds("width")[1])  # no server limits here: the engine's
@@ -114,7 +116,7 @@ def read_image_inputs(image: Path | None, mask: Path | None, strength: float | N
 
 def _read_file(path: Path, what: str, limits) -> bytes:
     """The file's bytes, refused by its size before it is read."""
-    from ..server.images import check_file_bytes
+    from ..media.images import check_file_bytes
 
     check_file_bytes(path.stat().st_size, what, limits)
     return path.read_bytes()

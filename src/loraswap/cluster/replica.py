@@ -102,7 +102,7 @@ class ModelReplica:
     # ---------------------------------------------------------------- requests
     async def info(self) -> dict:
         return {"model": self.engine.model_name, "compiled": self.engine.compiled, "replica": self.replica_id,
-                "capabilities": self.engine.calls.describe()}
+                "capabilities": self.engine.calls.capabilities()}
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         # 1. hold the request's adapters in this replica's budget (Serve routed it here for them)

@@ -29,7 +29,7 @@ class PipelineCalls:
         self._pipelines = {TEXT: pipeline}
         self._parameters: dict[str, set[str]] = {}
 
-    def describe(self) -> dict:
+    def capabilities(self) -> dict:
         """What the model takes and makes, for clients that build their form from it (the
         playground): image input (`none`, `variants`, `edit`, `required`), masks, output, defaults."""
         family = self.family

@@ -26,7 +26,7 @@ from .config import ServerConfig
 from .metrics import Metrics
 from .openapi import document_api
 from .routes import ROUTERS
-from .schemas import describe
+from .schemas import invalid_request_message
 from .videos import VideoStore
 
 logger = logging.getLogger("loraswap.server")
@@ -73,7 +73,7 @@ async def _known_error(request: Request, exc: LoraswapError):
 
 
 async def _invalid_request(request: Request, exc: RequestValidationError):
-    return JSONResponse({"error": describe(exc.errors())}, status_code=400)
+    return JSONResponse({"error": invalid_request_message(exc.errors())}, status_code=400)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException):

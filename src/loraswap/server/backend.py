@@ -167,7 +167,8 @@ class LocalBackend:
             return None
         return {"model": self.state.engine.model_name, "models": self.state.deployment.names,
                 "compiled": self.state.engine.compiled,
-                "capabilities": {h.engine.model_name: h.engine.calls.describe() for h in self.state.deployment.hosted}}
+                "capabilities": {h.engine.model_name: h.engine.calls.capabilities()
+                                 for h in self.state.deployment.hosted}}
 
     def is_model(self, name: str) -> bool:
         return self._deployment().by_name(name) is not None

@@ -2,7 +2,6 @@
 (counted, timed and logged at the edge) and encode the image as the client accepts."""
 
 import asyncio
-import io
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -14,10 +13,12 @@ from fastapi.concurrency import run_in_threadpool
 from ..engine.config import GenerateRequest
 from ..engine.engine import GenerateResult
 from ..errors import LoraswapError, Overloaded
+from ..media.images import encode_image
 from .backend import ClientGone, StepCallback
 
 logger = logging.getLogger("loraswap.server")
 
+# content negotiation: the media types of `media.images.OUTPUT_FORMATS`, in the order `Accept` is searched
 IMAGE_FORMATS = (("image/png", "PNG"), ("image/webp", "WEBP"), ("image/jpeg", "JPEG"))
 IMAGE_RESPONSES = {200: {"content": {"image/jpeg": {}, "image/png": {}, "image/webp": {}}}}
 
@@ -79,12 +80,6 @@ def server_timing(result: GenerateResult, **measured: float) -> str:
 
 async def encode(image, accept: str) -> tuple[bytes, str]:
     """The image in the first format `accept` names (PNG, WebP, JPEG), else JPEG; encoded off
-    the event loop."""
+    the event loop by `media.images.encode_image`."""
     media, fmt = next(((m, f) for m, f in IMAGE_FORMATS if m in accept), ("image/jpeg", "JPEG"))
-
-    def save():
-        buffer = io.BytesIO()
-        image.save(buffer, format=fmt, **({"quality": 95} if fmt in ("JPEG", "WEBP") else {}))
-        return buffer.getvalue()
-
-    return await run_in_threadpool(save), media
+    return await run_in_threadpool(encode_image, image, fmt), media

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..engine.config import GenerateRequest
 from ..errors import BadRequest
+from ..media.images import ImageLimits
 from .config import ServerConfig
 
 Bound = int | float | str | None  # str: the ServerConfig field that sets it
@@ -24,6 +25,11 @@ def engine_bounds(field: str) -> tuple[float, float]:
         low = ge if ge is not None else gt if gt is not None else low
         high = le if le is not None else lt - 1 if lt is not None else high  # lt: integers only
     return low, high
+
+
+def image_limits(config: ServerConfig) -> ImageLimits:
+    """The bounds of an input image file (`--max-image-mb`, `--max-image-pixels`)."""
+    return ImageLimits(config.max_image_bytes, config.max_image_pixels)
 
 
 @dataclass(frozen=True)

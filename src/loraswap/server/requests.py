@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
+from PIL import Image
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -15,11 +17,11 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from ..adapters.specs import parse_adapter_specs
 from ..engine.config import GenerateRequest
 from ..errors import BadRequest
+from ..media.images import ImageLimits, decode_base64, looks_like_image, output_size, read_inputs, require_image
 from .backend import Backend
 from .config import ServerConfig
-from .images import ImageLimits, decode_inputs, looks_like_image, output_size, require_image
-from .limits import check_limits
-from .schemas import ApiBody, describe, parse_size
+from .limits import check_limits, image_limits
+from .schemas import ApiBody, invalid_request_message, parse_size
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ async def parse_form(headers, body: bytes, max_bytes: int, example: str) -> dict
 async def read_request(request: Request, api: type[ApiBody], config: ServerConfig) -> ApiBody:
     """The body as the API's typed request. A body that may carry images may be larger by
     their limit (an image and a mask, base64); the rest is held to `max_body_bytes`."""
-    limits = ImageLimits.of(config)
+    limits = image_limits(config)
     extra = 2 * limits.max_base64_chars() if api.takes_images else 0
     words = f"{config.max_body_bytes}" + (f" besides an image and a mask of at most {limits.max_bytes} bytes "
                                           "each" if extra else "")
@@ -132,7 +134,7 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
     model, loras = _model_and_adapters(backend, named, api.names_blend, request.headers.get("lora"))
     # 4. the image and the mask, decoded and checked (the costliest check, so the last);
     #    no size asked: the image's
-    image, mask = await decode_inputs(fields.get("image"), fields.get("mask"), ImageLimits.of(config))
+    image, mask = await decode_inputs(fields.get("image"), fields.get("mask"), image_limits(config))
     if image is not None:
         fields["width"], fields["height"] = output_size(image, fields.get("width"), fields.get("height"),
                                                         config.max_width, config.max_height)
@@ -145,8 +147,27 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
                                    frames=frames, output=api.output,
                                    max_frames=config.max_video_frames if api.output == "video" else None)
     except ValidationError as e:
-        raise BadRequest(describe(e.errors())) from None
+        raise BadRequest(invalid_request_message(e.errors())) from None
     return ImageRequest(generate, model, count, fps)
+
+
+async def decode_inputs(image: bytes | str | None, mask: bytes | str | None,
+                        limits: ImageLimits) -> tuple[Image.Image | None, Image.Image | None]:
+    """The request's image and mask (raw bytes, or base64 text), decoded and checked off the
+    event loop: decoding a large image takes a CPU for a while."""
+    require_image(image is not None, mask is not None, None)
+    if image is None:
+        return None, None
+
+    def decode():  # base64 too: a large image takes a CPU for a while either way
+        return read_inputs(_as_bytes(image, "image", limits), None if mask is None else _as_bytes(mask, "mask", limits),
+                           limits)
+
+    return await run_in_threadpool(decode)
+
+
+def _as_bytes(value: bytes | str, what: str, limits: ImageLimits) -> bytes:
+    return decode_base64(value, what, limits) if isinstance(value, str) else value
 
 
 def _video_frames(fields: dict, config: ServerConfig) -> tuple[int | None, int | None]:

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import BadRequest, UnsupportedInput
-from .images import looks_like_image
+from ..media.images import looks_like_image
 
 
 class TargetSize(BaseModel):
@@ -50,7 +50,7 @@ class ApiBody(BaseModel):
         try:
             return cls.model_validate(body)
         except ValidationError as e:
-            raise BadRequest(describe(e.errors())) from None
+            raise BadRequest(invalid_request_message(e.errors())) from None
 
     def fields(self) -> dict[str, Any]:
         """The request's fields as the limits name them (`limits.LIMITS`), `model`: what the
@@ -173,7 +173,7 @@ class OpenAIVideoRequest(ApiBody):
         return self.model_dump(exclude={"input_reference"})
 
 
-def describe(errors) -> str:
+def invalid_request_message(errors) -> str:
     """pydantic's errors as one line: `invalid request: parameters.seed: Input should be ...`."""
     parts = []
     for err in errors:

@@ -33,8 +33,8 @@ from PIL import Image
 from ..engine.config import GenerateRequest
 from ..engine.engine import GenerateResult
 from ..errors import LoraswapError, Overloaded, UnsupportedInput
+from ..media.mp4 import encode_mp4
 from .config import ServerConfig
-from .video_encoding import encode_mp4
 
 logger = logging.getLogger("loraswap.server")
 

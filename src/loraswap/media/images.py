@@ -1,29 +1,29 @@
-"""Image inputs (image-to-image, inpainting, edits): decoded and checked in one place, for
-both HTTP APIs and `loraswap generate --image`.
+"""Images in and out, for both HTTP APIs and `loraswap generate`.
 
-Every refusal is a 400 that says what to fix: a file over `max_image_bytes`, bad base64, a
-type other than PNG, JPEG or WebP, an image over `max_image_pixels` (read from the header,
-before any pixel is decoded, so a small file that declares a huge image costs nothing), a
-truncated or corrupt file, a mask of another size. What passes is an RGB image (EXIF
-orientation applied) and a mask of mode "L", white where the model repaints. Whether the
-hosted model takes an image or a mask at all is the engine's check (422).
+In (image-to-image, inpainting, edits): decoded and checked in one place. Every refusal is a
+400 that says what to fix: a file over `max_image_bytes`, bad base64, a type other than PNG,
+JPEG or WebP, an image over `max_image_pixels` (read from the header, before any pixel is
+decoded, so a small file that declares a huge image costs nothing), a truncated or corrupt
+file, a mask of another size. What passes is an RGB image (EXIF orientation applied) and a
+mask of mode "L", white where the model repaints. Whether the hosted model takes an image or
+a mask at all is the engine's check (422).
+
+Out: `encode_image`, the one encoder of a generated image, whichever way it leaves.
 """
-
 import base64
 import io
 import logging
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
-from fastapi.concurrency import run_in_threadpool
 from PIL import Image, ImageOps
 
 from ..errors import BadRequest
-from .config import ServerConfig
 
-logger = logging.getLogger("loraswap.server")
+logger = logging.getLogger("loraswap.media")
 
 FORMATS = ("PNG", "JPEG", "WEBP")  # the only decoders PIL may try on a client's bytes
 # Output sizes are multiples of 16, not 8: FLUX.1 packs its latents (1/8 of the image) into 2x2
@@ -33,6 +33,10 @@ SIZE_MULTIPLE = 16
 MIN_SIDE = 16  # a smaller image rounds down to no image at all
 _MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF")  # how PNG, JPEG and WebP files start
 _DATA_URL = re.compile(r"^data:[\w/+.-]*;base64,")
+# what a generated image may be written as (PIL's name -> its save options): the lossy two at
+# quality 95, where a generated image's fine detail survives (PIL's own defaults, 75 and 80, blur it)
+OUTPUT_FORMATS = {"PNG": {}, "WEBP": {"quality": 95}, "JPEG": {"quality": 95}}
+_SUFFIXES = {".png": "PNG", ".webp": "WEBP", ".jpg": "JPEG", ".jpeg": "JPEG"}
 
 
 @dataclass(frozen=True)
@@ -41,10 +45,6 @@ class ImageLimits:
 
     max_bytes: int
     max_pixels: int
-
-    @classmethod
-    def of(cls, config: ServerConfig) -> "ImageLimits":
-        return cls(config.max_image_bytes, config.max_image_pixels)
 
     def max_base64_chars(self) -> int:
         """The longest base64 text of a file within `max_bytes` (a data-URL prefix aside)."""
@@ -129,21 +129,6 @@ def output_size(image: Image.Image, width: int | None, height: int | None, max_w
     return side(width, image.width, max_width), side(height, image.height, max_height)
 
 
-async def decode_inputs(image: bytes | str | None, mask: bytes | str | None,
-                        limits: ImageLimits) -> tuple[Image.Image | None, Image.Image | None]:
-    """The request's image and mask (raw bytes, or base64 text), decoded and checked off the
-    event loop: decoding a large image takes a CPU for a while."""
-    require_image(image is not None, mask is not None, None)
-    if image is None:
-        return None, None
-
-    def decode():  # base64 too: a large image takes a CPU for a while either way
-        return read_inputs(_as_bytes(image, "image", limits), None if mask is None else _as_bytes(mask, "mask", limits),
-                           limits)
-
-    return await run_in_threadpool(decode)
-
-
 def read_inputs(image: bytes, mask: bytes | None, limits: ImageLimits) -> tuple[Image.Image, Image.Image | None]:
     """The image (RGB) and the mask ("L", of the image's size), decoded and checked."""
     picture = read_image(image, "image", limits)
@@ -154,8 +139,20 @@ def read_inputs(image: bytes, mask: bytes | None, limits: ImageLimits) -> tuple[
     return picture, painted
 
 
-def _as_bytes(value: bytes | str, what: str, limits: ImageLimits) -> bytes:
-    return decode_base64(value, what, limits) if isinstance(value, str) else value
+def encode_image(image: Image.Image, fmt: str) -> bytes:
+    """A generated image as the bytes of a PNG, WebP or JPEG file (`fmt`, one of
+    `OUTPUT_FORMATS`): the one encoder, for the HTTP APIs and `loraswap generate -o` alike."""
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **OUTPUT_FORMATS[fmt])
+    return buffer.getvalue()
+
+
+def format_for_file(path: Path) -> str:
+    """The output format a file's suffix names; any other suffix is refused."""
+    fmt = _SUFFIXES.get(path.suffix.lower())
+    if fmt is None:
+        raise BadRequest(f"cannot write an image as {path.name}: write a png, jpg or webp")
+    return fmt
 
 
 def check_file_bytes(size: int, what: str, limits: ImageLimits) -> None:
