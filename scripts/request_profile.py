@@ -60,19 +60,17 @@ def main() -> None:
             timers.reset()
             reads.reset()
             started = time.perf_counter()
-            acquired = engine.adapters.acquire([(adapter_id, 1.0)])
+            lease = engine.adapters.lease_now([(adapter_id, 1.0)])
             read = time.perf_counter() - started
             read_phases = dict(reads.last)
-            try:
-                result = engine.generate(GenerateRequest(prompt="a lighthouse at dusk", seed=i, steps=args.steps,
-                                                         loras=[(adapter_id, 1.0)]), acquired)
-            finally:
-                engine.adapters.release(acquired)
+            with lease:
+                result = engine.generate_batch([GenerateRequest(prompt="a lighthouse at dusk", seed=i,
+                                                                steps=args.steps, loras=[(adapter_id, 1.0)])], lease)[0]
             encoding = time.perf_counter()
             encode_image(result.image, "JPEG")  # as the server encodes a JPEG answer
             jpeg = time.perf_counter() - encoding
             row = {"round": round_name, "adapter": SPECS[i], "read_s": read,
-                   "mb": acquired[0][0].host.nbytes / 2**20,
+                   "mb": lease.held[0][0].host.nbytes / 2**20,
                    **{f"read: {k}_s": v for k, v in read_phases.items()}, "swap_s": result.swap_seconds,
                    "pipeline_s": result.generate_seconds, **timers.last, "jpeg_s": jpeg,
                    "total_s": time.perf_counter() - started}

@@ -35,7 +35,8 @@ def draw(engine, cases, loras=()) -> list[np.ndarray]:
     """One image per case, seeded by its place, in one batch through the engine (adapters fused)."""
     requests = [GenerateRequest(prompt=prompt(*case), seed=1000 + i, loras=list(loras))
                 for i, case in enumerate(cases)]
-    return [np.asarray(result.image) for result in engine.generate_batch(requests)]
+    with engine.lender.lease_now(list(loras)) as lease:
+        return [np.asarray(result.image) for result in engine.generate_batch(requests, lease)]
 
 
 def test_the_demo_model_draws_the_colour_and_shape_asked(engine):

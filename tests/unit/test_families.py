@@ -119,8 +119,9 @@ def test_load_and_fuse_baseline_swaps_both_wan_experts(adapter_factory):
 def test_video_progress_is_reported_after_each_denoising_step():
     engine = Engine(EngineConfig(model="tiny-wan", compile=False, warmup=False))
     steps = []
-    engine.generate_batch([GenerateRequest(prompt=PROMPT, seed=1, steps=3, frames=5)], None,
-                          lambda done, total: steps.append((done, total)))
+    with engine.lender.lease_now([]) as lease:
+        engine.generate_batch([GenerateRequest(prompt=PROMPT, seed=1, steps=3, frames=5)], lease,
+                              lambda done, total: steps.append((done, total)))
     assert steps == [(1, 3), (2, 3), (3, 3)]
 
 
@@ -262,14 +263,14 @@ def test_video_progress_reaches_a_job_through_the_gpu_worker():
     worker.start()
     steps = []
     try:
-        future = worker.submit(GenerateRequest(prompt=PROMPT, seed=1, steps=2, frames=5), None,
+        future = worker.submit(GenerateRequest(prompt=PROMPT, seed=1, steps=2, frames=5),
                                lambda done, total: steps.append((done, total)))
         assert len(future.result(timeout=120).frames) == 5
 
         def broken(done, total):
             raise RuntimeError("a hook that fails")
 
-        failing = worker.submit(GenerateRequest(prompt=PROMPT, seed=1, steps=1, frames=5), None, broken)
+        failing = worker.submit(GenerateRequest(prompt=PROMPT, seed=1, steps=1, frames=5), broken)
         assert len(failing.result(timeout=120).frames) == 5, "a failing progress hook does not fail the video"
     finally:
         worker.stop()

@@ -67,7 +67,8 @@ def test_fresh_reads_are_pageable_then_pinned_off_the_request_path(adapter_facto
     _fake_pinning(monkeypatch, calls)
     gate = threading.Event()
     engine.adapters.cache._pinner.submit(gate.wait, 30)  # the pinner busy: the read must not wait for it
-    entry = engine.adapters.acquire_one("path-b")
+    lease = engine.adapters.lease_now([("path-b", 1.0)])
+    entry = lease.held[0][0]
     read = entry.host
     assert calls == [] and entry.host is read, "the read returned before any pinning"
     gate.set()
@@ -76,8 +77,8 @@ def test_fresh_reads_are_pageable_then_pinned_off_the_request_path(adapter_facto
     assert entry.host is not read and torch.equal(entry.host.packed, read.packed)
     assert all(torch.equal(entry.host.layers[k].down, read.layers[k].down) for k in read.layers)
 
-    swapped = engine.set_adapters([("path-b", 1.0)], [(entry, 1.0)])
-    engine.adapters.release([(entry, 1.0)])
+    swapped = engine.apply(lease)
+    lease.release()
     assert swapped > 0
     # the same entry, pinned since: no second swap; and a cached lookup pins nothing again
     assert engine.set_adapters([("path-b", 1.0)]) == 0.0
@@ -92,9 +93,9 @@ def test_a_failed_pin_leaves_the_pageable_copy_serving(adapter_factory, monkeypa
     calls = []
     _fake_pinning(monkeypatch, calls, fail=True)
     with caplog.at_level(logging.WARNING, logger="loraswap.adapters.cache"):
-        entry = engine.adapters.acquire_one("path-c")
-        read = entry.host
-        engine.adapters.release([(entry, 1.0)])
+        with engine.adapters.lease_now([("path-c", 1.0)]) as lease:
+            entry = lease.held[0][0]
+            read = entry.host
         engine.adapters.cache._pinner.submit(lambda: None).result()
     assert calls and entry.host is read
     assert "could not pin adapter path-c" in caplog.text
@@ -139,8 +140,9 @@ def test_an_entry_evicted_before_its_pin_is_neither_pinned_nor_kept(adapter_fact
     _fake_pinning(monkeypatch, calls)
     gate = threading.Event()
     engine.adapters.cache._pinner.submit(gate.wait, 30)
-    entry = engine.adapters.acquire_one("path-d")
-    engine.adapters.release([(entry, 1.0)])
+    with engine.adapters.lease_now([("path-d", 1.0)]) as lease:
+        entry = lease.held[0][0]
+    del lease
     engine.adapters.evict("path-d")  # evicted while its pin job waits
     gone = weakref.ref(entry)
     del entry

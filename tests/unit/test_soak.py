@@ -55,16 +55,13 @@ def test_1000_swaps_over_50_adapters_keep_memory_flat_and_the_base_exact(adapter
                 break
         loras = [("a00", 1.0)] if i == 0 else loras
         previous = loras
-        # what the GPU worker does for a request: its prefetched adapters held in the cache,
-        # the swap, every 10th time a 1-step 16x16 image, then the release
-        acquired = engine.adapters.prefetch(loras).result(timeout=60)
-        try:
-            swaps += engine.set_adapters(loras, acquired) > 0
+        # what the GPU worker does for a request: a lease of its adapters read on the store's
+        # threads, the swap, every 10th time a 1-step 16x16 image, then the lease given back
+        with engine.lender.lease(loras).result(timeout=60) as lease:
+            swaps += engine.apply(lease) > 0
             if i % 10 == 0:
                 request = GenerateRequest(prompt="soak", seed=i, steps=1, width=16, height=16, loras=loras)
-                images += engine.generate(request, acquired).image.size == (16, 16)
-        finally:
-            engine.adapters.release(acquired)
+                images += engine.generate_batch([request], lease)[0].image.size == (16, 16)
         if i == 0:
             first_a00 = weights_snapshot(engine.components)
         if i + 1 == WARMUP or (i + 1) % 100 == 0:

@@ -39,6 +39,17 @@ class AdapterLocation:
     second_expert: Path | None = None  # Wan 2.2's low-noise expert's file, when `weights` is the high-noise one
 
 
+def file_stamp(location: AdapterLocation) -> tuple:
+    """What tells a changed file (or pair of expert files) from the one read before."""
+    stamp = ()
+    for path in (location.weights, location.second_expert):
+        if path is not None:
+            stat = path.stat()
+            # ctime and inode too: a copy that keeps the mtime (cp -p, rsync -t, tar) is still a new file
+            stamp += (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
+    return stamp
+
+
 def check_adapter_id(adapter_id: str) -> str:
     if not ADAPTER_ID.match(adapter_id) or adapter_id.endswith("/"):
         raise BadRequest(f"invalid adapter id {adapter_id!r}: ids are names like 'style/anime' (letters, digits, "

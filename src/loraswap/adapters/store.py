@@ -4,10 +4,9 @@ which ones are kept.
 `AdapterStore` is the one object that owns them. It locates an adapter (local folder or
 hub), reads and converts it on its own thread pool (off the GPU worker's path), checks it
 against the model (`bind_adapter`), and holds it in the tiered cache (`cache.py`) while a
-request needs it. The engine is handed what the store acquired and only swaps.
-
-For the benchmark baselines, which load files through diffusers themselves, the store
-only locates the files (`reads_adapters=False`).
+request needs it: the store hands out a `Lease` (`lease.py`), and whoever takes a lease
+gives it back (the server's GPU worker, for every request). The engine swaps what a lease
+holds and never holds adapters itself.
 """
 
 import logging
@@ -20,15 +19,19 @@ import torch
 from ..errors import AdapterNotFound, BadRequest
 from .bound import BoundAdapter, ModelLayers, bind_adapter
 from .cache import AdapterCache, CacheConfig, CacheEntry
+from .lease import Lease
 from .metadata import refuse_other_base
 from .parse import load_adapter
-from .source import AdapterLocation, AdapterSources, HubAdapterSource, LocalAdapterSource, check_adapter_id
+from .source import (
+    AdapterLocation,
+    AdapterSources,
+    HubAdapterSource,
+    LocalAdapterSource,
+    check_adapter_id,
+    file_stamp,
+)
 
 logger = logging.getLogger(__name__)
-
-# what a request holds from `acquire` until `release`: cache entries (or, for the
-# baselines, the adapters' files), each with its blend weight
-Acquired = list[tuple[CacheEntry | AdapterLocation, float]]
 
 
 @dataclass(frozen=True)
@@ -61,13 +64,11 @@ def make_sources(folder: Path | None, hub: bool = False, hub_cache_dir: Path | N
 
 class AdapterStore:
     def __init__(self, source: AdapterSources | None, model: TargetModel, cache: CacheConfig,
-                 device: torch.device, limits: StoreLimits = StoreLimits(), reads_adapters: bool = True):
+                 device: torch.device, limits: StoreLimits = StoreLimits()):
         self.source = source
         self.model = model
         self.limits = limits
-        self.reads_adapters = reads_adapters
         self.cache = AdapterCache(cache, device)
-        self._files: dict[str, tuple[tuple, AdapterLocation]] = {}  # the baselines' located files, by stamp
         self._pool = ThreadPoolExecutor(limits.prefetch_threads, thread_name_prefix="loraswap-prefetch")
 
     # ---------------------------------------------------------------- finding
@@ -79,39 +80,47 @@ class AdapterStore:
                                   "Start it with --adapters DIR")
         return self.source.locate(adapter_id)
 
-    # ---------------------------------------------------------------- holding for a request
-    def acquire(self, loras: list[tuple[str, float]]) -> Acquired:
-        """The adapters ready to swap in, held until `release`."""
-        self._check_blend(loras)
-        acquired: Acquired = []
-        try:
-            for adapter_id, weight in loras:
-                held = self.acquire_one(adapter_id) if self.reads_adapters else self._located(adapter_id)
-                acquired.append((held, float(weight)))
-        except BaseException:
-            self.release(acquired)
-            raise
-        return acquired
-
-    def release(self, acquired: Acquired) -> None:
-        for held, _ in acquired:
-            if isinstance(held, CacheEntry):
-                self.cache.release(held)
-
-    def prefetch(self, loras: list[tuple[str, float]]) -> Future:
-        """Start acquiring the adapters now, on the store's threads; the future holds them."""
+    # ---------------------------------------------------------------- leases
+    def lease(self, loras: list[tuple[str, float]]) -> Future:
+        """Start reading the adapters now, on the store's threads; the future holds their `Lease`."""
         if not loras:
             done: Future = Future()
-            done.set_result([])
+            done.set_result(Lease([]))
             return done
-        return self._pool.submit(self.acquire, loras)
+        return self._pool.submit(self.lease_now, loras)
 
-    def acquire_one(self, adapter_id: str) -> CacheEntry:
+    def lease_now(self, loras: list[tuple[str, float]]) -> Lease:
+        """The adapters (id, weight) ready to swap in, read on this thread and held until the
+        lease is given back."""
+        self.check_blend(loras)
+        held: list[tuple[CacheEntry, float]] = []
+        try:
+            for adapter_id, weight in loras:
+                held.append((self._hold(adapter_id), float(weight)))
+        except BaseException:
+            for entry, _ in held:
+                self.cache.release(entry)
+            raise
+        return Lease(held, self.cache.release)
+
+    def read_ahead(self, loras: list[tuple[str, float]]) -> Future:
+        """Read the adapters into the cache on the store's threads, holding none of them."""
+        return self._pool.submit(lambda: self.lease_now(loras).release())
+
+    def check_blend(self, loras: list[tuple[str, float]]) -> None:
+        """Refuse a blend of more adapters than the limit, or one naming an adapter twice."""
+        if len(loras) > self.limits.max_blend:
+            raise BadRequest(f"{len(loras)} adapters requested; at most {self.limits.max_blend} can be blended")
+        if len({aid for aid, _ in loras}) != len(loras):
+            raise BadRequest("the same adapter is named twice; give it one weight")
+
+    def _hold(self, adapter_id: str) -> CacheEntry:
         """From the cache when the file is unchanged (size, mtime, ctime, inode), else read,
         converted, checked against the model and packed into host RAM (pinned later by the
-        cache, off the request's path); then copied to the GPU tier when its budget allows."""
+        cache, off the request's path); then copied to the GPU tier when its budget allows.
+        Held in the cache until released."""
         location = self.locate(adapter_id)
-        stamp = _stamp(location)
+        stamp = file_stamp(location)
         entry = self.cache.lookup(adapter_id, stamp)
         if entry is None:
             entry = self.cache.insert(adapter_id, self._read(location), stamp)
@@ -125,32 +134,16 @@ class AdapterStore:
     def _read(self, location: AdapterLocation) -> BoundAdapter:
         return read_adapter(location, self.model, self.limits)
 
-    def _located(self, adapter_id: str) -> AdapterLocation:
-        """The file, the same object while it is unchanged (so an unchanged blend is not
-        swapped again)."""
-        location = self.locate(adapter_id)
-        stamp = _stamp(location)
-        known = self._files.get(adapter_id)
-        if known is None or known[0] != stamp:
-            self._files[adapter_id] = known = (stamp, location)
-        return known[1]
-
-    def _check_blend(self, loras: list[tuple[str, float]]) -> None:
-        if len(loras) > self.limits.max_blend:
-            raise BadRequest(f"{len(loras)} adapters requested; at most {self.limits.max_blend} can be blended")
-        if len({aid for aid, _ in loras}) != len(loras):
-            raise BadRequest("the same adapter is named twice; give it one weight")
-
     # ---------------------------------------------------------------- admin
     def resolve(self, adapter_id: str) -> BoundAdapter:
         """The adapter checked against this model (host tier), e.g. for inspection."""
-        entry = self.acquire_one(adapter_id)
+        entry = self._hold(adapter_id)
         self.cache.release(entry)
         return entry.host
 
     def keep(self, adapter_id: str) -> BoundAdapter:
         """Read the adapter into the cache now and never evict it until `evict`."""
-        entry = self.acquire_one(adapter_id)
+        entry = self._hold(adapter_id)
         self.cache.keep(adapter_id)
         self.cache.release(entry)
         return entry.host
@@ -180,7 +173,6 @@ class AdapterStore:
                        rank=bound.rank, bytes=bound.nbytes, layers=len(bound.layers), kinds=bound.kinds())
         return row
 
-
     def close(self) -> None:
         """Stop the store's reading threads and the cache's pinner (the server's shutdown)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -194,14 +186,3 @@ def read_adapter(location: AdapterLocation, model: TargetModel, limits: StoreLim
                           model.unet_config)
     refuse_other_base(location.adapter_id, parsed.base_models, [model.name])
     return bind_adapter(parsed, model.layers, limits.max_rank, model.dtype)
-
-
-def _stamp(location: AdapterLocation) -> tuple:
-    """What tells a changed file (or pair of expert files) from the one cached."""
-    stamp = ()
-    for path in (location.weights, location.second_expert):
-        if path is not None:
-            stat = path.stat()
-            # ctime and inode too: a copy that keeps the mtime (cp -p, rsync -t, tar) is still a new file
-            stamp += (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
-    return stamp

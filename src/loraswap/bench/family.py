@@ -54,7 +54,7 @@ def _fused_rounds(config: EngineConfig, request: GenerateRequest, ids: list[str]
     _reset_peak()
     engine = Engine(config)
     _image(engine, request, [(ids[-1], 1.0)])  # the request's own shapes compiled (start-up warms the defaults')
-    for adapter_id in ids:  # read into the adapter cache, as the server's prefetch does while others generate
+    for adapter_id in ids:  # read into the adapter cache, as the server's worker leases them while others generate
         engine.set_adapters([(adapter_id, 1.0)])
     graphs = graph_count()
     rows = []

@@ -5,7 +5,7 @@ model id. `serve.multiplexed` keeps up to `max_adapters` of them per replica, le
 recently used first out, and tells Serve's router which replica holds which, so among
 replicas equally busy the next request for an adapter goes to one that already has it
 (`request_router.py`; a less busy replica loads it too). Loading one reads the
-adapters into the engine's cache (`engine.adapters.prefetch`); evicting one drops them
+adapters into the engine's cache (`engine.adapters.read_ahead`); evicting one drops them
 from the cache unless kept or still used by another held set.
 
 The replica reports its figures, cache table and held sets to `Reports`, and does the
@@ -112,7 +112,7 @@ class ModelReplica:
             await self._load(key)
         held = time.perf_counter()
         # 2. queue for the GPU worker (adapters from the cache); a cancelled request is dropped
-        future = self.worker.submit(request, self.engine.adapters.prefetch(request.loras))
+        future = self.worker.submit(request)
         result = await asyncio.wrap_future(future)
         self.served += 1
         result.timings |= {"hold": held - received, "replica": time.perf_counter() - received}
@@ -142,8 +142,7 @@ class ModelReplica:
         async def load_adapters(key: str) -> _Held:
             ids = tuple(key.split(","))
             loras = [(adapter_id, 1.0) for adapter_id in ids]
-            acquired = await asyncio.wrap_future(self.engine.adapters.prefetch(loras))
-            self.engine.adapters.release(acquired)
+            await asyncio.wrap_future(self.engine.adapters.read_ahead(loras))
             with self._lock:
                 self._held[key] = ids
                 self._refs.update(ids)

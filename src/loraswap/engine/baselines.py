@@ -12,20 +12,24 @@
   refused from the file's header first.
 
 Both implement the swapper interface (`swap.Swapper`) as `swap.FusedSwapper` does, so
-the engine never branches on which one it drives. They receive the adapters' files (`AdapterLocation`), not parsed
-adapters: diffusers reads them itself.
+the engine never branches on which one it drives. They lease the adapters' files
+(`AdapterLocation`, from `LocatedFiles`, beside the adapter store), not parsed adapters:
+diffusers reads the files itself.
 """
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from diffusers import DiffusionPipeline
 from safetensors import safe_open
 
+from ..adapters.lease import Lease
 from ..adapters.parse import split_key
 from ..adapters.random import make_random_adapter
-from ..adapters.source import AdapterLocation
+from ..adapters.source import AdapterLocation, file_stamp
+from ..adapters.store import AdapterStore
 from ..errors import AdapterIncompatible, BadRequest
 from ..models import denoiser_name
 
@@ -37,8 +41,35 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
+class LocatedFiles:
+    """The baselines' adapters: their files, found through the store's sources and limits but
+    never read or cached (diffusers reads them itself), leased as the store leases adapters.
+    A file is the same object while it is unchanged on disk, so an unchanged blend is not
+    swapped again."""
+
+    def __init__(self, store: AdapterStore):
+        self.store = store
+        self._files: dict[str, tuple[tuple, AdapterLocation]] = {}
+        # locating a hub adapter downloads it: off the caller's thread, as the store reads
+        self._pool = ThreadPoolExecutor(store.limits.prefetch_threads, thread_name_prefix="loraswap-locate")
+
+    def lease(self, loras: list[tuple[str, float]]) -> Future:
+        return self._pool.submit(self.lease_now, loras)
+
+    def lease_now(self, loras: list[tuple[str, float]]) -> Lease:
+        self.store.check_blend(loras)
+        return Lease([(self._located(adapter_id), float(weight)) for adapter_id, weight in loras])
+
+    def _located(self, adapter_id: str) -> AdapterLocation:
+        location = self.store.locate(adapter_id)
+        stamp = file_stamp(location)
+        known = self._files.get(adapter_id)
+        if known is None or known[0] != stamp:
+            self._files[adapter_id] = known = (stamp, location)
+        return known[1]
+
+
 class LoadAndFuseSwapper:
-    reads_adapters = False  # diffusers reads the file itself, every time
     compiles = False  # PEFT replaces modules at each load: a compiled model would recompile
 
     def __init__(self, pipeline: DiffusionPipeline):
@@ -48,6 +79,10 @@ class LoadAndFuseSwapper:
     @classmethod
     def for_engine(cls, pipeline: DiffusionPipeline, layers, config) -> "LoadAndFuseSwapper":
         return cls(pipeline)
+
+    def lender(self, store: AdapterStore) -> LocatedFiles:
+        """diffusers reads the file itself, every time: the adapters' files are leased, not read."""
+        return LocatedFiles(store)
 
     def check(self, adapters: Sequence[tuple[AdapterLocation, float]]) -> None:
         """diffusers' own checks (what the Hugging Face image does), and a refusal of the
@@ -109,7 +144,6 @@ class LoadAndFuseSwapper:
 
 
 class HotswapSwapper:
-    reads_adapters = False
     compiles = True
 
     def __init__(self, pipeline: DiffusionPipeline, target_rank: int):
@@ -121,6 +155,9 @@ class HotswapSwapper:
     @classmethod
     def for_engine(cls, pipeline: DiffusionPipeline, layers, config) -> "HotswapSwapper":
         return cls(pipeline, config.hotswap_rank)
+
+    def lender(self, store: AdapterStore) -> LocatedFiles:
+        return LocatedFiles(store)
 
     def prepare_to_compile(self) -> None:
         """Hotswap enabled and the placeholder loaded: what the compiled graphs will see."""

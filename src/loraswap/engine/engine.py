@@ -1,8 +1,11 @@
 """The engine: one warm base model, the adapters on it, and the images it makes.
 
-Public surface: `Engine(config)`, `generate(request)`, `generate_batch(requests)`,
-`set_adapters(loras)`, `applied_ids`, `recompiles`, and `adapters` (the `AdapterStore`
-that locates, reads, caches and keeps this model's adapters). Bringing the model up is
+Public surface: `Engine(config)`, `generate_batch(requests, lease)`, `apply(lease)`,
+`applied_ids`, `recompiles`, `adapters` (the `AdapterStore` that locates, reads, caches
+and keeps this model's adapters) and `lender` (where leases come from: the store, or for
+a baseline its files). The engine swaps what a lease holds; it never takes or gives back
+a lease itself, except in `generate` and `set_adapters`, which lease for the call, for
+callers on one thread (the CLI, benchmarks, tests). Bringing the model up is
 `startup.Startup`'s job; writing adapters into the weights is the swapper's
 (`swap.FusedSwapper`, or a baseline of `baselines.py`). The pipeline and the weights are
 driven by exactly one thread (the server's GPU worker, or the CLI).
@@ -20,7 +23,8 @@ import torch
 from PIL import Image
 
 from ..adapters.bound import ModelLayers
-from ..adapters.store import Acquired, AdapterStore, StoreLimits, TargetModel
+from ..adapters.lease import Lease
+from ..adapters.store import AdapterStore, StoreLimits, TargetModel
 from ..models import adapter_targets, denoiser_name, family_of, generation_defaults, model_name, resolve_device
 from .attention import AttentionBackend
 from .baselines import HotswapSwapper, LoadAndFuseSwapper
@@ -83,7 +87,8 @@ class Engine:
         layers = ModelLayers(self.components)  # every layer an adapter may target, walked once
         self.swapper = SWAPPERS[config.swap_mode].for_engine(self.pipeline, layers, config)
         self.adapters = self._make_store(layers)
-        self._applied: Acquired = []  # what the swapper applied, as the store handed it (on failure: base)
+        self.lender = self.swapper.lender(self.adapters)
+        self._applied: list[tuple[object, float]] = []  # what the swapper applied, as leased (on failure: base)
         # the family (None: a pipeline no family lists, served text to image) and its pipelines
         self.calls = PipelineCalls(self.pipeline, family_of(self.pipeline), generation_defaults(config.model))
         self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
@@ -99,8 +104,7 @@ class Engine:
                              unet.config if unet is not None else None)
         limits = StoreLimits(int(config.max_adapter_mb * 2**20), config.max_rank, config.max_blend,
                              config.prefetch_threads)
-        return AdapterStore(config.adapter_sources(), target, config.cache, self.device, limits,
-                            self.swapper.reads_adapters)
+        return AdapterStore(config.adapter_sources(), target, config.cache, self.device, limits)
 
     # ---------------------------------------------------------------- adapters
     @property
@@ -108,38 +112,39 @@ class Engine:
         return tuple((held.adapter_id, weight) for held, weight in self._applied)
 
     @_on_its_device
-    def set_adapters(self, loras: list[tuple[str, float]], acquired: Acquired | None = None) -> float:
-        """Apply exactly these adapters (id, weight); seconds spent swapping (0 if already so).
-
-        `acquired`: the adapters already held (from `adapters.prefetch`); the caller releases them.
-        """
-        own = acquired is None
-        acquired = self.adapters.acquire(loras) if own else acquired
+    def apply(self, lease: Lease) -> float:
+        """Put exactly the lease's adapters on the model; seconds spent swapping (0 if already
+        so). The lease stays the caller's to give back."""
+        held = lease.held
+        self.swapper.check(held)  # a refusal changes nothing, the applied adapters included
+        if len(held) == len(self._applied) and all(
+                a is b and wa == wb for (a, wa), (b, wb) in zip(held, self._applied)):
+            return 0.0  # the same held adapters: a file changed on disk is re-read into a new one
         try:
-            self.swapper.check(acquired)  # a refusal changes nothing, the applied adapters included
-            if len(acquired) == len(self._applied) and all(
-                    a is b and wa == wb for (a, wa), (b, wb) in zip(acquired, self._applied)):
-                return 0.0  # the same held adapters: a file changed on disk is re-read into a new one
-            try:
-                seconds = self.swapper.swap(acquired)
-            except BaseException:
-                self._applied = []  # a swap that fails leaves the base model
-                raise
-            self._applied = list(acquired)
-        finally:
-            if own:
-                self.adapters.release(acquired)
-        logger.debug("swap to %s in %.1f ms", loras or "base", seconds * 1e3)
+            seconds = self.swapper.swap(held)
+        except BaseException:
+            self._applied = []  # a swap that fails leaves the base model
+            raise
+        self._applied = list(held)
+        logger.debug("swap to %s in %.1f ms", lease.ids or "base", seconds * 1e3)
         return seconds
 
+    def set_adapters(self, loras: list[tuple[str, float]]) -> float:
+        """`apply` for a caller on one thread: the adapters (id, weight) leased for the call."""
+        with self.lender.lease_now(loras) as lease:
+            return self.apply(lease)
+
     # ---------------------------------------------------------------- generation
-    def generate(self, request: GenerateRequest, acquired: Acquired | None = None) -> GenerateResult:
-        return self.generate_batch([request], acquired)[0]
+    def generate(self, request: GenerateRequest) -> GenerateResult:
+        """One image (or video) for a caller on one thread: its adapters leased for the call."""
+        with self.lender.lease_now(request.loras) as lease:
+            return self.generate_batch([request], lease)[0]
 
     @_on_its_device
-    def generate_batch(self, requests: list[GenerateRequest], acquired: Acquired | None = None,
+    def generate_batch(self, requests: list[GenerateRequest], lease: Lease,
                        on_step: Callable[[int, int], None] | None = None) -> list[GenerateResult]:
-        """Images for requests sharing adapters and parameters, in one pipeline call.
+        """Images for requests sharing adapters and parameters, in one pipeline call, with the
+        adapters `lease` holds (the requests' own, from `lender`).
 
         Each image has its own prompt and seed (a generator per image), so it is the image
         the request would get alone, up to the numerics of a larger batch.
@@ -151,7 +156,7 @@ class Engine:
         pipeline = self.pipeline if task == TEXT else self.calls.pipeline(task)  # the loaded one, for text
         seeds = [r.seed if r.seed is not None else random.randrange(2**31) for r in requests]
         # 2. the requested adapters on the model (validated before anything changes)
-        swap_seconds = self.set_adapters(requests[0].loras, acquired)
+        swap_seconds = self.apply(lease)
 
         # 3. generate (generators made per attempt: a call retried cold starts from the seeds again)
         def generators() -> list[torch.Generator]:

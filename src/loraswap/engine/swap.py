@@ -25,6 +25,7 @@ from torch import nn
 from ..adapters import kinds
 from ..adapters.bound import BoundAdapter, LayerKey, ModelLayers, packed_spans, with_buffer
 from ..adapters.cache import CacheEntry
+from ..adapters.store import AdapterStore
 from .float8_weights import Fp8Weight
 from .kernels import (
     float8_kernel_available,
@@ -45,13 +46,16 @@ class Swapper(Protocol):
     """How adapters get into the model's weights: the fused swap here, or a baseline of
     `baselines.py`. The engine drives any of them the same way."""
 
-    reads_adapters: bool  # the adapter store reads and binds adapters (else it only locates their files)
     compiles: bool  # a compiled model stays valid across its swaps
 
     @classmethod
     def for_engine(cls, pipeline, layers: ModelLayers, config) -> "Swapper":
         """The swapper of an engine's pipeline (`layers`: its targetable layers; `config`: its
         `EngineConfig`)."""
+
+    def lender(self, store: AdapterStore):
+        """Where the engine's leases come from: the store (adapters read, checked and cached),
+        or what the swapper takes instead (a baseline's files)."""
 
     def check(self, adapters: Sequence) -> None:
         """Refuse, changing nothing, what `swap` could not apply."""
@@ -70,7 +74,6 @@ class Swapper(Protocol):
 class FusedSwapper:
     """Owns the LoRA state of one model's weights: what is applied, and the pristine copies."""
 
-    reads_adapters = True  # the adapter store reads, checks and caches adapters for it
     compiles = True  # modules never change: a compiled model stays valid
 
     def __init__(self, components: dict[str, nn.Module] | ModelLayers, pristine: Literal["device", "host"] = "device",
@@ -94,6 +97,10 @@ class FusedSwapper:
 
     def check(self, adapters: Sequence[tuple[CacheEntry, float]]) -> None:
         """Nothing more: everything was checked when the adapters were bound."""
+
+    def lender(self, store: AdapterStore) -> AdapterStore:
+        """The store: it reads, checks and caches adapters for this swapper."""
+        return store
 
     @classmethod
     def for_engine(cls, pipeline, layers: ModelLayers, config) -> "FusedSwapper":

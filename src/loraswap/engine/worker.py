@@ -1,7 +1,10 @@
 """The GPU worker: one thread per engine, and the scheduler in front of it.
 
-The event loop never runs the pipeline: handlers `submit` a request (its adapters
-already being prefetched) and await its future. A full queue refuses at once
+The event loop never runs the pipeline: handlers `submit` a request and await its
+future. The worker alone holds adapters for requests: `submit` takes a lease of the
+request's adapters from the engine's lender (read on the store's threads while earlier
+requests generate), and every way a job ends (served, failed, cancelled, refused) gives
+it back (`_give_back`). A full queue refuses at once
 (`Overloaded`, answered 503 + Retry-After). A request whose client went away is
 cancelled while queued and skipped, so it costs no GPU work.
 
@@ -46,7 +49,7 @@ class SchedulerConfig(BaseModel):
 @dataclass
 class Job:
     request: GenerateRequest
-    prefetch: Future  # -> the request's adapters, acquired in the cache
+    lease: Future  # -> the Lease of the request's adapters, once they are read
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.monotonic)
     skips: int = 0
@@ -75,22 +78,20 @@ class GpuWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: GenerateRequest, prefetch: Future | None = None,
-               on_step: Callable[[int, int], None] | None = None) -> Future:
-        """Queue a request; `prefetch` (from `engine.adapters.prefetch`) holds its adapters;
-        `on_step(done, total)` is called after each denoising step (a video job's progress)."""
-        prefetch = prefetch or self.engine.adapters.prefetch(request.loras)
-        job = Job(request, prefetch, on_step=on_step)
+    def submit(self, request: GenerateRequest, on_step: Callable[[int, int], None] | None = None) -> Future:
+        """Queue a request and start reading its adapters; `on_step(done, total)` is called
+        after each denoising step (a video job's progress)."""
+        job = Job(request, self.engine.lender.lease(request.loras), on_step=on_step)
         with self._cond:
             if self._stopping:
-                _release_when_done(self.engine, job)
+                _give_back(job)
                 raise Overloaded("the server is shutting down")
             if len(self._jobs) >= self.config.max_queue:
-                _release_when_done(self.engine, job)
+                _give_back(job)
                 raise Overloaded(f"the queue is full ({self.config.max_queue} requests waiting); retry shortly")
             self._jobs.append(job)
             self._cond.notify_all()
-        prefetch.add_done_callback(lambda _: self._adapters_read(job))
+        job.lease.add_done_callback(lambda _: self._adapters_read(job))
         return job.future
 
     @property
@@ -131,20 +132,20 @@ class GpuWorker:
         for job in [j for j in self._jobs if j.future.cancelled()]:
             self._jobs.remove(job)
             self.skipped_cancelled += 1
-            _release_when_done(self.engine, job)
+            _give_back(job)
 
     def _choose(self) -> list[Job]:
         if not self._jobs:
             return []
         now = time.monotonic()
         oldest = self._jobs[0]
-        ready = [j for j in self._jobs if j.prefetch.done()]
+        ready = [j for j in self._jobs if j.lease.done()]
         if not ready:
             return []
         if now - oldest.enqueued >= self.config.max_wait_s or oldest.skips >= self.config.max_skips:
             # fairness: the overdue request goes first once its adapters are in; until then the
             # oldest ready request runs (no affinity), which also frees cache space it may wait for
-            chosen = oldest if oldest.prefetch.done() else ready[0]
+            chosen = oldest if oldest.lease.done() else ready[0]
         else:
             applied = tuple(self.engine.applied_ids)
             chosen = next((j for j in ready if tuple(j.request.loras) == applied), ready[0])
@@ -156,7 +157,7 @@ class GpuWorker:
         for job in self._jobs:
             if len(batch) >= self.config.max_batch:
                 break
-            if job is not chosen and job.prefetch.done() and job.batch_key == chosen.batch_key:
+            if job is not chosen and job.lease.done() and job.batch_key == chosen.batch_key:
                 batch.append(job)
         return batch
 
@@ -170,16 +171,16 @@ class GpuWorker:
             self.skipped_cancelled += len(batch) - len(running)
             for job in batch:
                 if job not in running:
-                    _release_when_done(self.engine, job)
+                    _give_back(job)
             if running:
                 self._serve(running)
 
     def _serve(self, jobs: list[Job]) -> None:
         started = time.monotonic()
-        held, ready = [], []
+        leases, ready = [], []
         for job in jobs:  # a request whose adapter failed to load fails alone; nothing was swapped
             try:
-                held.append(job.prefetch.result())
+                leases.append(job.lease.result())
                 ready.append(job)
             except BaseException as e:
                 job.future.set_exception(e)
@@ -187,7 +188,7 @@ class GpuWorker:
             if ready:
                 hooks = [job.on_step for job in ready if job.on_step]
                 progress = {"on_step": lambda done, total: _report_progress(hooks, done, total)} if hooks else {}
-                results = self.engine.generate_batch([job.request for job in ready], held[0], **progress)
+                results = self.engine.generate_batch([job.request for job in ready], leases[0], **progress)
                 for job, result in zip(ready, results):
                     result.timings |= {"read": (job.read_at or started) - job.enqueued, "wait": started - job.enqueued}
                     job.future.set_result(result)
@@ -196,18 +197,18 @@ class GpuWorker:
                 if not job.future.done():
                     job.future.set_exception(e)
         finally:
-            for acquired in held:
-                self.engine.adapters.release(acquired)
+            for job in jobs:
+                _give_back(job)
             self.completed += len(jobs)
             self.batches += 1
 
 
-def _release_when_done(engine: Engine, job: Job) -> None:
-    """Give back a dropped job's adapters once its prefetch has finished."""
+def _give_back(job: Job) -> None:
+    """Give back the job's lease, now or once its adapters are read (a lease is given back once)."""
     def release(future: Future) -> None:
         if not future.cancelled() and future.exception() is None:
-            engine.adapters.release(future.result())
-    job.prefetch.add_done_callback(release)
+            future.result().release()
+    job.lease.add_done_callback(release)
 
 
 def _report_progress(hooks: list[Callable[[int, int], None]], done: int, total: int) -> None:

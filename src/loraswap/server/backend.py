@@ -176,11 +176,10 @@ class LocalBackend:
     async def generate(self, request: GenerateRequest, model: str | None,
                        is_disconnected: Callable[[], Awaitable[bool]] | None,
                        on_step: StepCallback | None = None) -> GenerateResult:
-        # the engine hosting the adapters' base model (unknown ids: 404 at once); the adapters
-        # are read on its store's pool while earlier requests generate, so its worker only
-        # restores and fuses
+        # the engine hosting the adapters' base model (unknown ids: 404 at once); its worker
+        # leases the adapters, read on the store's pool while earlier requests generate
         hosted = await run_in_threadpool(self._deployment().route, request.loras, model)
-        future = hosted.worker.submit(request, hosted.engine.adapters.prefetch(request.loras), on_step)
+        future = hosted.worker.submit(request, on_step)
         return await wait_for_result(asyncio.wrap_future(future), future.cancel, is_disconnected)
 
     async def list_adapters(self) -> dict:

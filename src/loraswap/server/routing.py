@@ -44,7 +44,7 @@ def route_by_base_model(names: list[str], locate: Callable[[str], AdapterLocatio
         if chosen is None:
             raise BadRequest(f"model {model!r} is not hosted here; hosted: {', '.join(names)}")
     for adapter_id, _ in loras:
-        if len(names) == 1:  # nothing to choose: a 404 now, the full checks on prefetch
+        if len(names) == 1:  # nothing to choose: a 404 now, the full checks when the worker leases them
             locate(adapter_id)
             continue
         declared = _declared(locate(adapter_id))

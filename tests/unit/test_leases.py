@@ -1,0 +1,114 @@
+"""Leases: the store lends a request's adapters and the GPU worker alone gives them back,
+once, however the request ends (served, failed, cancelled while queued, refused)."""
+
+import threading
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass
+
+import pytest
+from PIL import Image
+
+from loraswap.adapters.lease import Lease
+from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.engine import Engine, GenerateResult
+from loraswap.engine.worker import GpuWorker, SchedulerConfig
+from loraswap.errors import AdapterNotFound, Overloaded
+
+
+@dataclass(frozen=True)
+class Item:
+    adapter_id: str
+
+
+class CountingLender:
+    """Lends one item per adapter and counts what is lent and given back; `missing` is never found."""
+
+    def __init__(self):
+        self.lent, self.returned = [], []
+        self._lock = threading.Lock()
+
+    def lease(self, loras) -> Future:
+        future: Future = Future()
+        if any(adapter_id == "missing" for adapter_id, _ in loras):
+            future.set_exception(AdapterNotFound("missing", "no such adapter", "Check the id"))
+            return future
+        items = [(Item(adapter_id), weight) for adapter_id, weight in loras]
+        with self._lock:
+            self.lent += [item for item, _ in items]
+        future.set_result(Lease(items, self._give_back))
+        return future
+
+    def _give_back(self, item) -> None:
+        with self._lock:
+            self.returned.append(item)
+
+
+class FakeEngine:
+    """Generates at once, or when `gate` opens for a prompt "wait"; fails a prompt "boom"."""
+
+    applied_ids = ()
+
+    def __init__(self):
+        self.lender = CountingLender()
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def generate_batch(self, requests, lease, on_step=None):
+        assert isinstance(lease, Lease) and lease.ids == tuple(requests[0].loras)
+        if requests[0].prompt == "wait":
+            self.started.set()
+            self.gate.wait(30)
+        if requests[0].prompt == "boom":
+            raise RuntimeError("the pipeline failed")
+        return [GenerateResult(Image.new("RGB", (8, 8)), 0, 0.0, 0.0) for _ in requests]
+
+
+def _request(prompt: str, adapter_id: str = "a") -> GenerateRequest:
+    return GenerateRequest(prompt=prompt, loras=[(adapter_id, 1.0)])
+
+
+def test_a_lease_is_given_back_once():
+    returned = []
+    lease = Lease([(Item("a"), 1.0), (Item("b"), 0.5)], returned.append)
+    assert lease.ids == (("a", 1.0), ("b", 0.5))
+    with lease:
+        assert returned == []
+    lease.release()
+    assert returned == [Item("a"), Item("b")]
+
+
+def test_the_worker_gives_back_every_lease_however_the_request_ends():
+    engine = FakeEngine()
+    worker = GpuWorker(engine, SchedulerConfig(max_queue=2))
+    worker.start()
+    try:
+        running = worker.submit(_request("wait", "first"))
+        assert engine.started.wait(30)
+        cancelled = worker.submit(_request("x", "cancelled"))
+        failing = worker.submit(_request("boom", "failing"))
+        with pytest.raises(Overloaded):
+            worker.submit(_request("x", "refused"))
+        assert cancelled.cancel()
+        engine.gate.set()
+        assert running.result(timeout=30).image.size == (8, 8)
+        with pytest.raises(RuntimeError, match="the pipeline failed"):
+            failing.result(timeout=30)
+        with pytest.raises(CancelledError):
+            cancelled.result(timeout=0)
+        with pytest.raises(AdapterNotFound):
+            worker.submit(_request("x", "missing")).result(timeout=30)
+    finally:
+        worker.stop(30)
+    lent = [item.adapter_id for item in engine.lender.lent]
+    assert sorted(lent) == ["cancelled", "failing", "first", "refused"]
+    assert sorted(item.adapter_id for item in engine.lender.returned) == sorted(lent), "each lease given back once"
+
+
+def test_the_engine_swaps_what_a_lease_holds(adapter_factory):
+    adapter_factory("lease-a", "tiny-sd", rank=4, seed=11)
+    engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
+    with engine.lender.lease([("lease-a", 0.5)]).result(timeout=60) as lease:
+        assert engine.apply(lease) > 0 and engine.applied_ids == (("lease-a", 0.5),)
+        assert [row["in_use"] for row in engine.adapters.cache.table()] == [1]
+    assert [row["in_use"] for row in engine.adapters.cache.table()] == [0], "given back: the cache may evict it"
+    assert engine.applied_ids == (("lease-a", 0.5),), "giving the lease back leaves the model as it is"
