@@ -117,16 +117,15 @@ def packed_spans(layers) -> list[tuple[list[int], int]]:
 def with_buffer(bound: BoundAdapter, flat: torch.Tensor) -> BoundAdapter:
     """`bound` with its factors as views into `flat` (packed in layer and factor order).
 
-    A LoRA's down is viewed [rank, fan_in] and its up [out, rank], conv factors included
-    (not a Tucker LoCon's): the shapes `addmm` and the swap kernel take, so a swap reshapes
-    nothing."""
+    The factors a kind's write takes as matrices (`AdapterKind.matrix_factors`: a LoRA's down
+    [rank, fan_in] and up [out, rank], conv factors included) are viewed that way: a swap
+    then reshapes nothing."""
     layers = {}
     for (key, layer), (starts, _) in zip(bound.layers.items(), packed_spans(bound.layers.values())):
-        factors = {}
+        factors, matrices = {}, layer.kind.matrix_factors(layer.factors)
         for (name, tensor), at in zip(layer.factors.items(), starts):
             view = flat[at: at + tensor.numel()]
-            pair = layer.kind == "lora" and "mid" not in layer.factors and name in ("down", "up")
-            factors[name] = view.view(tensor.shape[0], -1) if pair else view.view(tensor.shape)
+            factors[name] = view.view(tensor.shape[0], -1) if name in matrices else view.view(tensor.shape)
         layers[key] = layer.replace(factors=factors)
     return BoundAdapter(bound.adapter_id, layers, bound.base_models, flat)
 
@@ -174,7 +173,7 @@ def _check_layer(aid: str, where: str, param: torch.Tensor, layer: Layer, max_ra
     shape, change = tuple(param.shape), delta_shape(layer)
     # a conv change may come flattened ([out, in * kh * kw], as LoHa and LoKr store it)
     if change != shape and not (change[0] == shape[0] and math.prod(change) == math.prod(shape) and len(shape) > 2):
-        raise AdapterIncompatible(aid, f"layer '{where}' has {layer.kind} factors ({_factor_shapes(layer)}), "
+        raise AdapterIncompatible(aid, f"layer '{where}' has {layer.kind.name} factors ({_factor_shapes(layer)}), "
                                   f"which do not fit its weight {shape} (they make {change})",
                                   "Use an adapter trained on this base model")
     if layer.dora is not None:

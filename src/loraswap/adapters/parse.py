@@ -16,7 +16,7 @@ from diffusers import DiffusionPipeline
 
 from ..errors import AdapterIncompatible, AdapterInvalid
 from .formats import read_safetensors
-from .kinds import Layer, delta_shape
+from .kinds import KINDS, Layer, delta_shape
 from .layout import KOHYA_PROBE, PEFT_PROBE, DiffusersProbe, ModuleNames, Place, ProbeKeys
 from .metadata import declared_base_models
 from .module_layers import WEIGHT_KINDS, complete, module_layers
@@ -187,7 +187,7 @@ def _probe_keys(module: FileModule) -> tuple[int, ProbeKeys]:
     parts = module.parts
     weight_kinds = [k for k in WEIGHT_KINDS if k in parts and complete(k, parts[k])]
     if weight_kinds:
-        rows = delta_shape(Layer(weight_kinds[0], parts[weight_kinds[0]]))[0]
+        rows = delta_shape(Layer(KINDS[weight_kinds[0]], parts[weight_kinds[0]]))[0]
     else:
         tensor = next(t for kind in parts.values() for t in kind.values())
         rows = tensor.shape[0] if tensor.ndim else 1
