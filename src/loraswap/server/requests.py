@@ -25,22 +25,22 @@ from .schemas import ApiBody, invalid_request_message, parse_size
 
 
 @dataclass(frozen=True)
-class ImageRequest:
-    """What to generate, whichever API asked: the engine's request, the hosted base model the
-    route names (None: the one the adapters route to), how many images (OpenAI `n`) and a
-    video's frame rate, when the request gives one."""
+class ParsedRequest:
+    """What a generation route asked for, whichever API (images or videos): the engine's
+    request, the hosted base model the route names (None: the one the adapters route to), how
+    many images (OpenAI `n`) and a video's frame rate, when the request gives one."""
 
-    generate: GenerateRequest
+    engine_request: GenerateRequest
     model: str | None = None
     count: int = 1
     fps: int | None = None
 
     def per_image(self) -> list[GenerateRequest]:
         """One request per image; with a seed, image i gets seed + i (checked at parse)."""
-        seed = self.generate.seed
+        seed = self.engine_request.seed
         if self.count == 1:
-            return [self.generate]
-        return [self.generate.model_copy(update={"seed": None if seed is None else seed + i})
+            return [self.engine_request]
+        return [self.engine_request.model_copy(update={"seed": None if seed is None else seed + i})
                 for i in range(self.count)]
 
 
@@ -114,7 +114,7 @@ async def read_request(request: Request, api: type[ApiBody], config: ServerConfi
     return parsed
 
 
-async def parse_request(request: Request, api: type[ApiBody], path_model: str | None = None) -> ImageRequest:
+async def parse_request(request: Request, api: type[ApiBody], path_model: str | None = None) -> ParsedRequest:
     """The one parse of every generation route. `path_model`: the model id in the URL (HF `/models/{id}`)."""
     config, backend = request.app.state.config, request.app.state.backend
     # 1. the body, as the API's typed request (JSON, or a multipart form with files)
@@ -140,15 +140,15 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
                                                         config.max_width, config.max_height)
     # 5. the engine's request (its own checks too: the blend's are the engine's)
     try:
-        generate = GenerateRequest(prompt=fields["prompt"], negative_prompt=fields.get("negative_prompt"),
-                                   steps=fields.get("num_inference_steps"), guidance=fields.get("guidance_scale"),
-                                   width=fields.get("width"), height=fields.get("height"), seed=fields.get("seed"),
-                                   loras=loras, image=image, mask=mask, strength=fields.get("strength"),
-                                   frames=frames, output=api.output,
-                                   max_frames=config.max_video_frames if api.output == "video" else None)
+        engine_request = GenerateRequest(
+            prompt=fields["prompt"], negative_prompt=fields.get("negative_prompt"),
+            steps=fields.get("num_inference_steps"), guidance=fields.get("guidance_scale"),
+            width=fields.get("width"), height=fields.get("height"), seed=fields.get("seed"),
+            loras=loras, image=image, mask=mask, strength=fields.get("strength"), frames=frames, output=api.output,
+            max_frames=config.max_video_frames if api.output == "video" else None)
     except ValidationError as e:
         raise BadRequest(invalid_request_message(e.errors())) from None
-    return ImageRequest(generate, model, count, fps)
+    return ParsedRequest(engine_request, model, count, fps)
 
 
 async def decode_inputs(image: bytes | str | None, mask: bytes | str | None,

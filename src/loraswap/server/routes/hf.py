@@ -40,7 +40,7 @@ async def generate_hf(request: Request, route: str, path_model: str | None) -> R
     parsed = await parse_request(request, HFRequest, path_model)
     parsed_at = time.perf_counter()
     # 2. generate on the GPU worker, 3. encode as the client accepts
-    result = await generate(request, route, parsed.generate, parsed.model)
+    result = await generate(request, route, parsed.engine_request, parsed.model)
     generated_at = time.perf_counter()
     data, media = await encode(result.image, request.headers.get("accept", ""))
     total = result.swap_seconds + result.generate_seconds

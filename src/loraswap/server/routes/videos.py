@@ -35,7 +35,7 @@ async def create_video(request: Request):
     state = request.app.state
     # 1. parse (the one parser of every generation route: limits, adapters, the engine's request)
     parsed = await parse_request(request, OpenAIVideoRequest)
-    for adapter_id, _ in parsed.generate.loras:  # a path, not an id: 400 now, not a failed job later
+    for adapter_id, _ in parsed.engine_request.loras:  # a path, not an id: 400 now, not a failed job later
         check_adapter_id(adapter_id)
     info = state.backend.ready_info()
     if info is None:  # a job started now would only fail
@@ -46,8 +46,8 @@ async def create_video(request: Request):
     async def make(job: VideoJob) -> GenerateResult:
         return await run_generation(state, ROUTE, job.request, parsed.model, None, on_step=job.report_step)
 
-    shown = parsed.model or _adapters_named(parsed.generate.loras) or info["model"]
-    return state.videos.submit(parsed.generate, shown, parsed.fps, make).view()
+    shown = parsed.model or _adapters_named(parsed.engine_request.loras) or info["model"]
+    return state.videos.submit(parsed.engine_request, shown, parsed.fps, make).view()
 
 
 def _adapters_named(loras: list[tuple[str, float]]) -> str:
