@@ -97,7 +97,7 @@ def main() -> None:
         profile.disable()
     total = time.perf_counter() - started
     report = io.StringIO()
-    figures = {"total_s": round(total, 2), **{k: round(v, 2) for k, v in engine.startup.items()},
+    figures = {"total_s": round(total, 2), **{k: round(v, 2) for k, v in engine.startup_seconds.items()},
                "lookups": engine.compile_cache_lookups, "torch": torch.__version__, "saved_s": saved_s}
     if args.images:
         results = [engine.generate(GenerateRequest(prompt="a lighthouse at dusk", seed=i, steps=args.steps,

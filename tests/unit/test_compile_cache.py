@@ -63,8 +63,8 @@ def test_engine_with_an_unusable_folder_starts_and_records_its_startup(tmp_path,
     with caplog.at_level(logging.WARNING, logger="loraswap"):
         engine = Engine(EngineConfig(model="tiny-sd", compile=False, compile_cache=tmp_path / "a-file" / "cache"))
     assert engine.compile_cache is None and "cannot be used" in caplog.text
-    assert set(engine.startup) == {"load_s", "warmup_s", "first_image_s"}
-    assert 0 < engine.startup["load_s"] < engine.startup["first_image_s"]
+    assert set(engine.startup_seconds) == {"load_s", "warmup_s", "first_image_s"}
+    assert 0 < engine.startup_seconds["load_s"] < engine.startup_seconds["first_image_s"]
     assert engine.compile_cache_lookups == {cache: {"hit": 0, "miss": 0, "bypass": 0}
                                             for cache in ("fxgraph", "aotautograd")}
 
@@ -72,7 +72,7 @@ def test_engine_with_an_unusable_folder_starts_and_records_its_startup(tmp_path,
 def test_a_first_image_failing_with_the_cache_is_made_again_in_a_fresh_folder(tmp_path, restore_caches, caplog):
     given = tmp_path / "cache"
     engine = Engine(EngineConfig(model="tiny-sd", compile=False, warmup=False, compile_cache=given))
-    assert engine.compile_cache == given and "first_image_s" not in engine.startup
+    assert engine.compile_cache == given and "first_image_s" not in engine.startup_seconds
     real, calls = engine.pipeline, []
 
     def breaks_once_per_test(**kwargs):  # as a cache whose compiled kernels do not load would
@@ -92,7 +92,7 @@ def test_a_first_image_failing_with_the_cache_is_made_again_in_a_fresh_folder(tm
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(engine.compile_cache / "inductor")
         assert f"Delete {given}" in caplog.text and "RuntimeError: C++ compile error" in caplog.text
         assert given.is_dir(), "the folder given is left as it is"
-        assert "first_image_s" in engine.startup
+        assert "first_image_s" in engine.startup_seconds
         # after the first image a failure is the request's own: raised, not retried
         with pytest.raises(RuntimeError, match="C\\+\\+ compile error"):
             engine.generate(request)

@@ -136,7 +136,7 @@ def test_the_stand_in_compiles_every_graph_the_warm_up_runs_and_the_model_keeps_
 
     monkeypatch.setattr(Prewarm, "join", counting_join)
     engine = Engine(EngineConfig(model=str(folders / "tiny-flux"), compile=True, compile_while_loading=True))
-    assert engine.startup["prewarm_s"] > 0
+    assert engine.startup_seconds["prewarm_s"] > 0
     assert seen["after_stand_in"] > seen["before"], "the stand-in's blocks were compiled"
     assert _graphs() == seen["after_stand_in"], "the warm-up image compiled nothing more"
     assert rel_err(image_array(engine.pipeline), eager_image) <= 1e-4, "the model's own weights"
@@ -154,7 +154,7 @@ def test_a_stand_in_that_fails_leaves_the_compile_to_the_warm_up(folders, monkey
     monkeypatch.setattr(Prewarm, "_warm", staticmethod(broken))
     with caplog.at_level(logging.WARNING, logger="loraswap.engine.prewarm"):
         engine = Engine(EngineConfig(model=str(folders / "tiny-flux"), compile=True, compile_while_loading=True))
-    assert "prewarm_s" not in engine.startup
+    assert "prewarm_s" not in engine.startup_seconds
     assert "compiling while loading failed (RuntimeError: no room for the stand-in)" in caplog.text
     assert _graphs() > before, "the warm-up compiled the blocks itself"
     assert rel_err(image_array(engine.pipeline), eager_image) <= 1e-4
@@ -180,7 +180,7 @@ def test_nothing_is_compiled_while_loading_unless_asked_for_a_folder_with_region
     started = []
     monkeypatch.setattr(Prewarm, "__init__", lambda self, *a, **k: started.append(a))
     folder = str(folders / "tiny-flux")
-    assert Engine(EngineConfig(model=folder, compile=True, warmup=False)).startup.get("prewarm_s") is None
+    assert Engine(EngineConfig(model=folder, compile=True, warmup=False)).startup_seconds.get("prewarm_s") is None
     Engine(EngineConfig(model=folder, compile=False, compile_while_loading=True, warmup=False))
     Engine(EngineConfig(model="tiny-flux", compile=True, compile_while_loading=True, warmup=False))
     Engine(EngineConfig(model=folder, compile=True, compile_while_loading=True, swap_mode="load-and-fuse",
@@ -209,5 +209,5 @@ def test_a_copy_that_fails_waits_for_the_stand_in_then_loads_through_from_pretra
         engine = Engine(EngineConfig(model=str(folders / "tiny-flux"), compile=True, compile_while_loading=True))
     assert order == ["copy failed", "stand-in done", "from_pretrained"], "from_pretrained never beside a compile"
     assert "copying" in caplog.text and "OSError: disk gone" in caplog.text
-    assert "prewarm_s" not in engine.startup
+    assert "prewarm_s" not in engine.startup_seconds
     assert rel_err(image_array(engine.pipeline), eager_image) <= 1e-4

@@ -64,7 +64,8 @@ def _fused_rounds(config: EngineConfig, request: GenerateRequest, ids: list[str]
             seconds, result = _image(engine, request, loras)
             rows.append({"round": r, "variant": variant, "image_s": seconds, "swap_s": result.swap_seconds})
             logger.info("fused round %d %-7s swap %.1f ms, %.3f s", r, variant, result.swap_seconds * 1e3, seconds)
-    return {"rows": rows, "recompiles": graph_count() - graphs, "startup": engine.startup, "peak_GiB": _peak_gib()}
+    return {"rows": rows, "recompiles": graph_count() - graphs, "startup": engine.startup_seconds,
+            "peak_GiB": _peak_gib()}
 
 
 def _baseline_rounds(config: EngineConfig, request: GenerateRequest, ids: list[str], rounds: int) -> dict:

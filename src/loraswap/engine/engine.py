@@ -80,8 +80,8 @@ class Engine:
         self.compiled = wants_compile and SWAPPERS[config.swap_mode].compiles
         if wants_compile and not self.compiled:
             logger.info("--swap-mode %s runs eager: not compiling", config.swap_mode)
-        self.start = Startup(config, self.device, self.dtype, self.compiled)
-        self.pipeline = self.start.load()
+        self._startup = Startup(config, self.device, self.dtype, self.compiled)
+        self.pipeline = self._startup.load()
         self.model_name = model_name(self.pipeline, config.model)
         self.components = adapter_targets(self.pipeline)
         layers = ModelLayers(self.components)  # every layer an adapter may target, walked once
@@ -93,9 +93,13 @@ class Engine:
         self.calls = PipelineCalls(self.pipeline, family_of(self.pipeline), generation_defaults(config.model))
         self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
         with on_device(self.device):
-            self.start.compile_and_warm_up(self)
+            self._startup.compile_and_warm_up(self.pipeline, self.swapper, self._warm_up_images)
         self._graphs_after_warmup = graph_count()
-        logger.info("%s ready in %.1f s", self.model_name, time.perf_counter() - self.start.started)
+        logger.info("%s ready in %.1f s", self.model_name, time.perf_counter() - self._startup.started)
+
+    def _warm_up_images(self) -> None:
+        for request in self.calls.warm_up_requests():
+            self.generate(request)
 
     def _make_store(self, layers: ModelLayers) -> AdapterStore:
         config = self.config
@@ -162,12 +166,15 @@ class Engine:
         def generators() -> list[torch.Generator]:
             return [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
 
+        def run() -> list[list[Image.Image]]:
+            with torch.inference_mode(), self.attention.context() if self.attention else contextlib.nullcontext():
+                output = pipeline(**kwargs, generator=generators())
+            return self.calls.outputs(task, output)
+
         started = time.perf_counter()
-        with torch.inference_mode(), self.attention.context() if self.attention else contextlib.nullcontext():
-            output = self.start.retry_cold(lambda: pipeline(**kwargs, generator=generators()))
-        videos = self.calls.outputs(task, output)
+        # the model's first image goes through the start-up (a cold retry, its figures); the rest straight
+        videos = run() if self._startup.first_image_done else self._startup.first_image(run, self.model_name)
         seconds = time.perf_counter() - started
-        self.start.maybe_record_first_image(self.model_name)
         fps = self.calls.family.fps if self.calls.is_video else None
         return [GenerateResult(frames[0], seed, swap_seconds, seconds, frames if fps else None, fps)
                 for frames, seed in zip(videos, seeds)]
@@ -178,17 +185,19 @@ class Engine:
         return getattr(self.pipeline, denoiser_name(self.pipeline))
 
     @property
-    def startup(self) -> dict[str, float]:
-        """Start-up seconds by phase (`Startup.figures`)."""
-        return self.start.figures
+    def startup_seconds(self) -> dict[str, float]:
+        """Start-up seconds by phase: load_s, warmup_s, first_image_s (and prewarm_s)."""
+        return self._startup.figures
 
     @property
     def compile_cache(self):
-        return self.start.compile_cache
+        """torch.compile's cache folder in use (a fresh one after a cold retry), or None."""
+        return self._startup.compile_cache
 
     @property
     def compile_cache_lookups(self) -> dict[str, dict[str, int]] | None:
-        return self.start.compile_cache_lookups
+        """torch's compile cache hits and misses until the first image."""
+        return self._startup.compile_cache_lookups
 
     @property
     def recompiles(self) -> int:

@@ -1,9 +1,11 @@
 """Bringing one model up: load, quantize, compile, warm up; a cold retry when the compile
 cache breaks the first compile; the start-up figures.
 
-`Startup` does it for the engine and keeps what the server reports of it: seconds by
-phase (`figures`: load_s, warmup_s, first_image_s, and prewarm_s with
-`--compile-while-loading`) and torch's compile cache lookups until the first image.
+`Startup` does it for the engine, which hands it the parts it needs (the pipeline it
+loaded, the swapper, a way to make the warm-up images), and keeps what the server reports
+of it: seconds by phase (`figures`: load_s, warmup_s, first_image_s, and prewarm_s with
+`--compile-while-loading`) and torch's compile cache lookups until the first image. Once
+the first image is made, the start-up is out of the request path.
 """
 
 import gc
@@ -140,29 +142,43 @@ class Startup:
         return failed
 
     # ---------------------------------------------------------------- compile and warm up
-    def compile_and_warm_up(self, engine) -> None:
-        """Compile the engine's pipeline (after its swapper has set up what the graphs must
-        see) and make one warm-up image, which compiles; `engine` is an `Engine`."""
+    def compile_and_warm_up(self, pipeline, swapper, warm_up_images: Callable[[], object]) -> None:
+        """Compile the pipeline (after `swapper` has set up what the graphs must see), warm the
+        swapper's kernels, then `warm_up_images()`: the warm-up images, which compile."""
         config = self.config
         warming = time.perf_counter()
         if self.compiled:
-            engine.swapper.prepare_to_compile()
-            compile_pipeline(engine.pipeline, config.compile_mode, wants_compiled_vae(config.compile_vae,
-                                                                                       config.compile_mode))
+            swapper.prepare_to_compile()
+            compile_pipeline(pipeline, config.compile_mode, wants_compiled_vae(config.compile_vae,
+                                                                                config.compile_mode))
         if not config.warmup:
             return
         logger.info("warming up%s", " (compiling)" if self.compiled else "")
         kernels = time.perf_counter()
-        if self.retry_cold(engine.swapper.warm_up):
+        if self.retry_cold(swapper.warm_up):
             logger.info("swap kernels ready in %.2f s", time.perf_counter() - kernels)
-        for request in engine.calls.warm_up_requests():
-            engine.generate(request)
+        warm_up_images()
         self.figures["warmup_s"] = time.perf_counter() - warming
+
+    @property
+    def first_image_done(self) -> bool:
+        return "first_image_s" in self.figures
+
+    def first_image(self, call: Callable[[], T], model_name: str) -> T:
+        """`call()` making the model's first image (a warm-up's, or the first request's): retried
+        cold if the compile cache breaks it; the start-up's figures then taken."""
+        output = self.retry_cold(call)
+        self.figures["first_image_s"] = time.perf_counter() - self.started
+        self.compile_cache_lookups = lookups_since(self._lookups_before)
+        logger.info("%s: first image %.1f s after start (load %.1f s); compile cache %s: %s", model_name,
+                    self.figures["first_image_s"], self.figures["load_s"], self.compile_cache or "off",
+                    format_lookups(self.compile_cache_lookups))
+        return output
 
     def retry_cold(self, step: Callable[[], T]) -> T:
         """`step()`; until the first image, one that fails with a compile cache in use is
         retried once, compiling cold in a fresh folder (the cache's folder is left as it is)."""
-        if self.compile_cache is None or self._retried_cold or "first_image_s" in self.figures:
+        if self.compile_cache is None or self._retried_cold or self.first_image_done:
             return step()
         try:
             return step()
@@ -171,15 +187,6 @@ class Startup:
             self.compile_cache = use_fresh_compile_cache(self.compile_cache, e)
             self._lookups_before = lookup_counts()
             return step()
-
-    def maybe_record_first_image(self, model_name: str) -> None:
-        if "first_image_s" in self.figures:
-            return
-        self.figures["first_image_s"] = time.perf_counter() - self.started
-        self.compile_cache_lookups = lookups_since(self._lookups_before)
-        logger.info("%s: first image %.1f s after start (load %.1f s); compile cache %s: %s", model_name,
-                    self.figures["first_image_s"], self.figures["load_s"], self.compile_cache or "off",
-                    format_lookups(self.compile_cache_lookups))
 
 
 def _release_memory(device: torch.device) -> None:

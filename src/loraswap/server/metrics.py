@@ -30,7 +30,7 @@ class EngineFigures:
     cancelled: int = 0
     ready: bool = False
     replicas: list[dict] = field(default_factory=list)  # Ray: one row per model replica
-    # per model: start-up seconds by phase (`Engine.startup`) and torch's compile cache lookups
+    # per model: start-up seconds by phase (`Engine.startup_seconds`) and torch's compile cache lookups
     # until its first image (`Engine.compile_cache_lookups`); the slowest replica's, the lookups summed
     startup: dict[str, dict[str, float]] = field(default_factory=dict)
     compile_cache: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
@@ -43,7 +43,8 @@ class EngineFigures:
         return cls(recompiles=engine.recompiles, cache_misses=cache.misses, cancelled=worker.skipped_cancelled,
                    cache_hits={t.value: cache.hits[t.value] for t in (Tier.HOST, Tier.GPU)},
                    cache_bytes={t.value: cache.used(t) for t in (Tier.HOST, Tier.GPU)},
-                   queue_depth=worker.queue_depth, ready=True, startup={engine.model_name: dict(engine.startup)},
+                   queue_depth=worker.queue_depth, ready=True,
+                   startup={engine.model_name: dict(engine.startup_seconds)},
                    compile_cache={engine.model_name: lookups} if lookups else {})
 
     def add(self, other: "EngineFigures", gauges: bool = True) -> None:
