@@ -50,11 +50,11 @@ class SchedulerConfig(BaseModel):
 class Job:
     request: GenerateRequest
     lease: Future  # -> the Lease of the request's adapters, once they are read
+    enqueued: float  # when it was queued (the worker's clock)
     future: Future = field(default_factory=Future)
-    enqueued: float = field(default_factory=time.monotonic)
     skips: int = 0
     on_step: Callable[[int, int], None] | None = None  # progress: (steps done, steps in all)
-    read_at: float | None = None  # when its adapters were in (time.monotonic)
+    read_at: float | None = None  # when its adapters were in (the worker's clock)
 
     @property
     def batch_key(self) -> tuple:
@@ -64,9 +64,10 @@ class Job:
 
 
 class GpuWorker:
-    def __init__(self, engine: Engine, config: SchedulerConfig):
+    def __init__(self, engine: Engine, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic):
         self.engine = engine
         self.config = config
+        self.clock = clock  # seconds, for the fairness bound and the timings (a test may drive it)
         self._jobs: list[Job] = []
         self._cond = threading.Condition()
         self._stopping = False
@@ -81,7 +82,7 @@ class GpuWorker:
     def submit(self, request: GenerateRequest, on_step: Callable[[int, int], None] | None = None) -> Future:
         """Queue a request and start reading its adapters; `on_step(done, total)` is called
         after each denoising step (a video job's progress)."""
-        job = Job(request, self.engine.lender.lease(request.loras), on_step=on_step)
+        job = Job(request, self.engine.lender.lease(request.loras), self.clock(), on_step=on_step)
         with self._cond:
             if self._stopping:
                 _give_back(job)
@@ -111,7 +112,7 @@ class GpuWorker:
             self._cond.notify_all()
 
     def _adapters_read(self, job: Job) -> None:
-        job.read_at = time.monotonic()
+        job.read_at = self.clock()
         self._wake()
 
     # ---------------------------------------------------------------- scheduling
@@ -137,7 +138,7 @@ class GpuWorker:
     def _choose(self) -> list[Job]:
         if not self._jobs:
             return []
-        now = time.monotonic()
+        now = self.clock()
         oldest = self._jobs[0]
         ready = [j for j in self._jobs if j.lease.done()]
         if not ready:
@@ -176,7 +177,7 @@ class GpuWorker:
                 self._serve(running)
 
     def _serve(self, jobs: list[Job]) -> None:
-        started = time.monotonic()
+        started = self.clock()
         leases, ready = [], []
         for job in jobs:  # a request whose adapter failed to load fails alone; nothing was swapped
             try:
