@@ -40,7 +40,7 @@ def main(folder: Path) -> None:
                    for k in range(8)]
         images[name] = [np.asarray(f.result(timeout=120).image, dtype=float) for f in futures]
         tiers = {row["id"]: row["tier"] for row in engine.adapters.cache.table()}
-        engine.adapters.cache._pinner.submit(lambda: None).result()  # fresh reads are pinned after their request
+        engine.adapters.cache.finish_pinning()  # fresh reads are pinned after their request
         pinned = all(e.host.packed.is_pinned() for e in (engine.adapters.cache.get(f"g{i}") for i in range(4)))
         print(name, "tiers", tiers, "pinned host buffers", pinned, "swap ms",
               [round(f.result().swap_seconds * 1e3, 2) for f in futures], flush=True)

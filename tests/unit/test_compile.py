@@ -24,7 +24,7 @@ def test_twelve_swaps_of_mixed_ranks_and_targets_never_recompile(adapter_factory
     base = image_array(compiled.pipeline)
     graphs_after_warmup = graph_count()
     assert graphs_after_warmup > 0, "the denoiser blocks were compiled"
-    compiled._graphs_after_warmup = graphs_after_warmup
+    compiled_at_warmup = compiled.recompiles  # (no warm-up at start: the first image above compiled)
 
     # torch's own patch: pytest's monkeypatch would delete the option on undo (it is not in the
     # config module's __dict__), and every later compile in the process would then fail
@@ -36,7 +36,7 @@ def test_twelve_swaps_of_mixed_ranks_and_targets_never_recompile(adapter_factory
             ours, reference = image_array(compiled.pipeline), image_array(eager.pipeline)
             assert rel_err(ours, reference) <= 1e-4, loras
             assert rel_err(ours, base) >= 1e-3, "the compiled model sees the swapped weights"
-    assert compiled.recompiles == 0
+    assert compiled.recompiles == compiled_at_warmup, "no swap added a graph"
     assert graph_count() == graphs_after_warmup
 
 

@@ -68,7 +68,7 @@ def test_fp8_weights_are_requantized_within_half_a_float8_step(engines):
     fp8.set_adapters([("strong", 1.0)])
     checked = 0
     for (component, param), layer in bound.layers.items():
-        if (component, param) not in fp8.swapper._fp8:
+        if (component, param) not in fp8.swapper.float8_layers:
             continue
         name = param.removesuffix(".weight")
         qdata, scale = before[name]
@@ -129,7 +129,7 @@ def test_text_encoder_adapters_swap_onto_float8_text_encoders(adapter_factory, t
                                         if isinstance(m, torch.nn.Linear))
     base = image(engine, [])
     with_adapter = image(engine, [("te", 1.0)])
-    assert sum(c[0] == "text_encoder" for c in engine.swapper._fp8) > 5
+    assert sum(c[0] == "text_encoder" for c in engine.swapper.float8_layers) > 5
     assert rel_err(with_adapter, base) > 0.01
     engine.set_adapters([])
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(before, state()))

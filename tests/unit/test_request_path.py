@@ -49,9 +49,12 @@ def test_engine_image_equals_the_pipelines_own_pil_image(adapter_factory):
     assert np.array_equal(np.asarray(ours), np.asarray(theirs))
 
 
-def _fake_pinning(monkeypatch, calls: list, fail: bool = False):
-    """CPU torch cannot pin: `Tensor.pin_memory` becomes a copy (or an error), recorded."""
+def _fake_pinning(monkeypatch, calls: list, fail: bool = False, gate: threading.Event | None = None):
+    """CPU torch cannot pin: `Tensor.pin_memory` becomes a copy (or an error), recorded; with
+    `gate`, each pin first waits for it (a pinner kept busy)."""
     def pin_memory(self):
+        if gate is not None:
+            assert gate.wait(30)
         calls.append(self.nbytes)
         if fail:
             raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
@@ -63,16 +66,14 @@ def test_fresh_reads_are_pageable_then_pinned_off_the_request_path(adapter_facto
     adapter_factory("path-b", "tiny-sd", rank=16, targets="all", seed=5)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
     engine.adapters.cache.pin_host = True  # as on CUDA
-    calls = []
-    _fake_pinning(monkeypatch, calls)
-    gate = threading.Event()
-    engine.adapters.cache._pinner.submit(gate.wait, 30)  # the pinner busy: the read must not wait for it
+    calls, gate = [], threading.Event()
+    _fake_pinning(monkeypatch, calls, gate=gate)  # the pinner busy: the read must not wait for it
     lease = engine.adapters.lease_now([("path-b", 1.0)])
     entry = lease.held[0][0]
     read = entry.host
     assert calls == [] and entry.host is read, "the read returned before any pinning"
     gate.set()
-    engine.adapters.cache._pinner.submit(lambda: None).result()  # the pin job ran after the read
+    engine.adapters.cache.finish_pinning()  # the pin job ran after the read
     assert calls == [read.packed.nbytes], "the packed buffer was pinned once, after the read"
     assert entry.host is not read and torch.equal(entry.host.packed, read.packed)
     assert all(torch.equal(entry.host.layers[k].down, read.layers[k].down) for k in read.layers)
@@ -82,7 +83,7 @@ def test_fresh_reads_are_pageable_then_pinned_off_the_request_path(adapter_facto
     assert swapped > 0
     # the same entry, pinned since: no second swap; and a cached lookup pins nothing again
     assert engine.set_adapters([("path-b", 1.0)]) == 0.0
-    engine.adapters.cache._pinner.submit(lambda: None).result()
+    engine.adapters.cache.finish_pinning()
     assert len(calls) == 1
 
 
@@ -96,7 +97,7 @@ def test_a_failed_pin_leaves_the_pageable_copy_serving(adapter_factory, monkeypa
         with engine.adapters.lease_now([("path-c", 1.0)]) as lease:
             entry = lease.held[0][0]
             read = entry.host
-        engine.adapters.cache._pinner.submit(lambda: None).result()
+        engine.adapters.cache.finish_pinning()
     assert calls and entry.host is read
     assert "could not pin adapter path-c" in caplog.text
     assert engine.set_adapters([("path-c", 1.0)]) > 0
@@ -134,12 +135,13 @@ def test_vae_decoder_compiled_with_the_denoiser(mode, compile_mode, compile_vae,
 
 def test_an_entry_evicted_before_its_pin_is_neither_pinned_nor_kept(adapter_factory, monkeypatch):
     adapter_factory("path-d", "tiny-sd", rank=8, seed=7)
+    adapter_factory("path-d-first", "tiny-sd", rank=2, seed=8)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
     engine.adapters.cache.pin_host = True
-    calls = []
-    _fake_pinning(monkeypatch, calls)
-    gate = threading.Event()
-    engine.adapters.cache._pinner.submit(gate.wait, 30)
+    calls, gate = [], threading.Event()
+    _fake_pinning(monkeypatch, calls, gate=gate)
+    with engine.adapters.lease_now([("path-d-first", 1.0)]) as first:  # its pin holds the pinner at the gate
+        first_bytes = first.held[0][0].host.packed.nbytes
     with engine.adapters.lease_now([("path-d", 1.0)]) as lease:
         entry = lease.held[0][0]
     del lease
@@ -149,5 +151,5 @@ def test_an_entry_evicted_before_its_pin_is_neither_pinned_nor_kept(adapter_fact
     gc.collect()
     assert gone() is None, "the queued pin job does not keep the evicted entry (and its buffer) alive"
     gate.set()
-    engine.adapters.cache._pinner.submit(lambda: None).result()
-    assert calls == []
+    engine.adapters.cache.finish_pinning()
+    assert calls == [first_bytes], "only the adapter still cached was pinned"

@@ -93,7 +93,7 @@ def test_host_pristine_copies_are_all_made_at_start_up(adapter_factory, tmp_path
     common = dict(model="tiny-flux", adapters=tmp_path, compile=False, warmup=False)
     host, device = (Engine(EngineConfig(**common, pristine=where)) for where in ("host", "device"))
     matrices = {k for k, p in host.swapper.layers.params.items() if p.ndim >= 2 and k[0] != "text_encoder_2"}
-    assert host.swapper._pristine.keys() == matrices
+    assert host.swapper.pristine_layers == matrices
     assert device.swapper.pristine_bytes == 0
     made = host.swapper.pristine_bytes
     base = weights_snapshot(host.components)

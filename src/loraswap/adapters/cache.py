@@ -99,6 +99,11 @@ class AdapterCache:
     def close(self) -> None:
         self._pinner.shutdown(wait=False, cancel_futures=True)
 
+    def finish_pinning(self) -> None:
+        """Wait until every host copy queued for pinning is pinned (or left the cache): for
+        benchmarks and tests that look at pinned buffers."""
+        self._pinner.submit(lambda: None).result()
+
     # ---------------------------------------------------------------- lookups
     def lookup(self, adapter_id: str, stamp: tuple) -> CacheEntry | None:
         """The entry, held (in use) until `release`, if cached from the same file version;

@@ -27,8 +27,15 @@ from ..adapters.bound import BoundAdapter, LayerKey, ModelLayers, packed_spans, 
 from ..adapters.cache import CacheEntry
 from ..adapters.store import AdapterStore
 from .float8_weights import Fp8Weight
-from .kernels import float8_kernel_available, fuse_dora_into, kernel_available, warm_up, warm_up_float8
-from .kind_kernels import KIND_KERNELS
+from .kernels import (
+    float8_kernel_available,
+    fuse_dora_into,
+    fuse_into,
+    fuse_loha_into,
+    kernel_available,
+    warm_up,
+    warm_up_float8,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -198,19 +205,24 @@ class FusedSwapper:
         kinds.rescale_dora(self._weight(key), layer, blend)
 
     def _write_change(self, key: LayerKey, layer: kinds.Layer, blend: float, in_place: bool) -> None:
-        """The kind's one-pass kernel where it has one (`AdapterKind.fast_write`) and it runs;
-        else `kinds.write_change`."""
+        """The one-pass kernels for LoRA (else `addmm`) and LoHa pairs; `kinds.write_change`
+        for the other kinds, and for LoHa where the kernel does not run."""
         weight, pristine, kernel_runs = self._views[key]
         if not in_place and pristine.device != weight.device:  # low-memory mode: the copy streams in first
             weight.copy_(pristine, non_blocking=True)
             in_place = True
         source = weight if in_place else pristine
-        fast = layer.kind.fast_write(layer.factors)
-        if fast is not None and KIND_KERNELS[fast.kernel](weight, source, fast.operands, blend * layer.scale,
-                                                          self.kernel and kernel_runs):
-            return
-        target = self._weight(key)
-        kinds.write_change(target, target if in_place else self._pristine[key], layer, blend)
+        runs = self.kernel and kernel_runs
+        f = layer.factors
+        if layer.plain:
+            fuse_into(weight, source, layer.up, layer.down, blend * layer.scale, runs)
+        elif layer.kind == "loha" and "t1" not in f and runs:
+            rows = lambda t: t.reshape(t.shape[0], -1)  # noqa: E731  (conv factors come flattened)
+            fuse_loha_into(weight, source, rows(f["w1a"]), rows(f["w1b"]), rows(f["w2a"]), rows(f["w2b"]),
+                           blend * layer.scale)
+        else:
+            target = self._weight(key)
+            kinds.write_change(target, target if in_place else self._pristine[key], layer, blend)
 
     def warm_up_kernel(self) -> None:
         """Compile the swap kernels' variants this model's weights need now (no-op where they
