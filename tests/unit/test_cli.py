@@ -83,6 +83,13 @@ def test_inspect_reports_and_exits_by_fit(adapter_factory):
                                  "--model", "tiny-sd"])
     assert result.exit_code == 1
     assert "fits: False" in result.output
+    # over --max-rank: described all the same, and refused as the server refuses it
+    result = runner.invoke(app, ["adapters", "inspect", str(path), "--model", "tiny-sdxl", "--max-rank", "8",
+                                 "--json"])
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.output)
+    assert report["ranks"] == [16] and report["format"] == "kohya" and not report["fits"]
+    assert "rank 16" in report["problem"] and "8" in report["problem"], report["problem"]
 
 
 @pytest.mark.parametrize("model,fmt,first_key", [

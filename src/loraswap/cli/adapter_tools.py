@@ -69,15 +69,18 @@ def _inspect(location, path_or_id: str, model: str, adapters: Path | None, max_r
     pipeline_cls, components = lora_components(model)
     unet = components.get("unet")
     target = TargetModel(model, pipeline_cls, ModelLayers(components), None, unet.config if unet else None)
-    # no size limit: a large file is one to inspect, not to refuse; the rank limit is --max-rank
-    limits = StoreLimits(max_adapter_bytes=2**40, max_rank=max_rank)
+    # no size limit: a large file is one to inspect, not to refuse; read without a rank limit
+    # too, so that an adapter over --max-rank is still described, then refused in the server's words
+    unlimited = StoreLimits(max_adapter_bytes=2**40, max_rank=2**31)
     report: dict = {"adapter": path_or_id, "model": model}
     try:
         location = location or LocalAdapterSource(adapters).locate(path_or_id)
-        bound = read_adapter(location, target, limits)
+        report.update(_describe(location, read_adapter(location, target, unlimited)))
+        if max(report["ranks"], default=0) > max_rank:
+            read_adapter(location, target, StoreLimits(max_adapter_bytes=2**40, max_rank=max_rank))
     except LoraswapError as e:
         return {**report, "fits": False, "problem": e.message}
-    return {**report, **_describe(location, bound), "fits": True, "problem": None}
+    return {**report, "fits": True, "problem": None}
 
 
 def _describe(location, bound) -> dict:
@@ -111,7 +114,7 @@ def _describe(location, bound) -> dict:
 
 @adapters_app.command("make-random")
 def make_random(
-    model: Annotated[str, typer.Option("--model", help="Preset, or a real shape: sd15, sdxl, flux-dev.")],
+    model: Annotated[str, typer.Option("--model", help="Preset, or a real architecture: sd15, sdxl, flux-dev.")],
     rank: Annotated[int, typer.Option("--rank", min=1, help="LoRA rank.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="The .safetensors file to write.")],
     targets: Annotated[str, typer.Option("--targets", help="attn or all.")] = "attn",
