@@ -29,7 +29,7 @@ from loraswap.bench.swap import Denoise
 from loraswap.bench.swap_setup import denoiser_inputs
 from loraswap.engine.compile import compile_denoiser
 from loraswap.engine.quantize import quantize_module
-from loraswap.models.shapes import build_shape_component
+from loraswap.models.architectures import build_architecture_component
 
 VARIANTS = ("unfused", "fused-qkv")
 SEPARATE_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
@@ -103,7 +103,7 @@ def main() -> None:
         args.out.write_text(json.dumps(results, indent=2))
 
     torch.manual_seed(0)
-    base = build_shape_component("flux-dev", "transformer", device=device, dtype=dtype)
+    base = build_architecture_component("flux-dev", "transformer", device=device, dtype=dtype)
     inputs = denoiser_inputs(base, args.size, args.size, device, dtype)
     models = {}
     for name in variants:

@@ -23,15 +23,15 @@ for step in $steps; do
     fp8-kernel)  # the float8 re-quantization kernel against eager torchao, FLUX-sized layers
       run fp8-kernel 100 100 python scripts/fp8_kernel_check.py "$out/fp8-kernel-check.json" ;;
     swap-fp8)  # a LoRA kept unfused on float8 (the hotswap baseline) against re-quantizing it in
-      run swap-fp8 400 400 python -m loraswap bench swap --shape flux-dev --quantize fp8 --rounds 3 \
+      run swap-fp8 400 400 python -m loraswap bench swap --architecture flux-dev --quantize fp8 --rounds 3 \
         --recompile-swaps 10 --variants hotswap,fused,base --out "$out" ;;
     options)  # attention backends x compile modes, a swap before each image
       for attention in native _native_cudnn _native_flash; do  # one backend per process
-        run "options-sdxl-$attention" 300 300 python -m loraswap bench options --shape sdxl --rounds 3 \
+        run "options-sdxl-$attention" 300 300 python -m loraswap bench options --architecture sdxl --rounds 3 \
           --out "$out/sdxl-$attention" --variants "$attention@default,$attention@reduce-overhead"
       done
       for attention in native _native_cudnn; do
-        run "options-flux-$attention" 420 420 python -m loraswap bench options --shape flux-dev --steps 28 \
+        run "options-flux-$attention" 420 420 python -m loraswap bench options --architecture flux-dev --steps 28 \
           --rounds 3 --out "$out/flux-$attention" --variants "$attention@default"
       done ;;
     serve-sdxl)  # target: >= 3x the load-and-fuse server with a LoRA per request

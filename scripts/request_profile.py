@@ -39,8 +39,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    shape = args.model.removesuffix("-random")
-    ids = prepare_adapters(shape, args.adapters_dir, len(SPECS))
+    architecture = args.model.removesuffix("-random")
+    ids = prepare_adapters(architecture, args.adapters_dir, len(SPECS))
     engine = Engine(EngineConfig(model=args.model, adapters=args.adapters_dir, compile_mode=args.compile_mode,
                                  quantize=args.quantize, compile_cache=args.compile_cache))
     timers = _Timers()

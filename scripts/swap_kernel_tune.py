@@ -21,8 +21,8 @@ from loraswap.bench.common import write_random_adapters
 from loraswap.bench.swap_setup import bound_reader
 from loraswap.engine import kernels
 from loraswap.engine.swap import FusedSwapper
-from loraswap.models import SHAPE_FAMILIES, shape_denoiser
-from loraswap.models.shapes import build_shape_component
+from loraswap.models import ARCHITECTURE_FAMILIES, architecture_denoiser
+from loraswap.models.architectures import build_architecture_component
 
 CONFIGS = [(64, 128, 32, 4), (128, 64, 32, 4), (64, 64, 32, 4), (64, 128, 16, 4), (64, 128, 64, 4),
            (32, 256, 32, 4)]
@@ -47,18 +47,18 @@ def accuracy(swapper: FusedSwapper, adapters, keys) -> str:
     return f"worst {worst:.2f} ulp, {min(within):.6f} of elements within 1 ulp"
 
 
-def main(shape: str, folder: Path) -> None:
-    prefix = shape_denoiser(shape)
+def main(architecture: str, folder: Path) -> None:
+    prefix = architecture_denoiser(architecture)
     torch.manual_seed(0)
-    model = build_shape_component(shape, prefix, device="cuda")
+    model = build_architecture_component(architecture, prefix, device="cuda")
     swapper = FusedSwapper({prefix: model})
-    paths = write_random_adapters(shape, [(64, "all"), (16, "all"), (128, "attn")], folder)
-    read = bound_reader(SHAPE_FAMILIES[shape].pipeline_class, prefix, model, swapper.layers)
+    paths = write_random_adapters(architecture, [(64, "all"), (16, "all"), (128, "attn")], folder)
+    read = bound_reader(ARCHITECTURE_FAMILIES[architecture].pipeline_class, prefix, model, swapper.layers)
     bound = [read(p) for p in paths]
     host = [b.to("cpu", torch.bfloat16, pin_memory=True) for b in bound]
     gpu = [b.to("cuda", torch.bfloat16) for b in bound]
-    print(f"{shape}: r64 all-linear adapter {bound[0].nbytes / 2**20:.0f} MiB over {len(bound[0].layers)} layers",
-          flush=True)
+    print(f"{architecture}: r64 all-linear adapter {bound[0].nbytes / 2**20:.0f} MiB over "
+          f"{len(bound[0].layers)} layers", flush=True)
 
     # 1. compile at warm-up, then the first swaps (these also save the pristine copies)
     start = time.perf_counter()

@@ -3,7 +3,7 @@ channels-last memory format, cuDNN's algorithm search (`cudnn.benchmark`), torch
 SDXL's and FLUX.1's VAE (random weights, real configs), bf16, batch 1; interleaved rounds,
 median per decode, and each variant's largest difference from eager.
 
-    PYTHONPATH=src python scripts/vae_bench.py [OUT.json] [SHAPE ...]
+    PYTHONPATH=src python scripts/vae_bench.py [OUT.json] [ARCHITECTURE ...]
 """
 
 import copy
@@ -14,19 +14,19 @@ import sys
 import torch
 
 from loraswap.bench.common import cuda_ms_per_call
-from loraswap.models.shapes import build_shape_component
+from loraswap.models.architectures import build_architecture_component
 
 VARIANTS = ["eager", "channels_last", "cudnn_benchmark", "channels_last+cudnn_benchmark", "compile",
             "compile+channels_last"]
 
 
 @torch.inference_mode()
-def main(out: str | None, shapes: list[str]) -> None:
+def main(out: str | None, architectures: list[str]) -> None:
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
-    for shape in shapes:
-        channels = {"sdxl": 4, "sd15": 4, "flux-dev": 16}[shape]
-        vae = build_shape_component(shape, "vae", "cuda")
+    for architecture in architectures:
+        channels = {"sdxl": 4, "sd15": 4, "flux-dev": 16}[architecture]
+        vae = build_architecture_component(architecture, "vae", "cuda")
         latents = torch.randn(1, channels, 128, 128, device="cuda", dtype=torch.bfloat16)
         decoders = {}
         for variant in VARIANTS:
@@ -52,9 +52,9 @@ def main(out: str | None, shapes: list[str]) -> None:
         rows = {v: {"ms": round(statistics.median(times[v]), 2),
                     "vs_eager": round(statistics.median(times[v]) / statistics.median(times["eager"]), 3),
                     "max_abs_diff": round((outputs[v] - eager).abs().max().item(), 4)} for v in VARIANTS}
-        report["shapes"][shape] = rows
+        report["shapes"][architecture] = rows
         for v, row in rows.items():
-            print(shape, v, row, flush=True)
+            print(architecture, v, row, flush=True)
         del vae, decoders, outputs
         torch.cuda.empty_cache()
     if out:

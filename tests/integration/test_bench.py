@@ -119,6 +119,7 @@ def test_bench_swap_runs_every_variant_on_a_tiny_preset_without_recompiling(tmp_
     """The four variants (the engine's own baseline swappers on a bare denoiser, the fused
     swap, the compiled base), interleaved: every round has each, the compiled copies never
     recompile across swaps, and the results are written."""
+    # `--shape`: the earlier name of `--architecture` (bench kinds below), still accepted
     result = CliRunner().invoke(app, ["bench", "swap", "--shape", "tiny-sd", "--width", "64", "--height", "64",
                                       "--steps", "2", "--rounds", "2", "--recompile-swaps", "4",
                                       "--adapters-spec", "16:all,4:attn,8:all", "--out", str(tmp_path / "out"),
@@ -135,8 +136,8 @@ def test_bench_swap_runs_every_variant_on_a_tiny_preset_without_recompiling(tmp_
 def test_bench_kinds_swaps_every_kind_on_a_tiny_preset_without_recompiling(tmp_path):
     """Each kind read, bound and swapped into a compiled denoiser: written as `kinds.write`
     computes it, no recompile, each kind's swaps and images timed."""
-    result = CliRunner().invoke(app, ["bench", "kinds", "--shape", "tiny-flux", "--width", "64", "--height", "64",
-                                      "--steps", "2", "--rank", "4", "--swaps", "2", "--rounds", "1",
+    result = CliRunner().invoke(app, ["bench", "kinds", "--architecture", "tiny-flux", "--width", "64",
+                                      "--height", "64", "--steps", "2", "--rank", "4", "--swaps", "2", "--rounds", "1",
                                       "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "work")])
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "out" / "kinds.json").read_text())

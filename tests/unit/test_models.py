@@ -43,13 +43,13 @@ def test_local_folder_goes_through_from_pretrained(tmp_path):
 
 
 # the published parameter counts of the real models
-@pytest.mark.parametrize("shape,params", [
+@pytest.mark.parametrize("architecture,params", [
     ("sd15", {"unet": 859_520_964, "text_encoder": 123_060_480}),
     ("sdxl", {"unet": 2_567_463_684, "text_encoder": 123_060_480, "text_encoder_2": 694_659_840}),
     ("flux-dev", {"transformer": 11_901_408_320, "text_encoder": 123_060_480, "text_encoder_2": 4_762_310_656}),
 ])
-def test_real_shapes_on_meta_device(shape, params):
-    _, components = lora_components(shape)
+def test_real_architectures_on_meta_device(architecture, params):
+    _, components = lora_components(architecture)
     assert {name: sum(p.numel() for p in m.parameters()) for name, m in components.items()} == params
     assert all(p.is_meta for m in components.values() for p in m.parameters())
 
@@ -60,7 +60,7 @@ def test_random_values_drawn_on_another_device_keep_ties_and_defaults():
     PyTorch's default +-1/sqrt(fan_in) range with its spread, norm scales ones, biases zeros."""
     from transformers import T5Config, T5EncoderModel
 
-    from loraswap.models.shapes import materialize_random
+    from loraswap.models.architectures import materialize_random
 
     with torch.device("meta"):
         model = T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,

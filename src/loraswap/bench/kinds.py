@@ -25,16 +25,16 @@ from .swap_setup import bound_reader, build_denoiser, denoiser_inputs
 logger = logging.getLogger(__name__)
 
 
-def write_kind_adapters(shape: str, rank: int, folder: Path) -> dict[str, Path]:
+def write_kind_adapters(architecture: str, rank: int, folder: Path) -> dict[str, Path]:
     """kind -> a random adapter of it on every linear layer of the denoiser. LoHa holds two
     low-rank pairs: at half the rank it has the bytes of the LoRA."""
-    _, components = lora_components(shape)
+    _, components = lora_components(architecture)
     denoiser = {k: v for k, v in components.items() if not k.startswith("text_encoder")}
     folder.mkdir(parents=True, exist_ok=True)
     paths = {}
     for kind in KINDS:
         kind_rank = max(1, rank // 2) if kind == "loha" else rank
-        path = folder / f"{shape}-{kind}-r{kind_rank}-all.safetensors"
+        path = folder / f"{architecture}-{kind}-r{kind_rank}-all.safetensors"
         if not path.exists():
             state_dict, metadata = make_random_adapter(denoiser, kind_rank, "all", "kohya", dtype=torch.bfloat16,
                                                        kind=kind)
@@ -44,11 +44,11 @@ def write_kind_adapters(shape: str, rank: int, folder: Path) -> dict[str, Path]:
 
 
 class KindsBench:
-    def __init__(self, shape: str, width: int, height: int, steps: int, rank: int, workdir: Path):
+    def __init__(self, architecture: str, width: int, height: int, steps: int, rank: int, workdir: Path):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.paths = write_kind_adapters(shape, rank, workdir)
-        model, prefix, pipeline_cls = build_denoiser(shape, self.device, self.dtype)
+        self.paths = write_kind_adapters(architecture, rank, workdir)
+        model, prefix, pipeline_cls = build_denoiser(architecture, self.device, self.dtype)
         self.model = model
         self.fused = FusedSwapper({prefix: model})
         read = bound_reader(pipeline_cls, prefix, model, self.fused.layers)
@@ -56,7 +56,7 @@ class KindsBench:
         self.host = {k: b.to("cpu", self.dtype, pin_memory=self.device.type == "cuda") for k, b in bound.items()}
         self.gpu = {k: b.to(self.device, self.dtype) for k, b in bound.items()}
         self.denoise = Denoise(model, denoiser_inputs(model, width, height, self.device, self.dtype), steps)
-        self.results = {"shape": shape, "width": width, "height": height, "steps": steps, "rank": rank,
+        self.results = {"shape": architecture, "width": width, "height": height, "steps": steps, "rank": rank,
                         "env": environment(), "adapters": {k: {"file": p.name, "MiB": round(b.nbytes / 2**20, 1),
                                                               "kinds": b.kinds(), "layers": len(b.layers)}
                                                           for (k, p), b in zip(self.paths.items(), bound.values())}}
@@ -117,10 +117,10 @@ class KindsBench:
         self.results["recompiles"] = graph_count() - self.graphs_after_warmup
 
 
-def run_kinds_bench(shape: str = "flux-dev", width: int = 1024, height: int = 1024, steps: int = 28, rank: int = 32,
-                    swaps: int = 10, rounds: int = 3, out: Path = Path("bench/results"),
+def run_kinds_bench(architecture: str = "flux-dev", width: int = 1024, height: int = 1024, steps: int = 28,
+                    rank: int = 32, swaps: int = 10, rounds: int = 3, out: Path = Path("bench/results"),
                     workdir: Path | None = None) -> dict:
-    bench = KindsBench(shape, width, height, steps, rank, workdir or out / "adapters")
+    bench = KindsBench(architecture, width, height, steps, rank, workdir or out / "adapters")
     bench.prepare()
     bench.check()
     bench.swaps(swaps)

@@ -78,7 +78,8 @@ class Variant:
             return self.denoise(steps)
 
 
-def run_options_bench(shape: str = "sdxl", variants: tuple[str, ...] = ("native@default", "_native_cudnn@default"),
+def run_options_bench(architecture: str = "sdxl",
+                      variants: tuple[str, ...] = ("native@default", "_native_cudnn@default"),
                       width: int = 1024, height: int = 1024, steps: int = 25, rounds: int = 4,
                       out_dir: Path = Path("bench/results"), workdir: Path | None = None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -89,15 +90,15 @@ def run_options_bench(shape: str = "sdxl", variants: tuple[str, ...] = ("native@
         # it, and copies of one model share compiled blocks: one backend per process
         raise ValueError(f"one attention backend per run (got {', '.join(sorted(attentions))}): compiled copies "
                          "of one model share their kernels; run one `bench options` per backend")
-    results = {"shape": shape, "width": width, "height": height, "steps": steps, "rounds": rounds,
+    results = {"shape": architecture, "width": width, "height": height, "steps": steps, "rounds": rounds,
                "env": environment(), "variants": list(variants), "rows": []}
     # 1. one random denoiser, copied per variant; two real-size adapters to alternate
-    base, prefix, pipeline_cls = build_denoiser(shape, device, dtype)
+    base, prefix, pipeline_cls = build_denoiser(architecture, device, dtype)
     inputs = denoiser_inputs(base, width, height, device, dtype)
     built = {name: Variant(name, base, prefix, inputs, steps) for name in variants}
     del base
     workdir = Path(workdir or tempfile.mkdtemp(prefix="loraswap-bench-options-"))
-    paths = write_random_adapters(shape, [(16, "all"), (32, "attn")], workdir)
+    paths = write_random_adapters(architecture, [(16, "all"), (32, "attn")], workdir)
     adapters = {name: [bound_reader(pipeline_cls, prefix, v.model, v.swapper.layers)(p).to(device, dtype)
                        for p in paths] for name, v in built.items()}
     # 2. warm-up: compile (and record) with both adapters

@@ -52,9 +52,9 @@ def zipf_stream(num_ids: int, count: int, seed: int = 0) -> list[int]:
     return random.Random(seed).choices(range(num_ids), weights=weights, k=count)
 
 
-def prepare_adapters(shape: str, root: Path, num_ids: int, specs=SPECS) -> list[str]:
+def prepare_adapters(architecture: str, root: Path, num_ids: int, specs=SPECS) -> list[str]:
     """`num_ids` ids (`zipf/a00000` ...) over len(specs) real files, and the files."""
-    paths = write_random_adapters(shape, specs, root / "files")
+    paths = write_random_adapters(architecture, specs, root / "files")
     ids = []
     (root / "zipf").mkdir(exist_ok=True)
     for k in range(num_ids):
@@ -207,9 +207,9 @@ def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: i
     unknown = set(modes) - set(MODES)
     if unknown:
         raise ValueError(f"unknown modes {sorted(unknown)}: choose from {', '.join(MODES)}")
-    shape = model.removesuffix("-random")
+    architecture = model.removesuffix("-random")
     workdir = Path(workdir or "/tmp/loraswap-bench-serve")
-    ids = prepare_adapters(shape, workdir / "adapters", num_ids)
+    ids = prepare_adapters(architecture, workdir / "adapters", num_ids)
     stream = [ids[k] for k in zipf_stream(num_ids, requests)]
     params = {"num_inference_steps": steps, "width": width, "height": height}
     results = {"model": model, "num_ids": num_ids, "requests": requests, "distinct_in_stream": len(set(stream)),

@@ -57,19 +57,19 @@ class Denoise:
 class SwapBench:
     """The variants' models, adapters and swappers; `run` measures them."""
 
-    def __init__(self, shape, width, height, steps, variants, specs, quantize, workdir: Path):
+    def __init__(self, architecture, width, height, steps, variants, specs, quantize, workdir: Path):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.variants, self.specs = variants, specs
-        self.results = {"shape": shape, "width": width, "height": height, "steps": steps, "quantize": quantize,
+        self.results = {"shape": architecture, "width": width, "height": height, "steps": steps, "quantize": quantize,
                         "env": environment(), "rows": [], "memory_GiB": {}}
         # 1. adapters on disk (one kohya copy last, to time conversion)
         logger.info("writing adapters to %s", workdir)
-        self.paths = make_adapters(shape, specs, workdir)
+        self.paths = make_adapters(architecture, specs, workdir)
         self.kohya_path = self.paths.pop()
         self.results["adapters"] = [{"file": p.name, "MiB": round(p.stat().st_size / 2**20, 1)} for p in self.paths]
         # 2. one random denoiser per variant, each built from the same seed (same weights)
-        self.models, self.prefix, pipeline_cls = self._build(shape, quantize)
+        self.models, self.prefix, pipeline_cls = self._build(architecture, quantize)
         inputs = denoiser_inputs(self.models["fused"], width, height, self.device, self.dtype)
         self.results["memory_GiB"]["denoiser_copies"] = self._memory()
         # 3. the swappers: the baselines on their copies, the fused swap on its own
@@ -80,14 +80,14 @@ class SwapBench:
         self.denoise = {name: Denoise(model, inputs, steps) for name, model in self.models.items()}
         self.denoise["base"] = self.denoise["fused"]
 
-    def _build(self, shape: str, quantize: str) -> tuple[dict, str, type]:
+    def _build(self, architecture: str, quantize: str) -> tuple[dict, str, type]:
         """The variants' denoisers, built one at a time so that only one full-precision copy
         is ever being made (a 32 B FLUX.2 transformer is 64 GB in bf16). Base is fused's,
         reset. load-and-fuse stays in full precision: diffusers cannot merge into float8."""
         models = {}
         for name in ("hotswap", "fused", "load-and-fuse"):
             if name == "fused" or name in self.variants:
-                model, prefix, pipeline_cls = build_denoiser(shape, self.device, self.dtype)
+                model, prefix, pipeline_cls = build_denoiser(architecture, self.device, self.dtype)
                 if name != "load-and-fuse":
                     quantize_module(model, quantize)
                 models[name] = model
@@ -182,7 +182,7 @@ class SwapBench:
             self.results["memory_GiB"]["peak"] = torch.cuda.max_memory_allocated() / 2**30
 
 
-def run_swap_bench(shape: str = "flux-dev", width: int = 1024, height: int = 1024, steps: int = 28,
+def run_swap_bench(architecture: str = "flux-dev", width: int = 1024, height: int = 1024, steps: int = 28,
                    rounds: int = 5, recompile_swaps: int = 60, out_dir: Path = Path("bench/results"),
                    workdir: Path | None = None, variants: tuple[str, ...] = VARIANTS,
                    specs=DEFAULT_SPECS, quantize: str = "none") -> dict:
@@ -192,7 +192,7 @@ def run_swap_bench(shape: str = "flux-dev", width: int = 1024, height: int = 102
         raise ValueError(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     workdir = Path(workdir or tempfile.mkdtemp(prefix="loraswap-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    bench = SwapBench(shape, width, height, steps, variants, specs, quantize, workdir)
+    bench = SwapBench(architecture, width, height, steps, variants, specs, quantize, workdir)
     bench.results["rounds"] = rounds
     bench.prepare()
     bench.rounds(rounds)

@@ -9,23 +9,23 @@ from ..adapters.bound import ModelLayers
 from ..adapters.source import AdapterLocation
 from ..adapters.store import StoreLimits, TargetModel, read_adapter
 from ..engine.baselines import HotswapSwapper, LoadAndFuseSwapper
-from ..models import SHAPE_FAMILIES, denoiser_name, shape_denoiser
+from ..models import ARCHITECTURE_FAMILIES, architecture_denoiser, denoiser_name
+from ..models.architectures import build_architecture_component
 from ..models.presets import PRESETS, build_preset
-from ..models.shapes import build_shape_component
 from .common import write_random_adapters
 
 
-def build_denoiser(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, str, type]:
+def build_denoiser(architecture: str, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, str, type]:
     """(denoiser, its component name, the pipeline class): a real architecture with random
     weights (`flux-dev`, `sdxl`, `sd15`, ...) or a tiny preset's denoiser (`tiny-sd`, ...)."""
-    if shape in PRESETS:
-        pipeline = build_preset(shape)
+    if architecture in PRESETS:
+        pipeline = build_preset(architecture)
         prefix = denoiser_name(pipeline)
         return getattr(pipeline, prefix).to(device, dtype), prefix, type(pipeline)
     torch.manual_seed(0)
-    prefix = shape_denoiser(shape)
-    return (build_shape_component(shape, prefix, device=device, dtype=dtype), prefix,
-            SHAPE_FAMILIES[shape].pipeline_class)
+    prefix = architecture_denoiser(architecture)
+    return (build_architecture_component(architecture, prefix, device=device, dtype=dtype), prefix,
+            ARCHITECTURE_FAMILIES[architecture].pipeline_class)
 
 
 def denoiser_inputs(model: torch.nn.Module, width: int, height: int, device, dtype) -> dict:
@@ -53,11 +53,11 @@ def denoiser_inputs(model: torch.nn.Module, width: int, height: int, device, dty
     return inputs
 
 
-def make_adapters(shape: str, specs, workdir: Path, kohya_rank: int | None = 64) -> list[Path]:
+def make_adapters(architecture: str, specs, workdir: Path, kohya_rank: int | None = 64) -> list[Path]:
     """Random adapters of real size (diffusers format; one kohya copy last, to time conversion)."""
-    paths = write_random_adapters(shape, specs, workdir)
+    paths = write_random_adapters(architecture, specs, workdir)
     if kohya_rank:
-        paths += write_random_adapters(shape, [(kohya_rank, "all")], workdir, fmt="kohya", seed=99)
+        paths += write_random_adapters(architecture, [(kohya_rank, "all")], workdir, fmt="kohya", seed=99)
     return paths
 
 

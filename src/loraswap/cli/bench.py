@@ -11,10 +11,11 @@ from .options import setup_logging
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (run them on a GPU).")
 
 Out = Annotated[Path, typer.Option("--out", help="Folder for JSON and PNG.")]
-Shape = Annotated[str, typer.Option("--shape", help="A real architecture (flux-dev, sdxl, sd15, qwen-image, ...; "
-                                     "random weights), or a "
-                                     "tiny preset for a quick run.")]
-ServedModel = Annotated[str, typer.Option("--model", help="<shape>-random (sdxl-random, flux-dev-random, "
+# `--shape`: the flag's earlier name, still accepted
+ArchitectureName = Annotated[str, typer.Option("--architecture", "--shape", help="A real architecture (flux-dev, sdxl, "
+                                               "sd15, qwen-image, ...; random weights), or a tiny preset for a "
+                                               "quick run.")]
+ServedModel = Annotated[str, typer.Option("--model", help="<architecture>-random (sdxl-random, flux-dev-random, "
                                                        "qwen-image-random, ...) or a preset.")]
 
 
@@ -36,7 +37,7 @@ def _parse_specs(text: str) -> list[tuple[int, str]]:
 
 @bench_app.command("swap")
 def bench_swap(
-    shape: Shape = "flux-dev",
+    architecture: ArchitectureName = "flux-dev",
     width: Annotated[int, typer.Option("--width")] = 1024,
     height: Annotated[int, typer.Option("--height")] = 1024,
     steps: Annotated[int, typer.Option("--steps")] = 28,
@@ -60,7 +61,7 @@ def bench_swap(
 
     setup_logging(False)
     try:
-        run_swap_bench(shape, width, height, steps, rounds, recompile_swaps, out, workdir, _split(variants),
+        run_swap_bench(architecture, width, height, steps, rounds, recompile_swaps, out, workdir, _split(variants),
                        _parse_specs(specs), quantize)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -68,7 +69,7 @@ def bench_swap(
 
 @bench_app.command("kinds")
 def bench_kinds(
-    shape: Shape = "flux-dev",
+    architecture: ArchitectureName = "flux-dev",
     width: Annotated[int, typer.Option("--width")] = 1024,
     height: Annotated[int, typer.Option("--height")] = 1024,
     steps: Annotated[int, typer.Option("--steps")] = 28,
@@ -84,7 +85,7 @@ def bench_kinds(
     from ..bench.kinds import run_kinds_bench
 
     setup_logging(False)
-    run_kinds_bench(shape, width, height, steps, rank, swaps, rounds, out, workdir)
+    run_kinds_bench(architecture, width, height, steps, rank, swaps, rounds, out, workdir)
 
 
 @bench_app.command("family")
@@ -115,7 +116,7 @@ def bench_family(
 
 @bench_app.command("options")
 def bench_options(
-    shape: Shape = "sdxl",
+    architecture: ArchitectureName = "sdxl",
     variants: Annotated[str, typer.Option("--variants", help="Comma-separated ATTENTION@MODE or "
                                           "ATTENTION@MODE@QUANTIZE, e.g. "
                                           "native@default,_native_cudnn@default,native@reduce-overhead,"
@@ -134,7 +135,7 @@ def bench_options(
 
     setup_logging(False)
     try:
-        run_options_bench(shape, _split(variants), width, height, steps, rounds, out, workdir)
+        run_options_bench(architecture, _split(variants), width, height, steps, rounds, out, workdir)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models.shapes import default_dtype_set_to
+from ..models.architectures import default_dtype_set_to
 from .attention import AttentionBackend
 from .compile import compile_denoiser
 from .quantize import quantize_module

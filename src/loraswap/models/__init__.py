@@ -1,4 +1,5 @@
-"""Building the pipelines that loraswap serves: tiny presets, real models, shapes."""
+"""Building the pipelines that loraswap serves: tiny presets, real models, and real
+architectures with random weights (`<architecture>-random`)."""
 
 from functools import cache
 from pathlib import Path
@@ -6,13 +7,14 @@ from pathlib import Path
 import torch
 from diffusers import DiffusionPipeline
 
-from .families import PRESET_FAMILIES, SHAPE_FAMILIES, family_of, shape
+from .architectures import ARCHITECTURES, RANDOM_SUFFIX, build_architecture_pipeline
+from .families import ARCHITECTURE_FAMILIES, PRESET_FAMILIES, architecture, family_of
 from .family import Family
 from .presets import PRESETS, build_preset
-from .shapes import RANDOM_SUFFIX, SHAPES, build_shape_pipeline
 
-__all__ = ["PRESETS", "SHAPES", "Family", "adapter_targets", "default_dtype", "denoiser_names", "family_of",
-           "generation_defaults", "shape_denoiser", "load_pipeline", "lora_components", "model_name", "resolve_device"]
+__all__ = ["ARCHITECTURES", "PRESETS", "Family", "adapter_targets", "architecture_denoiser", "default_dtype",
+           "denoiser_names", "family_of", "generation_defaults", "load_pipeline", "lora_components", "model_name",
+           "resolve_device"]
 
 
 def resolve_device(device: str | None = None) -> torch.device:
@@ -31,8 +33,8 @@ def load_pipeline(name_or_path: str, device: str | torch.device | None = None,
     """The plain diffusers pipeline that `--model name_or_path` serves.
 
     A preset (`tiny-sd`, `tiny-flux`, ... : `PRESETS`) is built in code with the same
-    weights every time; `<shape>-random` (`sdxl-random`, `flux-dev-random`, ... : `SHAPES`)
-    is a real architecture with random weights (for benchmarks); anything else goes to
+    weights every time; `<architecture>-random` (`sdxl-random`, `flux-dev-random`, ... :
+    `ARCHITECTURES`) is a real architecture with random weights (for benchmarks); anything else goes to
     `DiffusionPipeline.from_pretrained`
     (a hub id, honouring the hub cache and HF_HUB_OFFLINE, or a local folder).
     """
@@ -40,10 +42,10 @@ def load_pipeline(name_or_path: str, device: str | torch.device | None = None,
     dtype = dtype or default_dtype(device)
     if name_or_path in PRESETS:
         pipeline = build_preset(name_or_path)
-    elif name_or_path.removesuffix(RANDOM_SUFFIX) in SHAPES and name_or_path.endswith(RANDOM_SUFFIX):
+    elif name_or_path.removesuffix(RANDOM_SUFFIX) in ARCHITECTURES and name_or_path.endswith(RANDOM_SUFFIX):
         # a random model wanted in host RAM (to be quantized onto the GPU) draws its values there
         init_device = "cuda" if device.type == "cpu" and torch.cuda.is_available() else None
-        return build_shape_pipeline(name_or_path.removesuffix(RANDOM_SUFFIX), device, dtype, init_device)
+        return build_architecture_pipeline(name_or_path.removesuffix(RANDOM_SUFFIX), device, dtype, init_device)
     else:
         pipeline = DiffusionPipeline.from_pretrained(name_or_path, torch_dtype=dtype)
         pipeline.set_progress_bar_config(disable=True)
@@ -69,9 +71,9 @@ def denoiser_name(pipeline: DiffusionPipeline) -> str:
     return denoiser_names(pipeline)[0]
 
 
-def shape_denoiser(name: str) -> str:
+def architecture_denoiser(name: str) -> str:
     """A real architecture's first denoiser ("unet" or "transformer")."""
-    return next(n for n in DENOISERS if n in shape(name).components)
+    return next(n for n in DENOISERS if n in architecture(name).components)
 
 
 def generation_defaults(name_or_path: str) -> dict[str, float]:
@@ -87,26 +89,26 @@ def model_name(pipeline: DiffusionPipeline, name_or_path: str) -> str:
 
 
 def lora_components(name_or_path: str) -> tuple[type[DiffusionPipeline], dict[str, torch.nn.Module]]:
-    """(pipeline class, LoRA-loadable components) of a preset, a real shape or a model.
+    """(pipeline class, LoRA-loadable components) of a preset, a real architecture or a model.
 
-    Real shapes (`sd15`, `sdxl`, `flux-dev`, ...) are built on the meta device: their layer
-    names and shapes, without memory. Anything else is loaded on the CPU.
+    Real architectures (`sd15`, `sdxl`, `flux-dev`, ...) are built on the meta device: their
+    layer names and tensor shapes, without memory. Anything else is loaded on the CPU.
     """
     name_or_path = name_or_path.removesuffix(RANDOM_SUFFIX)
-    if name_or_path in SHAPES:
-        return _shape_components(name_or_path)
+    if name_or_path in ARCHITECTURES:
+        return _architecture_components(name_or_path)
     pipeline = build_preset(name_or_path) if name_or_path in PRESETS else load_pipeline(name_or_path, device="cpu")
     return type(pipeline), adapter_targets(pipeline)
 
 
 @cache
-def _shape_components(name: str) -> tuple[type[DiffusionPipeline], dict[str, torch.nn.Module]]:
+def _architecture_components(name: str) -> tuple[type[DiffusionPipeline], dict[str, torch.nn.Module]]:
     """A real architecture's components on the meta device (built once: they hold no memory)."""
-    from .shapes import build_shape_component
+    from .architectures import build_architecture_component
 
-    cls = SHAPE_FAMILIES[name].pipeline_class
-    names = [n for n in adapter_target_names(cls) if n in shape(name).components]
-    return cls, {n: build_shape_component(name, n) for n in names}
+    cls = ARCHITECTURE_FAMILIES[name].pipeline_class
+    names = [n for n in adapter_target_names(cls) if n in architecture(name).components]
+    return cls, {n: build_architecture_component(name, n) for n in names}
 
 
 def adapter_target_names(pipeline_cls) -> list[str]:

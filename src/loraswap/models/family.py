@@ -18,7 +18,7 @@ ComponentSpec = tuple[type[torch.nn.Module], Mapping[str, Any] | PretrainedConfi
 
 
 @dataclass(frozen=True)
-class Shape:
+class Architecture:
     """A real architecture with random weights: same compute and memory as the real model.
 
     `components`: every module of the pipeline; `extras()`: the rest of the pipeline's
@@ -33,11 +33,12 @@ class Shape:
 class Family:
     """One model family, as the server, the CLI and the benchmarks need it.
 
-    - `pipeline`: the diffusers class a preset or a shape is built as (text to image or
-      video; for the edit models, their edit pipeline, which also runs without an image).
+    - `pipeline`: the diffusers class a preset or an architecture is built as (text to
+      image or video; for the edit models, their edit pipeline, which also runs without an
+      image).
     - `presets`: tiny preset name -> builder (the caller seeds it; real pipeline classes,
       tiny configs, tokenizers made in code).
-    - `shapes`: real architecture name -> `Shape` (served as `<name>-random`).
+    - `architectures`: real architecture name -> `Architecture` (served as `<name>-random`).
     - `image_pipelines`: `img2img` / `inpaint` -> the diffusers class that shares the loaded
       weights (`from_pipe`) to serve an image input; edit models take it in `pipeline`.
     - `image_input`: "none" (text only), "variants" (through `image_pipelines`), "edit"
@@ -56,7 +57,7 @@ class Family:
     name: str
     pipeline: str
     presets: Mapping[str, Callable[[], DiffusionPipeline]]
-    shapes: Mapping[str, Shape] = field(default_factory=dict)
+    architectures: Mapping[str, Architecture] = field(default_factory=dict)
     image_pipelines: Mapping[str, str] = field(default_factory=dict)
     image_input: Literal["none", "variants", "edit", "required"] = "none"
     output: Literal["image", "video"] = "image"

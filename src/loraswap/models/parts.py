@@ -1,7 +1,9 @@
-"""Parts several families share: tiny configs for the presets, real configs for the shapes.
+"""Parts several families share: tiny configs for the presets, real configs for the real
+architectures.
 
 Tiny parts keep the real classes and only shrink them; real configs are those of the
-published checkpoints (SD 1.5, SDXL, FLUX.1-dev), so a shape has the real compute.
+published checkpoints (SD 1.5, SDXL, FLUX.1-dev), so a real architecture with random
+weights has the real compute.
 """
 
 from diffusers import AutoencoderKL, EulerDiscreteScheduler

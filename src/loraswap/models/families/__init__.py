@@ -1,25 +1,26 @@
 """The model families loraswap serves, one module each (see `..family.Family`).
 
-Adding a family: write its module (tiny preset, real shape, image pipelines, output) and
-list it here; the presets, shapes and image inputs follow from the record.
+Adding a family: write its module (tiny preset, real architecture, image pipelines,
+output) and list it here; the presets, architectures and image inputs follow from the
+record.
 """
 
 from diffusers import DiffusionPipeline
 
-from ..family import Family, Shape
+from ..family import Architecture, Family
 from . import demo, flux, flux2, flux_kontext, qwen_image, qwen_image_edit, sd3, sd15, sdxl, wan, z_image
 
 # `demo` after `sd15`: both are StableDiffusionPipelines, and `family_of` takes the first
 FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (
     sd15, demo, sdxl, sd3, flux, flux_kontext, flux2, qwen_image, qwen_image_edit, z_image, wan))
 
-# tiny preset name -> its family; real shape name -> its family
+# tiny preset name -> its family; real architecture name -> its family
 PRESET_FAMILIES = {preset: family for family in FAMILIES for preset in family.presets}
-SHAPE_FAMILIES = {shape: family for family in FAMILIES for shape in family.shapes}
+ARCHITECTURE_FAMILIES = {name: family for family in FAMILIES for name in family.architectures}
 
 
-def shape(name: str) -> Shape:
-    return SHAPE_FAMILIES[name].shapes[name]
+def architecture(name: str) -> Architecture:
+    return ARCHITECTURE_FAMILIES[name].architectures[name]
 
 
 def family_of(pipeline: DiffusionPipeline) -> Family | None:

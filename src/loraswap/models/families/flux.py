@@ -7,7 +7,7 @@ weights; FLUX.1 Kontext, the edit model, is its own family (`flux_kontext.py`).
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel, T5EncoderModel
 
-from ..family import TINY_DEFAULTS, Family, Shape
+from ..family import TINY_DEFAULTS, Architecture, Family
 from ..parts import CLIP_L, T5_XXL, VAE_FLUX, tiny_clip, tiny_flux_vae, tiny_t5
 from ..tokenizers import make_clip_tokenizer, make_t5_tokenizer
 
@@ -42,7 +42,7 @@ def flux_dev_extras() -> dict:
                 tokenizer_2=make_t5_tokenizer(model_max_length=512), image_encoder=None, feature_extractor=None)
 
 
-FLUX_DEV_SHAPE = Shape(
+FLUX_DEV_ARCHITECTURE = Architecture(
     components={"transformer": (FluxTransformer2DModel, FLUX_DEV), "text_encoder": (CLIPTextModel, CLIP_L),
                 "text_encoder_2": (T5EncoderModel, T5_XXL), "vae": (AutoencoderKL, VAE_FLUX)},
     extras=flux_dev_extras)
@@ -51,7 +51,7 @@ FAMILY = Family(
     name="flux",
     pipeline="FluxPipeline",
     presets={"tiny-flux": _tiny_flux},
-    shapes={"flux-dev": FLUX_DEV_SHAPE},
+    architectures={"flux-dev": FLUX_DEV_ARCHITECTURE},
     image_pipelines={"img2img": "FluxImg2ImgPipeline", "inpaint": "FluxInpaintPipeline"},
     image_input="variants",
     defaults=TINY_DEFAULTS,

@@ -10,7 +10,7 @@ from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PreTrainedTokenizerFast
 
-from ..family import TINY_DEFAULTS, Family, Shape
+from ..family import TINY_DEFAULTS, Architecture, Family
 from ..parts import TINY_VAE_BLOCKS
 
 # Tekken's (Mistral's tokenizer's) first special tokens, at their real ids, so the image
@@ -114,7 +114,7 @@ def flux2_dev_extras() -> dict:
     return dict(scheduler=flux2_scheduler(), tokenizer=make_mistral_tokenizer())
 
 
-FLUX2_DEV_SHAPE = Shape(
+FLUX2_DEV_ARCHITECTURE = Architecture(
     components={"transformer": (Flux2Transformer2DModel, FLUX2_DEV),
                 "text_encoder": (Mistral3ForConditionalGeneration, MISTRAL_SMALL_3_1),
                 "vae": (AutoencoderKLFlux2, VAE_FLUX2)},
@@ -124,7 +124,7 @@ FAMILY = Family(
     name="flux2",
     pipeline="Flux2Pipeline",
     presets={"tiny-flux2": _tiny_flux2},
-    shapes={"flux2-dev": FLUX2_DEV_SHAPE},
+    architectures={"flux2-dev": FLUX2_DEV_ARCHITECTURE},
     image_input="edit",
     defaults=TINY_DEFAULTS,
 )

@@ -6,8 +6,8 @@ VAE and attended to beside the latents), so it is an edit family without image p
 
 from diffusers import FluxKontextPipeline
 
-from ..family import TINY_DEFAULTS, Family, Shape
-from .flux import FLUX_DEV_SHAPE, flux_dev_extras, tiny_flux_components
+from ..family import TINY_DEFAULTS, Architecture, Family
+from .flux import FLUX_DEV_ARCHITECTURE, flux_dev_extras, tiny_flux_components
 
 
 def _tiny_flux_kontext() -> FluxKontextPipeline:
@@ -24,13 +24,13 @@ def asked_size(kwargs: dict) -> dict:
 
 # Kontext [dev]'s scheduler and tokenizers are FLUX.1 [dev]'s (the pipeline always passes
 # the scheduler a resolution-dependent `mu`)
-FLUX_KONTEXT_SHAPE = Shape(components=FLUX_DEV_SHAPE.components, extras=flux_dev_extras)
+FLUX_KONTEXT_ARCHITECTURE = Architecture(components=FLUX_DEV_ARCHITECTURE.components, extras=flux_dev_extras)
 
 FAMILY = Family(
     name="flux-kontext",
     pipeline="FluxKontextPipeline",
     presets={"tiny-flux-kontext": _tiny_flux_kontext},
-    shapes={"flux-kontext": FLUX_KONTEXT_SHAPE},
+    architectures={"flux-kontext": FLUX_KONTEXT_ARCHITECTURE},
     image_input="edit",
     defaults=TINY_DEFAULTS,
     adjust_call=asked_size,

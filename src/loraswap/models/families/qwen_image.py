@@ -18,7 +18,7 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from ..family import TINY_DEFAULTS, Family, Shape
+from ..family import TINY_DEFAULTS, Architecture, Family
 from .qwen_tokenizer import (
     ENDOFTEXT_ID,
     IM_END_ID,
@@ -106,7 +106,7 @@ def qwen_image_extras() -> dict:
 QWEN_IMAGE_COMPONENTS = {"transformer": (QwenImageTransformer2DModel, QWEN_IMAGE),
                          "text_encoder": (Qwen2_5_VLForConditionalGeneration, QWEN2_5_VL_7B),
                          "vae": (AutoencoderKLQwenImage, VAE_QWEN_IMAGE)}
-QWEN_IMAGE_SHAPE = Shape(components=QWEN_IMAGE_COMPONENTS, extras=qwen_image_extras)
+QWEN_IMAGE_ARCHITECTURE = Architecture(components=QWEN_IMAGE_COMPONENTS, extras=qwen_image_extras)
 
 def guided_with_a_negative_prompt(kwargs: dict) -> dict:
     """A guidance scale is applied: Qwen-Image's true guidance runs only beside a negative
@@ -120,7 +120,7 @@ FAMILY = Family(
     name="qwen-image",
     pipeline="QwenImagePipeline",
     presets={"tiny-qwen-image": _tiny_qwen_image},
-    shapes={"qwen-image": QWEN_IMAGE_SHAPE},
+    architectures={"qwen-image": QWEN_IMAGE_ARCHITECTURE},
     image_pipelines={"img2img": "QwenImageImg2ImgPipeline", "inpaint": "QwenImageInpaintPipeline"},
     image_input="variants",
     defaults=TINY_DEFAULTS,

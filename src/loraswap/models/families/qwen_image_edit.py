@@ -10,7 +10,7 @@ limits 1369 vision tokens in the prompt. Guidance is `true_cfg_scale`, as Qwen-I
 
 from diffusers import QwenImageEditPipeline
 
-from ..family import TINY_DEFAULTS, Family, Shape
+from ..family import TINY_DEFAULTS, Architecture, Family
 from .qwen_image import (
     QWEN_IMAGE_COMPONENTS,
     guided_with_a_negative_prompt,
@@ -32,13 +32,13 @@ def qwen_image_edit_extras() -> dict:
     return dict(qwen_image_extras(), processor=make_qwen2_vl_processor())
 
 
-QWEN_IMAGE_EDIT_SHAPE = Shape(components=QWEN_IMAGE_COMPONENTS, extras=qwen_image_edit_extras)
+QWEN_IMAGE_EDIT_ARCHITECTURE = Architecture(components=QWEN_IMAGE_COMPONENTS, extras=qwen_image_edit_extras)
 
 FAMILY = Family(
     name="qwen-image-edit",
     pipeline="QwenImageEditPipeline",
     presets={"tiny-qwen-image-edit": _tiny_qwen_image_edit},
-    shapes={"qwen-image-edit": QWEN_IMAGE_EDIT_SHAPE},
+    architectures={"qwen-image-edit": QWEN_IMAGE_EDIT_ARCHITECTURE},
     image_input="required",
     defaults=TINY_DEFAULTS,
     call_names={"guidance_scale": "true_cfg_scale"},

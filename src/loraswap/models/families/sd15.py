@@ -3,7 +3,7 @@
 from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
 from transformers import CLIPTextModel
 
-from ..family import TINY_DEFAULTS, Family, Shape
+from ..family import TINY_DEFAULTS, Architecture, Family
 from ..parts import CLIP_L, TINY_VAE_BLOCKS, VAE_SD, euler, tiny_clip
 from ..tokenizers import make_clip_tokenizer
 
@@ -39,9 +39,10 @@ FAMILY = Family(
     name="sd15",
     pipeline="StableDiffusionPipeline",
     presets={"tiny-sd": _tiny_sd},
-    shapes={"sd15": Shape(components={"unet": (UNet2DConditionModel, UNET_SD15),
-                                      "text_encoder": (CLIPTextModel, CLIP_L), "vae": (AutoencoderKL, VAE_SD)},
-                          extras=_sd15_extras)},
+    architectures={"sd15": Architecture(components={"unet": (UNet2DConditionModel, UNET_SD15),
+                                                    "text_encoder": (CLIPTextModel, CLIP_L),
+                                                    "vae": (AutoencoderKL, VAE_SD)},
+                                        extras=_sd15_extras)},
     image_pipelines={"img2img": "StableDiffusionImg2ImgPipeline", "inpaint": "StableDiffusionInpaintPipeline"},
     image_input="variants",
     defaults=TINY_DEFAULTS,

@@ -10,7 +10,7 @@ SD3's img2img and inpainting pipelines, which share the loaded weights.
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
-from ..family import TINY_DEFAULTS, Family, Shape
+from ..family import TINY_DEFAULTS, Architecture, Family
 from ..parts import CLIP_BIGG, CLIP_L, T5_XXL, TINY_VAE_BLOCKS, VAE_SD, tiny_clip_config, tiny_t5
 from ..tokenizers import make_clip_tokenizer, make_t5_tokenizer
 
@@ -63,7 +63,7 @@ def _sd3_extras() -> dict:
     return dict(scheduler=sd3_scheduler(), **_tokenizers(), image_encoder=None, feature_extractor=None)
 
 
-SD35_MEDIUM_SHAPE = Shape(
+SD35_MEDIUM_ARCHITECTURE = Architecture(
     components={"transformer": (SD3Transformer2DModel, SD35_MEDIUM),
                 "text_encoder": (CLIPTextModelWithProjection, CLIP_L),
                 "text_encoder_2": (CLIPTextModelWithProjection, CLIP_BIGG),
@@ -74,7 +74,7 @@ FAMILY = Family(
     name="sd3",
     pipeline="StableDiffusion3Pipeline",
     presets={"tiny-sd3": _tiny_sd3},
-    shapes={"sd35-medium": SD35_MEDIUM_SHAPE},
+    architectures={"sd35-medium": SD35_MEDIUM_ARCHITECTURE},
     image_pipelines={"img2img": "StableDiffusion3Img2ImgPipeline", "inpaint": "StableDiffusion3InpaintPipeline"},
     image_input="variants",
     defaults=TINY_DEFAULTS,

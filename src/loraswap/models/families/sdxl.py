@@ -3,7 +3,7 @@
 from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-from ..family import TINY_DEFAULTS, Family, Shape
+from ..family import TINY_DEFAULTS, Architecture, Family
 from ..parts import CLIP_BIGG, CLIP_L, TINY_VAE_BLOCKS, VAE_SD, euler, tiny_clip, tiny_clip_config
 from ..tokenizers import make_clip_tokenizer
 from .sd15 import TINY_UNET
@@ -49,7 +49,7 @@ def _sdxl_extras() -> dict:
                 image_encoder=None, feature_extractor=None)
 
 
-SDXL_SHAPE = Shape(
+SDXL_ARCHITECTURE = Architecture(
     components={"unet": (UNet2DConditionModel, UNET_SDXL), "text_encoder": (CLIPTextModel, CLIP_L),
                 "text_encoder_2": (CLIPTextModelWithProjection, CLIP_BIGG),
                 "vae": (AutoencoderKL, dict(VAE_SD, scaling_factor=0.13025, sample_size=1024))},
@@ -59,7 +59,7 @@ FAMILY = Family(
     name="sdxl",
     pipeline="StableDiffusionXLPipeline",
     presets={"tiny-sdxl": _tiny_sdxl},
-    shapes={"sdxl": SDXL_SHAPE},
+    architectures={"sdxl": SDXL_ARCHITECTURE},
     image_pipelines={"img2img": "StableDiffusionXLImg2ImgPipeline", "inpaint": "StableDiffusionXLInpaintPipeline"},
     image_input="variants",
     defaults=TINY_DEFAULTS,

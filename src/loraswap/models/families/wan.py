@@ -12,7 +12,7 @@ Wan 2.1 has one transformer. Image to video (`WanImageToVideoPipeline`) is not s
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from transformers import UMT5Config, UMT5EncoderModel
 
-from ..family import TINY_DEFAULTS, Family, Shape
+from ..family import TINY_DEFAULTS, Architecture, Family
 from ..tokenizers import T5_VOCAB_SIZE, make_t5_tokenizer
 
 # the prompt length Wan pads to (the pipeline's max_sequence_length)
@@ -75,11 +75,11 @@ def _wan_1_3b_extras() -> dict:
                 transformer_2=None, boundary_ratio=None)
 
 
-WAN_A14B_SHAPE = Shape(
+WAN_A14B_ARCHITECTURE = Architecture(
     components={"transformer": (WanTransformer3DModel, WAN_A14B), "transformer_2": (WanTransformer3DModel, WAN_A14B),
                 "text_encoder": (UMT5EncoderModel, UMT5_XXL), "vae": (AutoencoderKLWan, VAE_WAN)},
     extras=_wan_a14b_extras)
-WAN_1_3B_SHAPE = Shape(
+WAN_1_3B_ARCHITECTURE = Architecture(
     components={"transformer": (WanTransformer3DModel, WAN_1_3B), "text_encoder": (UMT5EncoderModel, UMT5_XXL),
                 "vae": (AutoencoderKLWan, VAE_WAN)},
     extras=_wan_1_3b_extras)
@@ -88,7 +88,7 @@ FAMILY = Family(
     name="wan",
     pipeline="WanPipeline",
     presets={"tiny-wan": _tiny_wan},
-    shapes={"wan-14b": WAN_A14B_SHAPE, "wan-1.3b": WAN_1_3B_SHAPE},
+    architectures={"wan-14b": WAN_A14B_ARCHITECTURE, "wan-1.3b": WAN_1_3B_ARCHITECTURE},
     image_input="none",
     output="video",
     defaults=dict(TINY_DEFAULTS, frames=5),  # Wan takes 4k+1 frames

@@ -13,7 +13,7 @@ and inpainting pipelines, which share the loaded weights.
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 from transformers import Qwen3Config, Qwen3Model
 
-from ..family import TINY_DEFAULTS, Family, Shape
+from ..family import TINY_DEFAULTS, Architecture, Family
 from ..parts import VAE_FLUX, tiny_flux_vae
 from .qwen_tokenizer import ENDOFTEXT_ID, IM_END_ID, QWEN3_CHAT_TEMPLATE, QWEN_VOCAB_SIZE, make_qwen_tokenizer
 
@@ -60,7 +60,7 @@ def z_image_extras() -> dict:
     return dict(scheduler=z_image_scheduler(), tokenizer=make_qwen_tokenizer(QWEN3_CHAT_TEMPLATE))
 
 
-Z_IMAGE_SHAPE = Shape(
+Z_IMAGE_ARCHITECTURE = Architecture(
     components={"transformer": (ZImageTransformer2DModel, Z_IMAGE_TURBO), "text_encoder": (Qwen3Model, QWEN3_4B),
                 "vae": (AutoencoderKL, VAE_FLUX)},
     extras=z_image_extras)
@@ -69,7 +69,7 @@ FAMILY = Family(
     name="z-image",
     pipeline="ZImagePipeline",
     presets={"tiny-z-image": _tiny_z_image},
-    shapes={"z-image": Z_IMAGE_SHAPE},
+    architectures={"z-image": Z_IMAGE_ARCHITECTURE},
     image_pipelines={"img2img": "ZImageImg2ImgPipeline", "inpaint": "ZImageInpaintPipeline"},
     image_input="variants",
     defaults=TINY_DEFAULTS,

@@ -1,8 +1,8 @@
 """The real architectures of the families (`families/`), built from their configs.
 
-No weights are downloaded: `build_shape` puts the modules on the meta device (for
-key layouts and shapes, e.g. `adapters make-random`) or fills them with random
-weights on a real device (for benchmarks: same compute, same memory).
+No weights are downloaded: `build_architecture_component` puts the modules on the meta
+device (for key layouts and tensor shapes, e.g. `adapters make-random`) or fills them with
+random weights on a real device (for benchmarks: same compute, same memory).
 """
 
 import contextlib
@@ -10,12 +10,12 @@ import contextlib
 import torch
 from transformers import PretrainedConfig
 
-from .families import SHAPE_FAMILIES, shape
+from .families import ARCHITECTURE_FAMILIES, architecture
 
-SHAPES = tuple(SHAPE_FAMILIES)  # the real architectures' names (`sd15`, `sdxl`, `flux-dev`, ...)
+ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)  # the real architectures' names (`sd15`, `sdxl`, `flux-dev`, ...)
 
 
-def build_shape_component(name: str, component: str, device: str | torch.device = "meta",
+def build_architecture_component(name: str, component: str, device: str | torch.device = "meta",
                           dtype: torch.dtype = torch.bfloat16, init_device: str | torch.device | None = None
                           ) -> torch.nn.Module:
     """One component of a real architecture: on `meta` (no memory), or random on a device.
@@ -26,10 +26,10 @@ def build_shape_component(name: str, component: str, device: str | torch.device 
     """
     device, init_device = torch.device(device), torch.device(init_device or device)
     if init_device != device and device.type != "meta":
-        module = build_shape_component(name, component, "meta", dtype)
+        module = build_architecture_component(name, component, "meta", dtype)
         if not any(True for _ in module.buffers()):  # a buffer's values would be lost on meta
             return materialize_random(module, device, init_device)
-    cls, config = shape(name).components[component]
+    cls, config = architecture(name).components[component]
     with torch.device(device):
         module = cls(config) if isinstance(config, PretrainedConfig) else cls(**config)
     return module.to(dtype).eval().requires_grad_(False)
@@ -72,7 +72,7 @@ def default_dtype_set_to(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def build_shape_pipeline(name: str, device: str | torch.device, dtype: torch.dtype,
+def build_architecture_pipeline(name: str, device: str | torch.device, dtype: torch.dtype,
                          init_device: str | torch.device | None = None):
     """The full pipeline of a real architecture with random weights (`<name>-random` models).
 
@@ -81,10 +81,10 @@ def build_shape_pipeline(name: str, device: str | torch.device, dtype: torch.dty
     wanted on the CPU (to be quantized onto a GPU, say) draws its values on `init_device`.
     """
     with default_dtype_set_to(dtype):  # initialise straight in the serving dtype
-        components = {component: build_shape_component(name, component, device=device, dtype=dtype,
+        components = {component: build_architecture_component(name, component, device=device, dtype=dtype,
                                                        init_device=init_device)
-                      for component in shape(name).components}
-    pipeline = SHAPE_FAMILIES[name].pipeline_class(**components, **shape(name).extras())
+                      for component in architecture(name).components}
+    pipeline = ARCHITECTURE_FAMILIES[name].pipeline_class(**components, **architecture(name).extras())
     pipeline.set_progress_bar_config(disable=True)
     pipeline.register_to_config(_name_or_path=name + RANDOM_SUFFIX)
     return pipeline
