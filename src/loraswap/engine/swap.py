@@ -27,15 +27,8 @@ from ..adapters.bound import BoundAdapter, LayerKey, ModelLayers, packed_spans, 
 from ..adapters.cache import CacheEntry
 from ..adapters.store import AdapterStore
 from .float8_weights import Fp8Weight
-from .kernels import (
-    float8_kernel_available,
-    fuse_dora_into,
-    fuse_into,
-    fuse_loha_into,
-    kernel_available,
-    warm_up,
-    warm_up_float8,
-)
+from .kernels import float8_kernel_available, fuse_dora_into, kernel_available, warm_up, warm_up_float8
+from .kind_kernels import KIND_KERNELS
 
 logger = logging.getLogger(__name__)
 
@@ -205,24 +198,19 @@ class FusedSwapper:
         kinds.rescale_dora(self._weight(key), layer, blend)
 
     def _write_change(self, key: LayerKey, layer: kinds.Layer, blend: float, in_place: bool) -> None:
-        """The one-pass kernels for LoRA (else `addmm`) and LoHa pairs; `kinds.write_change`
-        for the other kinds, and for LoHa where the kernel does not run."""
+        """The kind's one-pass kernel where it has one (`AdapterKind.fast_write`) and it runs;
+        else `kinds.write_change`."""
         weight, pristine, kernel_runs = self._views[key]
         if not in_place and pristine.device != weight.device:  # low-memory mode: the copy streams in first
             weight.copy_(pristine, non_blocking=True)
             in_place = True
         source = weight if in_place else pristine
-        runs = self.kernel and kernel_runs
-        f = layer.factors
-        if layer.plain:
-            fuse_into(weight, source, layer.up, layer.down, blend * layer.scale, runs)
-        elif layer.kind == "loha" and "t1" not in f and runs:
-            rows = lambda t: t.reshape(t.shape[0], -1)  # noqa: E731  (conv factors come flattened)
-            fuse_loha_into(weight, source, rows(f["w1a"]), rows(f["w1b"]), rows(f["w2a"]), rows(f["w2b"]),
-                           blend * layer.scale)
-        else:
-            target = self._weight(key)
-            kinds.write_change(target, target if in_place else self._pristine[key], layer, blend)
+        fast = layer.kind.fast_write(layer.factors)
+        if fast is not None and KIND_KERNELS[fast.kernel](weight, source, fast.operands, blend * layer.scale,
+                                                          self.kernel and kernel_runs):
+            return
+        target = self._weight(key)
+        kinds.write_change(target, target if in_place else self._pristine[key], layer, blend)
 
     def warm_up_kernel(self) -> None:
         """Compile the swap kernels' variants this model's weights need now (no-op where they
@@ -328,8 +316,8 @@ class FusedSwapper:
         """Pristine copies of the weights LoRAs touch (every matrix and conv kernel of
         `components`, default all), made now rather than on first touch: the low-memory mode
         pins them in host RAM at start-up, which inside a request's swap took seconds for
-        FLUX.1's first adapters (BENCHMARKS.md). Biases, norms and other components (T5)
-        are copied when an adapter first touches them."""
+        FLUX.1's first adapters (bench/results/runs/2026-12-03-lowmem-flux-h200.md). Biases,
+        norms and other components (T5) are copied when an adapter first touches them."""
         for key in sorted(self._params.keys() - self._pristine.keys()):
             if self._weight(key).ndim >= 2 and (components is None or key[0] in components):
                 self._save_pristine(key, self._weight(key))
@@ -337,3 +325,18 @@ class FusedSwapper:
     @property
     def pristine_bytes(self) -> int:
         return sum(t.nbytes for t in self._pristine.values())
+
+    @property
+    def pristine_layers(self) -> frozenset[LayerKey]:
+        """The layers whose pristine copy is saved (every layer a swap has touched, or more)."""
+        return frozenset(self._pristine)
+
+    @property
+    def float8_layers(self) -> frozenset[LayerKey]:
+        """The float8 weights (`--quantize`), which each swap re-quantizes."""
+        return frozenset(self._fp8)
+
+    @property
+    def layers_without_kernel(self) -> frozenset[LayerKey]:
+        """Touched layers the one-pass kernel cannot write (they take the eager path)."""
+        return frozenset(key for key, (_, _, kernel_runs) in self._views.items() if not kernel_runs)
