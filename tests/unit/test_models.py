@@ -1,7 +1,5 @@
 """Presets: real pipeline classes, same weights on every call, fast; local folders via from_pretrained."""
 
-import time
-
 import pytest
 import torch
 from diffusers import FluxPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
@@ -20,10 +18,12 @@ def test_preset_is_the_real_class_same_every_call_and_fast(preset):
         if isinstance(component, torch.nn.Module):
             other = second.components[name].state_dict()
             assert all(torch.equal(v, other[k]) for k, v in component.state_dict().items()), name
-    image_array(first)  # warm the lazy imports
-    started = time.perf_counter()
+    # fast: tiny enough that a test image takes milliseconds on a CPU (counted, not timed: a
+    # busy machine must not fail it)
+    parameters = sum(p.numel() for c in first.components.values() if isinstance(c, torch.nn.Module)
+                     for p in c.parameters())
+    assert parameters < 1_000_000, parameters
     image = image_array(first)
-    assert time.perf_counter() - started < 2.0
     assert image.shape == (64, 64, 3)
     assert (image == image_array(second)).all(), "same seed, same weights: same image"
     assert rel_err(image_array(first, seed=1), image) > 1e-3, "the seed matters"
