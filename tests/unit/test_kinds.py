@@ -13,6 +13,8 @@ from lycoris import LycorisNetwork, create_lycoris
 from safetensors.torch import load_file, save_file
 from support.numerics import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 
+from loraswap.adapters.kinds import FILE_KINDS, KINDS
+from loraswap.adapters.parse import SUFFIXES
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.errors import AdapterInvalid
@@ -185,3 +187,16 @@ def test_a_peft_folder_is_scaled_by_its_adapter_config(tiny_sd):
     (folder / "peft-folder" / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 8}))
     bound = engine.adapters.resolve("peft-folder")
     assert [layer.scale for layer in bound.layers.values()] == [4.0]
+
+
+def test_the_parser_reads_exactly_the_registered_kinds_and_all_their_factors():
+    """A kind in `kinds.KINDS` that no suffix of the parser names could never be read, and a
+    suffix naming an unregistered kind could never be applied: the two lists move together."""
+    not_weight_kinds = {"bias", "dora", "alpha", "modulation"}  # parts of a module that no kind owns
+    assert {kind for _, kind, _ in SUFFIXES} - not_weight_kinds == set(FILE_KINDS)
+    for name in FILE_KINDS:
+        kind = KINDS[name]
+        spelled = {factor for _, k, factor in SUFFIXES if k == name}
+        needed = set().union(*kind.required, *kind.paired)
+        assert needed <= spelled, f"{name}: no suffix for {sorted(needed - spelled)}"
+        assert kind.name == name and kind.label
