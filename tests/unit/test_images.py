@@ -6,12 +6,11 @@ encoded in one place too (`encode_image`), for the HTTP APIs and the CLI alike."
 import asyncio
 import base64
 import io
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 from pydantic import ValidationError
 from support.images import GOOD, LIMITS, REFUSALS, encode, noise, png_declaring
 
@@ -31,16 +30,20 @@ from loraswap.media.images import (
 from loraswap.server.config import ServerConfig
 from loraswap.server.generation import encode as encode_for_http
 
+DECODED_TO_BE_REFUSED = {"truncated"}  # the header is fine: only decoding finds the missing half
 
-@pytest.mark.parametrize("data,message", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
-def test_each_refusal_says_what_to_fix(data, message):
-    started = time.perf_counter()
+
+@pytest.mark.parametrize("name,data,message", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_each_refusal_says_what_to_fix(name, data, message, monkeypatch):
+    decoded = []  # files whose pixels PIL's decoders were asked for
+    load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda image: decoded.append(image) or load(image))
     with pytest.raises(BadRequest) as refused:
         read_image(data, "image", LIMITS)
     assert refused.value.status == 400
     assert message in refused.value.message
     assert "BytesIO" not in refused.value.message
-    assert time.perf_counter() - started < 0.5, "refused from the header, not after decoding"
+    assert bool(decoded) is (name in DECODED_TO_BE_REFUSED), "refused from the header, not after decoding"
 
 
 def test_the_pixel_limit_is_the_servers_and_at_most_pils():
