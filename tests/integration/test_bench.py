@@ -167,11 +167,10 @@ def test_bench_swap_keeps_load_and_fuse_in_full_precision_beside_float8():
     in full precision (as a server using diffusers' loader would run), the others are float8."""
     import torch
 
-    from loraswap.bench.swap import SwapBench
+    from loraswap.bench.swap import build_variants
 
-    bench = SwapBench.__new__(SwapBench)  # only the builder, not the adapters and rounds
-    bench.variants, bench.device, bench.dtype = ("load-and-fuse", "fused", "base"), torch.device("cpu"), torch.float32
-    models, prefix, _ = bench._build("tiny-sd", "fp8-weight-only")
+    models, prefix, _ = build_variants("tiny-sd", ("load-and-fuse", "fused", "base"), "fp8-weight-only",
+                                       torch.device("cpu"), torch.float32)
     assert prefix == "unet" and set(models) == {"load-and-fuse", "fused"}
     weight_types = {name: type(model.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q.weight).__name__
                     for name, model in models.items()}

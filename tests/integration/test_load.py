@@ -4,7 +4,7 @@ Requests spread over the base model and 8 adapters (so the server swaps all alon
 tiny generations (1 step, 16x16) and a queue of 8, so that the 16 clients overrun it and
 get the deliberate 503 + Retry-After. Nothing else may fail; the queue never exceeds its
 bound; every answer for the same adapter and seed is the same image (no cross-talk between
-adapters under concurrency); p50/p99 latencies are printed (RELIABILITY.md has the figures).
+adapters under concurrency); p50/p99 latencies are printed (docs/reliability.md has the figures).
 """
 
 import random

@@ -38,7 +38,7 @@ def read_safetensors(path: Path, adapter_id: str, max_bytes: int) -> tuple[dict[
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise AdapterInvalid(adapter_id, "the safetensors metadata is not a map of strings to strings", _FIX_FILE)
     _check_entries(adapter_id, header, size - 8 - header_len)
-    try:  # pread, not the default mmap: safetensors 0.8.0's mmap path leaks a little per load (RELIABILITY.md)
+    try:  # pread, not the default mmap: safetensors 0.8.0's mmap path leaks a little per load (docs/reliability.md)
         tensors = load_file(str(path), backend="pread")
     except Exception as e:  # safetensors' own checks (overlaps, ...)
         raise AdapterInvalid(adapter_id, f"safetensors refused the file ({e})", _FIX_FILE) from None

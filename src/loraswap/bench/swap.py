@@ -69,7 +69,8 @@ class SwapBench:
         self.kohya_path = self.paths.pop()
         self.results["adapters"] = [{"file": p.name, "MiB": round(p.stat().st_size / 2**20, 1)} for p in self.paths]
         # 2. one random denoiser per variant, each built from the same seed (same weights)
-        self.models, self.prefix, pipeline_cls = self._build(architecture, quantize)
+        self.models, self.prefix, pipeline_cls = build_variants(architecture, variants, quantize, self.device,
+                                                                self.dtype)
         inputs = denoiser_inputs(self.models["fused"], width, height, self.device, self.dtype)
         self.results["memory_GiB"]["denoiser_copies"] = self._memory()
         # 3. the swappers: the baselines on their copies, the fused swap on its own
@@ -79,19 +80,6 @@ class SwapBench:
         self.read = bound_reader(pipeline_cls, self.prefix, self.models["fused"], self.fused.layers)
         self.denoise = {name: Denoise(model, inputs, steps) for name, model in self.models.items()}
         self.denoise["base"] = self.denoise["fused"]
-
-    def _build(self, architecture: str, quantize: str) -> tuple[dict, str, type]:
-        """The variants' denoisers, built one at a time so that only one full-precision copy
-        is ever being made (a 32 B FLUX.2 transformer is 64 GB in bf16). Base is fused's,
-        reset. load-and-fuse stays in full precision: diffusers cannot merge into float8."""
-        models = {}
-        for name in ("hotswap", "fused", "load-and-fuse"):
-            if name == "fused" or name in self.variants:
-                model, prefix, pipeline_cls = build_denoiser(architecture, self.device, self.dtype)
-                if name != "load-and-fuse":
-                    quantize_module(model, quantize)
-                models[name] = model
-        return models, prefix, pipeline_cls
 
     def _memory(self) -> float:
         return torch.cuda.memory_allocated() / 2**30 if self.device.type == "cuda" else 0.0
@@ -244,3 +232,19 @@ def _report(results: dict, out_dir: Path) -> None:
     write_results(out_dir, name, results)
     plot_bars(out_dir / f"{name}.png", title, list(s), [d["image_s"]["p50"] for d in s.values()],
               "seconds per image (p50)")
+
+
+def build_variants(architecture: str, variants, quantize: str, device: torch.device,
+                   dtype: torch.dtype) -> tuple[dict, str, type]:
+    """The variants' denoisers ({variant: model}, the LoRA prefix, the pipeline class), built
+    one at a time so that only one full-precision copy is ever being made (a 32 B FLUX.2
+    transformer is 64 GB in bf16). Base is fused's, reset. load-and-fuse stays in full
+    precision: diffusers cannot merge into float8."""
+    models = {}
+    for name in ("hotswap", "fused", "load-and-fuse"):
+        if name == "fused" or name in variants:
+            model, prefix, pipeline_cls = build_denoiser(architecture, device, dtype)
+            if name != "load-and-fuse":
+                quantize_module(model, quantize)
+            models[name] = model
+    return models, prefix, pipeline_cls

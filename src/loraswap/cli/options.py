@@ -1,4 +1,4 @@
-"""Typer options built from the settings table, and the small helpers every command shares."""
+"""Typer options built from the settings (`settings.py`), and the small helpers every command shares."""
 
 import functools
 import inspect
@@ -11,7 +11,7 @@ from .settings import Setting
 
 
 def env_option(*names: str, help: str, env: str | None = None, **kwargs):
-    """An option (not in the settings table) whose value may also come from LORASWAP_<NAME>."""
+    """An option (not a setting of `serve`) whose value may also come from LORASWAP_<NAME>."""
     env = env or "LORASWAP_" + names[0].lstrip("-").split("/")[0].replace("-", "_").upper()
     return typer.Option(*names, help=help, envvar=env, **kwargs)
 

@@ -10,7 +10,8 @@ HEADER = """# Settings of `loraswap serve`
 Every flag is also a `LORASWAP_*` variable and a key of a `--config` file (TOML or YAML;
 `max-queue` or `max_queue`). Precedence, lowest first: the defaults, the file, the
 variables, the flags. A repeatable flag takes a list in a file. This page is written from
-the settings table (`src/loraswap/cli/settings.py`) by `scripts/settings_reference.py`.
+the config classes' fields (their `Flag` marks, `src/loraswap/flags.py`) by
+`scripts/settings_reference.py`.
 
 Besides these: `--config FILE` (a TOML or YAML file of these settings; `examples/serve.toml`),
 `--print-config` (print the settings as a config file, API keys left out, and exit) and
