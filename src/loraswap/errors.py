@@ -48,6 +48,12 @@ class AdapterForbidden(AdapterError):
     status = 403
 
 
+class AdapterUnavailable(AdapterError):
+    """The adapter's upstream failed: a 5xx, no connection, a timeout, too many redirects."""
+
+    status = 502
+
+
 class AdapterIncompatible(AdapterError):
     """A valid adapter that does not fit the hosted model (layers, shapes, base model)."""
 

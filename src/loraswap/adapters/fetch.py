@@ -1,0 +1,340 @@
+"""The one way loraswap fetches a URL a user gave (a `.safetensors` link, a Civitai API answer).
+
+The URL is hostile input. `https` always; plain `http` only to a host a `--url-allow` pattern
+names without a wildcard; the host must match a pattern; the address connected to is checked as
+the socket opens (no DNS-rebinding window): loopback, private, link-local, multicast, reserved,
+CGNAT and cloud-metadata addresses only when a pattern names that host or IP literally. Every
+redirect is checked again; timeouts; the size cap held while streaming; a safetensors header
+checked before the body. URLs reach messages only through `display_url` (no query, no userinfo).
+httpcore (httpx's transport) is used directly: in its network backend, `_CheckedBackend`, the
+host name meets the socket; it resolves, checks and connects to the IP, while TLS still verifies
+and sends SNI for the name.
+"""
+
+import fnmatch
+import hashlib
+import ipaddress
+import itertools
+import json
+import logging
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpcore
+import httpx
+
+from ..errors import AdapterError, AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable
+
+logger = logging.getLogger(__name__)
+
+MAX_HEADER = 100 * 2**20  # a safetensors header this big is an attack or not a header at all
+_REDIRECTS = (301, 302, 303, 307, 308)
+_SECRET_HEADERS = ("authorization", "proxy-authorization", "cookie")  # never sent to another origin
+_METADATA = frozenset(map(ipaddress.ip_address, ("169.254.169.254", "fd00:ec2::254", "100.100.100.200")))
+_SHARED = ipaddress.ip_network("100.64.0.0/10")  # CGNAT; Alibaba's metadata (100.100.100.200) lives there
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # reaches the IPv4 address in its low 32 bits
+_KINDS = (("cloud-metadata", lambda a: a in _METADATA), ("loopback", lambda a: a.is_loopback),
+          ("unspecified", lambda a: a.is_unspecified), ("link-local", lambda a: a.is_link_local),
+          ("multicast", lambda a: a.is_multicast), ("shared (CGNAT)", lambda a: a in _SHARED),
+          ("private", lambda a: a.is_private), ("reserved", lambda a: a.is_reserved))
+
+
+@dataclass(frozen=True)
+class FetchRules:
+    allow: tuple[str, ...]  # `--url-allow` patterns: "host" or "host:port", fnmatch; "*" = any PUBLIC host
+    max_bytes: int  # size cap, enforced while streaming whatever Content-Length says
+    connect_timeout: float = 10.0
+    read_timeout: float = 30.0  # per read: no byte for this long is a timeout
+    max_redirects: int = 5
+
+
+@dataclass(frozen=True)
+class Fetched:
+    path: Path  # the file written (the `dest` given)
+    size: int
+    sha256: str  # hex of the bytes written
+    etag: str | None
+    final_url: str  # after redirects, through display_url (signed URLs' signatures never kept)
+
+
+def display_url(url: str) -> str:
+    """scheme://host[:port]/path: what of a URL may appear in logs and errors."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError):
+        return "(an unparseable URL)"
+    path = parsed.raw_path.split(b"?")[0].decode("ascii", "replace")
+    return f"{parsed.scheme}://{parsed.netloc.decode('ascii')}{path}"[:200]
+
+
+def _names(host: str, port: int) -> set[str]:
+    host = host.lower()
+    bracketed = f"[{host}]" if ":" in host else host  # an IPv6 literal with a port: [::1]:8443
+    return {host, bracketed, f"{bracketed}:{port}"}
+
+
+def allowed_host(host: str, port: int, allow: tuple[str, ...]) -> bool:
+    """Whether a pattern matches `host` or `host:port` (names only; addresses are checked at connect)."""
+    names = _names(host, port)
+    return any(name == p or fnmatch.fnmatchcase(name, p) for p in map(str.lower, allow) for name in names)
+
+
+def _named(host: str, port: int, allow: tuple[str, ...]) -> bool:
+    """Whether a pattern names this host (or IP) literally: no wildcard, so `*` never does."""
+    names = _names(host, port)
+    return any(p.lower() in names for p in allow if not any(c in p for c in "*?["))
+
+
+def _judged(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> tuple:
+    """What decides: a mapped or NAT64 address's IPv4 one (where it goes); 6to4 and Teredo, both."""
+    if addr.version == 4:
+        return (addr,)
+    if addr.ipv4_mapped or addr in _NAT64:
+        return (addr.ipv4_mapped or ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF),)
+    embedded = addr.sixtofour or (addr.teredo or (None, None))[1]
+    return (embedded, addr) if embedded else (addr,)
+
+
+def address_kind(ip: str) -> str | None:
+    """Why `ip` is no public address ('loopback', 'cloud-metadata', ...); None when it is one."""
+    for candidate in _judged(ipaddress.ip_address(ip)):
+        kind = next((kind for kind, test in _KINDS if test(candidate)), None)
+        if kind or not candidate.is_global:
+            return kind or "non-public"
+    return None
+
+
+class _CheckedBackend(httpcore.SyncBackend):
+    """Opens sockets only to addresses the rules allow, checked as it connects (no rebinding window)."""
+
+    def __init__(self, allow: tuple[str, ...], adapter_id: str):
+        self._allow, self._adapter_id = allow, adapter_id
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        try:  # no timeout of its own: the system resolver's
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise httpcore.ConnectError(f"{host} did not resolve: {exc}") from exc
+        ips = list(dict.fromkeys(info[4][0] for info in infos))
+        named = _named(host, port, self._allow)
+        usable = [ip for ip in ips if named or _named(ip, port, self._allow) or address_kind(ip) is None]
+        if not usable:
+            raise AdapterForbidden(self._adapter_id, f"{host} resolves to {ips[0]}, a {address_kind(ips[0])} address",
+                                   f"Start the server with --url-allow {host}:{port} if it is meant to be reached "
+                                   "(such addresses only when a pattern names the host or IP, not a wildcard)")
+        for ip in usable[:-1]:  # the IP, never the name again: what was checked is what is connected to
+            with suppress(httpcore.ConnectError, httpcore.ConnectTimeout):
+                return super().connect_tcp(ip, port, timeout, local_address, socket_options)
+        return super().connect_tcp(usable[-1], port, timeout, local_address, socket_options)
+
+
+def _port(url: httpx.URL) -> int:
+    return url.port or {"https": 443, "http": 80}.get(url.scheme, 0)
+
+
+def _checked(url: str, rules: FetchRules, adapter_id: str, base: httpx.URL | None = None) -> httpx.URL:
+    """Rules 1 and 2 for the URL given or a redirect's `Location` (relative to `base`)."""
+    try:
+        parsed = base.join(url) if base else httpx.URL(url)
+    except httpx.InvalidURL:
+        raise AdapterInvalid(adapter_id, "its URL could not be parsed", "Give an https:// URL to the file") from None
+    host, port = parsed.raw_host.decode("ascii"), _port(parsed)
+    lead = (f"{display_url(str(base))} redirected to " if base else "") + display_url(str(parsed))
+    if parsed.scheme not in ("https", "http") or not host or not 0 < port < 2**16:
+        raise AdapterForbidden(adapter_id, f"{lead}: only https://HOST[:PORT] URLs are fetched",
+                               "Give an https:// URL")
+    if parsed.userinfo:
+        raise AdapterForbidden(adapter_id, f"{lead}: the URL carries a user name or password",
+                               "Leave credentials out of the URL; the source's token is sent as a header")
+    if not allowed_host(host, port, rules.allow):
+        raise AdapterForbidden(adapter_id, f"{lead}: host {host} is not allowed",
+                               f"Start the server with --url-allow {host}")
+    if parsed.scheme == "http" and not _named(host, port, rules.allow):
+        raise AdapterForbidden(adapter_id, f"{lead}: plain http", f"Give an https:// URL: plain http is fetched only "
+                               f"from a host --url-allow names (e.g. --url-allow {host}:{port}, no wildcard)")
+    return parsed
+
+
+def _request(url: httpx.URL, headers: dict[str, str], rules: FetchRules) -> httpcore.Request:
+    # the parts of the URL checked above, handed over as parts: httpcore parses nothing again
+    target = httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path)
+    sent = {"Host": url.netloc.decode("ascii"), "User-Agent": "loraswap", "Accept-Encoding": "identity"}
+    sent.update((k, v) for k, v in headers.items() if k.lower() != "host")
+    connect, read = rules.connect_timeout, rules.read_timeout
+    timeout = {"connect": connect, "pool": connect, "read": read, "write": read}  # read: each read, not the whole
+    return httpcore.Request(b"GET", target, headers=list(sent.items()), extensions={"timeout": timeout})
+
+
+def _header(response: httpcore.Response, name: bytes) -> str | None:
+    return next((value.decode("latin-1") for key, value in reversed(response.headers) if key.lower() == name), None)
+
+
+def _open(pool: httpcore.ConnectionPool, url: str, rules: FetchRules, adapter_id: str,
+          headers: dict[str, str]) -> tuple[httpcore.Response, httpx.URL]:
+    """GET `url`, following redirects (each one checked again); the last response, its body unread."""
+    current = _checked(url, rules, adapter_id)
+    for _ in range(rules.max_redirects + 1):
+        response = pool.handle_request(_request(current, headers, rules))
+        location = _header(response, b"location")
+        if response.status not in _REDIRECTS or location is None:
+            return response, current
+        response.close()
+        following = _checked(location, rules, adapter_id, base=current)
+        if (following.scheme, following.host, _port(following)) != (current.scheme, current.host, _port(current)):
+            headers = {k: v for k, v in headers.items() if k.lower() not in _SECRET_HEADERS}
+        current = following
+    raise AdapterUnavailable(adapter_id, f"{display_url(url)} redirected more than {rules.max_redirects} times",
+                             "Give the file's final URL, or ask its host to fix its redirects")
+
+
+_STATUSES = {404: (AdapterNotFound, "Check the URL: the file is gone or was never there"),
+             401: (AdapterForbidden, "Check the token this source sends (e.g. CIVITAI_TOKEN) and that it has "
+                                     "permission to download this file"),
+             429: (AdapterUnavailable, "The file's host is busy; try again later")}  # 429: as much as a 503
+_STATUSES |= {410: _STATUSES[404], 403: _STATUSES[401]}
+
+
+def _check_status(response: httpcore.Response, shown: str, adapter_id: str) -> None:
+    if not 200 <= response.status < 300:
+        error, fix = _STATUSES.get(response.status) or (
+            (AdapterUnavailable, "The file's host failed; try again later") if response.status >= 500 else
+            (AdapterInvalid, "Check the URL: it should lead to the file itself"))
+        raise error(adapter_id, f"{shown} answered HTTP {response.status}", fix)
+
+
+# an upstream failure and what it says; socket and h11 texts name no URL, and local protocol
+# errors (which can quote a header we sent, a token) are described, not quoted
+_UPSTREAM = ((httpcore.ConnectTimeout, "its host did not answer within {connect:g} s"),
+             (httpcore.TimeoutException, "its host sent nothing for {read:g} s"),
+             (httpcore.ConnectError, "could not connect to its host ({exc})"),
+             (httpcore.RemoteProtocolError, "its host broke off or garbled the answer ({exc})"),
+             (httpcore.NetworkError, "the connection broke ({exc})"),
+             (httpcore.LocalProtocolError, "the request could not be sent (a malformed header)"))
+
+
+@contextmanager
+def _upstream_errors(url: str, rules: FetchRules, adapter_id: str) -> Iterator[None]:
+    try:
+        yield
+    except tuple(kind for kind, _ in _UPSTREAM) as exc:
+        text = next(text for kind, text in _UPSTREAM if isinstance(exc, kind))
+        problem = text.format(connect=rules.connect_timeout, read=rules.read_timeout, exc=str(exc)[:200] or "closed")
+        raise AdapterUnavailable(adapter_id, f"{display_url(url)}: {problem}",
+                                 "Check that the host is up and reachable from this server, then try again") from exc
+
+
+class _Body:
+    """A response's bytes as they arrive; `too_big` is raised once more than `cap` have come."""
+
+    def __init__(self, response: httpcore.Response, cap: int, too_big: Callable[[], AdapterError]):
+        length = _header(response, b"content-length")
+        if length is not None and length.strip().isdigit() and int(length) > cap:
+            raise too_big()  # refused before a byte of the body is read
+        self._chunks, self._cap, self._too_big = response.iter_stream(), cap, too_big
+        self._buffer, self._seen = bytearray(), 0
+
+    def _more(self) -> bool:
+        chunk = next(self._chunks, None)
+        self._seen += len(chunk or b"")
+        if self._seen > self._cap:  # stops at the first chunk past the cap, whatever was declared
+            raise self._too_big()
+        self._buffer += chunk or b""
+        return chunk is not None
+
+    def read(self, n: int) -> bytes:  # fewer only where the body ends
+        while len(self._buffer) < n and self._more():
+            pass
+        out = bytes(self._buffer[:n])
+        del self._buffer[:n]
+        return out
+
+    def chunks(self) -> Iterator[bytes]:
+        while self._buffer or self._more():
+            out = bytes(self._buffer)
+            self._buffer.clear()
+            yield out
+
+
+def _safetensors_head(body: _Body, cap: int, shown: str, adapter_id: str) -> bytes:
+    """The 8-byte header length and the JSON header, checked before the rest is read."""
+    prefix = body.read(8)
+    n = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+    # a pickle, a zip or HTML read as a length is absurd; and a header starts with "{" (the
+    # format's rule), which refuses a crafted length before its N bytes are read
+    header = body.read(1) if 0 < n <= min(MAX_HEADER, cap - 8) else b""
+    header += body.read(n - 1) if header == b"{" else b""
+    try:
+        is_object = len(header) == n and isinstance(json.loads(header), dict)
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested past the parser's depth
+        is_object = False
+    if not is_object:
+        raise AdapterInvalid(adapter_id, f"{shown} is not a safetensors file (its first bytes are no header)",
+                             "Give the URL of a .safetensors file (pickled .ckpt, .pt and .bin files are never loaded)")
+    return prefix + header
+
+
+def _safe_id(adapter_id: str) -> str:
+    return display_url(adapter_id) if "://" in adapter_id else adapter_id  # an id that is a URL keeps no token
+
+
+def _fetch(url: str, rules: FetchRules, adapter_id: str, headers: dict[str, str],
+           consume: Callable[[httpcore.Response, str], object]):
+    """GET `url` under `rules`; `consume(response, shown URL)` reads the final answer's body."""
+    # httpx's own TLS context (certifi's bundle, or SSL_CERT_FILE / SSL_CERT_DIR when set), one per
+    # fetch as httpcore sets ALPN on it; a pool per fetch, so no connection outlives its checks
+    pool = httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(),
+                                   network_backend=_CheckedBackend(rules.allow, adapter_id))
+    with pool, _upstream_errors(url, rules, adapter_id):
+        response, final = _open(pool, url, rules, adapter_id, headers)
+        try:
+            _check_status(response, display_url(str(final)), adapter_id)
+            return consume(response, display_url(str(final)))
+        finally:
+            response.close()  # bytes left unread: the connection is dropped, the upstream stops sending
+
+
+def _write(response: httpcore.Response, shown: str, dest: Path, rules: FetchRules, adapter_id: str,
+           safetensors: bool) -> Fetched:
+    body = _Body(response, rules.max_bytes, lambda: AdapterInvalid(
+        adapter_id, f"{shown} is larger than {rules.max_bytes} bytes",
+        "Start the server with a larger --max-adapter-mb if a file this big is meant to be served"))
+    digest = hashlib.sha256()
+    head = _safetensors_head(body, rules.max_bytes, shown, adapter_id) if safetensors else b""
+    with dest.open("wb") as out:
+        for chunk in itertools.chain([head] if head else [], body.chunks()):
+            out.write(chunk)
+            digest.update(chunk)
+        size = out.tell()
+    return Fetched(dest, size, digest.hexdigest(), _header(response, b"etag"), shown)
+
+
+def fetch_file(url: str, dest: Path, rules: FetchRules, adapter_id: str, headers: dict[str, str] | None = None,
+               safetensors: bool = True) -> Fetched:
+    """GET `url` into `dest` (the caller's temporary path, deleted on any failure) under `rules`."""
+    adapter_id = _safe_id(adapter_id)
+    try:
+        fetched = _fetch(url, rules, adapter_id, headers or {},
+                         lambda response, shown: _write(response, shown, dest, rules, adapter_id, safetensors))
+    except BaseException:
+        dest.unlink(missing_ok=True)
+        raise
+    logger.info("fetched %s for %s: %d B", fetched.final_url, adapter_id, fetched.size)
+    return fetched
+
+
+def fetch_json(url: str, rules: FetchRules, adapter_id: str, headers: dict[str, str] | None = None,
+               max_bytes: int = 4 * 2**20) -> object:
+    """GET `url` and parse its JSON answer (at most `max_bytes`), under `rules`."""
+    adapter_id = _safe_id(adapter_id)
+
+    def parse(response: httpcore.Response, shown: str) -> object:
+        fix = "Check that the URL is the API's (e.g. --civitai-api)"
+        body = _Body(response, max_bytes, lambda: AdapterInvalid(adapter_id, f"{shown} is over {max_bytes} B", fix))
+        try:
+            return json.loads(b"".join(body.chunks()))
+        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's depth
+            raise AdapterInvalid(adapter_id, f"{shown} did not answer JSON", fix) from None
+    return _fetch(url, rules, adapter_id, {"Accept": "application/json", **(headers or {})}, parse)
