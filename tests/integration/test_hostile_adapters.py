@@ -133,8 +133,11 @@ CASES = {
     "rank-zero": (400, "is empty (rank 0"),
     "other-base": (422, "made for stabilityai/stable-diffusion-xl-base-1.0, and this server hosts tiny-sd"),
 }
-BAD_IDS = ["../outside/evil", "a/../../etc/passwd", "/etc/passwd", "http://evil.example/x.safetensors",
-           "file:///etc/passwd", "hf://owner/name", "C:\\adapters\\x", "~/x", "x\x00y", ".hidden"]
+BAD_IDS = ["../outside/evil", "a/../../etc/passwd", "/etc/passwd", "file:///etc/passwd", "hf://owner/name",
+           "C:\\adapters\\x", "~/x", "x\x00y", ".hidden"]
+# references to files elsewhere, which this server (no --url-allow, --civitai, --s3) does not fetch
+REMOTE_NAMES = [("http://evil.example/x.safetensors", "--url-allow"), ("civitai:1@2", "--civitai"),
+                ("s3://some-bucket/x.safetensors", "--s3")]
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +201,7 @@ def test_hostile_adapter_is_refused_on_every_route(served, adapter_id):
 
 
 @pytest.mark.parametrize("bad_id", BAD_IDS)
-def test_ids_that_are_paths_or_urls_are_refused(served, bad_id):
+def test_ids_that_are_paths_are_refused(served, bad_id):
     client, engine, base, _ = served
     header = client.post("/", json=GOOD_REQUEST, headers={"lora": bad_id}) if "\x00" not in bad_id else None
     path = client.post("/models/" + quote(bad_id, safe=""), json=GOOD_REQUEST)
@@ -207,7 +210,21 @@ def test_ids_that_are_paths_or_urls_are_refused(served, bad_id):
     for response in (header, path, openai, load):
         if response is not None:
             _assert_refused(response, 400, "invalid adapter id", None)
-            assert "never paths or URLs" in response.json()["error"]
+            assert "never paths" in response.json()["error"]
+    _assert_unchanged(engine, base)
+
+
+@pytest.mark.parametrize("name,flag", REMOTE_NAMES)
+def test_files_elsewhere_are_refused_naming_the_flag_that_allows_them(served, name, flag):
+    client, engine, base, _ = served
+    header = client.post("/", json=GOOD_REQUEST, headers={"lora": name})
+    path = client.post("/models/" + quote(name, safe=""), json=GOOD_REQUEST)
+    openai = client.post("/v1/images/generations", json={"model": name, "prompt": "x", "size": "32x32"})
+    body = client.post("/v1/images/generations", json={"loras": [{"path": name}], "prompt": "x", "size": "32x32"})
+    load = client.post("/adapters/" + quote(name, safe="") + "/load")
+    for response in (header, path, openai, body, load):
+        assert response.status_code == 403, response.text
+        assert flag in response.json()["error"], response.text
     _assert_unchanged(engine, base)
 
 

@@ -53,7 +53,8 @@ def file_stamp(location: AdapterLocation) -> tuple:
 def check_adapter_id(adapter_id: str) -> str:
     if not ADAPTER_ID.match(adapter_id) or adapter_id.endswith("/"):
         raise BadRequest(f"invalid adapter id {adapter_id!r}: ids are names like 'style/anime' (letters, digits, "
-                         "'_', '-', '.', '/'), never paths or URLs")
+                         "'_', '-', '.', '/'), never paths; a file elsewhere is named by an https:// URL, "
+                         "civitai:MODEL@VERSION or s3://bucket/key")
     return adapter_id
 
 
@@ -89,6 +90,10 @@ class LocalAdapterSource:
         # the folder is not named: a client must not learn the server's paths
         raise AdapterNotFound(adapter_id, "no such adapter in the adapter folder",
                               "GET /adapters lists the ids this server knows")
+
+    def has(self, adapter_id: str) -> bool:
+        """Whether the folder holds the id (as a file or an adapter folder), without checking it."""
+        return (self.root / f"{adapter_id}.safetensors").is_file() or (self.root / adapter_id).is_dir()
 
     def list_ids(self) -> list[str]:
         ids = set()
@@ -191,12 +196,15 @@ class HubAdapterSource:
 
 
 class AdapterSources:
-    """The local folder first, then the hub for ids shaped `owner/name[@revision]`."""
+    """The local folder first, then the hub for ids shaped `owner/name[@revision]`; ids of
+    files elsewhere (`url:`, `civitai:`, `s3:`, references.py) go to `remote`."""
 
-    def __init__(self, local: LocalAdapterSource | None, hub: HubAdapterSource | None):
-        self.local, self.hub = local, hub
+    def __init__(self, local: LocalAdapterSource | None, hub: HubAdapterSource | None, remote=None):
+        self.local, self.hub, self.remote = local, hub, remote  # remote: a remote.RemoteSources
 
     def locate(self, adapter_id: str) -> AdapterLocation:
+        if self.remote is not None and self.remote.handles(adapter_id):
+            return self.remote.locate(adapter_id)
         check_adapter_id(adapter_id)
         if self.local is not None:
             try:
@@ -210,5 +218,18 @@ class AdapterSources:
                               "Start the server with --adapters DIR or --hub")
 
     def list_ids(self) -> list[str]:
-        return self.local.list_ids() if self.local is not None else []
+        local = self.local.list_ids() if self.local is not None else []
+        return local + (self.remote.list_ids() if self.remote is not None else [])
+
+    def source_name(self, adapter_id: str) -> str:
+        """Where the adapter comes from: folder, hub, url, civitai or s3."""
+        if self.remote is not None and self.remote.handles(adapter_id):
+            return adapter_id.split(":", 1)[0]
+        in_folder = self.local is not None and self.local.has(adapter_id)
+        return "hub" if self.hub is not None and self.hub.handles(adapter_id) and not in_folder else "folder"
+
+    def forget(self, adapter_id: str) -> None:
+        """Drop what is kept of the adapter beyond the caches: a download's file."""
+        if self.remote is not None and self.remote.handles(adapter_id):
+            self.remote.forget(adapter_id)
 

@@ -22,14 +22,9 @@ from .cache import AdapterCache, CacheConfig, CacheEntry
 from .lease import Lease
 from .metadata import refuse_other_base
 from .parse import load_adapter
-from .source import (
-    AdapterLocation,
-    AdapterSources,
-    HubAdapterSource,
-    LocalAdapterSource,
-    check_adapter_id,
-    file_stamp,
-)
+from .references import check_id
+from .remote import RemoteSettings, RemoteSources
+from .source import AdapterLocation, AdapterSources, HubAdapterSource, LocalAdapterSource, file_stamp
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +50,17 @@ class StoreLimits:
 
 
 def make_sources(folder: Path | None, hub: bool = False, hub_cache_dir: Path | None = None,
-                 hub_allow=("*",), hub_deny=(), max_bytes: int = 2 * 2**30) -> AdapterSources | None:
-    """The adapter folder and/or the hub (None when the server has neither)."""
+                 hub_allow=("*",), hub_deny=(), max_bytes: int = 2 * 2**30,
+                 remote: RemoteSources | None = None) -> AdapterSources | None:
+    """The adapter folder, the hub, and files elsewhere (None when the server has none of them)."""
     local = LocalAdapterSource(folder) if folder else None
-    remote = HubAdapterSource(hub_cache_dir, tuple(hub_allow), tuple(hub_deny), max_bytes) if hub else None
-    return AdapterSources(local, remote) if local or remote else None
+    hub_source = HubAdapterSource(hub_cache_dir, tuple(hub_allow), tuple(hub_deny), max_bytes) if hub else None
+    return AdapterSources(local, hub_source, remote) if local or hub_source or remote else None
+
+
+def make_remote(settings: RemoteSettings, download_dir: Path, download_bytes: int) -> RemoteSources:
+    """Files named by URL, Civitai or bucket, each source refused until its setting turns it on."""
+    return RemoteSources(settings, download_dir, download_bytes)
 
 
 class AdapterStore:
@@ -73,8 +74,9 @@ class AdapterStore:
 
     # ---------------------------------------------------------------- finding
     def locate(self, adapter_id: str) -> AdapterLocation:
-        """The adapter's file (404/400 for unknown or bad ids), without reading it."""
-        check_adapter_id(adapter_id)
+        """The adapter's file (404/400 for unknown or bad ids), without reading it; a file
+        elsewhere is fetched into the download cache first."""
+        check_id(adapter_id)
         if self.source is None:
             raise AdapterNotFound(adapter_id, "this server was started without an adapter folder",
                                   "Start it with --adapters DIR")
@@ -149,11 +151,18 @@ class AdapterStore:
         return entry.host
 
     def evict(self, adapter_id: str) -> None:
-        """Stop keeping the adapter and drop it from every tier (it is read again when next used)."""
-        check_adapter_id(adapter_id)
-        if self.cache.get(adapter_id) is None:
+        """Stop keeping the adapter and drop it from every tier, a download's file included (it
+        is read, or fetched, again when next used)."""
+        check_id(adapter_id)
+        if self.cache.get(adapter_id) is None and adapter_id not in self._downloaded():
             self.locate(adapter_id)  # an id neither cached nor on disk: 404
         self.cache.evict(adapter_id)
+        if self.source is not None:
+            self.source.forget(adapter_id)
+
+    def _downloaded(self) -> set[str]:
+        remote = self.source.remote if self.source is not None else None
+        return set(remote.list_ids()) if remote is not None else set()
 
     def rows(self, applied_ids=(), cached_only: bool = False) -> list[dict]:
         """Every adapter in a cache tier (hub adapters too) and, unless `cached_only`, in the
@@ -166,7 +175,8 @@ class AdapterStore:
     def _row(self, adapter_id: str, applied: set[str]) -> dict:
         entry = self.cache.get(adapter_id)
         row = {"id": adapter_id, "cached": entry.tier.value if entry else "disk",
-               "kept": bool(entry and entry.kept), "applied": adapter_id in applied}
+               "kept": bool(entry and entry.kept), "applied": adapter_id in applied,
+               "source": self.source.source_name(adapter_id) if self.source is not None else "folder"}
         if entry is not None:
             bound = entry.host
             row.update(base_model=bound.base_models[0] if bound.base_models else self.model.name,

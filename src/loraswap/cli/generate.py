@@ -15,13 +15,16 @@ from .settings import engine_config, one_model, pick, server_config
 # and the bounds of an input image (the server's checks, run here on --image and --mask)
 IMAGE_SETTINGS = pick("max-image-mb", "max-image-pixels")
 IMAGE_NAMES = {s.name for s in IMAGE_SETTINGS}
-GENERATE_SETTINGS = [one_model(), *pick("adapters", "hub", "device", "dtype", "compile", "compile-mode",
-                                        "compile-vae", "attention", "quantize", "quantize-text-encoders",
-                                        "max-gpu-memory-gb", "compile-cache"), *IMAGE_SETTINGS]
+REMOTE_SETTINGS = pick("url-allow", "civitai", "civitai-api", "civitai-token-file", "s3", "s3-endpoint-url",
+                       "download-dir")
+GENERATE_SETTINGS = [one_model(), *pick("adapters", "hub"), *REMOTE_SETTINGS,
+                     *pick("device", "dtype", "compile", "compile-mode", "compile-vae", "attention", "quantize",
+                           "quantize-text-encoders", "max-gpu-memory-gb", "compile-cache"), *IMAGE_SETTINGS]
 
 
 def parse_loras(specs: list[str]) -> list[tuple[str, float]]:
-    """Each `--lora ID[:WEIGHT]` (or `a:0.8, b:0.5`), read as the `lora` header is."""
+    """Each `--lora NAME[:WEIGHT]` (or `a:0.8, b:0.5`), read as the `lora` header is: an id, a
+    URL, a Civitai AIR or s3://bucket/key."""
     try:
         return [lora for spec in specs for lora in parse_adapter_specs(spec)]
     except BadRequest as e:
@@ -31,7 +34,8 @@ def parse_loras(specs: list[str]) -> list[tuple[str, float]]:
 @with_settings(*GENERATE_SETTINGS)
 def generate(
     prompt: Annotated[str, typer.Argument(help="What to draw.")],
-    lora: Annotated[list[str] | None, env_option("--lora", help="Adapter ID[:WEIGHT]; repeat to blend.")] = None,
+    lora: Annotated[list[str] | None, env_option(
+        "--lora", help="Adapter ID[:WEIGHT], or an https:// URL or civitai:MODEL@VERSION; repeat to blend.")] = None,
     steps: Annotated[int | None, env_option("--steps", help="Denoising steps.")] = None,
     guidance: Annotated[float | None, env_option("--guidance", help="Guidance scale.")] = None,
     width: Annotated[int | None, env_option("--width", help="Image width, a multiple of 8.")] = None,

@@ -1,5 +1,6 @@
 """The engine's typed configuration and the shape of one generation request."""
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -8,8 +9,10 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..adapters.cache import CacheConfig
+from ..adapters.downloads import default_download_dir
+from ..adapters.remote import CIVITAI_API, RemoteSettings
 from ..adapters.source import AdapterSources
-from ..adapters.store import make_sources
+from ..adapters.store import make_remote, make_sources
 from ..flags import ADAPTERS, MODELS, SPEED, Flag
 from .quantize import QuantizeMode
 
@@ -49,6 +52,29 @@ class EngineConfig(BaseModel):
     hotswap_rank: Annotated[int, Flag(ADAPTERS)] = Field(
         128, ge=1, le=1024, description="With --swap-mode hotswap: the highest rank served (every adapter is padded "
                                         "to it).")
+    url_allow: Annotated[list[str], Flag(ADAPTERS)] = Field(
+        default_factory=list, description="A host adapters may be fetched from by URL: host or host:port, fnmatch; "
+        "* is any public host (never a loopback, private or metadata address, unless named); plain http only from "
+        "a host named. None given: URLs are refused.")
+    civitai: Annotated[bool, Flag(ADAPTERS)] = Field(
+        False, description="Serve Civitai adapters (civitai:MODEL@VERSION, or an AIR) through Civitai's API, "
+                           "checked against the SHA256 it lists; a token from CIVITAI_TOKEN or "
+                           "--civitai-token-file.")
+    civitai_api: Annotated[str | None, Flag(ADAPTERS)] = Field(
+        None, description="Civitai's API base, or a mirror's (default: https://civitai.com/api); turns --civitai "
+                          "on.")
+    civitai_token_file: Annotated[Path | None, Flag(ADAPTERS)] = Field(
+        None, description="A file holding a Civitai API token (default: the CIVITAI_TOKEN variable).")
+    s3: Annotated[bool, Flag(ADAPTERS)] = Field(
+        False, description="Serve adapters from S3 buckets (s3://bucket/key), with the standard AWS settings "
+                           "(AWS_* variables, profiles, instance roles).")
+    s3_endpoint_url: Annotated[str | None, Flag(ADAPTERS)] = Field(
+        None, description="An S3-compatible store's endpoint (MinIO, R2, ...); turns --s3 on.")
+    download_dir: Annotated[Path | None, Flag(ADAPTERS)] = Field(
+        None, description="Folder of the adapters fetched by URL or from Civitai, kept across restarts (default: "
+                          "~/.cache/loraswap/downloads).")
+    download_cache_gb: Annotated[float, Flag(ADAPTERS)] = Field(
+        20.0, gt=0, description="Disk the downloads may take, GiB; the least recently used are dropped past it.")
     max_blend: Annotated[int, Flag(ADAPTERS)] = Field(
         4, ge=1, le=32, description="Most adapters blended in one request.")
     max_rank: Annotated[int, Flag(ADAPTERS)] = Field(1024, ge=1, description="Highest LoRA rank accepted.")
@@ -97,9 +123,26 @@ class EngineConfig(BaseModel):
         return check_backend_name(name)
 
     def adapter_sources(self) -> AdapterSources | None:
-        """Where this model's adapters come from: `source` if given, else the folder and/or hub."""
-        return self.source or make_sources(self.adapters, self.hub, self.hub_cache_dir, self.hub_allow,
-                                           self.hub_deny, int(self.max_adapter_mb * 2**20))
+        """Where this model's adapters come from: `source` if given, else the folder, the hub,
+        and files elsewhere (URLs, Civitai), each as its settings allow."""
+        if self.source is not None:
+            return self.source
+        max_bytes = int(self.max_adapter_mb * 2**20)
+        remote = make_remote(RemoteSettings(tuple(self.url_allow), self._civitai_api(), self._civitai_token(),
+                                            self.s3 or self.s3_endpoint_url is not None, self.s3_endpoint_url,
+                                            max_bytes),
+                             self.download_dir or default_download_dir(), int(self.download_cache_gb * 2**30))
+        return make_sources(self.adapters, self.hub, self.hub_cache_dir, self.hub_allow, self.hub_deny, max_bytes,
+                            remote)
+
+    def _civitai_api(self) -> str | None:
+        return self.civitai_api or (CIVITAI_API if self.civitai else None)
+
+    def _civitai_token(self) -> str | None:
+        """The token: --civitai-token-file's first line, else CIVITAI_TOKEN (read at start-up)."""
+        if self.civitai_token_file is not None:
+            return self.civitai_token_file.read_text().strip().splitlines()[0].strip() or None
+        return os.environ.get("CIVITAI_TOKEN") or None
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

@@ -10,20 +10,25 @@ from .config import ServerConfig
 from .limits import constrain, schema_limits
 
 LORA_HEADER = {"name": "lora", "in": "header", "required": False, "schema": {"type": "string"},
-               "description": "Adapter id, or several with weights: `id1:0.8, id2:0.5`."}
+               "description": "Adapter id (or URL, Civitai AIR, s3://bucket/key), or several with weights: "
+                              "`id1:0.8, id2:0.5`."}
 
 # Statuses each route answers besides 200, as {"error": ...}; FastAPI's own 422 (a `detail`
 # list) never reaches a client: request validation errors are answered 400.
-_ERRORS_GENERATE = ("400", "403", "404", "422", "503")
+_ERRORS_GENERATE = ("400", "403", "404", "422", "502", "503")
 _ERRORS = {"/": _ERRORS_GENERATE, "/models/{model_id}": _ERRORS_GENERATE,
            "/v1/images/generations": _ERRORS_GENERATE, "/v1/images/edits": _ERRORS_GENERATE,
            "/ready": ("503",), "/adapters": ("503",),
-           "/adapters/{adapter_id}/load": ("400", "403", "404", "422", "503"),
+           "/adapters/{adapter_id}/load": _ERRORS_GENERATE,
            "/adapters/{adapter_id}": ("400", "403", "404", "422", "503"),
            "/v1/videos": ("400", "422", "503"), "/v1/videos/{video_id}": ("404",),
            "/v1/videos/{video_id}/content": ("400", "404", "409")}
 _ERROR_TEXT = {"400": "Bad request: the message says what to fix.", "401": "No key, or a wrong one: send "
-               "`Authorization: Bearer KEY`.", "403": "Hub adapter refused by allow/deny.",
+               "`Authorization: Bearer KEY`.",
+               "403": "An adapter refused: a hub id by allow/deny, or a URL, Civitai AIR or bucket this server "
+               "does not fetch from (the message names the flag).",
+               "502": "An adapter named by URL, Civitai AIR or bucket could not be fetched: its host failed or did "
+               "not answer in time.",
                "404": "Unknown adapter, or unknown (or expired) video.",
                "422": "The adapter does not fit the hosted base model, or that model "
                "takes no image (or no mask).",

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from ..adapters.specs import parse_adapter_specs
+from ..adapters.specs import adapter_with_weight, parse_adapter_specs
 from ..engine.config import GenerateRequest
 from ..errors import BadRequest
 from ..media.images import ImageLimits, decode_base64, looks_like_image, output_size, read_inputs, require_image
@@ -130,8 +130,10 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
     check_limits({"width": fields.get("width"), "height": fields.get("height"), "seed": last_seed}, config)
     frames, fps = _video_frames(fields, config)
     require_image(fields.get("image") is not None, fields.get("mask") is not None, fields.get("strength"))
-    # 3. the name: a hosted base model, or adapters put before those of the `lora` header
-    model, loras = _model_and_adapters(backend, named, api.names_blend, request.headers.get("lora"))
+    # 3. the name: a hosted base model, or adapters put before those of the body's `loras`
+    #    and the `lora` header
+    model, loras = _model_and_adapters(backend, named, api.names_blend, fields.get("loras") or [],
+                                       request.headers.get("lora"))
     # 4. the image and the mask, decoded and checked (the costliest check, so the last);
     #    no size asked: the image's
     image, mask = await decode_inputs(fields.get("image"), fields.get("mask"), image_limits(config))
@@ -185,15 +187,25 @@ def _video_frames(fields: dict, config: ServerConfig) -> tuple[int | None, int |
     return frames, fps
 
 
-def _model_and_adapters(backend: Backend, named: str | None, blend: bool,
+def _model_and_adapters(backend: Backend, named: str | None, blend: bool, listed: list[tuple[str, float]],
                         header: str | None) -> tuple[str | None, list[tuple[str, float]]]:
     """The hosted model `named` is, or the adapters it names (weight 1.0, or a blend when the API
-    allows one) with the header's; an adapter in both takes the header's weight."""
-    loras = parse_adapter_specs(header)
-    if not named:
-        return None, loras
-    if backend.is_model(named):
-        return named, loras
-    by_name = parse_adapter_specs(named) if blend else [(named, 1.0)]
-    in_header = {adapter_id for adapter_id, _ in loras}
-    return None, [lora for lora in by_name if lora[0] not in in_header] + loras
+    allows one); then the body's `loras` list, then the header's. An adapter named in two of
+    them takes the later one's weight and place (the header's over the body's over the name's)."""
+    body = [adapter_with_weight(name, weight) for name, weight in listed]
+    header_loras = parse_adapter_specs(header)
+    if named and backend.is_model(named):
+        return named, _merged(body, header_loras)
+    by_name = (parse_adapter_specs(named) if blend else [adapter_with_weight(named, 1.0)]) if named else []
+    return None, _merged(by_name, body, header_loras)
+
+
+def _merged(*groups: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """The groups' adapters in order, each dropped from earlier groups when a later one names it
+    (within one group a repeat stays, and the blend's check refuses it)."""
+    merged: list[tuple[str, float]] = []
+    later: set[str] = set()
+    for group in reversed(groups):
+        merged = [lora for lora in group if lora[0] not in later] + merged
+        later |= {adapter_id for adapter_id, _ in group}
+    return merged

@@ -1,12 +1,40 @@
 """Request bodies of the two HTTP APIs (Hugging Face Inference API, OpenAI images API) and
 their header and size fields, as typed Python."""
 
+import json
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import BadRequest, UnsupportedInput
 from ..media.images import looks_like_image
+
+
+class LoraEntry(BaseModel):
+    """One adapter of a body's `loras` list, as fal and Together name it: `path` is an adapter
+    id, a hub id, an https:// URL, a Civitai AIR or s3://bucket/key; `scale` its weight."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    path: str = Field(max_length=2048, description="An adapter id, owner/name[@revision] (--hub), an https:// "
+                      "URL of a .safetensors file, civitai:MODEL@VERSION or an AIR, or s3://bucket/key.")
+    scale: float = Field(1.0, description="The adapter's weight in the blend.")
+
+
+def _json_list(value: Any) -> Any:
+    """A form field carries a list as JSON text."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise ValueError('loras in a form is JSON text: [{"path": "...", "scale": 1.0}]') from None
+    return value
+
+
+def _loras(loras: list[LoraEntry] | None, image_loras: list[LoraEntry] | None = None) -> list[tuple[str, float]]:
+    if loras is not None and image_loras is not None:
+        raise BadRequest("the body gives both loras and image_loras (the same list): give one")
+    return [(entry.path, entry.scale) for entry in (loras if loras is not None else image_loras or [])]
 
 
 class TargetSize(BaseModel):
@@ -34,6 +62,8 @@ class HFParameters(BaseModel):
     height: int | None = None
     target_size: TargetSize | None = None
     seed: int | None = None
+    loras: list[LoraEntry] | None = Field(None, description="Adapters to blend, by id, URL, Civitai AIR or "
+                                          "bucket: [{\"path\": ..., \"scale\": 1.0}] (an extension).")
 
 
 class ApiBody(BaseModel):
@@ -91,7 +121,7 @@ class HFRequest(ApiBody):
         return {"prompt": p.prompt if image_to_image else self.inputs, "negative_prompt": p.negative_prompt,
                 "width": size.width, "height": size.height, "num_inference_steps": p.num_inference_steps,
                 "guidance_scale": p.guidance_scale, "seed": p.seed, "strength": p.strength,
-                "image": self.inputs if image_to_image else None, "mask": p.mask}
+                "image": self.inputs if image_to_image else None, "mask": p.mask, "loras": _loras(p.loras)}
 
 
 class OpenAIImageRequest(ApiBody):
@@ -110,9 +140,12 @@ class OpenAIImageRequest(ApiBody):
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    loras: list[LoraEntry] | None = Field(None, description="Adapters to blend, by id, URL, Civitai AIR or "
+                                          "bucket: [{\"path\": ..., \"scale\": 1.0}] (an extension).")
+    image_loras: list[LoraEntry] | None = Field(None, description="The same list, as Together names it.")
 
     def fields(self) -> dict[str, Any]:
-        return self.model_dump()
+        return {**self.model_dump(exclude={"loras", "image_loras"}), "loras": _loras(self.loras, self.image_loras)}
 
 
 class OpenAIEditRequest(OpenAIImageRequest):
@@ -129,6 +162,8 @@ class OpenAIEditRequest(OpenAIImageRequest):
     mask: bytes | None = Field(None, description="A file of the image's size: transparent (or, without "
                                "transparency, white) where to repaint.")
     strength: float | None = Field(None, description="How much of the image to repaint (1: all of it).")
+
+    _loras_as_json = field_validator("loras", "image_loras", mode="before")(_json_list)
 
     @field_validator("image", "mask", mode="before")
     @classmethod
@@ -162,6 +197,10 @@ class OpenAIVideoRequest(ApiBody):
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    loras: list[LoraEntry] | None = Field(None, description="Adapters to blend, as JSON text: "
+                                          "[{\"path\": ..., \"scale\": 1.0}] (an extension).")
+
+    _loras_as_json = field_validator("loras", mode="before")(_json_list)
 
     def fields(self) -> dict[str, Any]:
         if self.input_reference is not None:
@@ -170,7 +209,7 @@ class OpenAIVideoRequest(ApiBody):
         lengths = [name for name in ("seconds", "frames", "num_frames") if getattr(self, name) is not None]
         if len(lengths) > 1:
             raise BadRequest(f"the form gives both {lengths[0]} and {lengths[1]}: give one length")
-        return self.model_dump(exclude={"input_reference"})
+        return {**self.model_dump(exclude={"input_reference", "loras"}), "loras": _loras(self.loras)}
 
 
 def invalid_request_message(errors) -> str:

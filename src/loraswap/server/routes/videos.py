@@ -7,7 +7,7 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from ...adapters.source import check_adapter_id
+from ...adapters.references import check_id
 from ...engine.engine import GenerateResult
 from ..auth import Access, require_api_key
 from ..backend import not_ready
@@ -36,7 +36,7 @@ async def create_video(request: Request):
     # 1. parse (the one parser of every generation route: limits, adapters, the engine's request)
     parsed = await parse_request(request, OpenAIVideoRequest)
     for adapter_id, _ in parsed.engine_request.loras:  # a path, not an id: 400 now, not a failed job later
-        check_adapter_id(adapter_id)
+        check_id(adapter_id)
     info = state.backend.ready_info()
     if info is None:  # a job started now would only fail
         raise not_ready(state.backend.load_error)

@@ -1,0 +1,170 @@
+"""What a user may name as an adapter, and the id it is then served, cached and listed under.
+
+A name is an adapter id of the folder or the hub (`style/anime`, `owner/name@rev`, checked
+by `source.check_adapter_id`), or a reference to a file elsewhere, which becomes an id of
+the form `SOURCE:...`. A colon never appears in a folder or hub id, so the two cannot be
+confused, and everything after the edge (routing, the cache, `GET /adapters`, errors,
+logs) sees only ids:
+
+- `https://host/path/x.safetensors?signature=...` -> `url:<sha256 of the URL, 32 hex>`.
+  The URL itself, signature and all, is kept in this process only (`remember_url`): never
+  in an id, a log line, an error or a file. A download cached on disk is served by its id
+  after a restart; once evicted, it is fetched again only by its URL.
+- `civitai:MODEL@VERSION`, or an AIR `urn:air:ECOSYSTEM:lora:civitai:MODEL@VERSION` ->
+  `civitai:MODEL@VERSION` (the AIR's ecosystem is a hint of the base model).
+- `s3://bucket/key` -> `s3:bucket/key`.
+"""
+
+import hashlib
+import re
+import threading
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from ..errors import BadRequest
+from .source import check_adapter_id
+
+MAX_URL_CHARS = 2048
+CIVITAI = re.compile(r"^civitai:(?P<model>\d{1,12})@(?P<version>\d{1,12})$")
+AIR = re.compile(r"^urn:air:(?P<ecosystem>[a-z0-9_.-]{1,32}):(?P<type>[a-z]{1,32}):civitai:"
+                 r"(?P<model>\d{1,12})@(?P<version>\d{1,12})$")
+AIR_ADAPTER_TYPES = ("lora", "lycoris", "locon", "loha", "lokr", "dora")
+S3 = re.compile(r"^s3:(//)?(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/"
+                r"(?P<key>[A-Za-z0-9_.=+-]+(/[A-Za-z0-9_.=+-]+)*)$")
+URL_ID = re.compile(r"^url:[0-9a-f]{32}$")
+REMOTE_PREFIXES = ("url:", "civitai:", "s3:")
+REFERENCE_PREFIXES = ("https://", "http://", "civitai:", "urn:air:", "s3://", "url:", "s3:")
+
+
+@dataclass(frozen=True)
+class UrlReference:
+    url: str
+
+    @property
+    def adapter_id(self) -> str:
+        return "url:" + hashlib.sha256(self.url.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class CivitaiReference:
+    model: int
+    version: int
+    ecosystem: str | None = None  # from an AIR: the base model's family, as Civitai names it
+
+    @property
+    def adapter_id(self) -> str:
+        return f"civitai:{self.model}@{self.version}"
+
+
+@dataclass(frozen=True)
+class S3Reference:
+    bucket: str
+    key: str
+
+    @property
+    def adapter_id(self) -> str:
+        return f"s3:{self.bucket}/{self.key}"
+
+
+Reference = UrlReference | CivitaiReference | S3Reference
+
+_urls: dict[str, str] = {}  # url:<hash> -> the URL it was made from, for this process's life
+_urls_lock = threading.Lock()
+
+
+def looks_like_reference(text: str) -> bool:
+    """Whether `text` names a file elsewhere (or is such a file's id), not a folder or hub id."""
+    return text.startswith(REFERENCE_PREFIXES)
+
+
+def parse_reference(text: str) -> Reference:
+    """The reference `text` makes (see the module's docstring); BadRequest saying what is wrong."""
+    if text.startswith(("https://", "http://")):
+        return _url(text)
+    if text.startswith(("civitai:", "urn:air:")):
+        return _civitai(text)
+    match = S3.match(text)
+    if match is None:
+        raise BadRequest(f"adapter {shown(text)!r}: not a reference loraswap reads: use an adapter id, an https:// "
+                         "URL, civitai:MODEL@VERSION, urn:air:ECOSYSTEM:lora:civitai:MODEL@VERSION or s3://bucket/key")
+    if ".." in match["key"].split("/"):
+        raise BadRequest(f"adapter {shown(text)!r}: '..' in an object key")
+    return S3Reference(match["bucket"], match["key"])
+
+
+def _url(text: str) -> UrlReference:
+    if len(text) > MAX_URL_CHARS:
+        raise BadRequest(f"adapter URL over {MAX_URL_CHARS} characters")
+    parts = urlsplit(text)
+    try:
+        parts.port  # noqa: B018  (raises on a port that is not a number)
+    except ValueError:
+        raise BadRequest(f"adapter URL {text[:80]!r}: its port is not a number") from None
+    if not parts.hostname or parts.username is not None or parts.password is not None:
+        raise BadRequest(f"adapter {shown(text)!r}: a URL names a host and no user or password")
+    if any(ord(c) < 33 for c in text):
+        raise BadRequest(f"adapter {shown(text)!r}: a URL has no spaces or control characters")
+    return UrlReference(text)
+
+
+def _civitai(text: str) -> CivitaiReference:
+    match = CIVITAI.match(text)
+    if match is not None:
+        return CivitaiReference(int(match["model"]), int(match["version"]))
+    match = AIR.match(text)
+    if match is None:
+        raise BadRequest(f"adapter {text[:80]!r}: a Civitai reference is civitai:MODEL@VERSION or "
+                         "urn:air:ECOSYSTEM:lora:civitai:MODEL@VERSION (numbers)")
+    if match["type"] not in AIR_ADAPTER_TYPES:
+        raise BadRequest(f"adapter {text!r}: it is a {match['type']}, not an adapter (lora, lycoris, ...)")
+    return CivitaiReference(int(match["model"]), int(match["version"]), match["ecosystem"])
+
+
+def adapter_id_of(text: str) -> str:
+    """The id `text` is served under: itself for a folder or hub id (checked), else its
+    reference's id; a URL is remembered, so that its id can be fetched in this process."""
+    if not looks_like_reference(text):
+        return check_adapter_id(text)
+    if URL_ID.match(text):
+        return text
+    reference = parse_reference(text)
+    if isinstance(reference, UrlReference):
+        with _urls_lock:
+            _urls[reference.adapter_id] = reference.url
+    return reference.adapter_id
+
+
+def check_id(adapter_id: str) -> str:
+    """`adapter_id` if it is a folder, hub or reference id (`adapter_id_of`'s output), else BadRequest."""
+    if adapter_id.startswith(REMOTE_PREFIXES):
+        if URL_ID.match(adapter_id) or adapter_id.startswith(("civitai:", "s3:")) and \
+                parse_reference(adapter_id).adapter_id == adapter_id:
+            return adapter_id
+        raise BadRequest(f"invalid adapter id {shown(adapter_id)!r}")
+    return check_adapter_id(adapter_id)
+
+
+def reference_of(adapter_id: str) -> Reference | None:
+    """The reference behind a `url:`, `civitai:` or `s3:` id (a `url:` id only if this process
+    saw its URL); None for a folder or hub id, or a URL not seen."""
+    if adapter_id.startswith("url:"):
+        with _urls_lock:
+            url = _urls.get(adapter_id)
+        return UrlReference(url) if url is not None else None
+    if adapter_id.startswith(("civitai:", "s3:")):
+        return parse_reference(adapter_id)
+    return None
+
+
+def source_of(adapter_id: str) -> str:
+    """Where an id's file comes from: `url`, `civitai`, `s3`, or `folder or hub`."""
+    return adapter_id.split(":", 1)[0] if adapter_id.startswith(REMOTE_PREFIXES) else "folder or hub"
+
+
+def shown(text: str) -> str:
+    """A reference as an error may show it: no query string (a signature), no user or password."""
+    if text.startswith(("https://", "http://")):
+        parts = urlsplit(text)
+        host = (parts.netloc.rpartition("@")[2]) or ""
+        return f"{parts.scheme}://{host}{parts.path}"[:200]
+    return text[:200]

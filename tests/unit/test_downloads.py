@@ -1,0 +1,67 @@
+"""The download cache: one fetch per adapter however many wait, nothing partial ever served,
+least recently used files dropped past the budget, and everything kept across a restart."""
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from loraswap.adapters.downloads import PARTIAL_PREFIX, Download, DownloadCache
+
+
+def _writer(data: bytes, calls: list, gate: threading.Event | None = None):
+    def fetch(dest):
+        calls.append(dest)
+        if gate is not None:
+            assert gate.wait(30)
+        dest.write_bytes(data)
+        return Download("url", "https://h.example/a.safetensors", "0" * 64)
+    return fetch
+
+
+def test_one_fetch_however_many_ask_at_once(tmp_path):
+    cache = DownloadCache(tmp_path, 2**20)
+    calls, gate = [], threading.Event()
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(cache.fetch, "url:a", _writer(b"x" * 100, calls, gate)) for _ in range(8)]
+        while not calls:  # the first fetch has started; the others wait for it
+            time.sleep(0.01)
+        gate.set()
+        paths = {f.result(timeout=30) for f in futures}
+    assert len(calls) == 1 and len(paths) == 1
+    assert next(iter(paths)).read_bytes() == b"x" * 100
+    assert cache.record("url:a")["shown"] == "https://h.example/a.safetensors"
+
+
+def test_a_failed_fetch_leaves_nothing_and_a_crash_leaves_nothing_served(tmp_path):
+    cache = DownloadCache(tmp_path, 2**20)
+
+    def broken(dest):
+        dest.write_bytes(b"half a file")
+        raise RuntimeError("connection reset")
+
+    with pytest.raises(RuntimeError):
+        cache.fetch("url:b", broken)
+    assert cache.path("url:b") is None and list(tmp_path.iterdir()) == []
+    (tmp_path / f"{PARTIAL_PREFIX}left-by-a-crash").write_bytes(b"partial")
+    restarted = DownloadCache(tmp_path, 2**20)
+    assert list(tmp_path.iterdir()) == [] and restarted.records() == []
+
+
+def test_least_recently_used_dropped_past_the_budget_and_kept_across_a_restart(tmp_path):
+    cache = DownloadCache(tmp_path, 250)
+    for name in ("url:old", "url:used", "url:new"):
+        cache.fetch(name, _writer(b"y" * 100, []))
+        past = time.time() - {"url:old": 300, "url:used": 200, "url:new": 100}[name]
+        os.utime(cache.path(name), (past, past))
+    assert cache.path("url:old") is None, "the third file did not fit: the least recently used went"
+    cache.path("url:used")  # used now: the most recent
+    cache.fetch("url:newest", _writer(b"z" * 100, []))
+    assert cache.path("url:new") is None and cache.path("url:used") is not None
+    restarted = DownloadCache(tmp_path, 250)
+    assert sorted(r["id"] for r in restarted.records()) == ["url:newest", "url:used"]
+    assert restarted.path("url:newest").read_bytes() == b"z" * 100
+    assert restarted.remove("url:used") and restarted.path("url:used") is None
+    assert [r["id"] for r in restarted.records()] == ["url:newest"]

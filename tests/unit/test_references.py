@@ -1,0 +1,59 @@
+"""Names of adapters elsewhere (URLs, Civitai AIRs, buckets): the id each is served under,
+weights after them, what is refused, and what an error may show of them."""
+
+import pytest
+
+from loraswap.adapters.references import adapter_id_of, check_id, parse_reference, reference_of, shown
+from loraswap.adapters.specs import adapter_with_weight, parse_adapter_specs
+from loraswap.errors import BadRequest
+
+SIGNED = "https://cdn.example.com/loras/style.safetensors?X-Amz-Signature=SECRET123&X-Amz-Expires=600"
+
+
+def test_each_reference_has_the_id_it_is_served_under():
+    loras = parse_adapter_specs(f"plain/id:0.5, {SIGNED}:0.7, civitai:827184@2514310, "
+                                "urn:air:sdxl:lora:civitai:11@22:0.2, s3://my-bucket/loras/x.safetensors")
+    url_id = loras[1][0]
+    assert loras == [("plain/id", 0.5), (url_id, 0.7), ("civitai:827184@2514310", 1.0), ("civitai:11@22", 0.2),
+                     ("s3:my-bucket/loras/x.safetensors", 1.0)]
+    assert url_id.startswith("url:") and len(url_id) == 36 and "SECRET" not in url_id
+    assert reference_of(url_id).url == SIGNED, "this process remembers the URL behind its id"
+    assert adapter_id_of(SIGNED) == url_id and adapter_id_of(url_id) == url_id
+    assert adapter_id_of(SIGNED.replace("SECRET123", "OTHER")) != url_id, "a URL is its own key, signature and all"
+    assert parse_reference("urn:air:flux1:lora:civitai:11@22").ecosystem == "flux1"
+    assert adapter_with_weight("https://h.example:8443/a.safetensors", None)[1] == 1.0
+    assert parse_adapter_specs("https://h.example:8443/a.safetensors:0.25")[0][1] == 0.25
+
+
+def test_a_url_id_unseen_by_this_process_has_no_reference():
+    assert reference_of("url:" + "0" * 32) is None
+    assert check_id("url:" + "0" * 32) == "url:" + "0" * 32
+
+
+@pytest.mark.parametrize("name,message", [
+    ("https://user:pw@h.example/x.safetensors", "no user or password"),
+    ("https://h.example:port/x", "port is not a number"),
+    ("https://h.example/a b", "no spaces"),
+    ("urn:air:sdxl:checkpoint:civitai:1@2", "it is a checkpoint, not an adapter"),
+    ("civitai:abc@2", "civitai:MODEL@VERSION"),
+    ("civitai:1@2:abc", "civitai:MODEL@VERSION"),
+    ("s3://my-bucket/../etc/passwd", "'..' in an object key"),
+    ("ftp://h.example/x.safetensors", "invalid adapter id"),
+    ("x:99", "out of range"),
+    (SIGNED + ":99", "out of range"),
+])
+def test_bad_references_are_refused_saying_why(name, message):
+    with pytest.raises(BadRequest, match=message) as refused:
+        parse_adapter_specs(name)
+    assert "SECRET" not in refused.value.message and "pw@" not in refused.value.message
+
+
+@pytest.mark.parametrize("adapter_id", ["url:short", "url:" + "g" * 32, "civitai:1", "s3:UPPER/x", "civitai:1@2@3"])
+def test_ids_that_look_remote_but_are_malformed_are_refused(adapter_id):
+    with pytest.raises(BadRequest):
+        check_id(adapter_id)
+
+
+def test_what_an_error_shows_of_a_url():
+    assert shown(SIGNED) == "https://cdn.example.com/loras/style.safetensors"
+    assert shown("https://user:pw@h.example:8443/a?token=T") == "https://h.example:8443/a"
