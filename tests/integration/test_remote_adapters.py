@@ -154,3 +154,34 @@ def test_each_source_is_refused_until_its_flag_names_it(files, web, tmp_path):
         assert len(web.log) == before, "nothing was fetched from a host not allowed"
     finally:
         client.__exit__(None, None, None)
+
+
+def test_an_object_in_a_bucket_gives_the_folder_files_image(files, tmp_path, monkeypatch):
+    import boto3
+    from moto.server import ThreadedMotoServer
+    from support.servers import free_port
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+                        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+                        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    port = free_port()
+    store = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    store.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    bucket = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    bucket.create_bucket(Bucket="team-loras")
+    bucket.put_object(Bucket="team-loras", Key="sd/style.safetensors", Body=files[1])
+    client = _client(files[0], tmp_path / "downloads", s3_endpoint_url=endpoint)
+    try:
+        assert _image(client, loras=[{"path": "s3://team-loras/sd/style.safetensors", "scale": 0.6}]) == \
+            _image(client, model="style:0.6")
+        rows = {row["id"]: row for row in client.get("/adapters").json()["adapters"]}
+        assert rows["s3:team-loras/sd/style.safetensors"]["source"] == "s3"
+        missing = client.post("/v1/images/generations", json={**PROMPT, "loras": [{"path": "s3://team-loras/no"}]})
+        assert missing.status_code == 404, missing.text
+    finally:
+        client.__exit__(None, None, None)
+        store.stop()
