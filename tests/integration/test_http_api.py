@@ -93,6 +93,21 @@ def test_openai_images_client(server, served_adapters, tmp_path):
     assert np.array_equal(np.asarray(image.convert("RGB")), cli_image(served_adapters, tmp_path, "styles/second", 5))
 
 
+def test_both_clients_name_adapters_in_the_bodys_loras_list(server, served_adapters, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the suite is offline; this is loopback
+    expected = cli_image(served_adapters, tmp_path, "styles/second:0.7", 5)
+    openai = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    response = openai.images.generate(prompt="a red fox", response_format="b64_json", size="64x64", extra_body={
+        "seed": 5, "num_inference_steps": 2, "loras": [{"path": "styles/second", "scale": 0.7}]})
+    by_openai = np.asarray(Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json))).convert("RGB"))
+    by_hf = InferenceClient(model=server.url).text_to_image(
+        "a red fox", seed=5, num_inference_steps=2, width=64, height=64,
+        extra_body={"loras": [{"path": "styles/second", "scale": 0.7}]})
+    assert np.array_equal(by_openai, expected) and np.array_equal(np.asarray(by_hf.convert("RGB")), expected)
+
+
 def test_blend_header_models_route_and_formats(server):
     body = {"inputs": "a red fox", "parameters": {"seed": 1, "num_inference_steps": 2}}
     blended = httpx.post(server.url + "/", json=body, headers={"lora": "style:0.7, styles/second:0.4",
