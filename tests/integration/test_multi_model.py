@@ -1,4 +1,5 @@
-"""Several base models in one server: adapters routed by their declared base model."""
+"""Several base models in one server: adapters routed by their declared base model, else by
+the family their metadata names, else by the model whose layers they fit."""
 
 import io
 import time
@@ -7,6 +8,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
@@ -23,6 +26,10 @@ def two_models(adapter_factory, tmp_path_factory):
     adapter_factory("for-sdxl", "tiny-sdxl", rank=4, alpha=8.0, base_model="tiny-sdxl", seed=401, folder=root)
     adapter_factory("undeclared", "tiny-sd", rank=4, seed=402, folder=root)
     adapter_factory("for-flux", "tiny-flux", rank=4, base_model="tiny-flux", seed=403, folder=root)
+    adapter_factory("sdxl-undeclared", "tiny-sdxl", rank=4, seed=404, folder=root)
+    _with_metadata(adapter_factory("sdxl-kohya-says", "tiny-sdxl", rank=4, fmt="kohya", seed=405, folder=root),
+                   {"ss_base_model_version": "sdxl_base_v1-0"})
+    adapter_factory("flux-undeclared", "tiny-flux", rank=4, seed=406, folder=root)
     configs = [EngineConfig(model=m, adapters=root) for m in ("tiny-sd", "tiny-sdxl")]
     app = create_app(ServerConfig(engines=configs))
     with TestClient(app) as client:
@@ -31,6 +38,13 @@ def two_models(adapter_factory, tmp_path_factory):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         yield client, app, root
+
+
+def _with_metadata(path, extra: dict) -> None:
+    """The file again, its metadata with `extra` added (what a trainer writes beside the weights)."""
+    with safe_open(str(path), "pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+    save_file(tensors, str(path), metadata={**metadata, **extra})
 
 
 def png(response) -> np.ndarray:
@@ -86,7 +100,8 @@ def test_keep_evict_and_list_go_to_the_adapters_base_model(two_models):
     listed = client.get("/adapters").json()
     assert listed["models"] == ["tiny-sd", "tiny-sdxl"]
     rows = {row["id"]: row for row in listed["adapters"]}
-    assert set(rows) == {"for-sd", "for-sdxl", "undeclared", "for-flux"}
+    assert set(rows) == {"for-sd", "for-sdxl", "undeclared", "for-flux", "sdxl-undeclared", "sdxl-kohya-says",
+                         "flux-undeclared"}
     assert (rows["for-sdxl"]["model"], rows["for-sdxl"]["kept"], rows["for-sdxl"]["base_model"]) == (
         "tiny-sdxl", True, "tiny-sdxl")
     assert (rows["for-sd"]["model"], rows["for-sd"]["kept"]) == ("tiny-sd", True)
@@ -100,3 +115,17 @@ def test_keep_evict_and_list_go_to_the_adapters_base_model(two_models):
     for adapter_id in ("for-sd", "undeclared"):
         assert client.delete(f"/adapters/{adapter_id}").status_code == 200
     assert not any(r["kept"] for engine in (sd, sdxl) for r in engine.adapters.rows())
+
+
+def test_an_adapter_naming_no_base_model_goes_to_the_model_it_is_for(two_models):
+    client, app, _ = two_models
+    sdxl = app.state.deployment.hosted[1].engine
+    png(client.post("/", json=BODY, headers={"lora": "sdxl-undeclared", "accept": "image/png"}))
+    assert sdxl.applied_ids == (("sdxl-undeclared", 1.0),), "its layers fit tiny-sdxl alone"
+    png(client.post("/", json=BODY, headers={"lora": "sdxl-kohya-says", "accept": "image/png"}))
+    assert sdxl.applied_ids == (("sdxl-kohya-says", 1.0),), "kohya's ss_base_model_version names SDXL"
+    refused = client.post("/", json=BODY, headers={"lora": "flux-undeclared"})
+    assert refused.status_code == 422, refused.text
+    assert "fit none of the hosted models (tiny-sd, tiny-sdxl)" in refused.json()["error"]
+    rows = {row["id"]: row for row in client.get("/adapters").json()["adapters"]}
+    assert rows["sdxl-undeclared"]["model"] == "tiny-sdxl"

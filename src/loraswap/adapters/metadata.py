@@ -1,11 +1,16 @@
-"""What an adapter says about itself: the base model it was made for.
+"""What an adapter says about itself: the base model it was made for, or its family.
 
-Sources, all honoured: safetensors metadata (`base_model`, `base_model_name_or_path`),
+Base models, all honoured: safetensors metadata (`base_model`, `base_model_name_or_path`),
 the model card's `base_model:` (a string or a list) and adapter_config.json's
 `base_model_name_or_path`, the last two read from the adapter's own folder.
+
+Families, for an adapter that names no base model: the trainers' own words in its
+metadata (`modelspec.architecture`, kohya's `ss_base_model_version`) and what its source
+says (Civitai's `baseModel`), read as one of the families loraswap serves.
 """
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +19,31 @@ from huggingface_hub.repocard import metadata_load
 from ..errors import AdapterIncompatible
 
 METADATA_KEYS = ("base_model", "base_model_name_or_path", "modelspec.base_model")
+FAMILY_KEYS = ("modelspec.architecture", "ss_base_model_version")
+# how trainers and Civitai name a family -> the family's name (models/families/); the first match wins
+FAMILY_WORDS = (
+    (r"kontext", "flux-kontext"),
+    (r"flux[ ._-]?2", "flux2"),
+    (r"flux", "flux"),
+    (r"qwen.*edit", "qwen-image-edit"),
+    (r"qwen", "qwen-image"),
+    (r"z[ ._-]?image", "z-image"),
+    (r"\bwan", "wan"),
+    (r"sd[ ._-]?3|stable-diffusion-v3|stable diffusion 3", "sd3"),
+    (r"sdxl|stable-diffusion-xl|\bpony|illustrious|noobai", "sdxl"),
+    (r"sd[ ._-]?v?1([._-]|\b)|stable-diffusion-v1|sd 1\.[45]", "sd15"),
+)
+
+
+def family_hint(metadata: dict[str, str], source_says: str | None = None) -> str | None:
+    """The family the adapter's metadata (or its source, e.g. Civitai's baseModel) names, if any."""
+    for words in [*(metadata.get(key) for key in FAMILY_KEYS), source_says]:
+        if not words:
+            continue
+        found = next((family for pattern, family in FAMILY_WORDS if re.search(pattern, str(words).lower())), None)
+        if found is not None:
+            return found
+    return None
 
 
 def declared_base_models(metadata: dict[str, str], folder: Path | None) -> list[str]:

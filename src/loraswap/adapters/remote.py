@@ -79,12 +79,8 @@ class RemoteSources:
         found = self.downloads.path(adapter_id)
         if found is None:
             found = self.downloads.fetch(adapter_id, lambda dest: self._fetch(adapter_id, source, dest))
-        return AdapterLocation(adapter_id, found, None)
-
-    def base_model(self, adapter_id: str) -> str | None:
-        """What the source said the adapter is for (Civitai's baseModel), once fetched."""
-        record = self.downloads.record(adapter_id)
-        return record.get("base_model") if record else None
+        record = self.downloads.record(adapter_id) or {}
+        return AdapterLocation(adapter_id, found, None, source_says=record.get("base_model"))
 
     def _check_enabled(self, adapter_id: str, source: str) -> None:
         enabled = {"url": bool(self.settings.url_allow), "civitai": self.settings.civitai_api is not None,

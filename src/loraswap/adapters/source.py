@@ -37,6 +37,7 @@ class AdapterLocation:
     weights: Path  # the safetensors file
     folder: Path | None  # the adapter's own folder (model card, adapter_config.json), if it has one
     second_expert: Path | None = None  # Wan 2.2's low-noise expert's file, when `weights` is the high-noise one
+    source_says: str | None = None  # what the adapter's source says it is for (Civitai's baseModel)
 
 
 def file_stamp(location: AdapterLocation) -> tuple:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import AdapterNotFound, BadRequest
+from ..errors import AdapterError, AdapterNotFound, BadRequest
 from .bound import BoundAdapter, ModelLayers, bind_adapter
 from .cache import AdapterCache, CacheConfig, CacheEntry
 from .lease import Lease
@@ -135,6 +135,14 @@ class AdapterStore:
 
     def _read(self, location: AdapterLocation) -> BoundAdapter:
         return read_adapter(location, self.model, self.limits)
+
+    def fits(self, location: AdapterLocation) -> bool:
+        """Whether the adapter's keys and shapes fit this model's layers (read, not cached)."""
+        try:
+            read_adapter(location, self.model, self.limits)
+        except AdapterError:
+            return False
+        return True
 
     # ---------------------------------------------------------------- admin
     def resolve(self, adapter_id: str) -> BoundAdapter:

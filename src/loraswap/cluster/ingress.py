@@ -27,7 +27,7 @@ from ..server.app import create_app
 from ..server.auth import Access, require_admin_key
 from ..server.backend import StepCallback, wait_for_result
 from ..server.metrics import EngineFigures
-from ..server.routing import merge_adapter_rows, route_by_base_model
+from ..server.routing import HostedModel, merge_adapter_rows, route_by_base_model
 from .config import ClusterConfig
 from .replica import adapter_key, log_to_stderr
 
@@ -48,6 +48,7 @@ class RayBackend:
         # the same adapter sources as the default engine's; with none, locating answers 404
         self.source = config.engines[0].adapter_sources() or AdapterSources(None, None)
         self.names: list[str] | None = None  # the models' names, once their replicas answered
+        self.families: list[str | None] = []  # their families (routing an adapter that names no base model)
         self.compiled = False
         self.capabilities: dict[str, dict] = {}
         self.load_error: str | None = None
@@ -67,6 +68,7 @@ class RayBackend:
                 await asyncio.sleep(1.0)
         self.names, self.compiled = [info["model"] for info in infos], infos[0]["compiled"]
         self.capabilities = {info["model"]: info.get("capabilities", {}) for info in infos}
+        self.families = [info.get("family") for info in infos]
         logger.info("ingress ready: %s", ", ".join(f"{n} ({d})" for n, d in zip(self.names, self.deployments)))
 
     async def stop(self) -> None:
@@ -90,7 +92,10 @@ class RayBackend:
     # ---------------------------------------------------------------- routing
     def _route(self, loras: list[tuple[str, float]], model: str | None) -> int:
         names = self._names()
-        return names.index(route_by_base_model(names, self.source.locate, loras, model))
+        # the ingress holds no model: an adapter naming no base model goes by its family, else to the default
+        families = dict(zip(names, self.families))  # (empty until the replicas answered)
+        hosted = [HostedModel(name, families.get(name)) for name in names]
+        return names.index(route_by_base_model(hosted, self.source.locate, loras, model))
 
     # ---------------------------------------------------------------- requests
     async def generate(self, request: GenerateRequest, model: str | None,

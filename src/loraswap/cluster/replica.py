@@ -101,8 +101,9 @@ class ModelReplica:
 
     # ---------------------------------------------------------------- requests
     async def info(self) -> dict:
+        family = self.engine.calls.family
         return {"model": self.engine.model_name, "compiled": self.engine.compiled, "replica": self.replica_id,
-                "capabilities": self.engine.calls.capabilities()}
+                "capabilities": self.engine.calls.capabilities(), "family": family.name if family else None}
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         # 1. hold the request's adapters in this replica's budget (Serve routed it here for them)

@@ -2,12 +2,17 @@
 adapters over all of them.
 
 One rule for both backends (this process's engines, and Ray replicas), for generation
-and for keeping and evicting: an adapter that declares a base model (safetensors
-metadata, model card, adapter config) goes to the engine hosting that model; one that
-declares none goes to the default (first) model; one made for a model not hosted here
-is refused with 422 naming the hosted ones. Declarations are read from the file's
-header and side files only; the full read and checks happen on the chosen engine's
-prefetch pool.
+and for keeping and evicting:
+- an adapter that declares a base model (safetensors metadata, model card, adapter
+  config) goes to the engine hosting that model, and one made for a model not hosted here
+  is refused with 422 naming the hosted ones;
+- one that declares none goes to the hosted model of its family, as its metadata or its
+  source names it (`metadata.family_hint`), else to the hosted model whose layers its
+  keys and shapes fit (the first of them: the default model when several fit); one that
+  fits none is refused with 422 naming the hosted ones. Where fitting cannot be checked
+  (Ray's ingress holds no model), it goes to the default (first) model.
+Declarations are read from the file's header and side files only; the full read and
+checks happen on the chosen engine's threads.
 """
 
 from collections.abc import Callable, Iterable
@@ -15,7 +20,7 @@ from dataclasses import dataclass, field
 
 from safetensors import safe_open
 
-from ..adapters.metadata import declared_base_models, refuse_other_base, same_model
+from ..adapters.metadata import declared_base_models, family_hint, refuse_other_base, same_model
 from ..adapters.source import AdapterLocation
 from ..engine.engine import Engine
 from ..engine.worker import GpuWorker
@@ -28,13 +33,25 @@ class Hosted:
     worker: GpuWorker
 
 
-def route_by_base_model(names: list[str], locate: Callable[[str], AdapterLocation],
+@dataclass(frozen=True)
+class HostedModel:
+    """What routing knows of one hosted model: its name, its family, and (where it can tell)
+    whether an adapter's keys and shapes fit its layers."""
+
+    name: str
+    family: str | None = None
+    fits: Callable[[AdapterLocation], bool] | None = None
+
+
+def route_by_base_model(hosted: list[HostedModel], locate: Callable[[str], AdapterLocation],
                         loras: list[tuple[str, float]], model: str | None = None) -> str:
-    """The hosted model (one of `names`, the first is the default) that serves these adapters.
+    """The hosted model's name (the first is the default) that serves these adapters.
 
     `model`: a base model named explicitly (the path or OpenAI `model`), else None.
     `locate`: the adapter's file (400/403/404 for bad or unknown ids), e.g. `AdapterStore.locate`.
     """
+    names = [h.name for h in hosted]
+
     def by_name(name: str) -> str | None:
         return next((n for n in names if same_model(n, name)), None)
 
@@ -47,23 +64,45 @@ def route_by_base_model(names: list[str], locate: Callable[[str], AdapterLocatio
         if len(names) == 1:  # nothing to choose: a 404 now, the full checks when the worker leases them
             locate(adapter_id)
             continue
-        declared = _declared(locate(adapter_id))
+        location = locate(adapter_id)
+        declared, hint = _what_it_says(location)
+        if not declared:
+            chosen = chosen or _by_what_it_is(adapter_id, location, hint, hosted)
+            continue
         target = by_name(refuse_other_base(adapter_id, declared, names))
-        if chosen is not None and target != chosen and declared:
+        if chosen is not None and target != chosen:
             raise AdapterIncompatible(adapter_id, f"it was made for {', '.join(declared)}, not for {chosen}",
                                       "Blend adapters of one base model")
-        chosen = chosen or target
+        chosen = target
     return chosen or names[0]
 
 
-def _declared(location: AdapterLocation) -> list[str]:
-    """Base models the adapter declares (header metadata and side files; nothing else is read)."""
+def _by_what_it_is(adapter_id: str, location: AdapterLocation, hint: str | None,
+                   hosted: list[HostedModel]) -> str:
+    """An adapter naming no base model: the hosted model of the family it names, else the first
+    whose layers it fits."""
+    same_family = [h.name for h in hosted if hint is not None and h.family == hint]
+    if same_family:
+        return same_family[0]
+    if all(h.fits is None for h in hosted):
+        return hosted[0].name
+    fitting = [h.name for h in hosted if h.fits is not None and h.fits(location)]
+    if not fitting:
+        raise AdapterIncompatible(adapter_id, f"it declares no base model and its layers fit none of the hosted "
+                                  f"models ({', '.join(h.name for h in hosted)})",
+                                  "Send it to a server hosting its base model")
+    return fitting[0]
+
+
+def _what_it_says(location: AdapterLocation) -> tuple[list[str], str | None]:
+    """The base models the adapter declares, and the family its metadata or source names
+    (header metadata and side files; nothing else is read)."""
     try:
         with safe_open(str(location.weights), "pt") as f:
             metadata = f.metadata() or {}
     except Exception:  # a broken file: the engine's full checks will say what is wrong
         metadata = {}
-    return declared_base_models(metadata, location.folder)
+    return declared_base_models(metadata, location.folder), family_hint(metadata, location.source_says)
 
 
 @dataclass
@@ -79,9 +118,10 @@ class Deployment:
 
     def route(self, loras: list[tuple[str, float]], model: str | None = None) -> Hosted:
         """The engine for these adapters (and an explicitly named model, if any)."""
-        names = self.names
-        chosen = route_by_base_model(names, self.hosted[0].engine.adapters.locate, loras, model)
-        return self.hosted[names.index(chosen)]
+        models = [HostedModel(h.engine.model_name, h.engine.calls.family.name if h.engine.calls.family else None,
+                              h.engine.adapters.fits) for h in self.hosted]
+        chosen = route_by_base_model(models, self.hosted[0].engine.adapters.locate, loras, model)
+        return self.hosted[self.names.index(chosen)]
 
 
 TIER_ORDER = {"disk": 0, "host": 1, "gpu": 2}

@@ -1,0 +1,43 @@
+"""Routing an adapter that names no base model: by the family its metadata or source names,
+else by the hosted model its layers fit, else refused naming the hosted models."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from loraswap.adapters.source import AdapterLocation
+from loraswap.errors import AdapterIncompatible
+from loraswap.server.routing import HostedModel, route_by_base_model
+
+
+@pytest.fixture
+def bare_file(tmp_path):
+    path = tmp_path / "bare.safetensors"
+    save_file({"x.lora_down.weight": torch.zeros(1, 1)}, str(path))
+    return path
+
+
+def _route(hosted, path, source_says=None):
+    return route_by_base_model(hosted, lambda aid: AdapterLocation(aid, path, None, source_says=source_says),
+                               [("civitai:1@2", 1.0)])
+
+
+def test_the_family_the_source_names_wins(bare_file):
+    hosted = [HostedModel("my-sd", "sd15", lambda loc: True), HostedModel("my-sdxl", "sdxl", lambda loc: True)]
+    assert _route(hosted, bare_file, source_says="SDXL 1.0") == "my-sdxl", "Civitai's baseModel"
+    assert _route(hosted, bare_file, source_says="Pony") == "my-sdxl"
+    assert _route(hosted, bare_file) == "my-sd", "several fit: the default"
+
+
+def test_else_the_model_it_fits_else_refused(bare_file):
+    fits_sdxl = [HostedModel("my-sd", "sd15", lambda loc: False), HostedModel("my-sdxl", "sdxl", lambda loc: True)]
+    assert _route(fits_sdxl, bare_file, source_says="a family nobody hosts") == "my-sdxl"
+    fits_none = [HostedModel("my-sd", "sd15", lambda loc: False), HostedModel("my-sdxl", "sdxl", lambda loc: False)]
+    with pytest.raises(AdapterIncompatible, match=r"fit none of the hosted models \(my-sd, my-sdxl\)"):
+        _route(fits_none, bare_file)
+
+
+def test_where_fitting_cannot_be_told_the_default_serves(bare_file):
+    ray_ingress = [HostedModel("my-sd", "sd15"), HostedModel("my-sdxl", "sdxl")]
+    assert _route(ray_ingress, bare_file) == "my-sd"
+    assert _route(ray_ingress, bare_file, source_says="SDXL 1.0") == "my-sdxl"
