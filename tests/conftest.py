@@ -10,8 +10,18 @@ from safetensors.torch import save_file  # noqa: E402
 
 from loraswap.adapters.random import make_random_adapter  # noqa: E402
 from loraswap.models import lora_components  # noqa: E402
+from loraswap.server import video_state  # noqa: E402
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_folder_per_server(tmp_path_factory):
+    """Every server a test builds without a state folder gets a fresh one of its own: none
+    finds another's video jobs, nor the user's (~/.cache/loraswap/state)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(video_state, "default_state_dir", lambda: tmp_path_factory.mktemp("state"))
+        yield
 
 
 @pytest.fixture(scope="session")

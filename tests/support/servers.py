@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,12 +22,15 @@ def free_port() -> int:
 class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None, command: str = "serve",
                  port: int | None = None):
-        """`loraswap serve --port PORT ARGS`, or `loraswap COMMAND ARGS` listening on `port`."""
+        """`loraswap serve --port PORT ARGS`, or `loraswap COMMAND ARGS` listening on `port`; a
+        state folder of its own beside its log unless ARGS or `env` name one."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("w")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if "--state-dir" not in args and "LORASWAP_STATE_DIR" not in full_env:  # never the user's, nor shared
+            full_env["LORASWAP_STATE_DIR"] = tempfile.mkdtemp(prefix=log_path.stem + "-state-", dir=log_path.parent)
         argv = ["serve", "--port", str(self.port), *args] if command == "serve" else [command, *args]
         self.proc = subprocess.Popen([sys.executable, "-m", "loraswap", *argv],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=full_env)

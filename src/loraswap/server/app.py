@@ -26,6 +26,7 @@ from .config import ServerConfig
 from .metrics import Metrics
 from .openapi import document_api
 from .routes import ROUTERS
+from .routes.videos import video_maker
 from .schemas import invalid_request_message
 from .videos import VideoStore
 
@@ -35,9 +36,10 @@ logger = logging.getLogger("loraswap.server")
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     await app.state.backend.start()
-    app.state.videos.start()
+    # video jobs a restart interrupted are made again once the backend serves; /ready does not wait on them
+    app.state.videos.start(video_maker(app.state), app.state.backend)
     yield
-    await app.state.videos.stop()  # unfinished videos are cancelled: they would die with the process
+    await app.state.videos.stop()  # unfinished videos are cancelled; the state folder keeps them for the next start
     await app.state.backend.stop()
 
 

@@ -59,6 +59,12 @@ class ServerConfig(BaseModel):
         64, ge=1, description="Video jobs kept, finished or not; past it the oldest finished one is dropped.")
     max_video_jobs_pending: Annotated[int, Flag(SERVER)] = Field(
         8, ge=1, description="Video jobs queued or in progress at once; more: 503.")
+    state_dir: Annotated[Path | None, Flag(SERVER)] = Field(
+        None, description="Folder of the server's durable state: video jobs and their MP4s, kept across restarts "
+                          "(default: ~/.cache/loraswap/state). One server a folder.")
+    resume_videos: Annotated[bool, Flag(SERVER)] = Field(
+        True, description="Make again, after a restart, the videos that were queued or being made; off: they "
+                          "fail with the code server_restarted.")
     max_image_bytes: Annotated[int, Flag(SERVER, name="max-image-mb", unit="MiB", scale=2**20)] = Field(
         20 * 2**20, ge=1024, description="Largest input image (or mask) file.")
     # at most PIL's own warning threshold: PIL never warns about (nor refuses) an image this server takes

@@ -1,21 +1,20 @@
 """Video jobs: the OpenAI videos API answers at once with a job id, generates in the
-background, and keeps the MP4 for a while.
+background, and keeps the MP4 for a while, across restarts.
 
-A job (`VideoJob`) outlives the request that made it: its client may leave and poll later
-with the id. Nothing waits on it, so it is never cancelled for a client that left; only
-`DELETE` (or the server stopping) cancels it. Its status is derived from what it holds, so
-the GPU worker's thread (which reports steps) and the event loop never race on it:
-`queued` until a first denoising step is reported, `in_progress` after, then `completed`
-with the MP4 or `failed` with an error.
-
-The progress hook: `VideoJob.report_step(done, total)`, callable from any thread. The
-backend receives it as `on_step` (`Backend.generate`); the engine is to call it from the
-pipeline's `callback_on_step_end` once per denoising step.
+A job (`video_job.VideoJob`) outlives the request that made it. Nothing waits on it, so it
+is never cancelled for a client that left; only `DELETE` (or the server stopping) cancels it.
 
 `VideoStore` keeps the jobs: a finished one for `video_ttl_s` seconds (`sweep`, on every
 call and every `SWEEP_EVERY_S` in the background), at most `max_video_jobs` in all (past
 it the oldest finished job is dropped) and at most `max_video_jobs_pending` unfinished
 (past it: 503). Ids are random (`video_` and 32 hex digits): an id is the only way to a job.
+
+The jobs and their MP4s are kept in the state folder (`video_state.VideoState`, one row a
+job, written before it runs and when it finishes). A new store on the folder finds them as
+the last server left them: completed ones downloadable until they expire (the TTL counts
+from completion, in wall-clock time), interrupted ones made again once the backend serves
+(`resume`, at most once: a job that was being made at two restarts may be what kills the
+server) or, with `resume_videos` off, failed with the code `server_restarted`.
 """
 
 import asyncio
@@ -24,8 +23,6 @@ import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from enum import Enum
 
 from fastapi.concurrency import run_in_threadpool
 from PIL import Image
@@ -35,10 +32,15 @@ from ..engine.engine import GenerateResult
 from ..errors import LoraswapError, Overloaded, UnsupportedInput
 from ..media.mp4 import encode_mp4
 from .config import ServerConfig
+from .video_job import VideoJob, VideoStatus
+from .video_state import WRITE_ERRORS, VideoState
 
 logger = logging.getLogger("loraswap.server")
 
 SWEEP_EVERY_S = 30.0  # an idle server still frees expired videos this often
+RESUME_POLL_S = 0.2  # how often interrupted jobs waiting to be made again ask whether the backend serves
+MAX_ATTEMPTS = 2  # a job is made again after one restart, not after a second
+RESTARTED = "server_restarted"  # the error code of a job the server's restart cost
 
 
 class VideoNotFound(LoraswapError):
@@ -51,82 +53,31 @@ class VideoNotReady(LoraswapError):
     status = 409
 
 
-class VideoStatus(str, Enum):
-    QUEUED = "queued"
-    IN_PROGRESS = "in_progress"
-    COMPLETED = "completed"
-    FAILED = "failed"
+class StateWriteFailed(LoraswapError):
+    """The job's MP4 could not be written to the state folder (a full disk)."""
 
-
-@dataclass(eq=False)
-class VideoJob:
-    """One video: what to generate, how far it is, and once finished its MP4 or its error."""
-
-    id: str
-    request: GenerateRequest
-    model: str  # what the request named (adapters, or a base model), as the Video object shows it
-    fps: int | None  # asked by the request; None: the model's rate, else the server's video_fps
-    created_at: float
-    steps: tuple[int, int] = (0, 0)  # (done, total), replaced whole: one atomic write per report
-    finished_at: float | None = None
-    expires_at: float | None = None
-    error: dict | None = None  # {"code", "message"}
-    mp4: bytes | None = None
-    thumbnail: Image.Image | None = None  # the first frame
-    seconds: str = "auto"  # until finished, what was asked; then the MP4's length
-    size: str = "auto"
-    task: asyncio.Task | None = field(default=None, repr=False)
-
-    def report_step(self, done: int, total: int) -> None:
-        """The progress hook: `done` of `total` denoising steps are finished. Called by the
-        engine from the GPU worker's thread, once per step."""
-        self.steps = (done, total)
-
-    @property
-    def finished(self) -> bool:
-        return self.finished_at is not None
-
-    @property
-    def status(self) -> VideoStatus:
-        if self.finished:
-            return VideoStatus.FAILED if self.error else VideoStatus.COMPLETED
-        return VideoStatus.IN_PROGRESS if self.steps[1] else VideoStatus.QUEUED
-
-    @property
-    def progress(self) -> int:
-        """Percent done: denoising steps until finished (at most 99: decoding and encoding
-        follow the last step), 100 once completed."""
-        if self.status is VideoStatus.COMPLETED:
-            return 100
-        done, total = self.steps
-        return min(99, 100 * done // total) if total else 0
-
-    def view(self) -> dict:
-        """The job as the OpenAI Video object."""
-        def stamp(t: float | None) -> int | None:
-            return None if t is None else int(t)
-
-        return {"id": self.id, "object": "video", "model": self.model, "status": self.status.value,
-                "progress": self.progress, "created_at": stamp(self.created_at),
-                "completed_at": stamp(self.finished_at), "expires_at": stamp(self.expires_at),
-                "error": self.error, "prompt": self.request.prompt, "seconds": self.seconds, "size": self.size,
-                "remixed_from_video_id": None}
+    status = 507
 
 
 MakeVideo = Callable[[VideoJob], Awaitable[GenerateResult]]  # generates the job's frames
 
 
 class VideoStore:
-    """The video jobs of this server, owned by the app (`app.state.videos`)."""
+    """The video jobs of this server, owned by the app (`app.state.videos`), kept in the state
+    folder (`video_state.VideoState`): made again or failed after a restart (`resume`)."""
 
     def __init__(self, config: ServerConfig, clock: Callable[[], float] = time.time):
         self.config = config
-        self.clock = clock  # wall-clock seconds: the Video object's timestamps are Unix times
+        self.clock = clock  # wall-clock seconds: the Video object's timestamps are Unix times, kept across restarts
         self._jobs: dict[str, VideoJob] = {}  # in creation order
-        self._sweeper: asyncio.Task | None = None
+        self._interrupted: list[VideoJob] = []  # queued or in progress when the last server stopped
+        self._tasks: list[asyncio.Task] = []  # the sweeper, the resumer
+        self.state = VideoState(config.state_dir)
+        self._load()
 
     # ---------------------------------------------------------------- jobs
-    def submit(self, request: GenerateRequest, model: str, fps: int | None, make: MakeVideo) -> VideoJob:
+    def submit(self, request: GenerateRequest, model: str, fps: int | None, make: MakeVideo,
+               target: str | None = None) -> VideoJob:
         """A new job, started now on the running event loop; `make(job)` generates its frames.
         Overloaded (503) while `max_video_jobs_pending` jobs are unfinished."""
         # 1. forget expired jobs; refuse past the cap on unfinished ones
@@ -139,39 +90,64 @@ class VideoStore:
         while len(self._jobs) >= self.config.max_video_jobs:
             oldest = next(job for job in self._jobs.values() if job.finished)
             logger.info("dropping video %s: %d jobs kept, the most", oldest.id, len(self._jobs))
-            del self._jobs[oldest.id]
+            self._forget(oldest.id)
         # 3. start it; nothing waits on it, so it runs whether or not its client stays
-        job = VideoJob("video_" + secrets.token_hex(16), request, model, fps, self.clock())
+        job = VideoJob("video_" + secrets.token_hex(16), request, model, fps, self.clock(), target)
         job.size = f"{request.width}x{request.height}" if request.width and request.height else "auto"
         if request.frames and fps:  # the length is known now only when the rate it plays at is
             job.seconds = f"{request.frames / fps:g}"
         self._jobs[job.id] = job
-        job.task = asyncio.get_running_loop().create_task(self._run(job, make), name=f"loraswap-{job.id}")
+        self._start(job, make)
         return job
 
+    def _start(self, job: VideoJob, make: MakeVideo) -> None:
+        """Run the job (kept first, so a crash from now on leaves it to the next start)."""
+        job.attempts += 1
+        job.steps = (0, 0)
+        self._save(job)
+        job.task = asyncio.get_running_loop().create_task(self._run(job, make), name=f"loraswap-{job.id}")
+
     async def _run(self, job: VideoJob, make: MakeVideo) -> None:
-        """Generate, encode, and record the MP4 or the error (a cancelled job is already gone)."""
+        """Generate, encode, keep the files, and record the MP4 or the error (a cancelled job
+        is already gone)."""
         try:
             result = await make(job)
             if not result.frames:
                 raise UnsupportedInput("the model this request went to makes images, not videos: name a video "
                                        "model (a Wan model) or an adapter of one as `model`")
             fps = job.fps or result.fps or self.config.video_fps
-            job.mp4 = await run_in_threadpool(encode_mp4, result.frames, fps)
-            job.thumbnail = result.frames[0]
+            mp4 = await run_in_threadpool(encode_mp4, result.frames, fps)
+            await self._keep_files(job, mp4, result.frames[0])
             job.seconds = f"{len(result.frames) / fps:g}"
             job.size = "{}x{}".format(*result.frames[0].size)
-            job.finished_at, job.expires_at = self._expiry()
-        except LoraswapError as e:  # refused (bad adapter, not a video model, ...) or overloaded
-            _fail(job, _code(e), e.message, self._expiry())
+            self._finish(job)
+        except LoraswapError as e:  # refused (bad adapter, not a video model, ...), overloaded, disk full
+            self._finish(job, _error(job, _code(e), e.message))
         except Exception:
             logger.exception("video %s failed", job.id)
-            _fail(job, "internal_error", "internal server error", self._expiry())
+            self._finish(job, _error(job, "internal_error", "internal server error"))
 
-    def _expiry(self) -> tuple[float, float]:
-        """(now, when a job finished now expires)."""
-        now = self.clock()
-        return now, now + self.config.video_ttl_s
+    async def _keep_files(self, job: VideoJob, mp4: bytes, thumbnail: Image.Image) -> None:
+        try:
+            await run_in_threadpool(self.state.write_files, job.id, mp4, thumbnail)
+        except OSError as e:
+            logger.error("video %s failed: writing its MP4 to %s failed: %s", job.id, self.state.files, e)
+            raise StateWriteFailed(f"the server could not keep this video: writing it to its state folder failed "
+                                   f"({e})") from None
+        job.mp4_path, job.thumbnail_path = self.state.mp4_path(job.id), self.state.thumbnail_path(job.id)
+
+    def _finish(self, job: VideoJob, error: dict | None = None) -> None:
+        """Completed (no error) or failed, now: it expires `video_ttl_s` from now."""
+        job.error = error
+        job.finished_at = self.clock()
+        job.expires_at = job.finished_at + self.config.video_ttl_s
+        self._save(job)
+
+    def _save(self, job: VideoJob) -> None:
+        try:
+            self.state.save(job.row())
+        except WRITE_ERRORS as e:  # the job goes on; it is only not kept across a restart
+            logger.error("video %s is not kept across a restart: writing its row failed: %s", job.id, e)
 
     def get(self, video_id: str) -> VideoJob:
         self.sweep()
@@ -184,6 +160,8 @@ class VideoStore:
     def completed(self, video_id: str) -> VideoJob:
         """The job, once completed; VideoNotReady (409) before, or when it failed."""
         job = self.get(video_id)
+        if job.status is VideoStatus.COMPLETED:
+            self._check_files(job)
         if job.status is VideoStatus.FAILED:
             raise VideoNotReady(f"video {video_id} failed, so it has no content: {job.error['message']}")
         if job.status is not VideoStatus.COMPLETED:
@@ -192,46 +170,141 @@ class VideoStore:
         return job
 
     def delete(self, video_id: str) -> VideoJob:
-        """Forget the job; an unfinished one is cancelled (a queued one costs no GPU work)."""
+        """Forget the job and remove its files; an unfinished one is cancelled (a queued one
+        costs no GPU work)."""
         job = self.get(video_id)
-        del self._jobs[video_id]
+        self._forget(video_id)
         if job.task is not None and not job.task.done():
             job.task.cancel()
         return job
 
+    def _forget(self, video_id: str) -> None:
+        del self._jobs[video_id]
+        self._remove_kept(video_id)
+
+    def _remove_kept(self, video_id: str) -> None:
+        """Remove the job's row and files from the state folder."""
+        try:
+            self.state.remove(video_id)
+        except WRITE_ERRORS as e:  # the next start or sweep removes what is left
+            logger.error("video %s: removing its files and row failed: %s", video_id, e)
+
     def sweep(self) -> list[str]:
-        """Forget every job finished more than `video_ttl_s` ago; their ids."""
+        """Forget every job finished more than `video_ttl_s` ago, removing its files; their ids."""
         now = self.clock()
         expired = [job.id for job in self._jobs.values() if job.expires_at is not None and now >= job.expires_at]
         for video_id in expired:
-            del self._jobs[video_id]
+            self._forget(video_id)
         return expired
 
     def __len__(self) -> int:
         return len(self._jobs)
 
+    # ---------------------------------------------------------------- after a restart
+    def _load(self) -> None:
+        """The jobs the state folder keeps: expired ones and files of no job removed, a completed
+        job whose MP4 is gone failed, an interrupted one failed or left to `resume`."""
+        try:
+            rows = self.state.rows()
+        except WRITE_ERRORS as e:  # read once through when opened: only a disk failing since
+            logger.error("starting with no videos: reading them from %s failed: %s", self.state.folder, e)
+            rows = []
+        for row in rows:
+            self._load_row(row)
+        self.sweep()
+        kept = {job.id for job in self._jobs.values() if job.status is VideoStatus.COMPLETED}
+        try:
+            if removed := self.state.remove_orphans(kept, at_start=True):
+                logger.info("removed %d files of no video from %s", len(removed), self.state.files)
+        except OSError as e:
+            logger.error("removing files of no video from %s failed: %s", self.state.files, e)
+        if not self.config.resume_videos:
+            self._fail_interrupted("resuming is off (--no-resume-videos)")
+        for job in [job for job in self._interrupted if job.attempts >= MAX_ATTEMPTS]:
+            self._interrupted.remove(job)
+            self._finish(job, _restarted("it was being made again after an earlier restart; it is not made a "
+                                         "third time"))
+
+    def _load_row(self, row: dict) -> None:
+        try:
+            job = VideoJob.from_row(row)
+        except (ValueError, TypeError, KeyError) as e:
+            logger.error("dropping video %s: its row in the state folder cannot be read: %s", row["id"], e)
+            self._remove_kept(row["id"])
+            return
+        self._jobs[job.id] = job
+        if job.status is VideoStatus.COMPLETED:
+            self._check_files(job)
+        elif not job.finished:
+            self._interrupted.append(job)
+
+    def _check_files(self, job: VideoJob) -> None:
+        """A completed job whose MP4 is gone from the state folder is failed."""
+        job.mp4_path, job.thumbnail_path = self.state.mp4_path(job.id), self.state.thumbnail_path(job.id)
+        if job.mp4_path.is_file() and job.thumbnail_path.is_file():
+            return
+        logger.error("video %s failed: its MP4 is missing from %s", job.id, self.state.files)
+        job.mp4_path = job.thumbnail_path = None
+        self._finish(job, {"code": "video_lost", "message": "this video's MP4 is missing from the server's state "
+                                                           "folder; create the video again"})
+
+    def _fail_interrupted(self, why: str) -> None:
+        for job in self._interrupted:
+            if self._jobs.get(job.id) is job:
+                self._finish(job, _restarted(why))
+        self._interrupted = []
+
+    async def resume(self, make: MakeVideo, backend=None) -> None:
+        """Make again the jobs interrupted by the restart, once `backend` serves (before, they
+        would only fail); failed, saying why, if its model failed to load."""
+        while backend is not None and backend.ready_info() is None and backend.load_error is None:
+            await asyncio.sleep(RESUME_POLL_S)
+        if backend is not None and backend.load_error is not None:
+            self._fail_interrupted(f"the model failed to load: {backend.load_error}")
+            return
+        for job in self._interrupted:
+            if self._jobs.get(job.id) is job:  # not deleted meanwhile
+                logger.info("making video %s again: the server restarted while it was being made", job.id)
+                self._start(job, make)
+        self._interrupted = []
+
     # ---------------------------------------------------------------- lifespan
-    def start(self) -> None:
-        """Sweep in the background too, so an idle server frees expired videos."""
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="loraswap-video-sweeper")
+    def start(self, make: MakeVideo | None = None, backend=None) -> None:
+        """Sweep in the background too, so an idle server frees expired videos; with `make`,
+        resume the interrupted jobs once `backend` serves."""
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._sweep_forever(), name="loraswap-video-sweeper"))
+        if make is not None and self._interrupted:
+            self._tasks.append(loop.create_task(self.resume(make, backend), name="loraswap-video-resume"))
 
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_EVERY_S)
-            self.sweep()
+            try:
+                self.sweep()
+                self.state.remove_orphans(set(self._jobs))
+            except Exception:  # the sweeper goes on: the next tick may succeed
+                logger.exception("sweeping the videos failed")
 
     async def stop(self) -> None:
-        """Cancel the sweeper and the unfinished jobs: their videos would die with the process."""
+        """Cancel the background tasks and the unfinished jobs (the state folder keeps them for
+        the next start), then close the state folder."""
         tasks = [job.task for job in self._jobs.values() if job.task is not None and not job.task.done()]
-        tasks += [self._sweeper] if self._sweeper is not None else []
+        tasks += self._tasks
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.state.close()
 
 
-def _fail(job: VideoJob, code: str, message: str, expiry: tuple[float, float]) -> None:
-    job.error = {"code": code, "message": message}
-    job.finished_at, job.expires_at = expiry
+def _error(job: VideoJob, code: str, message: str) -> dict:
+    if job.attempts > 1:  # made again after a restart, and failed again
+        return _restarted(f"making it again failed: {message}")
+    return {"code": code, "message": message}
+
+
+def _restarted(why: str) -> dict:
+    return {"code": RESTARTED, "message": f"the server restarted while this video was being made, and {why}"}
 
 
 def _code(error: LoraswapError) -> str:

@@ -5,6 +5,7 @@ cancels) it. The jobs live in `app.state.videos` (`videos.VideoStore`)."""
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from ...adapters.references import check_id
@@ -15,7 +16,7 @@ from ..generation import encode, run_generation
 from ..openapi import LORA_HEADER, form_body
 from ..requests import parse_request
 from ..schemas import OpenAIVideoRequest
-from ..videos import VideoJob
+from ..videos import MakeVideo, VideoJob
 
 router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key)])
 
@@ -40,14 +41,19 @@ async def create_video(request: Request):
     info = state.backend.ready_info()
     if info is None:  # a job started now would only fail
         raise not_ready(state.backend.load_error)
-    # 2. start the job; it generates through the backend as an image request does, with nobody
-    #    waiting on it (a client that leaves cancels nothing) and its progress hook
-
-    async def make(job: VideoJob) -> GenerateResult:
-        return await run_generation(state, ROUTE, job.request, parsed.model, None, on_step=job.report_step)
-
+    # 2. start the job
     shown = parsed.model or _adapters_named(parsed.engine_request.loras) or info["model"]
-    return state.videos.submit(parsed.engine_request, shown, parsed.fps, make).view()
+    return state.videos.submit(parsed.engine_request, shown, parsed.fps, video_maker(state), parsed.model).view()
+
+
+def video_maker(state) -> MakeVideo:
+    """How a job generates (a new one, or one made again after a restart): through the backend
+    as an image request does, to the model it named (`target`), with nobody waiting on it (a
+    client that leaves cancels nothing) and its progress hook."""
+    async def make(job: VideoJob) -> GenerateResult:
+        return await run_generation(state, ROUTE, job.request, job.target, None, on_step=job.report_step)
+
+    return make
 
 
 def _adapters_named(loras: list[tuple[str, float]]) -> str:
@@ -70,14 +76,14 @@ async def download_video(video_id: str, request: Request,
     job completed (or when it failed)."""
     job = request.app.state.videos.completed(video_id)
     if variant == "thumbnail":
-        data, media = await encode(job.thumbnail, "image/webp")
+        data, media = await encode(await run_in_threadpool(lambda: job.thumbnail), "image/webp")
         return Response(data, media_type=media)
-    return Response(job.mp4, media_type="video/mp4",
+    return Response(await run_in_threadpool(job.mp4_path.read_bytes), media_type="video/mp4",
                     headers={"content-disposition": f'attachment; filename="{video_id}.mp4"'})
 
 
 @router.delete(ROUTE + "/{video_id}")
 async def delete_video(video_id: str, request: Request):
-    """Forget the video (an unfinished one is cancelled); 404 for an unknown id."""
+    """Forget the video and remove its files (an unfinished one is cancelled); 404 for an unknown id."""
     job = request.app.state.videos.delete(video_id)
     return {"id": job.id, "object": "video.deleted", "deleted": True}

@@ -1,0 +1,115 @@
+"""One video job: what to generate, how far it is, and once finished its MP4 or its error.
+
+A job outlives the request that made it: its client may leave and poll later with the id.
+Its status is derived from what it holds, so the GPU worker's thread (which reports steps)
+and the event loop never race on it: `queued` until a first denoising step is reported,
+`in_progress` after, then `completed` with the MP4 or `failed` with an error.
+
+The progress hook: `VideoJob.report_step(done, total)`, callable from any thread. The
+backend receives it as `on_step` (`Backend.generate`); the engine is to call it from the
+pipeline's `callback_on_step_end` once per denoising step.
+
+A job is kept in the state folder as a row (`row`, `from_row`: `video_state.COLUMNS`) and
+its files; `mp4` and `thumbnail` read them back.
+"""
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from PIL import Image
+
+from ..engine.config import GenerateRequest
+
+
+class VideoStatus(str, Enum):
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class VideoJob:
+    """One video: what to generate, how far it is, and once finished its MP4 or its error."""
+
+    id: str
+    request: GenerateRequest
+    model: str  # what the request named (adapters, or a base model), as the Video object shows it
+    fps: int | None  # asked by the request; None: the model's rate, else the server's video_fps
+    created_at: float
+    target: str | None = None  # the base model the request named (None: the adapters' own), to route it again
+    steps: tuple[int, int] = (0, 0)  # (done, total), replaced whole: one atomic write per report
+    finished_at: float | None = None
+    expires_at: float | None = None
+    error: dict | None = None  # {"code", "message"}
+    mp4_path: Path | None = None  # once completed: the MP4 and its first frame in the state folder
+    thumbnail_path: Path | None = None
+    seconds: str = "auto"  # until finished, what was asked; then the MP4's length
+    size: str = "auto"
+    attempts: int = 0  # runs started: 2 once made again after a restart
+    task: asyncio.Task | None = field(default=None, repr=False)
+
+    def report_step(self, done: int, total: int) -> None:
+        """The progress hook: `done` of `total` denoising steps are finished. Called by the
+        engine from the GPU worker's thread, once per step."""
+        self.steps = (done, total)
+
+    @property
+    def mp4(self) -> bytes | None:
+        """The MP4's bytes, read from the state folder (blocking)."""
+        return self.mp4_path.read_bytes() if self.mp4_path else None
+
+    @property
+    def thumbnail(self) -> Image.Image | None:
+        """The first frame, read from the state folder (blocking)."""
+        if self.thumbnail_path is None:
+            return None
+        with Image.open(self.thumbnail_path) as image:
+            return image.convert("RGB")
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+    @property
+    def status(self) -> VideoStatus:
+        if self.finished:
+            return VideoStatus.FAILED if self.error else VideoStatus.COMPLETED
+        return VideoStatus.IN_PROGRESS if self.steps[1] else VideoStatus.QUEUED
+
+    @property
+    def progress(self) -> int:
+        """Percent done: denoising steps until finished (at most 99: decoding and encoding
+        follow the last step), 100 once completed."""
+        if self.status is VideoStatus.COMPLETED:
+            return 100
+        done, total = self.steps
+        return min(99, 100 * done // total) if total else 0
+
+    def view(self) -> dict:
+        """The job as the OpenAI Video object."""
+        def stamp(t: float | None) -> int | None:
+            return None if t is None else int(t)
+
+        return {"id": self.id, "object": "video", "model": self.model, "status": self.status.value,
+                "progress": self.progress, "created_at": stamp(self.created_at),
+                "completed_at": stamp(self.finished_at), "expires_at": stamp(self.expires_at),
+                "error": self.error, "prompt": self.request.prompt, "seconds": self.seconds, "size": self.size,
+                "remixed_from_video_id": None}
+
+    def row(self) -> dict:
+        """The job as the state folder keeps it (`video_state.COLUMNS`): enough to make it again."""
+        return {"id": self.id, "request": self.request.model_dump_json(exclude={"image", "mask"}),
+                "model": self.model, "target": self.target, "fps": self.fps, "created_at": self.created_at,
+                "finished_at": self.finished_at, "expires_at": self.expires_at,
+                "error": json.dumps(self.error) if self.error else None, "seconds": self.seconds,
+                "size": self.size, "attempts": self.attempts}
+
+    @classmethod
+    def from_row(cls, row: dict) -> "VideoJob":
+        """The job a row keeps; ValueError (or TypeError) for a row that is not one."""
+        request = GenerateRequest.model_validate_json(row["request"])
+        return cls(**{**row, "request": request, "error": json.loads(row["error"]) if row["error"] else None})
