@@ -198,7 +198,7 @@ def test_edits_are_documented_like_the_other_routes():
     assert form["schema"]["properties"]["n"]["maximum"] == 3
     assert form["schema"]["properties"]["strength"] == {**form["schema"]["properties"]["strength"],
                                                         "exclusiveMinimum": 0, "maximum": 1}
-    assert set(edits["responses"]) == {"200", "400", "403", "404", "422", "503"}
+    assert set(edits["responses"]) == {"200", "400", "403", "404", "422", "502", "503"}
     hf = paths["/"]["post"]["requestBody"]["content"]["application/json"]["schema"]["anyOf"][1]
     assert {"prompt", "strength", "mask"} <= set(hf["properties"]["parameters"]["properties"])
 
