@@ -1,10 +1,11 @@
 """A real `loraswap serve` process of tiny-wan killed with SIGKILL and started again on the
-same --state-dir: the completed video downloads with the same SHA-256, and the one it was
-making completes after the restart."""
+same --state-dir: the completed video downloads with the same SHA-256, the one it was
+making completes after the restart, and the adapter it was told to keep is kept again."""
 
 import hashlib
 import time
 
+import httpx
 import pytest
 from openai import OpenAI
 from support.servers import ServerProcess
@@ -24,12 +25,26 @@ def wait_for(client: OpenAI, video_id: str, statuses: set[str], timeout: float):
     return video
 
 
+def _kept(url: str, adapter_id: str, timeout: float) -> bool:
+    """Whether the server lists the adapter as kept within `timeout` (it is kept again in the background)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = httpx.get(url + "/adapters", timeout=10).json()["adapters"]
+        if any(row["id"] == adapter_id and row["kept"] for row in rows):
+            return True
+        time.sleep(0.2)
+    return False
+
+
 @pytest.mark.slow
-def test_a_killed_server_keeps_its_finished_video_and_finishes_the_one_it_was_making(tmp_path):
-    args = ["--model", "tiny-wan", "--no-warmup", "--no-compile", "--state-dir", str(tmp_path / "state")]
+def test_a_killed_server_keeps_its_finished_video_and_finishes_the_one_it_was_making(tmp_path, adapter_factory):
+    adapter_factory("keep-me", "tiny-wan", rank=4, seed=61, folder=tmp_path / "adapters")
+    args = ["--model", "tiny-wan", "--no-warmup", "--no-compile", "--state-dir", str(tmp_path / "state"),
+            "--adapters", str(tmp_path / "adapters")]
     first = ServerProcess(args, tmp_path / "first.log")
     try:
         first.wait_ready()
+        assert httpx.post(first.url + "/adapters/keep-me/load", timeout=60).status_code == 200
         client = client_of(first)
         done = client.videos.create_and_poll(model="tiny-wan", prompt="a fox running", size=SIZE, poll_interval_ms=50,
                                              extra_body={"frames": 5, "seed": 4, "num_inference_steps": 2})
@@ -50,8 +65,10 @@ def test_a_killed_server_keeps_its_finished_video_and_finishes_the_one_it_was_ma
         content = client.videos.download_content(done.id).content
         finished = wait_for(client, slow.id, {"completed", "failed"}, 120)
         slow_mp4 = client.videos.download_content(slow.id).content if finished.status == "completed" else b""
+        kept_again = _kept(second.url, "keep-me", 60)
     finally:
         second.stop()
+    assert kept_again, "the adapter kept before the crash is kept again"
     assert (again.status, again.completed_at, again.expires_at) == ("completed", done.completed_at, done.expires_at)
     assert hashlib.sha256(content).hexdigest() == digest, "the same bytes after the crash"
     assert finished.status == "completed", finished.error

@@ -2,7 +2,8 @@
 adapters.
 
 `create_app` assembles it: the routers of `routes/` (module-level handlers that reach
-everything through `request.app.state`: `config`, `backend`, `metrics`, `keys`, `videos`), the
+everything through `request.app.state`: `config`, `backend`, `metrics`, `keys`, `videos`,
+`kept`), the
 error answers and the OpenAPI document. A backend (`backend.py`) routes and generates:
 the GPU workers of this process (`LocalBackend`), or model replicas on Ray Serve
 (`cluster.ingress.RayBackend`); handlers never run the pipeline. Known errors map to
@@ -10,6 +11,7 @@ their status with `{"error": ...}`; anything else is logged with its traceback a
 answered with a plain 500.
 """
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 
@@ -23,6 +25,7 @@ from ..errors import LoraswapError, Overloaded
 from .auth import Keys, maybe_warn_open
 from .backend import Backend, LocalBackend
 from .config import ServerConfig
+from .kept_adapters import KeptAdapters
 from .metrics import Metrics
 from .openapi import document_api
 from .routes import ROUTERS
@@ -36,9 +39,12 @@ logger = logging.getLogger("loraswap.server")
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     await app.state.backend.start()
-    # video jobs a restart interrupted are made again once the backend serves; /ready does not wait on them
+    # video jobs a restart interrupted are made again, and kept adapters kept again, once the
+    # backend serves; /ready does not wait on them
     app.state.videos.start(video_maker(app.state), app.state.backend)
+    keeping = asyncio.get_running_loop().create_task(app.state.kept.keep_again(app.state.backend))
     yield
+    keeping.cancel()
     await app.state.videos.stop()  # unfinished videos are cancelled; the state folder keeps them for the next start
     await app.state.backend.stop()
 
@@ -54,6 +60,7 @@ def create_app(config: ServerConfig, engine_factory=Engine, backend: Backend | N
     app.state.backend = backend or LocalBackend(app.state, config, engine_factory)
     app.state.metrics = Metrics()
     app.state.videos = VideoStore(config)
+    app.state.kept = KeptAdapters(app.state.videos.state.folder)  # the same claimed state folder
     _add_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -20,9 +20,11 @@ async def list_adapters(request: Request):
 @router.post("/adapters/{adapter_id:path}/load")
 async def load_adapter(adapter_id: str, request: Request):
     """Read the adapter into host RAM now (fetched first, when it is a URL or a Civitai AIR)
-    and keep it cached until `DELETE`; the answer's `id` is the one it is served under."""
+    and keep it cached until `DELETE`, across restarts too (the state folder records it); the
+    answer's `id` is the one it is served under."""
     adapter_id = adapter_id_of(adapter_id)
     kept = await request.app.state.backend.keep_adapter(adapter_id)
+    request.app.state.kept.add(adapter_id)  # kept again after a restart
     return {"id": adapter_id, "cached": "host", "kept": True, **kept}
 
 
@@ -32,4 +34,5 @@ async def evict_adapter(adapter_id: str, request: Request):
     or fetched, again when next used)."""
     adapter_id = adapter_id_of(adapter_id)
     await request.app.state.backend.evict_adapter(adapter_id)
+    request.app.state.kept.remove(adapter_id)
     return {"id": adapter_id, "cached": "disk", "kept": False}
