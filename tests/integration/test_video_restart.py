@@ -1,6 +1,7 @@
 """A real `loraswap serve` process of tiny-wan killed with SIGKILL and started again on the
 same --state-dir: the completed video downloads with the same SHA-256, the one it was
-making completes after the restart, and the adapter it was told to keep is kept again."""
+making completes after the restart, the adapter it was told to keep is kept again, and
+DELETE of a job removes its files."""
 
 import hashlib
 import time
@@ -66,8 +67,13 @@ def test_a_killed_server_keeps_its_finished_video_and_finishes_the_one_it_was_ma
         finished = wait_for(client, slow.id, {"completed", "failed"}, 120)
         slow_mp4 = client.videos.download_content(slow.id).content if finished.status == "completed" else b""
         kept_again = _kept(second.url, "keep-me", 60)
+        files = tmp_path / "state" / "videos"
+        had_files = sorted(p.name for p in files.glob(f"{done.id}.*"))
+        client.videos.delete(done.id)
+        left = sorted(p.name for p in files.glob(f"{done.id}.*"))
     finally:
         second.stop()
+    assert had_files == [f"{done.id}.mp4", f"{done.id}.png"] and left == [], "DELETE removes the job's files"
     assert kept_again, "the adapter kept before the crash is kept again"
     assert (again.status, again.completed_at, again.expires_at) == ("completed", done.completed_at, done.expires_at)
     assert hashlib.sha256(content).hexdigest() == digest, "the same bytes after the crash"
