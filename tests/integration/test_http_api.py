@@ -93,6 +93,7 @@ def test_openai_images_client(server, served_adapters, tmp_path):
     assert np.array_equal(np.asarray(image.convert("RGB")), cli_image(served_adapters, tmp_path, "styles/second", 5))
 
 
+@pytest.mark.slow  # a CLI run for its reference image: seconds
 def test_both_clients_name_adapters_in_the_bodys_loras_list(server, served_adapters, tmp_path, monkeypatch):
     import huggingface_hub.constants
 

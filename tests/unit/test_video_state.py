@@ -240,7 +240,8 @@ def test_interrupted_jobs_wait_for_the_backend_then_run_or_fail(tmp_path, load_e
 
 
 # ---------------------------------------------------------------- a corrupt or unusable state
-@pytest.mark.parametrize("damage", ["garbage", "header cut", "half"])
+@pytest.mark.parametrize("damage", ["garbage", pytest.param("header cut", marks=pytest.mark.slow),
+                                    pytest.param("half", marks=pytest.mark.slow)])
 def test_a_corrupt_database_is_moved_aside_and_the_server_starts_and_serves(tmp_path, damage, caplog):
     async def scenario():
         store = VideoStore(ServerConfig(state_dir=tmp_path), Clock())
