@@ -41,6 +41,10 @@ def test_bench_serve_runs_both_modes(tmp_path):
         runs = report["modes"][mode]["runs"]
         assert [r["concurrency"] for r in runs] == [1, 2]
         assert all(r["errors"] == [] and len(r["latencies"]) == 6 for r in runs)
+        # the first pass meets each adapter first (cold, its read on the path); the second, none
+        assert 1 <= sum(runs[0]["cold"]) <= report["distinct_in_stream"] and sum(runs[1]["cold"]) == 0
+        data = report["modes"][mode]
+        assert data["cold_requests"] == sum(runs[0]["cold"]) and data["cold_p50_s"] > 0 and data["cached_p50_s"] > 0
     assert set(report["speedup_p50"]) == {"1", "2"}
 
 

@@ -118,17 +118,22 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _drive(url: str, stream: list[str], concurrency: int, params: dict) -> dict:
+def _drive(url: str, stream: list[str], concurrency: int, params: dict, seen: set[str] | None = None) -> dict:
     """Send `stream` with `concurrency` clients: latencies, the server's own compute time of
-    each (`x-compute-time`), errors and images/s."""
-    latencies, computes, phases, errors, lock = [], [], [], [], threading.Lock()
+    each (`x-compute-time`), errors and images/s. `seen`: the adapters this server was asked
+    for before (updated); a request is `cold` when its adapter is new to the server, so its
+    read (a never-seen file) is on its path."""
+    latencies, computes, phases, colds, errors, lock = [], [], [], [], [], threading.Lock()
     position = iter(range(len(stream)))
+    seen = set() if seen is None else seen
 
     def client():
         with httpx.Client(timeout=600) as http:
             while True:
                 with lock:
                     i = next(position, None)
+                    cold = i is not None and stream[i] not in seen
+                    seen.update(stream[i:i + 1] if i is not None else ())
                 if i is None:
                     return
                 started = time.perf_counter()
@@ -140,6 +145,7 @@ def _drive(url: str, stream: list[str], concurrency: int, params: dict) -> dict:
                         errors.append(response.status_code)
                         continue
                     latencies.append(elapsed)
+                    colds.append(cold)
                     computes.append(float(response.headers["x-compute-time"]))
                     phases.append(_server_timing(response.headers.get("server-timing", "")))
 
@@ -156,7 +162,25 @@ def _drive(url: str, stream: list[str], concurrency: int, params: dict) -> dict:
             "images_per_s": len(latencies) / wall, "latency_s": summary(latencies),
             "overhead_ms": {k: v * 1e3 if k != "n" else v for k, v in summary(overheads).items()},
             "phases_ms": _phase_summary(phases, latencies), "latencies": latencies, "compute_s": computes,
-            "server_timing_ms": phases}
+            "server_timing_ms": phases, "cold": colds}
+
+
+def _cold_and_cached(runs: list[dict]) -> dict:
+    """Over every pass of one server: the p50 latency of the cold requests (the first for
+    their adapter: its read on the request's path) and of the others, and the cold ones'
+    `read` phase."""
+    cold, cached, cold_read = [], [], []
+    for run in runs:
+        for latency, is_cold, timing in zip(run["latencies"], run["cold"], run["server_timing_ms"]):
+            (cold if is_cold else cached).append(latency)
+            if is_cold and "read" in timing:
+                cold_read.append(timing["read"])
+
+    def p50(values):
+        return statistics.median(values) if values else None
+
+    return {"cold_requests": len(cold), "cold_p50_s": p50(cold), "cached_p50_s": p50(cached),
+            "cold_read_p50_ms": p50(cold_read)}
 
 
 def _server_timing(header: str) -> dict[str, float]:
@@ -215,7 +239,7 @@ def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: i
     results = {"model": model, "num_ids": num_ids, "requests": requests, "distinct_in_stream": len(set(stream)),
                "params": params, "rounds": rounds, "env": environment(), "fused_args": list(fused_args),
                "modes": {}}
-    servers = {}
+    servers, seen = {}, {mode: set() for mode in modes}
     try:
         # 1. every server up, each warmed by one request outside the figures (first-request effects)
         for mode in modes:
@@ -224,17 +248,19 @@ def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: i
                                                     workdir / f"server-{mode}.log", flags)
             servers[mode] = (proc, url, log)
             results["modes"][mode] = {"ready_s": ready_s, "runs": []}
-            _drive(url, [ids[0]], 1, params)
+            _drive(url, [ids[0]], 1, params, seen[mode])
         # 2. the passes, round the servers in turn
         for round_index in range(rounds):
             for clients in (1, concurrency):
                 for mode in modes:
-                    run = _drive(servers[mode][1], stream, clients, params)
+                    run = _drive(servers[mode][1], stream, clients, params, seen[mode])
                     results["modes"][mode]["runs"].append({"round": round_index, **run})
                     _log_run(mode, run)
                     write_results(out_dir, f"serve-{model}", results)  # a time limit cuts off only this pass
         for mode in modes:
             results["modes"][mode].update(_server_figures(servers[mode][1]))
+            results["modes"][mode].update(_cold_and_cached(results["modes"][mode]["runs"]))
+            logger.info("%s: cold and cached requests %s", mode, _cold_and_cached(results["modes"][mode]["runs"]))
     finally:
         for proc, _, log in servers.values():
             stop_server(proc)
