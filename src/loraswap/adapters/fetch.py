@@ -27,10 +27,10 @@ import httpcore
 import httpx
 
 from ..errors import AdapterError, AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable
+from .formats import streamed_header
 
 logger = logging.getLogger(__name__)
 
-MAX_HEADER = 100 * 2**20  # a safetensors header this big is an attack or not a header at all
 _REDIRECTS = (301, 302, 303, 307, 308)
 _SECRET_HEADERS = ("authorization", "proxy-authorization", "cookie")  # never sent to another origin
 _METADATA = frozenset(map(ipaddress.ip_address, ("169.254.169.254", "fd00:ec2::254", "100.100.100.200")))
@@ -260,20 +260,11 @@ class _Body:
 
 def _safetensors_head(body: _Body, cap: int, shown: str, adapter_id: str) -> bytes:
     """The 8-byte header length and the JSON header, checked before the rest is read."""
-    prefix = body.read(8)
-    n = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
-    # a pickle, a zip or HTML read as a length is absurd; and a header starts with "{" (the
-    # format's rule), which refuses a crafted length before its N bytes are read
-    header = body.read(1) if 0 < n <= min(MAX_HEADER, cap - 8) else b""
-    header += body.read(n - 1) if header == b"{" else b""
-    try:
-        is_object = len(header) == n and isinstance(json.loads(header), dict)
-    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested past the parser's depth
-        is_object = False
-    if not is_object:
+    head = streamed_header(body.read, cap)
+    if head is None:
         raise AdapterInvalid(adapter_id, f"{shown} is not a safetensors file (its first bytes are no header)",
                              "Give the URL of a .safetensors file (pickled .ckpt, .pt and .bin files are never loaded)")
-    return prefix + header
+    return head
 
 
 def _safe_id(adapter_id: str) -> str:

@@ -9,6 +9,7 @@ tensors into changes of the model's parameters.
 import json
 import math
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from stat import S_ISREG
 
@@ -43,6 +44,23 @@ def read_safetensors(path: Path, adapter_id: str, max_bytes: int) -> tuple[dict[
     except Exception as e:  # safetensors' own checks (overlaps, ...)
         raise AdapterInvalid(adapter_id, f"safetensors refused the file ({e})", _FIX_FILE) from None
     return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+def streamed_header(read: Callable[[int], bytes], limit: int) -> bytes | None:
+    """The 8-byte length and the JSON header at the start of a stream (`read(n)`: the next n
+    bytes, fewer only where it ends), or None when it is not safetensors. For a download:
+    refused before the rest is read. A pickle, a zip or a web page read as a length is
+    absurd, and a header starts with "{" (the format's rule), so a crafted length is refused
+    before its N bytes are read."""
+    prefix = read(8)
+    n = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+    header = read(1) if 0 < n <= min(MAX_HEADER_BYTES, limit - 8) else b""
+    header += read(n - 1) if header == b"{" else b""
+    try:
+        is_object = len(header) == n and isinstance(json.loads(header), dict)
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested past the parser's depth
+        is_object = False
+    return prefix + header if is_object else None
 
 
 def _read_header(path: Path, adapter_id: str, size: int) -> tuple[dict, int]:

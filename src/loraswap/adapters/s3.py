@@ -17,7 +17,6 @@ Messages name the object (`s3://bucket/key`) and the store's error code, never a
 
 import functools
 import hashlib
-import json
 import logging
 import re
 from collections.abc import Iterator
@@ -31,11 +30,11 @@ import botocore.config
 import botocore.exceptions as boto_errors
 
 from ..errors import AdapterError, AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable
+from .formats import streamed_header
 
 logger = logging.getLogger(__name__)
 
 CHUNK = 2**20
-MAX_HEADER = 100 * 2**20  # as fetch.py's: a safetensors header this big is an attack or not a header at all
 CREDENTIALS_FIX = ("Give this server credentials that may s3:GetObject it, the standard AWS way: AWS_ACCESS_KEY_ID "
                    "and AWS_SECRET_ACCESS_KEY (with AWS_SESSION_TOKEN for temporary ones), AWS_PROFILE, or an "
                    "instance or container role")
@@ -142,19 +141,11 @@ def _read(body, n: int) -> bytes:
 
 def _safetensors_head(body, length: int, shown: str, adapter_id: str) -> bytes:
     """The 8-byte header length and the JSON header, checked before the rest is read."""
-    fix = "Give the key of a .safetensors file (pickled .ckpt, .pt and .bin files are never loaded)"
-    prefix = _read(body, 8)
-    n = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
-    if not 0 < n <= min(MAX_HEADER, length - 8):  # a pickle's or a zip's first bytes read as a length are absurd
-        raise AdapterInvalid(adapter_id, f"{shown} is not a safetensors file (no header length)", fix)
-    header = _read(body, n)
-    try:
-        is_object = len(header) == n and isinstance(json.loads(header), dict)
-    except ValueError:  # not UTF-8, not JSON
-        is_object = False
-    if not is_object:
-        raise AdapterInvalid(adapter_id, f"{shown} is not a safetensors file (its header is no JSON object)", fix)
-    return prefix + header
+    head = streamed_header(lambda n: _read(body, n), length)
+    if head is None:
+        raise AdapterInvalid(adapter_id, f"{shown} is not a safetensors file (its first bytes are no header)",
+                             "Give the key of a .safetensors file (pickled .ckpt, .pt and .bin files are never loaded)")
+    return head
 
 
 def _write(body, length: int | None, dest: Path, settings: S3Settings, shown: str, adapter_id: str) -> tuple[int, str]:
