@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..paths import user_cache
+
 logger = logging.getLogger(__name__)
 
 PARTIAL_PREFIX = ".partial-"
@@ -37,9 +39,7 @@ class Download:
 
 
 def default_download_dir() -> Path:
-    """Under the user's cache folder, as huggingface_hub keeps its own: $XDG_CACHE_HOME or ~/.cache."""
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "loraswap" / "downloads"
+    return user_cache("downloads")
 
 
 class DownloadCache:

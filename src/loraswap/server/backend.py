@@ -92,6 +92,18 @@ class Backend(Protocol):
     async def figures(self) -> EngineFigures: ...
 
 
+SERVED_POLL_S = 0.2  # how often work waiting for the model asks whether it serves
+
+
+async def until_served(backend: Backend) -> bool:
+    """Wait until `backend` serves (True) or its model failed to load (False): for work a
+    restart left (video jobs, kept adapters) that would only fail before, and must not
+    hold up /ready."""
+    while backend.ready_info() is None and backend.load_error is None:
+        await asyncio.sleep(SERVED_POLL_S)
+    return backend.load_error is None
+
+
 def not_ready(load_error: str | None) -> Overloaded:
     """The 503 of a backend whose model is not serving yet: still loading, or failed to load."""
     return Overloaded(f"loading failed: {load_error}" if load_error else "the model is still loading")

@@ -9,7 +9,6 @@ that cannot be kept any more (deleted, or now refused) is logged and dropped fro
 record; an unreadable record is logged and started afresh.
 """
 
-import asyncio
 import json
 import logging
 import os
@@ -17,11 +16,11 @@ import threading
 from pathlib import Path
 
 from ..errors import LoraswapError
+from .backend import until_served
 
 logger = logging.getLogger("loraswap.server")
 
 RECORD = "kept-adapters.json"
-READY_POLL_S = 0.5
 
 
 class KeptAdapters:
@@ -48,9 +47,7 @@ class KeptAdapters:
 
     async def keep_again(self, backend) -> None:
         """Once `backend` serves, keep every recorded adapter again (a failed load: nothing)."""
-        while backend.ready_info() is None and backend.load_error is None:
-            await asyncio.sleep(READY_POLL_S)
-        if backend.load_error is not None:
+        if not await until_served(backend):
             return
         for adapter_id in self.ids():
             try:

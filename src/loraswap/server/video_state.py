@@ -28,6 +28,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from ..paths import user_cache
+
 logger = logging.getLogger("loraswap.server")
 
 DATABASE = "videos.sqlite3"
@@ -41,9 +43,7 @@ SCHEMA = f"CREATE TABLE IF NOT EXISTS videos ({', '.join(COLUMNS)}, PRIMARY KEY 
 
 
 def default_state_dir() -> Path:
-    """Under the user's cache folder, as huggingface_hub keeps its own: $XDG_CACHE_HOME or ~/.cache."""
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "loraswap" / "state"
+    return user_cache("state")
 
 
 class VideoState:

@@ -31,6 +31,7 @@ from ..engine.config import GenerateRequest
 from ..engine.engine import GenerateResult
 from ..errors import LoraswapError, Overloaded, UnsupportedInput
 from ..media.mp4 import encode_mp4
+from .backend import until_served
 from .config import ServerConfig
 from .video_job import VideoJob, VideoStatus
 from .video_state import WRITE_ERRORS, VideoState
@@ -38,7 +39,6 @@ from .video_state import WRITE_ERRORS, VideoState
 logger = logging.getLogger("loraswap.server")
 
 SWEEP_EVERY_S = 30.0  # an idle server still frees expired videos this often
-RESUME_POLL_S = 0.2  # how often interrupted jobs waiting to be made again ask whether the backend serves
 MAX_ATTEMPTS = 2  # a job is made again after one restart, not after a second
 RESTARTED = "server_restarted"  # the error code of a job the server's restart cost
 
@@ -257,9 +257,7 @@ class VideoStore:
     async def resume(self, make: MakeVideo, backend=None) -> None:
         """Make again the jobs interrupted by the restart, once `backend` serves (before, they
         would only fail); failed, saying why, if its model failed to load."""
-        while backend is not None and backend.ready_info() is None and backend.load_error is None:
-            await asyncio.sleep(RESUME_POLL_S)
-        if backend is not None and backend.load_error is not None:
+        if backend is not None and not await until_served(backend):
             self._fail_interrupted(f"the model failed to load: {backend.load_error}")
             return
         for job in self._interrupted:
