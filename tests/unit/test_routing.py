@@ -29,6 +29,14 @@ def test_the_family_the_source_names_wins(bare_file):
     assert _route(hosted, bare_file) == "my-sd", "several fit: the default"
 
 
+def test_the_family_the_files_metadata_names_wins(tmp_path):
+    path = tmp_path / "kohya.safetensors"
+    save_file({"x.lora_down.weight": torch.zeros(1, 1)}, str(path),
+              metadata={"ss_base_model_version": "sdxl_base_v1-0"})
+    hosted = [HostedModel("my-sd", "sd15", lambda loc: True), HostedModel("my-sdxl", "sdxl", lambda loc: True)]
+    assert _route(hosted, path) == "my-sdxl", "kohya's ss_base_model_version, though both models would take it"
+
+
 def test_else_the_model_it_fits_else_refused(bare_file):
     fits_sdxl = [HostedModel("my-sd", "sd15", lambda loc: False), HostedModel("my-sdxl", "sdxl", lambda loc: True)]
     assert _route(fits_sdxl, bare_file, source_says="a family nobody hosts") == "my-sdxl"
@@ -41,3 +49,19 @@ def test_where_fitting_cannot_be_told_the_default_serves(bare_file):
     ray_ingress = [HostedModel("my-sd", "sd15"), HostedModel("my-sdxl", "sdxl")]
     assert _route(ray_ingress, bare_file) == "my-sd"
     assert _route(ray_ingress, bare_file, source_says="SDXL 1.0") == "my-sdxl"
+
+
+def test_a_store_reads_a_file_once_to_say_whether_it_fits(adapter_factory, tmp_path, monkeypatch):
+    from loraswap.adapters import store
+    from loraswap.engine.config import EngineConfig
+    from loraswap.engine.engine import Engine
+
+    adapter_factory("fit-once", "tiny-sdxl", rank=4, seed=81, folder=tmp_path)
+    engine = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))
+    reads = []
+    read_adapter = store.read_adapter
+    monkeypatch.setattr(store, "read_adapter", lambda *a, **k: reads.append(a[0]) or read_adapter(*a, **k))
+    location = engine.adapters.locate("fit-once")
+    assert [engine.adapters.fits(location) for _ in range(3)] == [False] * 3 and len(reads) == 1
+    adapter_factory("fit-once", "tiny-sd", rank=4, seed=82, folder=tmp_path)  # a new file under the same id
+    assert engine.adapters.fits(engine.adapters.locate("fit-once")) and len(reads) == 2

@@ -70,6 +70,7 @@ class AdapterStore:
         self.model = model
         self.limits = limits
         self.cache = AdapterCache(cache, device)
+        self._fits: dict[str, tuple[tuple, bool]] = {}  # adapter id -> (file stamp, fits this model)
         self._pool = ThreadPoolExecutor(limits.prefetch_threads, thread_name_prefix="loraswap-prefetch")
 
     # ---------------------------------------------------------------- finding
@@ -137,12 +138,19 @@ class AdapterStore:
         return read_adapter(location, self.model, self.limits)
 
     def fits(self, location: AdapterLocation) -> bool:
-        """Whether the adapter's keys and shapes fit this model's layers (read, not cached)."""
+        """Whether the adapter's keys and shapes fit this model's layers: read once per file
+        (size, mtime, ctime, inode), as routing asks on every request naming it."""
+        stamp = file_stamp(location)
+        known = self._fits.get(location.adapter_id)
+        if known is not None and known[0] == stamp:
+            return known[1]
         try:
             read_adapter(location, self.model, self.limits)
+            fits = True
         except AdapterError:
-            return False
-        return True
+            fits = False
+        self._fits[location.adapter_id] = (stamp, fits)
+        return fits
 
     # ---------------------------------------------------------------- admin
     def resolve(self, adapter_id: str) -> BoundAdapter:
