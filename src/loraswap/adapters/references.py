@@ -136,12 +136,18 @@ def adapter_id_of(text: str) -> str:
 
 def check_id(adapter_id: str) -> str:
     """`adapter_id` if it is a folder, hub or reference id (`adapter_id_of`'s output), else BadRequest."""
-    if adapter_id.startswith(REMOTE_PREFIXES):
-        if URL_ID.match(adapter_id) or adapter_id.startswith(("civitai:", "s3:")) and \
-                parse_reference(adapter_id).adapter_id == adapter_id:
-            return adapter_id
+    if not is_remote(adapter_id):
+        return check_adapter_id(adapter_id)
+    well_formed = URL_ID.match(adapter_id) if adapter_id.startswith("url:") else \
+        parse_reference(adapter_id).adapter_id == adapter_id
+    if not well_formed:
         raise BadRequest(f"invalid adapter id {shown(adapter_id)!r}")
-    return check_adapter_id(adapter_id)
+    return adapter_id
+
+
+def is_remote(adapter_id: str) -> bool:
+    """Whether the id is one of a file elsewhere (`url:`, `civitai:`, `s3:`)."""
+    return adapter_id.startswith(REMOTE_PREFIXES)
 
 
 def reference_of(adapter_id: str) -> Reference | None:
@@ -157,8 +163,8 @@ def reference_of(adapter_id: str) -> Reference | None:
 
 
 def source_of(adapter_id: str) -> str:
-    """Where an id's file comes from: `url`, `civitai`, `s3`, or `folder or hub`."""
-    return adapter_id.split(":", 1)[0] if adapter_id.startswith(REMOTE_PREFIXES) else "folder or hub"
+    """Where a remote id's file comes from: `url`, `civitai` or `s3`."""
+    return adapter_id.split(":", 1)[0]
 
 
 def shown(text: str) -> str:

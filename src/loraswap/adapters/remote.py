@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from ..errors import AdapterForbidden, AdapterInvalid, AdapterNotFound
 from .downloads import Download, DownloadCache
 from .fetch import FetchRules, display_url, fetch_file, fetch_json
-from .references import REMOTE_PREFIXES, CivitaiReference, S3Reference, check_id, reference_of, source_of
+from .references import CivitaiReference, S3Reference, check_id, is_remote, reference_of, source_of
 from .s3 import S3Settings, fetch_s3
 from .source import AdapterLocation
 
@@ -69,7 +69,12 @@ class RemoteSources:
             self.downloads.remove(adapter_id)
 
     def handles(self, adapter_id: str) -> bool:
-        return adapter_id.startswith(REMOTE_PREFIXES)
+        return is_remote(adapter_id)
+
+    @staticmethod
+    def source_of(adapter_id: str) -> str:
+        """url, civitai or s3."""
+        return source_of(adapter_id)
 
     def locate(self, adapter_id: str) -> AdapterLocation:
         """The adapter's file in the download cache, fetched first if it is not there."""

@@ -225,7 +225,7 @@ class AdapterSources:
     def source_name(self, adapter_id: str) -> str:
         """Where the adapter comes from: folder, hub, url, civitai or s3."""
         if self.remote is not None and self.remote.handles(adapter_id):
-            return adapter_id.split(":", 1)[0]
+            return self.remote.source_of(adapter_id)
         in_folder = self.local is not None and self.local.has(adapter_id)
         return "hub" if self.hub is not None and self.hub.handles(adapter_id) and not in_folder else "folder"
 

@@ -132,10 +132,10 @@ def _drive(url: str, stream: list[str], concurrency: int, params: dict, seen: se
             while True:
                 with lock:
                     i = next(position, None)
-                    cold = i is not None and stream[i] not in seen
-                    seen.update(stream[i:i + 1] if i is not None else ())
-                if i is None:
-                    return
+                    if i is None:
+                        return
+                    cold = stream[i] not in seen
+                    seen.add(stream[i])
                 started = time.perf_counter()
                 response = http.post(url + "/", json={"inputs": f"image {i}", "parameters": {**params, "seed": i}},
                                      headers={"lora": stream[i]})
