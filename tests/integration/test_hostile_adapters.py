@@ -10,7 +10,6 @@ adapter exactly as before. At the end the good adapter still gives the same imag
 
 import json
 import struct
-import time
 from urllib.parse import quote
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 from support.numerics import assert_bitwise_equal, weights_snapshot
+from support.servers import wait_ready
 
 from loraswap.engine.config import EngineConfig
 from loraswap.server.app import create_app
@@ -150,10 +150,7 @@ def served(adapter_factory, tmp_path_factory):
     config = EngineConfig(model="tiny-sd", adapters=root, max_rank=MAX_RANK, max_adapter_mb=MAX_ADAPTER_MB)
     app = create_app(ServerConfig(engines=[config]))
     with TestClient(app, raise_server_exceptions=False) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_ready(client, 120)
         first = client.post("/", json=GOOD_REQUEST, headers={"lora": "good", "accept": "image/png"})
         assert first.status_code == 200, first.text
         engine = app.state.engine

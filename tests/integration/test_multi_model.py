@@ -2,7 +2,6 @@
 the family their metadata names, else by the model whose layers they fit."""
 
 import io
-import time
 
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
+from support.servers import wait_ready
 
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
@@ -33,10 +33,7 @@ def two_models(adapter_factory, tmp_path_factory):
     configs = [EngineConfig(model=m, adapters=root) for m in ("tiny-sd", "tiny-sdxl")]
     app = create_app(ServerConfig(engines=configs))
     with TestClient(app) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_ready(client, 60)
         yield client, app, root
 
 

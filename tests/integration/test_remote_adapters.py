@@ -6,10 +6,10 @@ download however often it is named, a download kept across a restart, and each r
 import base64
 import hashlib
 import json
-import time
 
 import pytest
 from fastapi.testclient import TestClient
+from support.servers import wait_ready
 from support.web import Web, body, send
 
 from loraswap.engine.config import EngineConfig
@@ -59,10 +59,7 @@ def _client(folder, download_dir, **engine):
                                                         **engine)]))
     client = TestClient(app, raise_server_exceptions=False)
     client.__enter__()
-    deadline = time.monotonic() + 120
-    while client.get("/ready").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_ready(client, 120)
     return client
 
 

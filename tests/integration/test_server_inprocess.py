@@ -3,12 +3,12 @@ halfway through a swap, OOM during generation, loading."""
 
 import copy
 import logging
-import time
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
 from support.numerics import assert_bitwise_equal, weights_snapshot
+from support.servers import wait_ready
 from torch.overrides import TorchFunctionMode
 
 from loraswap.engine.config import EngineConfig
@@ -22,10 +22,7 @@ from loraswap.server.config import ServerConfig
 def client(served_adapters):
     app = create_app(ServerConfig(engines=[EngineConfig(model="tiny-sd", adapters=served_adapters)]))
     with TestClient(app, raise_server_exceptions=False) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_ready(client, 60)
         yield client, app
 
 
@@ -147,10 +144,7 @@ def test_not_ready_while_loading(served_adapters):
         loading = client.post("/", json={"inputs": "x"})
         assert loading.status_code == 503 and "loading" in loading.json()["error"]
         release.set()
-        deadline = time.monotonic() + 60
-        while client.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_ready(client, 60)
 
 
 def test_an_unknown_adapter_is_a_404_that_names_no_server_path(client, served_adapters):

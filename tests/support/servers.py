@@ -74,3 +74,11 @@ class ServerProcess:
 def ray_env() -> dict:
     """Environment of a process that starts its own local Ray cluster (never joins another)."""
     return dict(RAY_ENV)
+
+
+def wait_ready(client, timeout: float = 120.0) -> None:
+    """Until an in-process app (a started `TestClient`) answers /ready with 200: its models loaded."""
+    deadline = time.monotonic() + timeout
+    while client.get("/ready").status_code != 200:
+        assert time.monotonic() < deadline, f"not ready in {timeout} s"
+        time.sleep(0.05)

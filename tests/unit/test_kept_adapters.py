@@ -6,6 +6,7 @@ import logging
 import time
 
 from fastapi.testclient import TestClient
+from support.servers import wait_ready
 
 from loraswap.engine.config import EngineConfig
 from loraswap.server.app import create_app
@@ -17,10 +18,7 @@ def _serving(folder, state):
     client = TestClient(create_app(ServerConfig(engines=[EngineConfig(model="tiny-sd", adapters=folder)],
                                                 state_dir=state)))
     client.__enter__()
-    deadline = time.monotonic() + 60
-    while client.get("/ready").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_ready(client, 60)
     return client
 
 
