@@ -21,7 +21,6 @@ from ..errors import AdapterForbidden, AdapterInvalid, AdapterNotFound
 from .downloads import Download, DownloadCache
 from .fetch import FetchRules, display_url, fetch_file, fetch_json
 from .references import CivitaiReference, S3Reference, check_id, is_remote, reference_of, source_of
-from .s3 import S3Settings, fetch_s3
 from .source import AdapterLocation
 
 CIVITAI_API = "https://civitai.com/api"
@@ -112,6 +111,8 @@ class RemoteSources:
                           read_timeout=s.read_timeout)
 
     def _fetch_s3(self, adapter_id: str, reference: S3Reference, dest: Path) -> Download:
+        # boto3 is imported here, not at start-up: it costs ~0.3 s to import and only `--s3` needs it
+        from .s3 import S3Settings, fetch_s3
         s = self.settings
         settings = S3Settings(endpoint_url=s.s3_endpoint_url, max_bytes=s.max_bytes,
                               connect_timeout=s.connect_timeout, read_timeout=s.read_timeout)
