@@ -7,7 +7,8 @@ layers on the meta device), on this machine's CPU.
 
 It writes a random kohya adapter (all linear layers) once under /tmp, then reads it
 `--rounds` times (the first one is dropped: imports and caches), and prints the median
-of each phase in ms.
+of each phase in ms: for a file whose key layout was read before (the probe through
+diffusers' converters is remembered per layout), and for the first file of its layout.
 """
 
 import argparse
@@ -58,15 +59,23 @@ def main() -> None:
     target = store.TargetModel(args.architecture, cls, ModelLayers(components), torch.bfloat16, None)
     phases: dict[str, list[float]] = {name: [] for name in [*PHASES, "total"]}
     timed(phases)
-    for _ in range(args.rounds):
+    medians = {}
+    for layout_seen in (True, False):
         for times in phases.values():
-            times.append(0.0)
-        started = time.perf_counter()
-        store.read_adapter(AdapterLocation("cold", path, None), target)
-        phases["total"][-1] = time.perf_counter() - started
-    print(f"{path.name}: {path.stat().st_size / 2**20:.0f} MiB, median of {args.rounds - 1} reads")
-    for name, times in phases.items():
-        print(f"  {name:16s} {statistics.median(times[1:]) * 1e3:8.1f} ms")
+            times.clear()
+        for _ in range(args.rounds):
+            if not layout_seen:
+                layout.DiffusersProbe._memo.clear()
+            for times in phases.values():
+                times.append(0.0)
+            started = time.perf_counter()
+            store.read_adapter(AdapterLocation("cold", path, None), target)
+            phases["total"][-1] = time.perf_counter() - started
+        medians[layout_seen] = {name: statistics.median(times[1:]) * 1e3 for name, times in phases.items()}
+    print(f"{path.name}: {path.stat().st_size / 2**20:.0f} MiB, median of {args.rounds - 1} reads, ms")
+    print(f"  {'':16s} {'layout seen':>12s} {'new layout':>12s}")
+    for name in phases:
+        print(f"  {name:16s} {medians[True][name]:12.1f} {medians[False][name]:12.1f}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import AdapterIncompatible, AdapterInvalid
+from .host_memory import host_empty
 from .kinds import Layer, delta_shape, dora_magnitude_shape
 from .parse import ParsedAdapter
 
@@ -82,7 +83,11 @@ class BoundAdapter:
     def _pack(self, device: torch.device, dtype: torch.dtype, pin_memory: bool, non_blocking: bool) -> torch.Tensor:
         spans = packed_spans(self.layers.values())
         # written once: each factor copied in, only the alignment padding between them zeroed
-        flat = torch.empty(spans[-1][-1] if spans else 0, dtype=dtype, device=device, pin_memory=pin_memory)
+        numel = spans[-1][-1] if spans else 0
+        if device.type == "cpu" and not pin_memory:  # a new adapter's host copy: written once, on huge pages
+            flat = host_empty(numel, dtype)
+        else:
+            flat = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin_memory)
         start = 0
         for layer, (starts, end) in zip(self.layers.values(), spans):
             for tensor, at in zip(layer.factors.values(), starts):

@@ -14,9 +14,9 @@ from pathlib import Path
 from stat import S_ISREG
 
 import torch
-from safetensors.torch import load_file
 
 from ..errors import AdapterInvalid
+from .host_memory import host_bytes
 
 ALLOWED_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 MAX_HEADER_BYTES = 100 * 2**20
@@ -38,12 +38,37 @@ def read_safetensors(path: Path, adapter_id: str, max_bytes: int) -> tuple[dict[
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise AdapterInvalid(adapter_id, "the safetensors metadata is not a map of strings to strings", _FIX_FILE)
-    _check_entries(adapter_id, header, size - 8 - header_len)
-    try:  # pread, not the default mmap: safetensors 0.8.0's mmap path leaks a little per load (docs/reliability.md)
-        tensors = load_file(str(path), backend="pread")
-    except Exception as e:  # safetensors' own checks (overlaps, ...)
-        raise AdapterInvalid(adapter_id, f"safetensors refused the file ({e})", _FIX_FILE) from None
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    data_len = size - 8 - header_len
+    _check_entries(adapter_id, header, data_len)
+    data = _read_data(path, 8 + header_len, data_len, adapter_id)
+    return {name: _tensor(data, info) for name, info in header.items()}, {str(k): str(v) for k, v in metadata.items()}
+
+
+def _read_data(path: Path, offset: int, nbytes: int, adapter_id: str) -> torch.Tensor:
+    """The data section in one buffer, read with `readinto` (one copy from the page cache);
+    the tensors are views of it. Not a memory map: a file cut short while mapped would kill
+    the process (SIGBUS), where a short read is an error."""
+    data = host_bytes(nbytes)
+    view, done = memoryview(data.numpy()), 0
+    with path.open("rb", buffering=0) as f:
+        f.seek(offset)
+        while done < nbytes:
+            n = f.readinto(view[done:])
+            if not n:
+                raise AdapterInvalid(adapter_id, "the file ended while it was read (truncated as it was read?)",
+                                     "Download the adapter again")
+            done += n
+    return data
+
+
+def _tensor(data: torch.Tensor, info: dict) -> torch.Tensor:
+    """One entry of the header as a view of the data (a copy where its offset is not a
+    multiple of its element size, which a view of another dtype cannot start at)."""
+    start, end = info["data_offsets"]
+    raw = data[start:end]
+    if start % _DTYPE_BYTES[info["dtype"]]:
+        raw = raw.clone()
+    return raw.view(ALLOWED_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
 def streamed_header(read: Callable[[int], bytes], limit: int) -> bytes | None:
@@ -98,6 +123,22 @@ def _check_entries(adapter_id: str, header: dict, data_len: int) -> None:
         if not 0 <= start <= end <= data_len or end - start != expected:
             raise AdapterInvalid(adapter_id, f"tensor '{name}' lies outside the file (truncated download?)",
                                  "Download the adapter again")
+    _check_tiling(adapter_id, header, data_len)
+
+
+def _check_tiling(adapter_id: str, header: dict, data_len: int) -> None:
+    """The tensors fill the data section end to end, as the format requires (and safetensors'
+    own reader checks): no two share bytes, no bytes belong to none."""
+    end = 0
+    for name, info in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        start, stop = info["data_offsets"]
+        if start != end:
+            raise AdapterInvalid(adapter_id, f"tensor '{name}' {'overlaps another' if start < end else 'leaves a gap'}"
+                                 " in the file's data (the format lays tensors end to end)", _FIX_FILE)
+        end = stop
+    if end != data_len:
+        raise AdapterInvalid(adapter_id, f"the file has {data_len - end} bytes after its last tensor "
+                             "(the format lays tensors end to end)", _FIX_FILE)
 
 
 class _DuplicateKey(ValueError):

@@ -19,6 +19,7 @@ Modules none of them place are reported by the caller, naming the key.
 """
 
 import inspect
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,7 @@ class Place:
 
     component: str
     module: str
-    rows: torch.Tensor | None = None  # row indices into the file module's output (None: all, in order)
+    rows: torch.Tensor | slice | None = None  # rows of the file module's output it takes (None: all, in order)
 
 
 class ModuleNames:
@@ -65,6 +66,7 @@ class ModuleNames:
 
     def __init__(self, component_modules: dict[str, set[str]]):
         self.component_modules = component_modules
+        self.fingerprint = hash(frozenset((c, frozenset(names)) for c, names in component_modules.items()))
         self.denoiser = next((c for c in _DENOISERS if c in component_modules), None)
         self._kohya: dict[str, dict[str, str | None]] = {}
         for component, names in component_modules.items():
@@ -131,7 +133,14 @@ PEFT_PROBE = ProbeKeys(".lora_A.weight", ".lora_B.weight", None)
 
 
 class DiffusersProbe:
-    """Runs file module names through diffusers' converters (see the module docstring)."""
+    """Runs file module names through diffusers' converters (see the module docstring).
+
+    The answer depends on names and row counts only, never on weights, and the adapters of
+    one trainer for one model share their names: it is kept (`MEMO` answers) so only the
+    first adapter of a layout pays for the converters."""
+
+    MEMO = 64
+    _memo: "OrderedDict[tuple, dict[str, list[Place]]]" = OrderedDict()
 
     def __init__(self, pipeline_cls, names: ModuleNames, unet_config=None):
         self.pipeline_cls = pipeline_cls
@@ -142,6 +151,17 @@ class DiffusersProbe:
         """file module prefix -> where its rows land, for `modules` (prefix -> (rows, names)).
 
         Raises what diffusers raises when it cannot read the names at all."""
+        key = (self.pipeline_cls, self.names.fingerprint, repr(self.unet_config), tuple(modules.items()))
+        found = self._memo.get(key)
+        if found is None:
+            found = self._places(modules)
+            self._memo[key] = found
+            while len(self._memo) > self.MEMO:
+                self._memo.popitem(last=False)
+        self._memo.move_to_end(key)
+        return {prefix: list(places) for prefix, places in found.items()}
+
+    def _places(self, modules: dict[str, tuple[int, ProbeKeys]]) -> dict[str, list[Place]]:
         prefixes = list(modules)
         probe = {}
         for number, prefix in enumerate(prefixes):
@@ -153,13 +173,13 @@ class DiffusersProbe:
         found: dict[str, list[Place]] = {}
         for component, pairs in self._convert(probe).items():
             for module, (down, up) in pairs.items():
-                numbers = down.unique()
-                if numbers.numel() != 1 or module not in self.names.component_modules[component]:
+                numbers = set(down.reshape(-1).tolist())  # tiny tensors: lists beat torch.unique's sort
+                if len(numbers) != 1 or module not in self.names.component_modules[component]:
                     continue  # merged from several file modules, or no module of the model: not placed
-                prefix = prefixes[int(numbers.item()) - 1]
+                prefix = prefixes[int(numbers.pop()) - 1]
                 rows = up.reshape(-1).round().long()
-                whole = rows.numel() == modules[prefix][0] and torch.equal(rows, torch.arange(rows.numel()))
-                found.setdefault(prefix, []).append(Place(component, module, None if whole else rows))
+                whole = rows.numel() == modules[prefix][0] and _is_run(rows, 0)
+                found.setdefault(prefix, []).append(Place(component, module, None if whole else _index(rows)))
         return found
 
     def _convert(self, probe: dict[str, torch.Tensor]) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
@@ -189,6 +209,16 @@ class DiffusersProbe:
             kwargs["unet_config"] = self.unet_config
         out = cls.lora_state_dict(dict(state_dict), **kwargs)
         return out if isinstance(out, dict) else out[0]
+
+
+def _is_run(rows: torch.Tensor, first: int) -> bool:
+    return torch.equal(rows, torch.arange(first, first + rows.numel()))
+
+
+def _index(rows: torch.Tensor) -> torch.Tensor | slice:
+    """Row indices, as a slice when they are one run (a view then, not a copy)."""
+    first = int(rows[0]) if rows.numel() else 0
+    return slice(first, first + rows.numel()) if _is_run(rows, first) else rows
 
 
 def peft_converter(component: str, module_names: set[str]):

@@ -1,10 +1,10 @@
 """One module of an adapter file -> the changes it makes to one model module: its weight
 (any kind, with a DoRA magnitude or not) and its bias, scaled as the trainer scales them."""
 
-import torch
 
 from ..errors import AdapterInvalid
 from .kinds import FILE_KINDS, FULL, KINDS, AdapterKind, Layer
+from .kinds.base import Rows
 from .kinds.dora import magnitude_rows, with_dora
 from .layout import Place
 
@@ -75,7 +75,7 @@ def _weight_layer(aid: str, prefix: str, module, kind: AdapterKind, alpha: float
     return Layer(kind, factors, kind.scale(factors, alpha, target, config))
 
 
-def _rows(aid: str, prefix: str, layer: Layer, rows: torch.Tensor | None) -> Layer:
+def _rows(aid: str, prefix: str, layer: Layer, rows: Rows | None) -> Layer:
     """The layer restricted to some output rows (a file module split over model modules)."""
     if rows is None:
         return layer

@@ -13,6 +13,9 @@ from typing import Literal
 
 import torch
 
+# rows of a change's output a split module keeps: a slice when they are one run (views), else indices
+Rows = torch.Tensor | slice
+
 
 @dataclass(frozen=True)
 class FastWrite:
@@ -70,7 +73,7 @@ class AdapterKind:
         """The unscaled dense change dW from factors already cast (no DoRA magnitude)."""
         raise NotImplementedError
 
-    def select_rows(self, factors: dict, rows: torch.Tensor) -> tuple["AdapterKind", dict]:
+    def select_rows(self, factors: dict, rows: Rows) -> tuple["AdapterKind", dict]:
         """The kind and factors of the change's output `rows` only (a module the model splits);
         a DoRA `magnitude` is already cut to the rows and passes through."""
         raise NotImplementedError(f"{self.name} layers cannot be cut to rows")

@@ -13,7 +13,7 @@ import math
 import torch
 
 from ...errors import AdapterInvalid
-from .base import Layer, delta_shape, write_change
+from .base import Layer, Rows, delta_shape, write_change
 
 
 def write(target: torch.Tensor, source: torch.Tensor, layer: Layer, blend: float) -> None:
@@ -46,7 +46,7 @@ def with_dora(aid: str, prefix: str, layer: Layer, dora: dict) -> Layer:
     return layer.replace(factors=layer.factors | {"magnitude": magnitude}, dora=convention)
 
 
-def magnitude_rows(layer: Layer, rows: torch.Tensor) -> torch.Tensor:
+def magnitude_rows(layer: Layer, rows: Rows) -> torch.Tensor:
     """The magnitude of some output rows (a module the model splits): one per output row,
     [1, out, 1, 1] for a PEFT conv."""
     magnitude = layer.factors["magnitude"]

@@ -3,7 +3,7 @@ a block's modulation table), written as it is."""
 
 import torch
 
-from .base import AdapterKind
+from .base import AdapterKind, Rows
 
 
 class Full(AdapterKind):
@@ -20,7 +20,7 @@ class Full(AdapterKind):
     def dense(self, f: dict[str, torch.Tensor]) -> torch.Tensor:
         return f["diff"]
 
-    def select_rows(self, factors: dict, rows: torch.Tensor) -> tuple[AdapterKind, dict]:
+    def select_rows(self, factors: dict, rows: Rows) -> tuple[AdapterKind, dict]:
         f = factors | {"diff": factors["diff"][rows]}
         return self, {k: v.contiguous() for k, v in f.items()}
 

@@ -3,7 +3,7 @@
 
 import torch
 
-from .base import AdapterKind, FastWrite, Layer, matrix, tucker
+from .base import AdapterKind, FastWrite, Layer, Rows, matrix, tucker
 
 
 class LoHa(AdapterKind):
@@ -26,7 +26,7 @@ class LoHa(AdapterKind):
             return tucker(f["t1"], f["w1a"], f["w1b"]) * tucker(f["t2"], f["w2a"], f["w2b"])
         return (f["w1a"] @ matrix(f["w1b"])) * (f["w2a"] @ matrix(f["w2b"]))
 
-    def select_rows(self, factors: dict, rows: torch.Tensor) -> tuple[AdapterKind, dict]:
+    def select_rows(self, factors: dict, rows: Rows) -> tuple[AdapterKind, dict]:
         f = dict(factors)
         if "t1" in f:  # Tucker: the output factor is [r, out]
             f["w1a"], f["w2a"] = f["w1a"][:, rows], f["w2a"][:, rows]

@@ -4,7 +4,7 @@ rows on a module the model splits are `lokr-rows` (`lokr_rows.py`)."""
 import torch
 
 from ...errors import AdapterInvalid
-from .base import AdapterKind, Layer, add_product_in_place, delta, matrix, tucker
+from .base import AdapterKind, Layer, Rows, add_product_in_place, delta, matrix, tucker
 from .lokr_rows import LOKR_ROWS
 
 
@@ -37,10 +37,11 @@ class LoKr(AdapterKind):
         w1 = w1.reshape(*w1.shape, *[1] * (w2.ndim - w1.ndim))  # kron pads the front; a conv's w1 is [a, b, 1, 1]
         return torch.kron(w1.contiguous(), w2.contiguous())
 
-    def select_rows(self, factors: dict, rows: torch.Tensor) -> tuple[AdapterKind, dict]:
+    def select_rows(self, factors: dict, rows: Rows) -> tuple[AdapterKind, dict]:
         """Rows of kron(w1, w2) as `lokr-rows` factors: row i*p + k is kron(w1[i], w2[k]) (p:
         the rows of w2), so each kept row takes its w1 row and its w2 row (w2 kept factored)."""
         f = factors
+        rows = torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
         w1 = f["w1"] if "w1" in f else f["w1a"] @ f["w1b"]
         if "t2" in f:  # a Tucker w2 is rebuilt whole: it is out/a x in/b x k, far smaller than W
             w2 = delta(Layer(self, {"w1": torch.ones(1, 1), **{k: f[k] for k in ("w2a", "w2b", "t2")}}), f["t2"].dtype)

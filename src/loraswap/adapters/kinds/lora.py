@@ -7,7 +7,7 @@ import math
 import torch
 from peft.utils.other import get_pattern_key
 
-from .base import AdapterKind, FastWrite, matrix, tucker
+from .base import AdapterKind, FastWrite, Rows, matrix, tucker
 
 _SWAPPED = {"down": "up", "up": "down", "lora_A": "lora_B", "lora_B": "lora_A"}
 
@@ -45,7 +45,7 @@ class LoRA(AdapterKind):
             return tucker(f["mid"], matrix(f["up"]).T, down)
         return matrix(f["up"]) @ down
 
-    def select_rows(self, factors: dict, rows: torch.Tensor) -> tuple[AdapterKind, dict]:
+    def select_rows(self, factors: dict, rows: Rows) -> tuple[AdapterKind, dict]:
         f = factors | {"up": factors["up"][rows]}
         return self, {k: v.contiguous() for k, v in f.items()}
 

@@ -1,0 +1,100 @@
+"""Reading a safetensors file into one buffer (formats.read_safetensors): the same tensors as
+the safetensors library reads, the format's layout rules enforced as it enforces them, and
+host buffers that go back to the system when dropped."""
+
+import json
+import resource
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save_file
+
+from loraswap.adapters.formats import read_safetensors
+from loraswap.adapters.host_memory import host_bytes
+from loraswap.errors import AdapterInvalid
+
+
+def _raw_file(path, entries: list[tuple[str, str, list[int], bytes]], offsets=None) -> bytes:
+    """A safetensors file written by hand (name, dtype, shape, bytes), laid end to end unless
+    `offsets` says otherwise: what no library writer would make."""
+    header, start = {}, 0
+    for i, (name, dtype, shape, data) in enumerate(entries):
+        span = offsets[i] if offsets else (start, start + len(data))
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": list(span)}
+        start = span[1]
+    text = json.dumps(header).encode()
+    body = struct.pack("<Q", len(text)) + text + b"".join(e[3] for e in entries)
+    path.write_bytes(body)
+    return body
+
+
+def test_tensors_equal_what_safetensors_reads(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"a.lora_down.weight": torch.randn(8, 320, generator=generator).to(torch.bfloat16),
+               "a.lora_up.weight": torch.randn(640, 8, generator=generator).half(),
+               "a.alpha": torch.tensor(4.0), "b.diff": torch.randn(3, 5, generator=generator)}
+    path = tmp_path / "x.safetensors"
+    save_file(tensors, str(path), metadata={"ss_network_dim": "8"})
+    read, metadata = read_safetensors(path, "x", 2**30)
+    reference = safetensors_load(path.read_bytes())
+    assert metadata == {"ss_network_dim": "8"}
+    assert read.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert read[name].dtype == tensor.dtype and read[name].shape == tensor.shape, name
+        assert torch.equal(read[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+
+
+def test_an_entry_at_an_odd_offset_reads_the_same(tmp_path):
+    """A float32 after one float16 starts at byte 2: no float32 view can, so it is copied."""
+    half, single = torch.tensor([1.5], dtype=torch.float16), torch.tensor([[2.25, -7.0]])
+    path = tmp_path / "odd.safetensors"
+    body = _raw_file(path, [("h", "F16", [1], half.numpy().tobytes()), ("f", "F32", [1, 2], single.numpy().tobytes())])
+    read, _ = read_safetensors(path, "odd", 2**30)
+    reference = safetensors_load(body)
+    assert torch.equal(read["h"], reference["h"]) and torch.equal(read["f"], reference["f"])
+    assert torch.equal(read["f"], single)
+
+
+@pytest.mark.parametrize("offsets, message", [
+    ([(0, 8), (4, 12)], "overlaps another"),
+    ([(0, 8), (10, 18)], "leaves a gap"),
+])
+def test_overlaps_and_gaps_are_refused_as_safetensors_refuses_them(tmp_path, offsets, message):
+    data = torch.arange(2, dtype=torch.float32).numpy().tobytes()
+    path = tmp_path / "bad.safetensors"
+    body = _raw_file(path, [("a", "F32", [2], data), ("b", "F32", [2], data)], offsets)
+    body += b"\0" * (max(end for _, end in offsets) - 16)  # the file long enough for the offsets
+    path.write_bytes(body)
+    with pytest.raises(AdapterInvalid, match=message):
+        read_safetensors(path, "bad", 2**30)
+    with pytest.raises(Exception):  # the format's own reader refuses the same file
+        safetensors_load(body)
+
+
+def test_bytes_after_the_last_tensor_are_refused(tmp_path):
+    path = tmp_path / "tail.safetensors"
+    body = _raw_file(path, [("a", "F32", [1], b"\0\0\0\0")]) + b"junk"
+    path.write_bytes(body)
+    with pytest.raises(AdapterInvalid, match="4 bytes after its last tensor"):
+        read_safetensors(path, "tail", 2**30)
+    with pytest.raises(Exception):
+        safetensors_load(body)
+
+
+def test_host_buffers_go_back_to_the_system_when_dropped():
+    """Big buffers are private mappings of their own: each is unmapped with its last tensor,
+    so reading adapter after adapter does not grow the process."""
+    def rss_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+    before = rss_mib()
+    for _ in range(24):
+        buffer = host_bytes(64 * 2**20)
+        buffer.fill_(1)  # every page written, as a read writes it
+        view = buffer[2**20:].view(torch.float32)  # a view keeps the mapping; dropping both frees it
+        assert view.sum().item() > 0
+        del buffer, view
+    assert rss_mib() - before < 160, "24 x 64 MiB buffers were not freed"
