@@ -141,3 +141,24 @@ def slow(web: Web, seconds: float) -> Route:
         web.stop.wait(seconds)
         handler.wfile.write(b"0123456789")
     return route
+
+
+def drip(web: Web, head: bytes, total: int, every: float, headers_too: bool = False) -> Route:
+    """A whole answer (`head`, then zeros up to `total` bytes) one byte every `every` seconds:
+    steady enough for any per-read timeout, never done. The status line and headers drip too
+    when `headers_too`, else they go at once."""
+    def route(handler: BaseHTTPRequestHandler) -> None:
+        header = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total
+        handler.close_connection = True
+        if not headers_too:
+            handler.wfile.write(header)
+        answer = (header if headers_too else b"") + head + bytes(total - len(head))
+        try:
+            for i in range(len(answer)):
+                handler.wfile.write(answer[i:i + 1])
+                handler.wfile.flush()
+                if web.stop.wait(every):
+                    return
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+    return route

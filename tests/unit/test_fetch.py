@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from support.servers import free_port
-from support.web import Web, body, redirect, slow, status, stream
+from support.web import Web, body, drip, redirect, slow, status, stream
 
 from loraswap.adapters.fetch import FetchRules, allowed_host, display_url, fetch_file, fetch_json
 from loraswap.errors import AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable
@@ -303,6 +303,18 @@ def test_timeouts_and_refused_connections_are_upstream_failures(web, tmp_path):
     assert time.monotonic() - start < 2 and slow_error.value.status == 502
     with pytest.raises(AdapterUnavailable, match="could not connect"):
         fetch_file(f"http://127.0.0.1:{port}/a.safetensors", tmp_path / "x", rules, "a")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("headers_too", [False, True], ids=["body", "headers"])
+def test_a_host_dripping_bytes_is_cut_off_at_the_deadline(web, lora, tmp_path, headers_too):
+    """A byte every 0.1 s beats a 0.5 s read timeout for ever; the whole fetch's deadline does not."""
+    web.routes["/drip"] = drip(web, lora[:64], len(lora), 0.1, headers_too)
+    rules = FetchRules(named(web).allow, CAP, read_timeout=0.5, total_timeout=1.0)
+    start = time.monotonic()
+    with pytest.raises(AdapterUnavailable, match="did not send the whole answer within 1 s") as error:
+        fetch_file(web.url("/drip"), tmp_path / "x", rules, "a")
+    assert 0.9 < time.monotonic() - start < 2.0 and error.value.status == 502
     assert not (tmp_path / "x").exists()
 
 

@@ -4,22 +4,20 @@ The URL is hostile input. `https` always; plain `http` only to a host a `--url-a
 names without a wildcard; the host must match a pattern; the address connected to is checked as
 the socket opens (no DNS-rebinding window): loopback, private, link-local, multicast, reserved,
 CGNAT and cloud-metadata addresses only when a pattern names that host or IP literally. Every
-redirect is checked again; timeouts; the size cap held while streaming; a safetensors header
-checked before the body. URLs reach messages only through `display_url` (no query, no userinfo).
-httpcore (httpx's transport) is used directly: in its network backend, `_CheckedBackend`, the
-host name meets the socket; it resolves, checks and connects to the IP, while TLS still verifies
-and sends SNI for the name.
+redirect is checked again; a timeout per connect and per read, and a deadline for the whole
+fetch (a host dripping bytes is cut off); the size cap held while streaming; a safetensors
+header checked before the body. URLs reach messages only through `display_url` (no query, no
+userinfo). httpcore (httpx's transport) is used directly: in its network backend
+(`addresses.CheckedBackend`) the host name meets the socket.
 """
 
-import fnmatch
 import hashlib
-import ipaddress
 import itertools
 import json
 import logging
-import socket
+import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,27 +25,20 @@ import httpcore
 import httpx
 
 from ..errors import AdapterError, AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable
+from .addresses import CheckedBackend, Overdue, allowed_host, named
 from .formats import streamed_header
 
 logger = logging.getLogger(__name__)
 
 _REDIRECTS = (301, 302, 303, 307, 308)
 _SECRET_HEADERS = ("authorization", "proxy-authorization", "cookie")  # never sent to another origin
-_METADATA = frozenset(map(ipaddress.ip_address, ("169.254.169.254", "fd00:ec2::254", "100.100.100.200")))
-_SHARED = ipaddress.ip_network("100.64.0.0/10")  # CGNAT; Alibaba's metadata (100.100.100.200) lives there
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # reaches the IPv4 address in its low 32 bits
-_KINDS = (("cloud-metadata", lambda a: a in _METADATA), ("loopback", lambda a: a.is_loopback),
-          ("unspecified", lambda a: a.is_unspecified), ("link-local", lambda a: a.is_link_local),
-          ("multicast", lambda a: a.is_multicast), ("shared (CGNAT)", lambda a: a in _SHARED),
-          ("private", lambda a: a.is_private), ("reserved", lambda a: a.is_reserved))
-
-
 @dataclass(frozen=True)
 class FetchRules:
     allow: tuple[str, ...]  # `--url-allow` patterns: "host" or "host:port", fnmatch; "*" = any PUBLIC host
     max_bytes: int  # size cap, enforced while streaming whatever Content-Length says
     connect_timeout: float = 10.0
     read_timeout: float = 30.0  # per read: no byte for this long is a timeout
+    total_timeout: float = 600.0  # the whole fetch, redirects and headers included
     max_redirects: int = 5
 
 
@@ -68,67 +59,6 @@ def display_url(url: str) -> str:
         return "(an unparseable URL)"
     path = parsed.raw_path.split(b"?")[0].decode("ascii", "replace")
     return f"{parsed.scheme}://{parsed.netloc.decode('ascii')}{path}"[:200]
-
-
-def _names(host: str, port: int) -> set[str]:
-    host = host.lower()
-    bracketed = f"[{host}]" if ":" in host else host  # an IPv6 literal with a port: [::1]:8443
-    return {host, bracketed, f"{bracketed}:{port}"}
-
-
-def allowed_host(host: str, port: int, allow: tuple[str, ...]) -> bool:
-    """Whether a pattern matches `host` or `host:port` (names only; addresses are checked at connect)."""
-    names = _names(host, port)
-    return any(name == p or fnmatch.fnmatchcase(name, p) for p in map(str.lower, allow) for name in names)
-
-
-def _named(host: str, port: int, allow: tuple[str, ...]) -> bool:
-    """Whether a pattern names this host (or IP) literally: no wildcard, so `*` never does."""
-    names = _names(host, port)
-    return any(p.lower() in names for p in allow if not any(c in p for c in "*?["))
-
-
-def _judged(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> tuple:
-    """What decides: a mapped or NAT64 address's IPv4 one (where it goes); 6to4 and Teredo, both."""
-    if addr.version == 4:
-        return (addr,)
-    if addr.ipv4_mapped or addr in _NAT64:
-        return (addr.ipv4_mapped or ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF),)
-    embedded = addr.sixtofour or (addr.teredo or (None, None))[1]
-    return (embedded, addr) if embedded else (addr,)
-
-
-def address_kind(ip: str) -> str | None:
-    """Why `ip` is no public address ('loopback', 'cloud-metadata', ...); None when it is one."""
-    for candidate in _judged(ipaddress.ip_address(ip)):
-        kind = next((kind for kind, test in _KINDS if test(candidate)), None)
-        if kind or not candidate.is_global:
-            return kind or "non-public"
-    return None
-
-
-class _CheckedBackend(httpcore.SyncBackend):
-    """Opens sockets only to addresses the rules allow, checked as it connects (no rebinding window)."""
-
-    def __init__(self, allow: tuple[str, ...], adapter_id: str):
-        self._allow, self._adapter_id = allow, adapter_id
-
-    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        try:  # no timeout of its own: the system resolver's
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            raise httpcore.ConnectError(f"{host} did not resolve: {exc}") from exc
-        ips = list(dict.fromkeys(info[4][0] for info in infos))
-        named = _named(host, port, self._allow)
-        usable = [ip for ip in ips if named or _named(ip, port, self._allow) or address_kind(ip) is None]
-        if not usable:
-            raise AdapterForbidden(self._adapter_id, f"{host} resolves to {ips[0]}, a {address_kind(ips[0])} address",
-                                   f"Start the server with --url-allow {host}:{port} if it is meant to be reached "
-                                   "(such addresses only when a pattern names the host or IP, not a wildcard)")
-        for ip in usable[:-1]:  # the IP, never the name again: what was checked is what is connected to
-            with suppress(httpcore.ConnectError, httpcore.ConnectTimeout):
-                return super().connect_tcp(ip, port, timeout, local_address, socket_options)
-        return super().connect_tcp(usable[-1], port, timeout, local_address, socket_options)
 
 
 def _port(url: httpx.URL) -> int:
@@ -152,7 +82,7 @@ def _checked(url: str, rules: FetchRules, adapter_id: str, base: httpx.URL | Non
     if not allowed_host(host, port, rules.allow):
         raise AdapterForbidden(adapter_id, f"{lead}: host {host} is not allowed",
                                f"Start the server with --url-allow {host}")
-    if parsed.scheme == "http" and not _named(host, port, rules.allow):
+    if parsed.scheme == "http" and not named(host, port, rules.allow):
         raise AdapterForbidden(adapter_id, f"{lead}: plain http", f"Give an https:// URL: plain http is fetched only "
                                f"from a host --url-allow names (e.g. --url-allow {host}:{port}, no wildcard)")
     return parsed
@@ -207,7 +137,8 @@ def _check_status(response: httpcore.Response, shown: str, adapter_id: str) -> N
 
 # an upstream failure and what it says; socket and h11 texts name no URL, and local protocol
 # errors (which can quote a header we sent, a token) are described, not quoted
-_UPSTREAM = ((httpcore.ConnectTimeout, "its host did not answer within {connect:g} s"),
+_UPSTREAM = ((Overdue, "its host did not send the whole answer within {total:g} s"),
+             (httpcore.ConnectTimeout, "its host did not answer within {connect:g} s"),
              (httpcore.TimeoutException, "its host sent nothing for {read:g} s"),
              (httpcore.ConnectError, "could not connect to its host ({exc})"),
              (httpcore.RemoteProtocolError, "its host broke off or garbled the answer ({exc})"),
@@ -221,7 +152,8 @@ def _upstream_errors(url: str, rules: FetchRules, adapter_id: str) -> Iterator[N
         yield
     except tuple(kind for kind, _ in _UPSTREAM) as exc:
         text = next(text for kind, text in _UPSTREAM if isinstance(exc, kind))
-        problem = text.format(connect=rules.connect_timeout, read=rules.read_timeout, exc=str(exc)[:200] or "closed")
+        problem = text.format(connect=rules.connect_timeout, read=rules.read_timeout, total=rules.total_timeout,
+                              exc=str(exc)[:200] or "closed")
         raise AdapterUnavailable(adapter_id, f"{display_url(url)}: {problem}",
                                  "Check that the host is up and reachable from this server, then try again") from exc
 
@@ -277,7 +209,8 @@ def _fetch(url: str, rules: FetchRules, adapter_id: str, headers: dict[str, str]
     # httpx's own TLS context (certifi's bundle, or SSL_CERT_FILE / SSL_CERT_DIR when set), one per
     # fetch as httpcore sets ALPN on it; a pool per fetch, so no connection outlives its checks
     pool = httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(),
-                                   network_backend=_CheckedBackend(rules.allow, adapter_id))
+                                   network_backend=CheckedBackend(rules.allow, adapter_id,
+                                                                  time.monotonic() + rules.total_timeout))
     with pool, _upstream_errors(url, rules, adapter_id):
         response, final = _open(pool, url, rules, adapter_id, headers)
         try:

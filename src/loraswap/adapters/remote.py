@@ -37,6 +37,7 @@ class RemoteSettings:
     max_bytes: int = 2 * 2**30
     connect_timeout: float = 10.0
     read_timeout: float = 30.0
+    total_timeout: float = 600.0  # one download, start to end
 
     def __repr__(self) -> str:  # a config printed or logged never shows the token
         return (f"RemoteSettings(url_allow={self.url_allow}, civitai_api={self.civitai_api!r}, "
@@ -108,14 +109,15 @@ class RemoteSources:
     def _rules(self, allow: tuple[str, ...]) -> FetchRules:
         s = self.settings
         return FetchRules(allow=allow, max_bytes=s.max_bytes, connect_timeout=s.connect_timeout,
-                          read_timeout=s.read_timeout)
+                          read_timeout=s.read_timeout, total_timeout=s.total_timeout)
 
     def _fetch_s3(self, adapter_id: str, reference: S3Reference, dest: Path) -> Download:
         # boto3 is imported here, not at start-up: it costs ~0.3 s to import and only `--s3` needs it
         from .s3 import S3Settings, fetch_s3
         s = self.settings
         settings = S3Settings(endpoint_url=s.s3_endpoint_url, max_bytes=s.max_bytes,
-                              connect_timeout=s.connect_timeout, read_timeout=s.read_timeout)
+                              connect_timeout=s.connect_timeout, read_timeout=s.read_timeout,
+                              total_timeout=s.total_timeout)
         _, sha256 = fetch_s3(reference.bucket, reference.key, dest, settings, adapter_id)
         return Download("s3", f"s3://{reference.bucket}/{reference.key}", sha256)
 

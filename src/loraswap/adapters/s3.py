@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import re
+import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class S3Settings:
     max_bytes: int = 2 * 2**30  # an object larger than this is refused, whatever its ContentLength says
     connect_timeout: float = 10.0
     read_timeout: float = 30.0  # per read: no byte for this long is a timeout
+    total_timeout: float = 600.0  # the whole object, checked between chunks (the store is the operator's)
 
 
 @functools.lru_cache(maxsize=8)
@@ -154,12 +156,17 @@ def _write(body, length: int | None, dest: Path, settings: S3Settings, shown: st
         raise _too_big(shown, settings, adapter_id)  # before a byte of the body is read
     head = _safetensors_head(body, settings.max_bytes if length is None else length, shown, adapter_id)
     digest, size = hashlib.sha256(head), len(head)
+    deadline = time.monotonic() + settings.total_timeout
     with dest.open("wb") as out:
         out.write(head)
         while chunk := body.read(CHUNK):
             size += len(chunk)
             if size > settings.max_bytes:  # ContentLength missing, or a store that lies about it
                 raise _too_big(shown, settings, adapter_id)
+            if time.monotonic() > deadline:
+                raise AdapterUnavailable(adapter_id, f"{_store(settings)} did not send {shown} within "
+                                         f"{settings.total_timeout:g} s", "Try again later, or raise "
+                                         "--download-timeout-s")
             out.write(chunk)
             digest.update(chunk)
     return size, digest.hexdigest()

@@ -73,6 +73,9 @@ class EngineConfig(BaseModel):
     download_dir: Annotated[Path | None, Flag(ADAPTERS)] = Field(
         None, description="Folder of the adapters fetched by URL or from Civitai, kept across restarts (default: "
                           "~/.cache/loraswap/downloads).")
+    download_timeout_s: Annotated[float, Flag(ADAPTERS)] = Field(
+        600.0, gt=0, description="Longest one download (URL, Civitai, S3) may take, s, however steadily its host "
+                                 "sends: a host dripping bytes is cut off (502).")
     download_cache_gb: Annotated[float, Flag(ADAPTERS)] = Field(
         20.0, gt=0, description="Disk the downloads may take, GiB; the least recently used are dropped past it.")
     max_blend: Annotated[int, Flag(ADAPTERS)] = Field(
@@ -130,7 +133,7 @@ class EngineConfig(BaseModel):
         max_bytes = int(self.max_adapter_mb * 2**20)
         remote = make_remote(RemoteSettings(tuple(self.url_allow), self._civitai_api(), self._civitai_token(),
                                             self.s3 or self.s3_endpoint_url is not None, self.s3_endpoint_url,
-                                            max_bytes),
+                                            max_bytes, total_timeout=self.download_timeout_s),
                              self.download_dir or default_download_dir(), int(self.download_cache_gb * 2**30))
         return make_sources(self.adapters, self.hub, self.hub_cache_dir, self.hub_allow, self.hub_deny, max_bytes,
                             remote)
