@@ -98,3 +98,33 @@ def test_host_buffers_go_back_to_the_system_when_dropped():
         assert view.sum().item() > 0
         del buffer, view
     assert rss_mib() - before < 160, "24 x 64 MiB buffers were not freed"
+
+
+def test_a_large_file_read_and_packed_in_pieces_is_the_same(tmp_path, monkeypatch):
+    """Large adapters are read and packed on several threads: the same bytes as one thread,
+    alignment padding zeroed alike."""
+    from loraswap.adapters import host_memory
+    from loraswap.adapters.bound import BoundAdapter
+    from loraswap.adapters.kinds import LORA, Layer
+
+    generator = torch.Generator().manual_seed(1)
+    tensors = {f"m{i}.lora_{part}.weight": torch.randn(*shape, generator=generator).to(torch.bfloat16)
+               for i in range(7) for part, shape in (("down", (5, 3001)), ("up", (3001, 5)))}
+    path = tmp_path / "big.safetensors"
+    save_file(tensors, str(path))
+
+    def read_and_pack():
+        read, _ = read_safetensors(path, "big", 2**30)
+        layers = {("transformer", f"m{i}.weight"): Layer(LORA, {"down": read[f"m{i}.lora_down.weight"],
+                                                                "up": read[f"m{i}.lora_up.weight"]}, 1.0)
+                  for i in range(7)}
+        return read, BoundAdapter("big", layers).to("cpu", torch.float16).packed
+
+    one_read, one_packed = read_and_pack()
+    monkeypatch.setattr(host_memory, "PARALLEL_FROM", 0)
+    monkeypatch.setattr(host_memory, "COPY_THREADS", 3)
+    monkeypatch.setattr(host_memory, "HUGE_PAGE", 4096)  # pieces of the small file's size
+    pieces_read, pieces_packed = read_and_pack()
+    for name, tensor in safetensors_load(path.read_bytes()).items():
+        assert torch.equal(pieces_read[name], tensor) and torch.equal(one_read[name], tensor), name
+    assert torch.equal(pieces_packed.view(torch.int16), one_packed.view(torch.int16))

@@ -6,6 +6,7 @@ fit, ranks under the limit, values finite), before any weight of the model is to
 the swap itself then only writes.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import AdapterIncompatible, AdapterInvalid
-from .host_memory import host_empty
+from .host_memory import host_empty, in_pieces, run_all
 from .kinds import Layer, delta_shape, dora_magnitude_shape
 from .parse import ParsedAdapter
 
@@ -81,24 +82,40 @@ class BoundAdapter:
         return with_buffer(self, flat)
 
     def _pack(self, device: torch.device, dtype: torch.dtype, pin_memory: bool, non_blocking: bool) -> torch.Tensor:
-        spans = packed_spans(self.layers.values())
-        # written once: each factor copied in, only the alignment padding between them zeroed
+        layers = list(self.layers.values())
+        spans = packed_spans(layers)
         numel = spans[-1][-1] if spans else 0
         if device.type == "cpu" and not pin_memory:  # a new adapter's host copy: written once, on huge pages
             flat = host_empty(numel, dtype)
         else:
             flat = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin_memory)
-        start = 0
-        for layer, (starts, end) in zip(self.layers.values(), spans):
-            for tensor, at in zip(layer.factors.values(), starts):
-                if at > start:
-                    flat[start: at].zero_()
-                flat[at: at + tensor.numel()].copy_(tensor.reshape(-1), non_blocking=non_blocking)
-                start = at + tensor.numel()
-            if end > start:
-                flat[start: end].zero_()
-            start = end
+
+        def fill(first: int, last: int) -> None:  # layers[first:last]: each factor copied in, the padding zeroed
+            start = spans[first - 1][1] if first else 0
+            for layer, (starts, end) in zip(layers[first:last], spans[first:last]):
+                for tensor, at in zip(layer.factors.values(), starts):
+                    if at > start:
+                        flat[start: at].zero_()
+                    flat[at: at + tensor.numel()].copy_(tensor.reshape(-1), non_blocking=non_blocking)
+                    start = at + tensor.numel()
+                if end > start:
+                    flat[start: end].zero_()
+                start = end
+
+        # on the host in pieces on several threads; a device copy stays on this thread's stream
+        pieces = in_pieces(flat.nbytes) if device.type == "cpu" else 1
+        run_all([functools.partial(fill, first, last) for first, last in _runs(spans, pieces)])
         return flat
+
+
+def _runs(spans: list[tuple[list[int], int]], pieces: int) -> list[tuple[int, int]]:
+    """`spans` cut into at most `pieces` runs of layers of about equal size, as (first, last)."""
+    total, runs, first = (spans[-1][1] if spans else 0), [], 0
+    for i, (_, end) in enumerate(spans):
+        if end * pieces >= total * (len(runs) + 1) or i == len(spans) - 1:
+            runs.append((first, i + 1))
+            first = i + 1
+    return runs
 
 
 def _first_factor(bound: BoundAdapter) -> torch.Tensor:

@@ -6,8 +6,10 @@ a header claiming gigabytes is refused before anything is allocated. `parse` tur
 tensors into changes of the model's parameters.
 """
 
+import functools
 import json
 import math
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +18,7 @@ from stat import S_ISREG
 import torch
 
 from ..errors import AdapterInvalid
-from .host_memory import host_bytes
+from .host_memory import byte_ranges, host_bytes, run_all
 
 ALLOWED_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 MAX_HEADER_BYTES = 100 * 2**20
@@ -45,19 +47,26 @@ def read_safetensors(path: Path, adapter_id: str, max_bytes: int) -> tuple[dict[
 
 
 def _read_data(path: Path, offset: int, nbytes: int, adapter_id: str) -> torch.Tensor:
-    """The data section in one buffer, read with `readinto` (one copy from the page cache);
-    the tensors are views of it. Not a memory map: a file cut short while mapped would kill
-    the process (SIGBUS), where a short read is an error."""
+    """The data section in one buffer, read with `preadv` (one copy from the page cache; a
+    large file in pieces on several threads); the tensors are views of it. Not a memory map:
+    a file cut short while mapped would kill the process (SIGBUS), where a short read is an
+    error."""
     data = host_bytes(nbytes)
-    view, done = memoryview(data.numpy()), 0
-    with path.open("rb", buffering=0) as f:
-        f.seek(offset)
-        while done < nbytes:
-            n = f.readinto(view[done:])
+    view = memoryview(data.numpy())
+
+    def read(start: int, end: int) -> None:
+        while start < end:
+            n = os.preadv(fd, [view[start:end]], offset + start)
             if not n:
                 raise AdapterInvalid(adapter_id, "the file ended while it was read (truncated as it was read?)",
                                      "Download the adapter again")
-            done += n
+            start += n
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        run_all([functools.partial(read, start, end) for start, end in byte_ranges(nbytes)])
+    finally:
+        os.close(fd)
     return data
 
 
