@@ -13,6 +13,7 @@ import yaml
 from ray.exceptions import ActorDiedError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
+from loraswap.adapters.references import adapter_id_of
 from loraswap.cluster.app import build_app, load_config, replica_gpus
 from loraswap.cluster.config import ClusterConfig, ModelDeploymentConfig
 from loraswap.cluster.ingress import RayBackend
@@ -211,15 +212,16 @@ class FakeHandle:
     """A deployment handle whose calls fail with the given errors, then answer `result`."""
 
     def __init__(self, *errors):
-        self.errors, self.calls, self.ids = list(errors), 0, []
+        self.errors, self.calls, self.ids, self.urls = list(errors), 0, [], []
         self.generate = self
 
     def options(self, multiplexed_model_id=""):
         self.ids.append(multiplexed_model_id)
         return self
 
-    def remote(self, request):
+    def remote(self, request, urls=None):
         self.calls += 1
+        self.urls.append(urls)
         error = self.errors.pop(0) if self.errors else None
         return FakeResponse(error)
 
@@ -262,6 +264,18 @@ def test_ingress_sends_a_request_again_when_its_replica_died(tmp_path):
     handle = FakeHandle(ActorDiedError(), ActorDiedError(), ActorDiedError())
     with pytest.raises(Overloaded, match="went away"):
         asyncio.run(ingress_over(handle, tmp_path).generate(request, None, never_gone))
+
+
+def test_ingress_hands_the_replica_the_urls_behind_url_ids(tmp_path):
+    """A replica on another node must fetch a `url:` adapter itself: only the ingress saw its URL."""
+    url = "https://cdn.example.com/handed-over.safetensors?X-Signature=SECRET"
+    url_id = adapter_id_of(url)
+    handle = FakeHandle()
+    backend = ingress_over(handle, tmp_path)
+    backend._route = lambda loras, model: 0  # routing fetches the file; here only what is sent matters
+    asyncio.run(backend.generate(GenerateRequest(prompt="x", loras=[(url_id, 1.0), ("style", 0.5)]), None,
+                                 never_gone))
+    assert handle.urls == [{url_id: url}], "the URL of the url: id, and nothing for a folder id"
 
 
 def test_ingress_answers_replica_errors_as_its_own(tmp_path):

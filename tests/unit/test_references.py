@@ -3,7 +3,15 @@ weights after them, what is refused, and what an error may show of them."""
 
 import pytest
 
-from loraswap.adapters.references import adapter_id_of, check_id, parse_reference, reference_of, shown
+from loraswap.adapters.references import (
+    adapter_id_of,
+    check_id,
+    parse_reference,
+    reference_of,
+    remember_urls,
+    shown,
+    urls_of,
+)
 from loraswap.adapters.specs import adapter_with_weight, parse_adapter_specs
 from loraswap.errors import BadRequest
 
@@ -28,6 +36,18 @@ def test_each_reference_has_the_id_it_is_served_under():
 def test_a_url_id_unseen_by_this_process_has_no_reference():
     assert reference_of("url:" + "0" * 32) is None
     assert check_id("url:" + "0" * 32) == "url:" + "0" * 32
+
+
+def test_a_url_handed_over_is_remembered_under_its_own_id_only():
+    """What a Ray replica gets from the ingress: the URL behind a `url:` id it never saw."""
+    url = "https://cdn.example.com/handed.safetensors?sig=S"
+    adapter_id = parse_reference(url).adapter_id
+    assert reference_of(adapter_id) is None and urls_of([adapter_id]) == {}
+    with pytest.raises(BadRequest, match="another's"):
+        remember_urls({"url:" + "0" * 32: url})
+    assert reference_of("url:" + "0" * 32) is None
+    remember_urls({adapter_id: url})
+    assert reference_of(adapter_id).url == url and urls_of([adapter_id, "plain/id"]) == {adapter_id: url}
 
 
 @pytest.mark.parametrize("name,message", [

@@ -134,6 +134,23 @@ def adapter_id_of(text: str) -> str:
     return reference.adapter_id
 
 
+def urls_of(adapter_ids) -> dict[str, str]:
+    """The URLs behind the `url:` ids among `adapter_ids` that this process saw: for a process
+    that must fetch them without having seen the request (a Ray replica on another node)."""
+    with _urls_lock:
+        return {a: _urls[a] for a in adapter_ids if a in _urls}
+
+
+def remember_urls(urls: dict[str, str]) -> None:
+    """Take the URLs another process saw (`urls_of`), each only under the id its own hash gives."""
+    for adapter_id, url in urls.items():
+        reference = _url(url)
+        if reference.adapter_id != adapter_id:
+            raise BadRequest(f"the URL handed over for {adapter_id} is another's")
+        with _urls_lock:
+            _urls[adapter_id] = reference.url
+
+
 def check_id(adapter_id: str) -> str:
     """`adapter_id` if it is a folder, hub or reference id (`adapter_id_of`'s output), else BadRequest."""
     if not is_remote(adapter_id):

@@ -19,6 +19,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from ray.serve.exceptions import BackPressureError
 
 from ..adapters.metadata import same_model
+from ..adapters.references import urls_of
 from ..adapters.source import AdapterSources
 from ..engine.config import GenerateRequest
 from ..engine.engine import GenerateResult
@@ -105,10 +106,11 @@ class RayBackend:
         # not pickle; reporting steps back needs a channel from replica to ingress
         index = await run_in_threadpool(self._route, request.loras, model)
         handle = self.handles[index].options(multiplexed_model_id=adapter_key(request.loras))
+        urls = urls_of(adapter_id for adapter_id, _ in request.loras)  # a replica on another node fetches too
         sent = time.perf_counter()
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                result = await self._call(lambda: handle.generate.remote(request), is_disconnected)
+                result = await self._call(lambda: handle.generate.remote(request, urls), is_disconnected)
                 # Serve's share: routing (waiting at the router), the hops both ways, and any
                 # attempt a dying replica cost
                 result.timings["ray"] = time.perf_counter() - sent - result.timings.pop("replica", 0.0)
@@ -159,7 +161,7 @@ class RayBackend:
     async def keep_adapter(self, adapter_id: str) -> dict:
         index = await run_in_threadpool(self._route, [(adapter_id, 1.0)], None)
         handle = self.handles[index].options(multiplexed_model_id=adapter_id)
-        return await self._call(lambda: handle.keep_adapter.remote(adapter_id))
+        return await self._call(lambda: handle.keep_adapter.remote(adapter_id, urls_of([adapter_id])))
 
     async def evict_adapter(self, adapter_id: str) -> None:
         index = await run_in_threadpool(self._route, [(adapter_id, 1.0)], None)

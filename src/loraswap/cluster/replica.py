@@ -24,6 +24,7 @@ import ray
 import torch
 from ray import serve
 
+from ..adapters.references import remember_urls
 from ..engine.config import GenerateRequest
 from ..engine.engine import Engine, GenerateResult
 from ..engine.worker import GpuWorker, SchedulerConfig
@@ -105,9 +106,12 @@ class ModelReplica:
         return {"model": self.engine.model_name, "compiled": self.engine.compiled, "replica": self.replica_id,
                 "capabilities": self.engine.calls.capabilities(), "family": family.name if family else None}
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
+    async def generate(self, request: GenerateRequest, urls: dict[str, str] | None = None) -> GenerateResult:
+        """`urls`: the URLs behind the request's `url:` ids (the ingress saw them; this replica's
+        node may have to fetch them into its own download folder)."""
         # 1. hold the request's adapters in this replica's budget (Serve routed it here for them)
         received = time.perf_counter()
+        remember_urls(urls or {})
         key = serve.get_multiplexed_model_id()
         if key:
             await self._load(key)
@@ -119,8 +123,9 @@ class ModelReplica:
         result.timings |= {"hold": held - received, "replica": time.perf_counter() - received}
         return result
 
-    async def keep_adapter(self, adapter_id: str) -> dict:
+    async def keep_adapter(self, adapter_id: str, urls: dict[str, str] | None = None) -> dict:
         """Hold the adapter here, read it now and keep it in the cache (POST /adapters/{id}/load)."""
+        remember_urls(urls or {})
         await self._load(adapter_id)
         bound = await asyncio.to_thread(self.engine.adapters.keep, adapter_id)
         await self._report()
