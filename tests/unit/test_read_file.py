@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from loraswap.adapters.formats import read_safetensors
 from loraswap.adapters.host_memory import host_bytes
-from loraswap.errors import AdapterInvalid
+from loraswap.errors import AdapterIncompatible, AdapterInvalid
 
 
 def _raw_file(path, entries: list[tuple[str, str, list[int], bytes]], offsets=None) -> bytes:
@@ -128,3 +128,76 @@ def test_a_large_file_read_and_packed_in_pieces_is_the_same(tmp_path, monkeypatc
     for name, tensor in safetensors_load(path.read_bytes()).items():
         assert torch.equal(pieces_read[name], tensor) and torch.equal(one_read[name], tensor), name
     assert torch.equal(pieces_packed.view(torch.int16), one_packed.view(torch.int16))
+
+
+READ_IN_PLACE_CASES = [  # preset, layout, kind, file dtype, model dtype
+    ("tiny-sd", "kohya", "lora", torch.float16, torch.float16),  # text encoder and convolutions too
+    ("tiny-flux", "kohya", "lora", torch.bfloat16, torch.bfloat16),  # fused qkv cut into rows
+    ("tiny-flux", "diffusers", "lora", torch.float16, torch.float32),  # converted as it is read
+    ("tiny-sd", "kohya", "loha", torch.float16, torch.float16),
+    ("tiny-flux", "kohya", "lokr", torch.float16, torch.float16),  # rows of a Kronecker product: read whole
+    ("tiny-sd", "kohya", "dora", torch.float32, torch.float16),
+]
+
+
+@pytest.mark.parametrize("preset, layout, kind, file_dtype, model_dtype", READ_IN_PLACE_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in READ_IN_PLACE_CASES])
+def test_read_in_place_binds_what_reading_whole_binds(tmp_path, monkeypatch, caplog, preset, layout, kind, file_dtype,
+                                                      model_dtype):
+    """An adapter read in place (each factor from the file straight into the packed buffer)
+    is bitwise the adapter read whole and then packed; where the parse computes a factor
+    (LoKr rows) it falls back to reading whole, with the same result."""
+    from loraswap.adapters import file_data
+    from loraswap.adapters.bound import ModelLayers, bind_adapter
+    from loraswap.adapters.parse import load_adapter
+    from loraswap.adapters.random import make_random_adapter
+    from loraswap.adapters.source import AdapterLocation
+    from loraswap.adapters.store import TargetModel, read_adapter
+    from loraswap.models import lora_components
+
+    cls, components = lora_components(preset)
+    state_dict, metadata = make_random_adapter(components, 4, "all", layout, text_encoder=preset == "tiny-sd",
+                                               dtype=file_dtype, kind=kind)
+    path = tmp_path / "a.safetensors"
+    save_file(state_dict, str(path), metadata=metadata)
+    location, layers = AdapterLocation("a", path, None), ModelLayers(components)
+    whole = bind_adapter(load_adapter(location, cls, layers.component_modules, 2**30), layers, dtype=model_dtype)
+
+    monkeypatch.setattr(file_data, "LARGE", 64)  # the tiny model's factors stand in, as a real model's do
+    caplog.set_level("DEBUG", logger="loraswap.adapters.store")
+    in_place = read_adapter(location, TargetModel(preset, cls, layers, model_dtype, None))
+    read_whole = any("read whole" in record.message for record in caplog.records)
+    assert read_whole == (kind == "lokr"), "read in place, but for a factor the parse computes"
+    assert in_place.layers.keys() == whole.layers.keys()
+    assert in_place.packed.dtype == whole.packed.dtype == model_dtype
+    assert torch.equal(in_place.packed.view(torch.uint8), whole.packed.view(torch.uint8))
+    for key, layer in whole.layers.items():
+        assert in_place.layers[key].scale == layer.scale and in_place.layers[key].kind is layer.kind, key
+
+
+def test_reads_in_place_leave_no_file_open(tmp_path, monkeypatch):
+    """Served or refused (after the file was opened and parsed), every read closes its file."""
+    import os
+
+    from loraswap.adapters import file_data
+    from loraswap.adapters.bound import ModelLayers
+    from loraswap.adapters.random import make_random_adapter
+    from loraswap.adapters.source import AdapterLocation
+    from loraswap.adapters.store import StoreLimits, TargetModel, read_adapter
+    from loraswap.models import lora_components
+
+    monkeypatch.setattr(file_data, "LARGE", 64)
+    cls, components = lora_components("tiny-sd")
+    state_dict, metadata = make_random_adapter(components, 4, "all", "kohya", base_model="tiny-sd")
+    path = tmp_path / "a.safetensors"
+    save_file(state_dict, str(path), metadata=metadata)
+    target = TargetModel("tiny-sd", cls, ModelLayers(components), torch.float16, None)
+    other = TargetModel("tiny-sdxl", cls, ModelLayers(components), torch.float16, None)
+    open_before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        read_adapter(AdapterLocation("a", path, None), target)
+        with pytest.raises(AdapterIncompatible):  # made for tiny-sd: refused on another model
+            read_adapter(AdapterLocation("a", path, None), other)
+        with pytest.raises(AdapterInvalid, match="rank 4, over the limit"):
+            read_adapter(AdapterLocation("a", path, None), target, StoreLimits(max_rank=2))
+    assert len(os.listdir("/proc/self/fd")) == open_before

@@ -8,12 +8,14 @@ the swap itself then only writes.
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..errors import AdapterIncompatible, AdapterInvalid
+from .file_data import FileData, NotInFile
 from .host_memory import host_empty, in_pieces, run_all
 from .kinds import Layer, delta_shape, dora_magnitude_shape
 from .parse import ParsedAdapter
@@ -67,21 +69,23 @@ class BoundAdapter:
         return sorted({layer.label(p) for (_, p), layer in self.layers.items()})
 
     def to(self, device: str | torch.device, dtype: torch.dtype | None = None, pin_memory: bool = False,
-           non_blocking: bool = False) -> "BoundAdapter":
+           non_blocking: bool = False, files: Sequence[FileData] = ()) -> "BoundAdapter":
         """A copy whose factors live in one flat buffer on `device` (pinned host RAM if asked).
 
         From a packed adapter of the same dtype this is one copy (asynchronous from
-        pinned memory with `non_blocking`); otherwise the factors are packed first.
+        pinned memory with `non_blocking`); otherwise the factors are packed first, those
+        standing in for bytes of `files` (an adapter read in place) read from them.
         """
         device = torch.device(device)
         dtype = dtype or _first_factor(self).dtype
         if self.packed is not None and self.packed.dtype == dtype:
             flat = self.packed.to(device, non_blocking=non_blocking) if not pin_memory else self.packed.pin_memory()
         else:
-            flat = self._pack(device, dtype, pin_memory and device.type == "cpu", non_blocking)
+            flat = self._pack(device, dtype, pin_memory and device.type == "cpu", non_blocking, files)
         return with_buffer(self, flat)
 
-    def _pack(self, device: torch.device, dtype: torch.dtype, pin_memory: bool, non_blocking: bool) -> torch.Tensor:
+    def _pack(self, device: torch.device, dtype: torch.dtype, pin_memory: bool, non_blocking: bool,
+              files: Sequence[FileData]) -> torch.Tensor:
         layers = list(self.layers.values())
         spans = packed_spans(layers)
         numel = spans[-1][-1] if spans else 0
@@ -96,7 +100,10 @@ class BoundAdapter:
                 for tensor, at in zip(layer.factors.values(), starts):
                     if at > start:
                         flat[start: at].zero_()
-                    flat[at: at + tensor.numel()].copy_(tensor.reshape(-1), non_blocking=non_blocking)
+                    if tensor.is_meta:  # read in place: the file's bytes go straight to their place
+                        _from_file(tensor, flat[at: at + tensor.numel()], files)
+                    else:
+                        flat[at: at + tensor.numel()].copy_(tensor.reshape(-1), non_blocking=non_blocking)
                     start = at + tensor.numel()
                 if end > start:
                     flat[start: end].zero_()
@@ -106,6 +113,13 @@ class BoundAdapter:
         pieces = in_pieces(flat.nbytes) if device.type == "cpu" else 1
         run_all([functools.partial(fill, first, last) for first, last in _runs(spans, pieces)])
         return flat
+
+
+def _from_file(tensor: torch.Tensor, out: torch.Tensor, files: Sequence[FileData]) -> None:
+    file = next((f for f in files if f.owns(tensor)), None)
+    if file is None:
+        raise NotInFile("a factor computed from the file's tensors, not cut out of one")
+    file.read_into(tensor, out)
 
 
 def _runs(spans: list[tuple[list[int], int]], pieces: int) -> list[tuple[int, int]]:
@@ -172,7 +186,7 @@ def bind_adapter(parsed: ParsedAdapter, model: ModelLayers, max_rank: int = 1024
             layers[(component, name)] = layer.replace(shape=tuple(param.shape))
     if not layers:
         raise AdapterInvalid(aid, "it touches no layer of this model", "Use an adapter for this base model")
-    bound = BoundAdapter(aid, layers, tuple(parsed.base_models)).to("cpu", dtype)
+    bound = BoundAdapter(aid, layers, tuple(parsed.base_models)).to("cpu", dtype, files=parsed.files)
     _refuse_non_finite(bound, dtype)
     return bound
 

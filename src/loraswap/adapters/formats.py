@@ -12,6 +12,7 @@ import math
 import os
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISREG
 
@@ -22,60 +23,89 @@ from .host_memory import byte_ranges, host_bytes, run_all
 
 ALLOWED_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 MAX_HEADER_BYTES = 100 * 2**20
-_DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 _FIX_FILE = "Re-export it as a LoRA in safetensors format (diffusers save_lora_weights or kohya sd-scripts)"
 
 
-def read_safetensors(path: Path, adapter_id: str, max_bytes: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors and metadata of a safetensors file, after checking its header is sane."""
-    stat = path.stat()
+@dataclass(frozen=True)
+class CheckedFile:
+    """A safetensors file open for reading, its header checked: every tensor entry inside
+    the data section, the entries laid end to end. The data is read from `fd` (this inode,
+    whatever is renamed over its path meanwhile)."""
+
+    fd: int
+    header: dict  # name -> {"dtype", "shape", "data_offsets"}
+    metadata: dict[str, str]
+    data_offset: int  # of the data section in the file
+    data_len: int
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def open_checked(path: Path, adapter_id: str, max_bytes: int) -> CheckedFile:
+    """`path` opened and its header checked; the caller closes it."""
+    try:  # O_NONBLOCK: a FIFO would block the open; it is refused below
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise AdapterInvalid(adapter_id, f"the file cannot be opened ({e.strerror})", _FIX_FILE) from None
+    try:
+        return _checked(fd, adapter_id, max_bytes)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _checked(fd: int, adapter_id: str, max_bytes: int) -> CheckedFile:
+    stat = os.fstat(fd)
     if not S_ISREG(stat.st_mode):  # a FIFO or device would block or never end
         raise AdapterInvalid(adapter_id, "it is not a regular file", _FIX_FILE)
     size = stat.st_size
     if size > max_bytes:
         raise AdapterInvalid(adapter_id, f"the file is {size / 2**20:.1f} MiB, over the {max_bytes / 2**20:.0f} MiB "
                              "limit", "Use a smaller adapter or raise --max-adapter-mb")
-    header, header_len = _read_header(path, adapter_id, size)
+    header, header_len = _read_header(fd, adapter_id, size)
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise AdapterInvalid(adapter_id, "the safetensors metadata is not a map of strings to strings", _FIX_FILE)
     data_len = size - 8 - header_len
     _check_entries(adapter_id, header, data_len)
-    data = _read_data(path, 8 + header_len, data_len, adapter_id)
-    return {name: _tensor(data, info) for name, info in header.items()}, {str(k): str(v) for k, v in metadata.items()}
+    return CheckedFile(fd, header, {str(k): str(v) for k, v in metadata.items()}, 8 + header_len, data_len)
 
 
-def _read_data(path: Path, offset: int, nbytes: int, adapter_id: str) -> torch.Tensor:
-    """The data section in one buffer, read with `preadv` (one copy from the page cache; a
-    large file in pieces on several threads); the tensors are views of it. Not a memory map:
-    a file cut short while mapped would kill the process (SIGBUS), where a short read is an
-    error."""
-    data = host_bytes(nbytes)
-    view = memoryview(data.numpy())
-
-    def read(start: int, end: int) -> None:
-        while start < end:
-            n = os.preadv(fd, [view[start:end]], offset + start)
-            if not n:
-                raise AdapterInvalid(adapter_id, "the file ended while it was read (truncated as it was read?)",
-                                     "Download the adapter again")
-            start += n
-
-    fd = os.open(path, os.O_RDONLY)
+def read_safetensors(path: Path, adapter_id: str, max_bytes: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a safetensors file, after checking its header is sane. The data
+    is read in one buffer with `preadv` (one copy from the page cache; a large file in pieces
+    on several threads) that the tensors view. Not a memory map: a file cut short while mapped
+    would kill the process (SIGBUS), where a short read is an error."""
+    file = open_checked(path, adapter_id, max_bytes)
     try:
-        run_all([functools.partial(read, start, end) for start, end in byte_ranges(nbytes)])
+        data = host_bytes(file.data_len)
+        run_all([functools.partial(read_range, file.fd, data[start:end], file.data_offset + start, adapter_id)
+                 for start, end in byte_ranges(file.data_len)])
     finally:
-        os.close(fd)
-    return data
+        file.close()
+    return {name: view_tensor(data, info) for name, info in file.header.items()}, file.metadata
 
 
-def _tensor(data: torch.Tensor, info: dict) -> torch.Tensor:
+def read_range(fd: int, out: torch.Tensor, offset: int, adapter_id: str) -> None:
+    """The file's bytes from `offset` into `out` (a contiguous CPU tensor, filled whole)."""
+    view, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if not n:
+            raise AdapterInvalid(adapter_id, "the file ended while it was read (truncated as it was read?)",
+                                 "Download the adapter again")
+        done += n
+
+
+def view_tensor(data: torch.Tensor, info: dict) -> torch.Tensor:
     """One entry of the header as a view of the data (a copy where its offset is not a
     multiple of its element size, which a view of another dtype cannot start at)."""
     start, end = info["data_offsets"]
     raw = data[start:end]
-    if start % _DTYPE_BYTES[info["dtype"]]:
+    if start % DTYPE_BYTES[info["dtype"]]:
         raw = raw.clone()
     return raw.view(ALLOWED_DTYPES[info["dtype"]]).reshape(info["shape"])
 
@@ -97,22 +127,21 @@ def streamed_header(read: Callable[[int], bytes], limit: int) -> bytes | None:
     return prefix + header if is_object else None
 
 
-def _read_header(path: Path, adapter_id: str, size: int) -> tuple[dict, int]:
+def _read_header(fd: int, adapter_id: str, size: int) -> tuple[dict, int]:
     """The JSON header (a dict) and its length, refusing anything that is not safetensors."""
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise AdapterInvalid(adapter_id, "the file is too short to be safetensors", _FIX_FILE)
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > min(MAX_HEADER_BYTES, size - 8):
-            raise AdapterInvalid(adapter_id, f"the header claims {header_len} bytes in a {size}-byte file: not "
-                                 "safetensors (a pickle file renamed?) or truncated", _FIX_FILE)
-        try:
-            header = _HEADER_JSON.decode(f.read(header_len).decode("utf-8"))
-        except _DuplicateKey as e:
-            raise AdapterInvalid(adapter_id, f"the safetensors header names '{e.key}' twice", _FIX_FILE) from None
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-            raise AdapterInvalid(adapter_id, "the safetensors header is not valid JSON", _FIX_FILE) from None
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise AdapterInvalid(adapter_id, "the file is too short to be safetensors", _FIX_FILE)
+    (header_len,) = struct.unpack("<Q", head)
+    if header_len > min(MAX_HEADER_BYTES, size - 8):
+        raise AdapterInvalid(adapter_id, f"the header claims {header_len} bytes in a {size}-byte file: not "
+                             "safetensors (a pickle file renamed?) or truncated", _FIX_FILE)
+    try:
+        header = _HEADER_JSON.decode(os.pread(fd, header_len, 8).decode("utf-8"))
+    except _DuplicateKey as e:
+        raise AdapterInvalid(adapter_id, f"the safetensors header names '{e.key}' twice", _FIX_FILE) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise AdapterInvalid(adapter_id, "the safetensors header is not valid JSON", _FIX_FILE) from None
     if not isinstance(header, dict):
         raise AdapterInvalid(adapter_id, "the safetensors header is not a JSON object", _FIX_FILE)
     return header, header_len
@@ -128,7 +157,7 @@ def _check_entries(adapter_id: str, header: dict, data_len: int) -> None:
             raise AdapterInvalid(adapter_id, f"tensor '{name}' has dtype {info['dtype']}; LoRA weights must be "
                                  "F16, BF16 or F32", "Convert the adapter to a floating-point dtype")
         start, end = info["data_offsets"]
-        expected = math.prod(info["shape"]) * _DTYPE_BYTES.get(info["dtype"], 0)
+        expected = math.prod(info["shape"]) * DTYPE_BYTES.get(info["dtype"], 0)
         if not 0 <= start <= end <= data_len or end - start != expected:
             raise AdapterInvalid(adapter_id, f"tensor '{name}' lies outside the file (truncated download?)",
                                  "Download the adapter again")

@@ -15,6 +15,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from ..errors import AdapterIncompatible, AdapterInvalid
+from .file_data import FileData, open_in_place
 from .formats import read_safetensors
 from .kinds import KINDS, Layer, delta_shape
 from .layout import KOHYA_PROBE, PEFT_PROBE, DiffusersProbe, ModuleNames, Place, ProbeKeys
@@ -60,6 +61,8 @@ class ParsedAdapter:
     metadata: dict[str, str] = field(default_factory=dict)
     base_models: list[str] = field(default_factory=list)  # declared by the file, card or config
     num_tensors: int = 0  # in the file: every one of them is in `layers`
+    # read in place (`file_data.py`): the open files whose bytes the large factors stand for
+    files: list[FileData] = field(default_factory=list)
 
     def all_layers(self) -> Iterable[tuple[str, str, Layer]]:
         return ((c, p, layer) for c, params in self.layers.items() for p, layer in params.items())
@@ -244,29 +247,38 @@ def _refuse_unplaced(adapter_id: str, pipeline_cls, names: ModuleNames, key: str
 
 
 def load_adapter(location, pipeline_cls: type[DiffusionPipeline], component_modules: dict[str, set[str]],
-                 max_bytes: int, unet_config=None) -> ParsedAdapter:
-    """Read, check and convert the adapter at `location` (an `AdapterLocation`)."""
+                 max_bytes: int, unet_config=None, in_place: bool = False) -> ParsedAdapter:
+    """Read, check and convert the adapter at `location` (an `AdapterLocation`). `in_place`:
+    the large tensors stand in for the file's bytes, read when packed (`file_data.py`); the
+    caller closes `files`."""
     if location.second_expert is not None and "transformer_2" not in component_modules:
         raise AdapterIncompatible(location.adapter_id, "it is a pair of expert files (high and low noise) for Wan "
                                   "2.2's two transformers, and this model has one", "Serve it on a Wan 2.2 model, "
                                   "or keep one file")
-    tensors, metadata = _read(location, location.weights, component_modules, max_bytes)
-    parsed = parse_adapter(location.adapter_id, tensors, metadata, pipeline_cls, component_modules, unet_config)
-    if location.second_expert is not None:
-        _add_second_expert(parsed, location, pipeline_cls, component_modules,
-                           max_bytes - location.weights.stat().st_size)
+    files: list[FileData] = []
+    try:
+        tensors, metadata = _read(location, location.weights, component_modules, max_bytes, files if in_place else None)
+        parsed = parse_adapter(location.adapter_id, tensors, metadata, pipeline_cls, component_modules, unet_config)
+        if location.second_expert is not None:
+            _add_second_expert(parsed, location, pipeline_cls, component_modules,
+                               max_bytes - location.weights.stat().st_size, files if in_place else None)
+    except BaseException:
+        for file in files:
+            file.close()
+        raise
     parsed.base_models = declared_base_models(metadata, location.folder)
+    parsed.files = files
     return parsed
 
 
 def _add_second_expert(parsed: ParsedAdapter, location, pipeline_cls, component_modules: dict[str, set[str]],
-                       max_bytes: int) -> None:
+                       max_bytes: int, files: list[FileData] | None) -> None:
     """Wan 2.2's low-noise file of a pair, placed as its trainers mean it: the keys that name
     the denoiser (`diffusion_model.`, `transformer.`, `lora_unet_`) go into `transformer_2`,
     which has the same module names as `transformer`."""
     adapter_id = location.adapter_id
     as_first = dict(component_modules, transformer=component_modules["transformer_2"])
-    tensors, metadata = _read(location, location.second_expert, as_first, max_bytes)
+    tensors, metadata = _read(location, location.second_expert, as_first, max_bytes, files)
     second = parse_adapter(adapter_id, tensors, metadata, pipeline_cls, as_first)
     for component, params in second.layers.items():
         target = "transformer_2" if component == "transformer" else component
@@ -277,10 +289,15 @@ def _add_second_expert(parsed: ParsedAdapter, location, pipeline_cls, component_
     parsed.num_tensors += second.num_tensors
 
 
-def _read(location, path, component_modules: dict[str, set[str]], max_bytes: int):
+def _read(location, path, component_modules: dict[str, set[str]], max_bytes: int, files: list[FileData] | None):
     """One weight file's tensors and metadata; a PEFT folder's adapter_config.json gives the
-    scales of a file that carries none (both files of a Wan 2.2 pair alike)."""
-    tensors, metadata = read_safetensors(path, location.adapter_id, max_bytes)
+    scales of a file that carries none (both files of a Wan 2.2 pair alike). With `files`,
+    read in place, the file added to them."""
+    if files is None:
+        tensors, metadata = read_safetensors(path, location.adapter_id, max_bytes)
+    else:
+        tensors, metadata, data = open_in_place(path, location.adapter_id, max_bytes)
+        files.append(data)
     if LORA_ADAPTER_METADATA_KEY not in metadata and location.folder is not None:
         metadata = metadata | _peft_config_metadata(location.adapter_id, location.folder, component_modules)
     return tensors, metadata

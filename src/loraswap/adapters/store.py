@@ -19,6 +19,7 @@ import torch
 from ..errors import AdapterError, AdapterNotFound, BadRequest
 from .bound import BoundAdapter, ModelLayers, bind_adapter
 from .cache import AdapterCache, CacheConfig, CacheEntry
+from .file_data import NotInFile
 from .lease import Lease
 from .metadata import refuse_other_base
 from .parse import load_adapter
@@ -207,8 +208,22 @@ class AdapterStore:
 
 def read_adapter(location: AdapterLocation, model: TargetModel, limits: StoreLimits = StoreLimits()) -> BoundAdapter:
     """The adapter at `location` read, converted, checked against `model` (its declared base
-    model too) and bound to its layers: what the store caches, and what the benchmarks use."""
+    model too) and bound to its layers: what the store caches, and what the benchmarks use.
+    Read in place (each factor's bytes from the file straight into the packed buffer: one
+    copy), unless the parse computes a factor from the file's values: then read whole."""
+    try:
+        return _read_adapter(location, model, limits, in_place=True)
+    except (NotInFile, RuntimeError, NotImplementedError) as e:  # RuntimeError: a value asked of a stand-in
+        logger.debug("adapter %s read whole (%s)", location.adapter_id, e)
+        return _read_adapter(location, model, limits, in_place=False)
+
+
+def _read_adapter(location: AdapterLocation, model: TargetModel, limits: StoreLimits, in_place: bool) -> BoundAdapter:
     parsed = load_adapter(location, model.pipeline_cls, model.layers.component_modules, limits.max_adapter_bytes,
-                          model.unet_config)
-    refuse_other_base(location.adapter_id, parsed.base_models, [model.name])
-    return bind_adapter(parsed, model.layers, limits.max_rank, model.dtype)
+                          model.unet_config, in_place)
+    try:
+        refuse_other_base(location.adapter_id, parsed.base_models, [model.name])
+        return bind_adapter(parsed, model.layers, limits.max_rank, model.dtype)
+    finally:
+        for file in parsed.files:
+            file.close()
