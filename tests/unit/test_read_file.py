@@ -201,3 +201,35 @@ def test_reads_in_place_leave_no_file_open(tmp_path, monkeypatch):
         with pytest.raises(AdapterInvalid, match="rank 4, over the limit"):
             read_adapter(AdapterLocation("a", path, None), target, StoreLimits(max_rank=2))
     assert len(os.listdir("/proc/self/fd")) == open_before
+
+
+def test_whether_an_adapter_fits_is_told_from_its_header(tmp_path, monkeypatch):
+    """Routing asks whether a file fits a model: keys, base model, shapes and ranks refuse as
+    a read refuses them, and not a factor's bytes is read (a NaN is found when it is read)."""
+    from loraswap.adapters import file_data
+    from loraswap.adapters.bound import ModelLayers
+    from loraswap.adapters.random import make_random_adapter
+    from loraswap.adapters.source import AdapterLocation
+    from loraswap.adapters.store import StoreLimits, TargetModel, check_fit, read_adapter
+    from loraswap.models import lora_components
+
+    monkeypatch.setattr(file_data, "LARGE", 64)
+    reads = []
+    read_into = file_data.FileData.read_into
+    monkeypatch.setattr(file_data.FileData, "read_into", lambda self, *a: reads.append(1) or read_into(self, *a))
+    cls, components = lora_components("tiny-sd")
+    state_dict, metadata = make_random_adapter(components, 4, "all", "kohya")
+    state_dict[next(k for k in state_dict if k.endswith("lora_up.weight"))][0, 0] = float("nan")
+    path = tmp_path / "nan.safetensors"
+    save_file(state_dict, str(path), metadata=metadata)
+    location = AdapterLocation("nan", path, None)
+    target = TargetModel("tiny-sd", cls, ModelLayers(components), torch.float16, None)
+    check_fit(location, target)
+    with pytest.raises(AdapterInvalid, match="over the limit of 2"):
+        check_fit(location, target, StoreLimits(max_rank=2))
+    sdxl_cls, sdxl = lora_components("tiny-sdxl")
+    with pytest.raises(AdapterIncompatible):
+        check_fit(location, TargetModel("tiny-sdxl", sdxl_cls, ModelLayers(sdxl), torch.float16, None))
+    assert reads == [], "no factor was read"
+    with pytest.raises(AdapterInvalid, match="NaN or infinite"):
+        read_adapter(location, target)

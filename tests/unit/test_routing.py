@@ -59,8 +59,8 @@ def test_a_store_reads_a_file_once_to_say_whether_it_fits(adapter_factory, tmp_p
     adapter_factory("fit-once", "tiny-sdxl", rank=4, seed=81, folder=tmp_path)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))
     reads = []
-    read_adapter = store.read_adapter
-    monkeypatch.setattr(store, "read_adapter", lambda *a, **k: reads.append(a[0]) or read_adapter(*a, **k))
+    check_fit = store.check_fit
+    monkeypatch.setattr(store, "check_fit", lambda *a, **k: reads.append(a[0]) or check_fit(*a, **k))
     location = engine.adapters.locate("fit-once")
     assert [engine.adapters.fits(location) for _ in range(3)] == [False] * 3 and len(reads) == 1
     adapter_factory("fit-once", "tiny-sd", rank=4, seed=82, folder=tmp_path)  # a new file under the same id

@@ -171,6 +171,16 @@ def bind_adapter(parsed: ParsedAdapter, model: ModelLayers, max_rank: int = 1024
     """Check every layer of `parsed` against `model`, raising on the first misfit, and
     pack its factors into one pageable host buffer of `dtype` (the adapter cache pins it
     later, off the request's path)."""
+    layers = fitted_layers(parsed, model, max_rank)
+    bound = BoundAdapter(parsed.adapter_id, layers, tuple(parsed.base_models)).to("cpu", dtype, files=parsed.files)
+    _refuse_non_finite(bound, dtype)
+    return bound
+
+
+def fitted_layers(parsed: ParsedAdapter, model: ModelLayers, max_rank: int = 1024) -> dict[LayerKey, Layer]:
+    """`parsed`'s layers, each checked against the model parameter it changes (which must
+    exist, its change fit the parameter's shape, its rank the limit); the first misfit raises.
+    Shapes only: an adapter read in place is checked without reading its factors."""
     layers = {}
     aid = parsed.adapter_id
     for component, params in parsed.layers.items():
@@ -186,9 +196,7 @@ def bind_adapter(parsed: ParsedAdapter, model: ModelLayers, max_rank: int = 1024
             layers[(component, name)] = layer.replace(shape=tuple(param.shape))
     if not layers:
         raise AdapterInvalid(aid, "it touches no layer of this model", "Use an adapter for this base model")
-    bound = BoundAdapter(aid, layers, tuple(parsed.base_models)).to("cpu", dtype, files=parsed.files)
-    _refuse_non_finite(bound, dtype)
-    return bound
+    return layers
 
 
 def _refuse_non_finite(bound: BoundAdapter, dtype: torch.dtype | None) -> None:

@@ -10,24 +10,27 @@ holds and never holds adapters itself.
 """
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from ..errors import AdapterError, AdapterNotFound, BadRequest
-from .bound import BoundAdapter, ModelLayers, bind_adapter
+from .bound import BoundAdapter, ModelLayers, bind_adapter, fitted_layers
 from .cache import AdapterCache, CacheConfig, CacheEntry
 from .file_data import NotInFile
 from .lease import Lease
 from .metadata import refuse_other_base
-from .parse import load_adapter
+from .parse import ParsedAdapter, load_adapter
 from .references import check_id
 from .remote import RemoteSettings, RemoteSources
 from .source import AdapterLocation, AdapterSources, HubAdapterSource, LocalAdapterSource, file_stamp
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ class AdapterStore:
         if known is not None and known[0] == stamp:
             return known[1]
         try:
-            read_adapter(location, self.model, self.limits)
+            check_fit(location, self.model, self.limits)
             fits = True
         except AdapterError:
             fits = False
@@ -208,22 +211,36 @@ class AdapterStore:
 
 def read_adapter(location: AdapterLocation, model: TargetModel, limits: StoreLimits = StoreLimits()) -> BoundAdapter:
     """The adapter at `location` read, converted, checked against `model` (its declared base
-    model too) and bound to its layers: what the store caches, and what the benchmarks use.
-    Read in place (each factor's bytes from the file straight into the packed buffer: one
-    copy), unless the parse computes a factor from the file's values: then read whole."""
+    model too) and bound to its layers: what the store caches, and what the benchmarks use."""
+    return _parse_and(location, model, limits, lambda parsed: bind_adapter(parsed, model.layers, limits.max_rank,
+                                                                           model.dtype))
+
+
+def check_fit(location: AdapterLocation, model: TargetModel, limits: StoreLimits = StoreLimits()) -> None:
+    """Raise what reading the adapter for `model` would raise for its keys, base model and
+    shapes, having read only its header and small tensors (its values are not checked)."""
+    _parse_and(location, model, limits, lambda parsed: fitted_layers(parsed, model.layers, limits.max_rank))
+
+
+def _parse_and(location: AdapterLocation, model: TargetModel, limits: StoreLimits,
+               use: Callable[[ParsedAdapter], T]) -> T:
+    """`use` the adapter parsed for `model`. Read in place (the large factors read from the
+    file only when packed, straight into their place: one copy), unless the parse or `use`
+    needs the values of a factor standing in (one the parse computes): then read whole."""
     try:
-        return _read_adapter(location, model, limits, in_place=True)
+        return _parsed_use(location, model, limits, use, in_place=True)
     except (NotInFile, RuntimeError, NotImplementedError) as e:  # RuntimeError: a value asked of a stand-in
         logger.debug("adapter %s read whole (%s)", location.adapter_id, e)
-        return _read_adapter(location, model, limits, in_place=False)
+        return _parsed_use(location, model, limits, use, in_place=False)
 
 
-def _read_adapter(location: AdapterLocation, model: TargetModel, limits: StoreLimits, in_place: bool) -> BoundAdapter:
+def _parsed_use(location: AdapterLocation, model: TargetModel, limits: StoreLimits, use: Callable[[ParsedAdapter], T],
+                in_place: bool) -> T:
     parsed = load_adapter(location, model.pipeline_cls, model.layers.component_modules, limits.max_adapter_bytes,
                           model.unet_config, in_place)
     try:
         refuse_other_base(location.adapter_id, parsed.base_models, [model.name])
-        return bind_adapter(parsed, model.layers, limits.max_rank, model.dtype)
+        return use(parsed)
     finally:
         for file in parsed.files:
             file.close()
