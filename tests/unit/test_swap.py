@@ -71,13 +71,18 @@ def test_adapter_replaced_on_disk_is_served_with_its_new_content(adapter_factory
 def test_packing_writes_every_element_of_its_buffer(adapter_factory, tmp_path, monkeypatch):
     """The buffer is allocated uninitialized and written once: factors copied in, the
     alignment padding between them zeroed, so the NaN check over the whole buffer never
-    sees stale memory. Here fresh buffers come pre-filled with NaN to prove it."""
+    sees stale memory. Here fresh buffers come pre-filled with NaN to prove it (bytes of 0xFF
+    where a buffer is allocated as bytes: NaN in float16, bfloat16 and float32 alike)."""
     from loraswap.engine import swap
 
     adapter_factory("odd", "tiny-sdxl", rank=3, targets="all", text_encoder=True, seed=82, folder=tmp_path)
     engine = Engine(EngineConfig(model="tiny-sdxl", adapters=tmp_path, compile=False, warmup=False))
     real_empty = torch.empty
-    monkeypatch.setattr(swap.torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    def stale(*a, **kw):
+        fresh = real_empty(*a, **kw)
+        return fresh.fill_(float("nan") if fresh.is_floating_point() else 0xFF)
+
+    monkeypatch.setattr(swap.torch, "empty", stale)
     bound = engine.adapters.resolve("odd")  # bound (and checked for NaN) under the NaN-filling allocator
     factors = sum(layer.down.numel() + layer.up.numel() for layer in bound.layers.values())
     assert bound.packed.numel() > factors  # rank 3: there is padding
