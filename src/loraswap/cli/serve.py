@@ -45,6 +45,9 @@ def serve(config_file: ConfigFile = None, print_config: PrintConfig = False, ver
         write_demo_adapters(config.engines[0].model, values["adapters"])
     # 3. serve until stopped
     if cluster is not None:
+        if any(e.ulysses_degree * e.ring_degree > 1 for e in config.engines):
+            raise typer.BadParameter("--ulysses-degree and --ring-degree are not served on Ray Serve yet: serve "
+                                     "without --ray")
         cluster.run(config, address=values["ray-address"])
         return
     _serve_http(config)
@@ -53,17 +56,35 @@ def serve(config_file: ConfigFile = None, print_config: PrintConfig = False, ver
 def _serve_http(config) -> None:
     import uvicorn
 
+    from ..engine.engine import Engine
     from ..server.app import create_app
 
+    ranks = _start_ranks(config)  # the other processes of a context-parallel engine, if any
     # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal to the handler
     # it found: make that one a clean exit, so a graceful stop exits 0
     try:
-        app = create_app(config)
+        app = create_app(config, engine_factory=ranks.engine_factory if ranks else Engine)
     except ValueError as e:  # an unreadable keys file or a malformed key (the message never holds a key)
         raise typer.BadParameter(str(e)) from None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info",
-                timeout_graceful_shutdown=60)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level="info",
+                    timeout_graceful_shutdown=60)
+    finally:
+        if ranks:
+            ranks.stop()
+
+
+def _start_ranks(config):
+    """With --ulysses-degree or --ring-degree over 1: ranks 1..N-1 started, this process rank 0."""
+    parallel = [e for e in config.engines if e.ulysses_degree * e.ring_degree > 1]
+    if not parallel:
+        return None
+    if len(config.engines) > 1:
+        raise typer.BadParameter("--ulysses-degree and --ring-degree serve one model per server: give one --model")
+    from ..engine.rank_processes import RankProcesses
+
+    return RankProcesses(parallel[0])
 
 
 def deploy(

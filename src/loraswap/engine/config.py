@@ -90,6 +90,13 @@ class EngineConfig(BaseModel):
                                   "(tests, hub); not a setting.")
     compile: Annotated[bool | None, Flag(SPEED)] = Field(
         None, description="Regional torch.compile of the denoiser (default: on CUDA).")
+    ulysses_degree: Annotated[int, Flag(SPEED)] = Field(
+        1, ge=1, le=64, description="Split each image's sequence over this many processes, one GPU each (Ulysses "
+                                    "attention; FLUX, FLUX.2, Qwen-Image, Wan and LTX models): N x --ring-degree "
+                                    "processes in all, the first serving HTTP.")
+    ring_degree: Annotated[int, Flag(SPEED)] = Field(
+        1, ge=1, le=64, description="Split each image's sequence over this many processes with ring attention "
+                                    "(times --ulysses-degree).")
     compile_mode: Annotated[Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"],
                             Flag(SPEED)] = Field(
         "default", description="torch.compile mode: default, max-autotune-no-cudagraphs, reduce-overhead or "

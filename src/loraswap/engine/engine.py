@@ -31,6 +31,7 @@ from .baselines import HotswapSwapper, LoadAndFuseSwapper
 from .calls import TEXT, PipelineCalls
 from .compile import graph_count
 from .config import EngineConfig, GenerateRequest
+from .context_parallel import Parallelism, Ranks, check_sequence, enable_context_parallel
 from .startup import Startup
 from .swap import FusedSwapper
 
@@ -92,6 +93,11 @@ class Engine:
         # the family (None: a pipeline no family lists, served text to image) and its pipelines
         self.calls = PipelineCalls(self.pipeline, family_of(self.pipeline), generation_defaults(config.model))
         self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
+        # several ranks: the denoiser split over them before the warm-up, which every rank makes in step
+        self.parallelism = Parallelism(config.ulysses_degree, config.ring_degree)
+        self.ranks: Ranks | None = None  # set once every rank is up (`use_ranks`)
+        if self.parallelism.world > 1:
+            enable_context_parallel(self.denoiser, self.parallelism, self.model_name)
         with on_device(self.device):
             self._startup.compile_and_warm_up(self.pipeline, self.swapper, self._warm_up_images)
         self._graphs_after_warmup = graph_count()
@@ -133,6 +139,22 @@ class Engine:
         logger.debug("swap to %s in %.1f ms", lease.ids or "base", seconds * 1e3)
         return seconds
 
+    def _apply_with_ranks(self, lease: Lease) -> float:
+        """`apply` on every rank at once: when any rank could not, each goes back to the base
+        model, and the first rank's error is raised (on every rank)."""
+        error, seconds = None, 0.0
+        try:
+            seconds = self.apply(lease)
+        except Exception as e:
+            error = e
+        first = self.ranks.agree(error)
+        if first is not None and error is None:  # this rank swapped; another could not
+            self.swapper.swap([])
+            self._applied = []
+        if first is not None:
+            raise first
+        return seconds
+
     def set_adapters(self, loras: list[tuple[str, float]]) -> float:
         """`apply` for a caller on one thread: the adapters (id, weight) leased for the call."""
         with self.lender.lease_now(loras) as lease:
@@ -159,8 +181,14 @@ class Engine:
         kwargs = self.calls.arguments(task, requests) | self.calls.progress(task, on_step)
         pipeline = self.pipeline if task == TEXT else self.calls.pipeline(task)  # the loaded one, for text
         seeds = [r.seed if r.seed is not None else random.randrange(2**31) for r in requests]
-        # 2. the requested adapters on the model (validated before anything changes)
-        swap_seconds = self.apply(lease)
+        # 2. the requested adapters on the model (validated before anything changes), on every rank
+        if self.ranks is None:
+            swap_seconds = self.apply(lease)
+        else:
+            if self.ranks.leading:
+                self._check_split(kwargs)
+                self.ranks.lead([r.model_copy(update={"seed": seed}) for r, seed in zip(requests, seeds)])
+            swap_seconds = self._apply_with_ranks(lease)
 
         # 3. generate (generators made per attempt: a call retried cold starts from the seeds again)
         def generators() -> list[torch.Generator]:
@@ -178,6 +206,17 @@ class Engine:
         fps = self.calls.family.fps if self.calls.is_video else None
         return [GenerateResult(frames[0], seed, swap_seconds, seconds, frames if fps else None, fps)
                 for frames, seed in zip(videos, seeds)]
+
+    def _check_split(self, kwargs: dict) -> None:
+        """A size whose tokens (per frame) do not split evenly over the ranks is refused at once."""
+        if kwargs.get("width") and kwargs.get("height"):
+            patch = getattr(self.pipeline, "vae_scale_factor", 8) * 2  # latents, then 2x2 patches
+            check_sequence((kwargs["width"] // patch) * (kwargs["height"] // patch), self.parallelism)
+
+    def use_ranks(self, ranks: Ranks) -> None:
+        """This engine is one of `ranks`: rank 0 broadcasts each batch to the others first, and
+        every rank agrees on the swap before generating."""
+        self.ranks = ranks
 
     # ---------------------------------------------------------------- state
     @property

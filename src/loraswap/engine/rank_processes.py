@@ -1,0 +1,96 @@
+"""The processes of a context-parallel engine (`--ulysses-degree`, `--ring-degree`).
+
+Rank 0 is the process that serves HTTP; ranks 1 to N-1 are started here, each joining the
+process group (NCCL on GPUs, gloo on the CPU), building the same engine on its own GPU (the
+warm-up made in step with rank 0's) and then following rank 0 (`context_parallel.follow`).
+They end with it: when it says stop, and when it dies (Linux: `PR_SET_PDEATHSIG`), so no
+rank outlives a killed server and a restart starts from nothing.
+"""
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+from .config import EngineConfig
+from .context_parallel import Parallelism, Ranks, follow
+
+logger = logging.getLogger(__name__)
+
+
+class RankProcesses:
+    """Ranks 1..N-1 started, and this process joined as rank 0; `engine_factory` builds rank
+    0's engine and makes it lead."""
+
+    def __init__(self, config: EngineConfig):
+        self.parallelism = Parallelism(config.ulysses_degree, config.ring_degree)
+        self.ranks: Ranks | None = None
+        port = _free_port()
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked CUDA or threads
+        self.processes = [context.Process(target=_follower, args=(config.model_dump(mode="json"), rank, port),
+                                          name=f"loraswap-rank-{rank}", daemon=True)
+                          for rank in range(1, self.parallelism.world)]
+        for process in self.processes:
+            process.start()
+        _join(config, 0, self.parallelism.world, port)
+        logger.info("rank 0 of %d joined (%s)", self.parallelism.world, dist.get_backend())
+
+    def engine_factory(self, config: EngineConfig):
+        from .engine import Engine
+
+        engine = Engine(config)
+        self.ranks = Ranks(self.parallelism)
+        engine.use_ranks(self.ranks)
+        return engine
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Tell the other ranks to stop, wait for them, and leave the group."""
+        if self.ranks is not None:
+            self.ranks.stop()
+        for process in self.processes:
+            process.join(timeout)
+            if process.is_alive():
+                process.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join(config: EngineConfig, rank: int, world: int, port: int) -> None:
+    on_gpus = config.device != "cpu" and torch.cuda.is_available()
+    if on_gpus:
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # "cuda" is then this rank's GPU
+    dist.init_process_group("nccl" if on_gpus else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+
+
+def _follower(config_json: dict, rank: int, port: int) -> None:
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
+    from .engine import Engine
+
+    config = EngineConfig.model_validate(config_json)
+    parallelism = Parallelism(config.ulysses_degree, config.ring_degree)
+    _join(config, rank, parallelism.world, port)
+    engine = Engine(config)
+    follow(engine, Ranks(parallelism))
+    dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """This rank ends when rank 0 does, however rank 0 ends."""
+    if sys.platform == "linux":
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # rank 0 died before the call took effect
+            os._exit(1)
