@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import torch
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..adapters.cache import CacheConfig
 from ..adapters.downloads import default_download_dir
@@ -131,6 +131,13 @@ class EngineConfig(BaseModel):
         from .attention import check_backend_name
 
         return check_backend_name(name)
+
+    @model_validator(mode="after")
+    def _ring_merges_with_the_log_sum_exp(self):
+        from .context_parallel import Parallelism, check_ring_attention
+
+        check_ring_attention(Parallelism(self.ulysses_degree, self.ring_degree), self.attention)
+        return self
 
     def adapter_sources(self) -> AdapterSources | None:
         """Where this model's adapters come from: `source` if given, else the folder, the hub,

@@ -39,8 +39,24 @@ class Parallelism:
         return self.ulysses * self.ring
 
 
-def check_parallelizable(denoiser: torch.nn.Module, parallelism: Parallelism, model: str) -> None:
-    """Refuse a denoiser diffusers cannot split, or a degree its heads do not divide by."""
+# attention backends that return the log-sum-exp ring attention merges its blocks with (PyTorch's
+# own SDPA does not); on the CPU there is none
+RING_BACKENDS = ("_native_cudnn", "_native_flash", "flash", "_flash_3_hub", "sage")
+
+
+def check_ring_attention(parallelism: Parallelism, attention: str | None) -> None:
+    """Ring attention merges its blocks with their log-sum-exp, which only some backends return."""
+    if parallelism.ring > 1 and attention not in RING_BACKENDS:
+        raise ValueError(f"--ring-degree needs an attention backend that returns the log-sum-exp: --attention "
+                         f"{' or '.join(RING_BACKENDS)} (CUDA); {attention or 'the default'} does not. Or use "
+                         "--ulysses-degree alone")
+
+
+def check_parallelizable(denoiser: torch.nn.Module, parallelism: Parallelism, model: str,
+                         attention: str | None = None) -> None:
+    """Refuse a denoiser diffusers cannot split, a degree its heads do not divide by, or ring
+    attention with an attention backend that cannot merge its blocks."""
+    check_ring_attention(parallelism, attention)
     if getattr(type(denoiser), "_cp_plan", None) is None:
         raise ValueError(f"{model}'s {type(denoiser).__name__} has no context-parallel plan in diffusers: "
                          "--ulysses-degree and --ring-degree take FLUX.1 (and Kontext), FLUX.2, Qwen-Image "
@@ -51,11 +67,12 @@ def check_parallelizable(denoiser: torch.nn.Module, parallelism: Parallelism, mo
                          "not divide: choose a divisor of the head count, or use --ring-degree")
 
 
-def enable_context_parallel(denoiser: torch.nn.Module, parallelism: Parallelism, model: str) -> None:
+def enable_context_parallel(denoiser: torch.nn.Module, parallelism: Parallelism, model: str,
+                            attention: str | None = None) -> None:
     """Split the denoiser's sequence over the process group (initialized by the caller)."""
     from diffusers import ContextParallelConfig
 
-    check_parallelizable(denoiser, parallelism, model)
+    check_parallelizable(denoiser, parallelism, model, attention)
     if not dist.is_initialized() or dist.get_world_size() != parallelism.world:
         raise RuntimeError(f"context parallelism over {parallelism.world} ranks needs a process group of that size")
     config = ContextParallelConfig(ulysses_degree=parallelism.ulysses if parallelism.ulysses > 1 else None,

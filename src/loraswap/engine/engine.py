@@ -97,7 +97,7 @@ class Engine:
         self.parallelism = Parallelism(config.ulysses_degree, config.ring_degree)
         self.ranks: Ranks | None = None  # set once every rank is up (`use_ranks`)
         if self.parallelism.world > 1:
-            enable_context_parallel(self.denoiser, self.parallelism, self.model_name)
+            enable_context_parallel(self.denoiser, self.parallelism, self.model_name, config.attention)
         with on_device(self.device):
             self._startup.compile_and_warm_up(self.pipeline, self.swapper, self._warm_up_images)
         self._graphs_after_warmup = graph_count()

@@ -1,0 +1,148 @@
+"""One image split over two processes (`--ulysses-degree 2`, gloo on the CPU): the same images
+as one process with an adapter swapped per request, blends included; a swap refused on
+every rank; sizes that do not split refused; a killed server takes its ranks with it and
+starts again."""
+
+import io
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from PIL import Image
+from safetensors.torch import save_file
+from support.servers import ServerProcess, free_port
+
+from loraswap.adapters.random import make_random_adapter
+from loraswap.engine.config import EngineConfig
+from loraswap.engine.engine import Engine
+from loraswap.models import lora_components
+
+pytestmark = pytest.mark.slow  # two servers, three processes
+
+PARAMS = {"num_inference_steps": 2, "width": 64, "height": 64}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("cp-adapters")
+    components = lora_components("tiny-flux")[1]
+    for name, seed in (("a", 1), ("b", 2), ("broken", 3)):
+        state_dict, metadata = make_random_adapter(components, 4, "all", "kohya", dtype=torch.float32, seed=seed)
+        if name == "broken":
+            state_dict[next(k for k in state_dict if k.endswith("lora_up.weight"))][0, 0] = float("inf")
+        save_file(state_dict, str(folder / f"{name}.safetensors"), metadata=metadata)
+    return folder
+
+
+def _image(url: str, lora: str, seed: int, **params) -> np.ndarray:
+    response = httpx.post(url + "/", json={"inputs": "a red circle", "parameters": {**PARAMS, **params, "seed": seed}},
+                          headers={"accept": "image/png", **({"lora": lora} if lora else {})}, timeout=120)
+    assert response.status_code == 200, response.text
+    return np.asarray(Image.open(io.BytesIO(response.content)).convert("RGB")).astype(int)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_two_ranks_make_the_images_of_one_process(adapters, tmp_path):
+    args = ["--model", "tiny-flux", "--adapters", str(adapters), "--no-compile"]
+    one = ServerProcess(args, tmp_path / "one.log")
+    two = ServerProcess([*args, "--ulysses-degree", "2"], tmp_path / "two.log")
+    try:
+        one.wait_ready()
+        two.wait_ready()
+        cases = [("", 1), ("a", 2), ("b", 3), ("a:0.5,b:0.7", 4), ("a", 5), ("", 6)]  # swapped every request
+        for lora, seed in cases:
+            single, split = _image(one.url, lora, seed), _image(two.url, lora, seed)
+            # float outputs agree within ~1e-6 (a probe of the tensors); as 8-bit pixels, a level at most
+            assert np.abs(single - split).max() <= 1 and (single != split).mean() < 0.01, lora
+        assert np.abs(_image(two.url, "a", 7) - _image(two.url, "", 7)).max() > 5, "the adapter changes the image"
+        base = _image(two.url, "", 8)
+        refused = httpx.post(two.url + "/", json={"inputs": "a red circle", "parameters": {**PARAMS, "seed": 8}},
+                             headers={"lora": "broken"}, timeout=60)
+        assert refused.status_code == 400 and "infinite" in refused.json()["error"]
+        assert np.array_equal(_image(two.url, "", 8), base), "a refused swap leaves every rank as it was"
+        uneven = httpx.post(two.url + "/", json={"inputs": "x", "parameters": {**PARAMS, "width": 48, "height": 48}},
+                            timeout=60)
+        assert uneven.status_code == 400 and "do not split over 2 ranks" in uneven.json()["error"]
+        assert np.array_equal(_image(two.url, "", 8), base), "the server serves on after a refusal"
+    finally:
+        one.stop()
+        two.stop()
+    assert "rank 1" in two.log()
+
+
+def test_a_killed_server_takes_its_ranks_with_it_and_starts_again(adapters, tmp_path):
+    args = ["--model", "tiny-flux", "--adapters", str(adapters), "--no-compile", "--ulysses-degree", "2"]
+    first = ServerProcess(args, tmp_path / "first.log")
+    try:
+        first.wait_ready()
+        ranks = _children(first.proc.pid)
+        assert ranks, "rank 1 runs as a child of the server"
+        image = _image(first.url, "a", 9)
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(30)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in ranks), "no rank outlives its server"
+    finally:
+        first.stop()
+    second = ServerProcess(args, tmp_path / "second.log")
+    try:
+        second.wait_ready()
+        assert np.array_equal(_image(second.url, "a", 9), image)
+    finally:
+        second.stop()
+
+
+LORAS = [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)], []]  # swapped between calls
+
+
+def _float_images(engine: Engine) -> list[torch.Tensor]:
+    images = []
+    for loras in LORAS:
+        engine.set_adapters(loras)
+        generator = torch.Generator().manual_seed(3)
+        images.append(engine.pipeline("a red circle", num_inference_steps=2, height=64, width=64,
+                                      generator=generator, output_type="pt").images)
+    return images
+
+
+def _rank(rank: int, world: int, port: int, folder: Path, out: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    engine = Engine(EngineConfig(model="tiny-flux", adapters=folder, compile=False, warmup=False,
+                                 ulysses_degree=world))
+    images = _float_images(engine)
+    if rank == 0:
+        torch.save(images, out)
+    dist.destroy_process_group()
+
+
+def test_split_images_are_within_1e_5_of_one_process(adapters, tmp_path):
+    """The denoiser's output over two ranks, an adapter swapped in place between calls,
+    against one process: the tensors before 8-bit rounding."""
+    single = _float_images(Engine(EngineConfig(model="tiny-flux", adapters=adapters, compile=False, warmup=False)))
+    mp.start_processes(_rank, args=(2, free_port(), adapters, tmp_path / "split.pt"), nprocs=2, start_method="spawn")
+    split = torch.load(tmp_path / "split.pt")
+    for loras, one, two in zip(LORAS, single, split):
+        torch.testing.assert_close(two, one, rtol=0, atol=1e-5, msg=str(loras))
+    assert (single[1] - single[0]).abs().max() > 1e-2, "the adapter changes the image"
