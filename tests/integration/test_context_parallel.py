@@ -115,34 +115,48 @@ def test_a_killed_server_takes_its_ranks_with_it_and_starts_again(adapters, tmp_
 
 
 LORAS = [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)], []]  # swapped between calls
+CALLS = {"tiny-flux": dict(height=64, width=64), "tiny-wan": dict(height=32, width=32, num_frames=5)}
 
 
-def _float_images(engine: Engine) -> list[torch.Tensor]:
+@pytest.fixture(scope="module")
+def wan_adapters(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("cp-wan-adapters")
+    components = lora_components("tiny-wan")[1]  # both experts
+    for name, seed in (("a", 1), ("b", 2)):
+        state_dict, metadata = make_random_adapter(components, 4, "all", "diffusers", dtype=torch.float32, seed=seed)
+        save_file(state_dict, str(folder / f"{name}.safetensors"), metadata=metadata)
+    return folder
+
+
+def _float_images(engine: Engine, model: str) -> list[torch.Tensor]:
     images = []
     for loras in LORAS:
         engine.set_adapters(loras)
-        generator = torch.Generator().manual_seed(3)
-        images.append(engine.pipeline("a red circle", num_inference_steps=2, height=64, width=64,
-                                      generator=generator, output_type="pt").images)
+        output = engine.pipeline("a red circle", num_inference_steps=2, generator=torch.Generator().manual_seed(3),
+                                 output_type="pt", **CALLS[model])
+        images.append(output.frames if model == "tiny-wan" else output.images)
     return images
 
 
-def _rank(rank: int, world: int, port: int, folder: Path, out: Path) -> None:
+def _rank(rank: int, model: str, world: int, port: int, folder: Path, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    engine = Engine(EngineConfig(model="tiny-flux", adapters=folder, compile=False, warmup=False,
-                                 ulysses_degree=world))
-    images = _float_images(engine)
+    engine = Engine(EngineConfig(model=model, adapters=folder, compile=False, warmup=False, ulysses_degree=world))
+    images = _float_images(engine, model)
     if rank == 0:
         torch.save(images, out)
     dist.destroy_process_group()
 
 
-def test_split_images_are_within_1e_5_of_one_process(adapters, tmp_path):
-    """The denoiser's output over two ranks, an adapter swapped in place between calls,
-    against one process: the tensors before 8-bit rounding."""
-    single = _float_images(Engine(EngineConfig(model="tiny-flux", adapters=adapters, compile=False, warmup=False)))
-    mp.start_processes(_rank, args=(2, free_port(), adapters, tmp_path / "split.pt"), nprocs=2, start_method="spawn")
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-wan"])
+def test_split_images_are_within_1e_5_of_one_process(adapters, wan_adapters, tmp_path, model):
+    """The denoisers' output over two ranks (a FLUX.1 image; a Wan 2.2 video, both experts
+    split), adapters swapped in place between calls, against one process: the tensors before
+    8-bit rounding."""
+    folder = adapters if model == "tiny-flux" else wan_adapters
+    single = _float_images(Engine(EngineConfig(model=model, adapters=folder, compile=False, warmup=False)), model)
+    mp.start_processes(_rank, args=(model, 2, free_port(), folder, tmp_path / "split.pt"), nprocs=2,
+                       start_method="spawn")
     split = torch.load(tmp_path / "split.pt")
     for loras, one, two in zip(LORAS, single, split):
         torch.testing.assert_close(two, one, rtol=0, atol=1e-5, msg=str(loras))
-    assert (single[1] - single[0]).abs().max() > 1e-2, "the adapter changes the image"
+    assert (single[1] - single[0]).abs().max() > 1e-2, "the adapter changes the output"

@@ -25,7 +25,15 @@ from PIL import Image
 from ..adapters.bound import ModelLayers
 from ..adapters.lease import Lease
 from ..adapters.store import AdapterStore, StoreLimits, TargetModel
-from ..models import adapter_targets, denoiser_name, family_of, generation_defaults, model_name, resolve_device
+from ..models import (
+    adapter_targets,
+    denoiser_name,
+    denoiser_names,
+    family_of,
+    generation_defaults,
+    model_name,
+    resolve_device,
+)
 from .attention import AttentionBackend
 from .baselines import HotswapSwapper, LoadAndFuseSwapper
 from .calls import TEXT, PipelineCalls
@@ -97,7 +105,9 @@ class Engine:
         self.parallelism = Parallelism(config.ulysses_degree, config.ring_degree)
         self.ranks: Ranks | None = None  # set once every rank is up (`use_ranks`)
         if self.parallelism.world > 1:
-            enable_context_parallel(self.denoiser, self.parallelism, self.model_name, config.attention)
+            for name in denoiser_names(self.pipeline):  # Wan 2.2's two experts alike
+                enable_context_parallel(getattr(self.pipeline, name), self.parallelism, self.model_name,
+                                        config.attention)
         with on_device(self.device):
             self._startup.compile_and_warm_up(self.pipeline, self.swapper, self._warm_up_images)
         self._graphs_after_warmup = graph_count()
