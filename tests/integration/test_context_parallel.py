@@ -160,3 +160,23 @@ def test_split_images_are_within_1e_5_of_one_process(adapters, wan_adapters, tmp
     for loras, one, two in zip(LORAS, single, split):
         torch.testing.assert_close(two, one, rtol=0, atol=1e-5, msg=str(loras))
     assert (single[1] - single[0]).abs().max() > 1e-2, "the adapter changes the output"
+
+
+@pytest.mark.ray
+def test_a_ray_replica_spans_its_ranks(adapters, tmp_path):
+    """On Ray Serve one replica is rank 0 of its own processes (one per GPU it holds): the
+    same images as one plain process."""
+    from support.servers import ray_env
+
+    args = ["--model", "tiny-flux", "--adapters", str(adapters), "--no-compile"]
+    one = ServerProcess(args, tmp_path / "one.log")
+    ray = ServerProcess([*args, "--ray", "--ulysses-degree", "2"], tmp_path / "ray.log", env=ray_env())
+    try:
+        one.wait_ready()
+        ray.wait_ready()
+        for lora, seed in (("a", 11), ("a:0.5,b:0.7", 12), ("", 13)):
+            single, split = _image(one.url, lora, seed), _image(ray.url, lora, seed)
+            assert np.abs(single - split).max() <= 1 and (single != split).mean() < 0.01, lora
+    finally:
+        one.stop()
+        ray.stop()

@@ -45,9 +45,6 @@ def serve(config_file: ConfigFile = None, print_config: PrintConfig = False, ver
         write_demo_adapters(config.engines[0].model, values["adapters"])
     # 3. serve until stopped
     if cluster is not None:
-        if any(e.ulysses_degree * e.ring_degree > 1 for e in config.engines):
-            raise typer.BadParameter("--ulysses-degree and --ring-degree are not served on Ray Serve yet: serve "
-                                     "without --ray")
         cluster.run(config, address=values["ray-address"])
         return
     _serve_http(config)

@@ -31,13 +31,15 @@ INGRESS_MAX_ONGOING = 1000  # the ingress only awaits replicas; the model deploy
 
 
 def replica_gpus(engine: ModelDeploymentConfig) -> float:
-    """GPUs per replica: as configured, else 1 on CUDA (or auto on a cluster with GPUs), else 0."""
+    """GPUs per replica: as configured, else one per rank (context parallelism: several) on
+    CUDA (or auto on a cluster with GPUs), else 0."""
     if engine.num_gpus is not None:
         return engine.num_gpus
+    ranks = float(engine.ulysses_degree * engine.ring_degree)
     if engine.device == "cuda":
-        return 1.0
-    if engine.device == "auto" and ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1:
-        return 1.0
+        return ranks
+    if engine.device == "auto" and ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= ranks:
+        return ranks
     return 0.0
 
 

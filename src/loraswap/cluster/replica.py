@@ -27,6 +27,7 @@ from ray import serve
 from ..adapters.references import remember_urls
 from ..engine.config import GenerateRequest
 from ..engine.engine import Engine, GenerateResult
+from ..engine.rank_processes import RankProcesses
 from ..engine.worker import GpuWorker, SchedulerConfig
 from ..server.metrics import EngineFigures, gpu_memory
 from .config import ModelDeploymentConfig
@@ -77,7 +78,10 @@ class ModelReplica:
         scheduler = SchedulerConfig.model_validate(scheduler)
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        self.engine = await asyncio.to_thread(Engine, config)
+        # with context parallelism this replica is rank 0 of its own processes, one per GPU it holds
+        self._ranks = await asyncio.to_thread(RankProcesses, config) if config.ulysses_degree * \
+            config.ring_degree > 1 else None
+        self.engine = await asyncio.to_thread(self._ranks.engine_factory if self._ranks else Engine, config)
         self.worker = GpuWorker(self.engine, scheduler)
         self.worker.start()
         # 2. the adapter budget: Ray Serve multiplexing, sized per deployment
@@ -137,6 +141,8 @@ class ModelReplica:
         self._stopping = True
         self._reporter.cancel()
         await asyncio.to_thread(self.worker.stop, 60.0)
+        if self._ranks is not None:
+            await asyncio.to_thread(self._ranks.stop)
         self.engine.adapters.close()
         try:  # `reports` may be stopping too (the whole app is): do not wait on it
             await asyncio.wait_for(self._report(stopped=True), timeout=2.0)

@@ -16,6 +16,7 @@ every rank as it was.
 """
 
 import contextlib
+import datetime
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -106,7 +107,8 @@ class Ranks:
     def __init__(self, parallelism: Parallelism):
         self.parallelism = parallelism
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self._objects = dist.new_group(backend="gloo")
+        # the followers wait here for the next request, however long the server idles
+        self._objects = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
 
     @property
     def leading(self) -> bool:

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -32,14 +33,28 @@ class RankProcesses:
         self.parallelism = Parallelism(config.ulysses_degree, config.ring_degree)
         self.ranks: Ranks | None = None
         port = _free_port()
+        engine_only = config.model_dump(mode="json", include=set(EngineConfig.model_fields))  # a Ray replica's too
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked CUDA or threads
-        self.processes = [context.Process(target=_follower, args=(config.model_dump(mode="json"), rank, port),
+        self.processes = [context.Process(target=_follower, args=(engine_only, rank, port),
                                           name=f"loraswap-rank-{rank}", daemon=True)
                           for rank in range(1, self.parallelism.world)]
         for process in self.processes:
             process.start()
-        _join(config, 0, self.parallelism.world, port)
+        self._join_while_alive(config, port)
         logger.info("rank 0 of %d joined (%s)", self.parallelism.world, dist.get_backend())
+
+    def _join_while_alive(self, config: EngineConfig, port: int) -> None:
+        """Join as rank 0, unless a rank exits first (it would never join: its error is in the log)."""
+        joining = threading.Thread(target=_join, args=(config, 0, self.parallelism.world, port), daemon=True)
+        joining.start()
+        while joining.is_alive():
+            joining.join(0.5)
+            gone = [p for p in self.processes if p.exitcode is not None]
+            if gone and joining.is_alive():
+                raise RuntimeError(f"{gone[0].name} exited with code {gone[0].exitcode} before joining "
+                                   "(its error is logged above)")
+        if not dist.is_initialized():
+            raise RuntimeError("rank 0 could not join the process group (its error is logged above)")
 
     def engine_factory(self, config: EngineConfig):
         from .engine import Engine
