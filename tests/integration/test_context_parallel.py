@@ -34,8 +34,9 @@ PARAMS = {"num_inference_steps": 2, "width": 64, "height": 64}
 def adapters(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("cp-adapters")
     components = lora_components("tiny-flux")[1]
-    for name, seed in (("a", 1), ("b", 2), ("broken", 3)):
-        state_dict, metadata = make_random_adapter(components, 4, "all", "kohya", dtype=torch.float32, seed=seed)
+    for name, seed, kind in (("a", 1, "lora"), ("b", 2, "lora"), ("broken", 3, "lora"), ("k", 4, "lokr")):
+        state_dict, metadata = make_random_adapter(components, 4, "all", "kohya", dtype=torch.float32, seed=seed,
+                                                   kind=kind)
         if name == "broken":
             state_dict[next(k for k in state_dict if k.endswith("lora_up.weight"))][0, 0] = float("inf")
         save_file(state_dict, str(folder / f"{name}.safetensors"), metadata=metadata)
@@ -114,7 +115,8 @@ def test_a_killed_server_takes_its_ranks_with_it_and_starts_again(adapters, tmp_
         second.stop()
 
 
-LORAS = [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)], []]  # swapped between calls
+LORAS = {"tiny-flux": [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)], [("k", 1.0)], []],  # a LoKr too
+         "tiny-wan": [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)], []]}  # swapped between calls
 CALLS = {"tiny-flux": dict(height=64, width=64), "tiny-wan": dict(height=32, width=32, num_frames=5)}
 
 
@@ -130,7 +132,7 @@ def wan_adapters(tmp_path_factory) -> Path:
 
 def _float_images(engine: Engine, model: str) -> list[torch.Tensor]:
     images = []
-    for loras in LORAS:
+    for loras in LORAS[model]:
         engine.set_adapters(loras)
         output = engine.pipeline("a red circle", num_inference_steps=2, generator=torch.Generator().manual_seed(3),
                                  output_type="pt", **CALLS[model])
@@ -157,7 +159,7 @@ def test_split_images_are_within_1e_5_of_one_process(adapters, wan_adapters, tmp
     mp.start_processes(_rank, args=(model, 2, free_port(), folder, tmp_path / "split.pt"), nprocs=2,
                        start_method="spawn")
     split = torch.load(tmp_path / "split.pt")
-    for loras, one, two in zip(LORAS, single, split):
+    for loras, one, two in zip(LORAS[model], single, split):
         torch.testing.assert_close(two, one, rtol=0, atol=1e-5, msg=str(loras))
     assert (single[1] - single[0]).abs().max() > 1e-2, "the adapter changes the output"
 
