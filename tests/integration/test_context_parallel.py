@@ -51,8 +51,9 @@ def _image(url: str, lora: str, seed: int, **params) -> np.ndarray:
 
 
 def _children(pid: int) -> list[int]:
+    """The server's rank processes (not multiprocessing's resource tracker beside them)."""
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    return [int(p) for p in out.split() if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
 def _alive(pid: int) -> bool:
@@ -113,6 +114,20 @@ def test_a_killed_server_takes_its_ranks_with_it_and_starts_again(adapters, tmp_
         assert np.array_equal(_image(second.url, "a", 9), image)
     finally:
         second.stop()
+
+
+def test_a_rank_that_dies_ends_its_server(adapters, tmp_path):
+    """Without all its ranks a server would hang in its next image: it exits (code 70) for its
+    supervisor to start it again."""
+    server = ServerProcess(["--model", "tiny-flux", "--adapters", str(adapters), "--no-compile", "--ulysses-degree",
+                            "2"], tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        os.kill(_children(server.proc.pid)[0], signal.SIGKILL)
+        assert server.proc.wait(30) == 70
+        assert "exited with code -9: the ranks cannot go on without it" in server.log()
+    finally:
+        server.stop()
 
 
 LORAS = {"tiny-flux": [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)], [("k", 1.0)], []],  # a LoKr too

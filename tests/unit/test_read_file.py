@@ -193,9 +193,16 @@ def test_reads_in_place_leave_no_file_open(tmp_path, monkeypatch):
     save_file(state_dict, str(path), metadata=metadata)
     target = TargetModel("tiny-sd", cls, ModelLayers(components), torch.float16, None)
     other = TargetModel("tiny-sdxl", cls, ModelLayers(components), torch.float16, None)
+    card_folder = tmp_path / "carded"
+    card_folder.mkdir()
+    save_file(state_dict, str(card_folder / "pytorch_lora_weights.safetensors"), metadata=metadata)
+    (card_folder / "README.md").write_text("---\nbase_model: [unclosed\n---\n")  # a model card YAML cannot read
+    carded = AdapterLocation("carded", card_folder / "pytorch_lora_weights.safetensors", card_folder)
     open_before = len(os.listdir("/proc/self/fd"))
     for _ in range(20):
         read_adapter(AdapterLocation("a", path, None), target)
+        with pytest.raises(Exception):  # noqa: B017  (whatever the card's error, the file is closed)
+            read_adapter(carded, target)
         with pytest.raises(AdapterIncompatible):  # made for tiny-sd: refused on another model
             read_adapter(AdapterLocation("a", path, None), other)
         with pytest.raises(AdapterInvalid, match="rank 4, over the limit"):

@@ -111,7 +111,16 @@ class CheckedBackend(httpcore.SyncBackend):
         self._allow, self._adapter_id, self._deadline = allow, adapter_id, deadline
 
     def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        stream = self._connect(host, port, timeout, local_address, socket_options)
+        left = self._deadline - time.monotonic()
+        if left <= 0:  # a redirect after the deadline, say
+            raise Overdue("the fetch's deadline passed")
+        try:
+            stream = self._connect(host, port, left if timeout is None else min(timeout, left), local_address,
+                                   socket_options)
+        except httpcore.ConnectTimeout:
+            if time.monotonic() >= self._deadline:
+                raise Overdue("the fetch's deadline passed") from None
+            raise
         return _DeadlineStream(stream, self._deadline)
 
     def _connect(self, host, port, timeout, local_address, socket_options):

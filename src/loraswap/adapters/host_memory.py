@@ -21,7 +21,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -76,5 +76,6 @@ def run_all(jobs: list[Callable[[], None]]) -> None:
         if _pool is None:
             _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="loraswap-copy")
     futures = [_pool.submit(job) for job in jobs]
+    wait(futures)  # all of them, failed or not: none may still write once the caller moves on
     for future in futures:
         future.result()

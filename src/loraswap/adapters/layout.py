@@ -19,6 +19,7 @@ Modules none of them place are reported by the caller, naming the key.
 """
 
 import inspect
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -141,6 +142,7 @@ class DiffusersProbe:
 
     MEMO = 64
     _memo: "OrderedDict[tuple, dict[str, list[Place]]]" = OrderedDict()
+    _memo_lock = threading.Lock()
 
     def __init__(self, pipeline_cls, names: ModuleNames, unet_config=None):
         self.pipeline_cls = pipeline_cls
@@ -152,13 +154,15 @@ class DiffusersProbe:
 
         Raises what diffusers raises when it cannot read the names at all."""
         key = (self.pipeline_cls, self.names.fingerprint, repr(self.unet_config), tuple(modules.items()))
-        found = self._memo.get(key)
+        with self._memo_lock:  # the store reads on several threads
+            found = self._memo.get(key)
         if found is None:
             found = self._places(modules)
+        with self._memo_lock:
             self._memo[key] = found
+            self._memo.move_to_end(key)
             while len(self._memo) > self.MEMO:
                 self._memo.popitem(last=False)
-        self._memo.move_to_end(key)
         return {prefix: list(places) for prefix, places in found.items()}
 
     def _places(self, modules: dict[str, tuple[int, ProbeKeys]]) -> dict[str, list[Place]]:

@@ -262,11 +262,11 @@ def load_adapter(location, pipeline_cls: type[DiffusionPipeline], component_modu
         if location.second_expert is not None:
             _add_second_expert(parsed, location, pipeline_cls, component_modules,
                                max_bytes - location.weights.stat().st_size, files if in_place else None)
+        parsed.base_models = declared_base_models(metadata, location.folder)  # a model card: may raise too
     except BaseException:
         for file in files:
             file.close()
         raise
-    parsed.base_models = declared_base_models(metadata, location.folder)
     parsed.files = files
     return parsed
 

@@ -78,9 +78,9 @@ class ModelReplica:
         scheduler = SchedulerConfig.model_validate(scheduler)
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        # with context parallelism this replica is rank 0 of its own processes, one per GPU it holds
-        self._ranks = await asyncio.to_thread(RankProcesses, config) if config.ulysses_degree * \
-            config.ring_degree > 1 else None
+        # with context parallelism this replica is rank 0 of its own processes, one per GPU it holds;
+        # started from this (lasting) thread: a child dies with the thread that started it
+        self._ranks = RankProcesses(config) if config.ulysses_degree * config.ring_degree > 1 else None
         self.engine = await asyncio.to_thread(self._ranks.engine_factory if self._ranks else Engine, config)
         self.worker = GpuWorker(self.engine, scheduler)
         self.worker.start()

@@ -53,15 +53,21 @@ def check_ring_attention(parallelism: Parallelism, attention: str | None) -> Non
                          "--ulysses-degree alone")
 
 
+# families whose split sequences always divide: image tokens (checked per request) and a text
+# sequence padded to a fixed length. Qwen-Image's plan also splits its text, which is the
+# prompt's own length: not yet.
+FAMILIES = ("flux", "flux-kontext", "flux2", "wan")
+
+
 def check_parallelizable(denoiser: torch.nn.Module, parallelism: Parallelism, model: str,
-                         attention: str | None = None) -> None:
-    """Refuse a denoiser diffusers cannot split, a degree its heads do not divide by, or ring
-    attention with an attention backend that cannot merge its blocks."""
+                         attention: str | None = None, family=None) -> None:
+    """Refuse a family loraswap does not split, a denoiser diffusers cannot split, a degree its
+    heads do not divide by, or ring attention with a backend that cannot merge its blocks."""
     check_ring_attention(parallelism, attention)
-    if getattr(type(denoiser), "_cp_plan", None) is None:
-        raise ValueError(f"{model}'s {type(denoiser).__name__} has no context-parallel plan in diffusers: "
-                         "--ulysses-degree and --ring-degree take FLUX.1 (and Kontext), FLUX.2, Qwen-Image "
-                         "(and Edit), Wan and LTX models")
+    name = family.name if family is not None else None
+    if name not in FAMILIES or getattr(type(denoiser), "_cp_plan", None) is None:
+        raise ValueError(f"{model} ({name or type(denoiser).__name__}) is not split over processes: "
+                         f"--ulysses-degree and --ring-degree take the {', '.join(FAMILIES)} families")
     heads = getattr(denoiser.config, "num_attention_heads", None)
     if heads is not None and heads % parallelism.ulysses:
         raise ValueError(f"{model} has {heads} attention heads, which --ulysses-degree {parallelism.ulysses} does "
@@ -69,11 +75,11 @@ def check_parallelizable(denoiser: torch.nn.Module, parallelism: Parallelism, mo
 
 
 def enable_context_parallel(denoiser: torch.nn.Module, parallelism: Parallelism, model: str,
-                            attention: str | None = None) -> None:
+                            attention: str | None = None, family=None) -> None:
     """Split the denoiser's sequence over the process group (initialized by the caller)."""
     from diffusers import ContextParallelConfig
 
-    check_parallelizable(denoiser, parallelism, model, attention)
+    check_parallelizable(denoiser, parallelism, model, attention, family)
     if not dist.is_initialized() or dist.get_world_size() != parallelism.world:
         raise RuntimeError(f"context parallelism over {parallelism.world} ranks needs a process group of that size")
     config = ContextParallelConfig(ulysses_degree=parallelism.ulysses if parallelism.ulysses > 1 else None,

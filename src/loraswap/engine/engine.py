@@ -107,7 +107,7 @@ class Engine:
         if self.parallelism.world > 1:
             for name in denoiser_names(self.pipeline):  # Wan 2.2's two experts alike
                 enable_context_parallel(getattr(self.pipeline, name), self.parallelism, self.model_name,
-                                        config.attention)
+                                        config.attention, self.calls.family)
         with on_device(self.device):
             self._startup.compile_and_warm_up(self.pipeline, self.swapper, self._warm_up_images)
         self._graphs_after_warmup = graph_count()
@@ -187,9 +187,14 @@ class Engine:
         """
         # 1. the pipeline that takes these inputs and its call, refused before anything changes;
         #    seeds drive CPU generators, as the HF image does
-        task = self.calls.task(requests[0])
-        kwargs = self.calls.arguments(task, requests) | self.calls.progress(task, on_step)
-        pipeline = self.pipeline if task == TEXT else self.calls.pipeline(task)  # the loaded one, for text
+        try:
+            task = self.calls.task(requests[0])
+            kwargs = self.calls.arguments(task, requests) | self.calls.progress(task, on_step)
+            pipeline = self.pipeline if task == TEXT else self.calls.pipeline(task)  # the loaded one, for text
+        except Exception as e:
+            if self.ranks is not None and not self.ranks.leading:  # rank 0 waits for this rank's word
+                self.ranks.agree(e)
+            raise
         seeds = [r.seed if r.seed is not None else random.randrange(2**31) for r in requests]
         # 2. the requested adapters on the model (validated before anything changes), on every rank
         if self.ranks is None:
@@ -211,7 +216,9 @@ class Engine:
 
         started = time.perf_counter()
         # the model's first image goes through the start-up (a cold retry, its figures); the rest straight
-        videos = run() if self._startup.first_image_done else self._startup.first_image(run, self.model_name)
+        # (several ranks: never retried on one rank alone, which would leave the others waiting)
+        videos = run() if self._startup.first_image_done else self._startup.first_image(
+            run, self.model_name, retry=self.parallelism.world == 1)
         seconds = time.perf_counter() - started
         fps = self.calls.family.fps if self.calls.is_video else None
         return [GenerateResult(frames[0], seed, swap_seconds, seconds, frames if fps else None, fps)

@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,19 @@ class RankProcesses:
             process.start()
         self._join_while_alive(config, port)
         logger.info("rank 0 of %d joined (%s)", self.parallelism.world, dist.get_backend())
+        self._stopping = False
+        threading.Thread(target=self._watch, name="loraswap-rank-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """A rank that dies leaves the others waiting in their next collective: end this
+        process too (its supervisor, or Ray Serve, starts the server again, all ranks anew)."""
+        while not self._stopping:
+            gone = next((p for p in self.processes if p.exitcode is not None), None)
+            if gone is not None and not self._stopping:
+                logger.error("%s exited with code %s: the ranks cannot go on without it; exiting", gone.name,
+                             gone.exitcode)
+                os._exit(70)
+            time.sleep(1.0)
 
     def _join_while_alive(self, config: EngineConfig, port: int) -> None:
         """Join as rank 0, unless a rank exits first (it would never join: its error is in the log)."""
@@ -65,15 +79,17 @@ class RankProcesses:
         return engine
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Tell the other ranks to stop, wait for them, and leave the group."""
+        """Tell the other ranks to stop and wait for them; kill those that do not (a batch still
+        in flight when the server gave up waiting for it)."""
+        self._stopping = True
         if self.ranks is not None:
-            self.ranks.stop()
+            telling = threading.Thread(target=self.ranks.stop, daemon=True)
+            telling.start()
+            telling.join(timeout)
         for process in self.processes:
             process.join(timeout)
             if process.is_alive():
                 process.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _free_port() -> int:

@@ -164,10 +164,10 @@ class Startup:
     def first_image_done(self) -> bool:
         return "first_image_s" in self.figures
 
-    def first_image(self, call: Callable[[], T], model_name: str) -> T:
+    def first_image(self, call: Callable[[], T], model_name: str, retry: bool = True) -> T:
         """`call()` making the model's first image (a warm-up's, or the first request's): retried
-        cold if the compile cache breaks it; the start-up's figures then taken."""
-        output = self.retry_cold(call)
+        cold if the compile cache breaks it (unless not to `retry`); the start-up's figures then taken."""
+        output = self.retry_cold(call) if retry else call()
         self.figures["first_image_s"] = time.perf_counter() - self.started
         self.compile_cache_lookups = lookups_since(self._lookups_before)
         logger.info("%s: first image %.1f s after start (load %.1f s); compile cache %s: %s", model_name,
