@@ -92,42 +92,34 @@ def test_two_ranks_make_the_images_of_one_process(adapters, tmp_path):
     assert "rank 1" in two.log()
 
 
-def test_a_killed_server_takes_its_ranks_with_it_and_starts_again(adapters, tmp_path):
+def test_a_dead_rank_ends_its_server_a_dead_server_its_ranks_and_it_starts_again(adapters, tmp_path):
+    """Without all its ranks a server would hang in its next image: it exits (code 70) for its
+    supervisor to start it again. A server killed takes its ranks with it. Started again, it
+    makes the same images."""
     args = ["--model", "tiny-flux", "--adapters", str(adapters), "--no-compile", "--ulysses-degree", "2"]
     first = ServerProcess(args, tmp_path / "first.log")
     try:
         first.wait_ready()
-        ranks = _children(first.proc.pid)
-        assert ranks, "rank 1 runs as a child of the server"
         image = _image(first.url, "a", 9)
-        first.proc.send_signal(signal.SIGKILL)
-        first.proc.wait(30)
-        deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(_alive(pid) for pid in ranks), "no rank outlives its server"
+        os.kill(_children(first.proc.pid)[0], signal.SIGKILL)
+        assert first.proc.wait(30) == 70
+        assert "exited with code -9: the ranks cannot go on without it" in first.log()
     finally:
         first.stop()
     second = ServerProcess(args, tmp_path / "second.log")
     try:
         second.wait_ready()
         assert np.array_equal(_image(second.url, "a", 9), image)
+        ranks = _children(second.proc.pid)
+        assert ranks, "rank 1 runs as a child of the server"
+        second.proc.send_signal(signal.SIGKILL)
+        second.proc.wait(30)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in ranks), "no rank outlives its server"
     finally:
         second.stop()
-
-
-def test_a_rank_that_dies_ends_its_server(adapters, tmp_path):
-    """Without all its ranks a server would hang in its next image: it exits (code 70) for its
-    supervisor to start it again."""
-    server = ServerProcess(["--model", "tiny-flux", "--adapters", str(adapters), "--no-compile", "--ulysses-degree",
-                            "2"], tmp_path / "server.log")
-    try:
-        server.wait_ready()
-        os.kill(_children(server.proc.pid)[0], signal.SIGKILL)
-        assert server.proc.wait(30) == 70
-        assert "exited with code -9: the ranks cannot go on without it" in server.log()
-    finally:
-        server.stop()
 
 
 LORAS = {"tiny-flux": [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)], [("k", 1.0)], []],  # a LoKr too
