@@ -22,7 +22,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from ..engine.rank_processes import free_port
 from .common import environment, plot_bars, print_table, summary, write_random_adapters, write_results
 
 logger = logging.getLogger(__name__)
@@ -65,14 +65,8 @@ def prepare_adapters(architecture: str, root: Path, num_ids: int, specs=SPECS) -
     return ids
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model: str, adapters: Path, mode: str, log_path: Path, extra: list[str]) -> tuple:
-    port = _free_port()
+    port = free_port()
     log = log_path.open("w")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(RAY_ENV if mode == "ray" else {})}
     proc = subprocess.Popen([sys.executable, "-m", "loraswap", "serve", "--model", model, "--adapters",

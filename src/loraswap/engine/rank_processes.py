@@ -33,7 +33,7 @@ class RankProcesses:
     def __init__(self, config: EngineConfig):
         self.parallelism = Parallelism(config.ulysses_degree, config.ring_degree)
         self.ranks: Ranks | None = None
-        port = _free_port()
+        port = free_port()
         engine_only = config.model_dump(mode="json", include=set(EngineConfig.model_fields))  # a Ray replica's too
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked CUDA or threads
         self.processes = [context.Process(target=_follower, args=(engine_only, rank, port),
@@ -92,7 +92,8 @@ class RankProcesses:
                 process.kill()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the process group's rendezvous, a benchmark's server)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
