@@ -207,7 +207,8 @@ def test_reads_in_place_leave_no_file_open(tmp_path, monkeypatch):
             read_adapter(AdapterLocation("a", path, None), other)
         with pytest.raises(AdapterInvalid, match="rank 4, over the limit"):
             read_adapter(AdapterLocation("a", path, None), target, StoreLimits(max_rank=2))
-    assert len(os.listdir("/proc/self/fd")) == open_before
+    # no more than before (a leak adds one per read, 40 here); files others opened may have closed meanwhile
+    assert len(os.listdir("/proc/self/fd")) <= open_before
 
 
 def test_whether_an_adapter_fits_is_told_from_its_header(tmp_path, monkeypatch):
