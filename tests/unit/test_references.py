@@ -59,6 +59,7 @@ def test_a_url_handed_over_is_remembered_under_its_own_id_only():
     ("civitai:1@2:abc", "civitai:MODEL@VERSION"),
     ("s3://my-bucket/../etc/passwd", "'..' in an object key"),
     ("ftp://h.example/x.safetensors", "invalid adapter id"),
+    ("gs://my-bucket/x.safetensors", "s3://BUCKET/KEY .*--s3-endpoint-url https://storage.googleapis.com"),
     ("x:99", "out of range"),
     (SIGNED + ":99", "out of range"),
 ])

@@ -33,7 +33,7 @@ S3 = re.compile(r"^s3:(//)?(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/"
                 r"(?P<key>[A-Za-z0-9_.=+-]+(/[A-Za-z0-9_.=+-]+)*)$")
 URL_ID = re.compile(r"^url:[0-9a-f]{32}$")
 REMOTE_PREFIXES = ("url:", "civitai:", "s3:")
-REFERENCE_PREFIXES = ("https://", "http://", "civitai:", "urn:air:", "s3://", "url:", "s3:")
+REFERENCE_PREFIXES = ("https://", "http://", "civitai:", "urn:air:", "s3://", "url:", "s3:", "gs://")
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,11 @@ def parse_reference(text: str) -> Reference:
         return _url(text)
     if text.startswith(("civitai:", "urn:air:")):
         return _civitai(text)
+    if text.startswith("gs://"):
+        # boto3 speaks no gs://; Cloud Storage answers the S3 API at its own endpoint
+        raise BadRequest(f"adapter {shown(text)!r}: gs:// is not read; a Cloud Storage bucket is read as "
+                         "s3://BUCKET/KEY by a server started with --s3 --s3-endpoint-url "
+                         "https://storage.googleapis.com and an HMAC key as its AWS access key")
     match = S3.match(text)
     if match is None:
         raise BadRequest(f"adapter {shown(text)!r}: not a reference loraswap reads: use an adapter id, an https:// "
