@@ -43,7 +43,9 @@ class FakeBackend:
         pass
 
     def ready_info(self) -> dict:
-        return {"model": "fake", "models": ["fake"], "compiled": False}
+        return {"model": "fake", "models": ["fake"], "compiled": False,
+                "capabilities": {"fake": {"image_input": "variants", "masks": True, "output": "image", "defaults": {},
+                                          "size_multiple": 8}}}
 
     def is_model(self, name: str) -> bool:
         return name == "fake"

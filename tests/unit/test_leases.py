@@ -47,6 +47,7 @@ class FakeEngine:
     """Generates at once, or when `gate` opens for a prompt "wait"; fails a prompt "boom"."""
 
     applied_ids = ()
+    ranks = None
 
     def __init__(self):
         self.lender = CountingLender()

@@ -54,6 +54,7 @@ def _serve_http(config) -> None:
     import uvicorn
 
     from ..engine.engine import Engine
+    from ..server.access_log import log_config
     from ..server.app import create_app
 
     ranks = _start_ranks(config)  # the other processes of a context-parallel engine, if any
@@ -65,7 +66,7 @@ def _serve_http(config) -> None:
         raise typer.BadParameter(str(e)) from None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level="info",
+        uvicorn.run(app, host=config.host, port=config.port, log_level="info", log_config=log_config(),
                     timeout_graceful_shutdown=60)
     finally:
         if ranks:

@@ -7,6 +7,7 @@ modules, so a swap written into the weights serves them all, with no second copy
 """
 
 import inspect
+import math
 
 import torch
 from diffusers import DiffusionPipeline
@@ -31,10 +32,12 @@ class PipelineCalls:
 
     def capabilities(self) -> dict:
         """What the model takes and makes, for clients that build their form from it (the
-        playground): image input (`none`, `variants`, `edit`, `required`), masks, output, defaults."""
+        playground): image input (`none`, `variants`, `edit`, `required`), masks, output,
+        defaults, what width and height must be multiples of."""
         family = self.family
         return {"image_input": family.image_input if family else "none", "masks": bool(family and family.takes_masks()),
-                "output": family.output if family else "image", "defaults": dict(self.defaults)}
+                "output": family.output if family else "image", "defaults": dict(self.defaults),
+                "size_multiple": family.size_multiple if family else 8}
 
     # ------------------------------------------------------------ which pipeline
     def task(self, request: GenerateRequest) -> str:
@@ -125,8 +128,24 @@ class PipelineCalls:
             name = renamed.get(name, name)
             if value is not None and name in takes:
                 kwargs[name] = value
+        self._check_denoising_steps(task, kwargs)
         adjust = self.family.adjust_call if self.family else None
         return adjust(kwargs) if adjust else kwargs
+
+    def _check_denoising_steps(self, task: str, kwargs: dict) -> None:
+        """An image input's strength x steps of at least one: diffusers' image-to-image and
+        inpainting pipelines denoise int(steps x strength) steps, and with none their decode fails."""
+        defaults = inspect.signature(self.pipeline(task).__call__).parameters
+        if "strength" not in defaults or "image" not in kwargs:
+            return
+        steps = kwargs.get("num_inference_steps", defaults["num_inference_steps"].default)
+        strength = kwargs.get("strength", defaults["strength"].default)
+        if int(steps * strength) < 1:
+            most_steps = next(rule.le for rule in GenerateRequest.model_fields["steps"].metadata if hasattr(rule, "le"))
+            more_steps = math.ceil(1 / strength)
+            raise BadRequest(f"strength {strength:g} x {steps} steps is {steps * strength:.3g}, under the one "
+                             f"denoising step an image input needs: ask for a strength of at least {1 / steps:.3g}"
+                             + (f", or at least {more_steps} steps" if more_steps <= most_steps else ""))
 
     def _check_frames(self, task: str, request: GenerateRequest) -> None:
         """A video's frames within the server's limit, the model's default number included."""

@@ -5,8 +5,10 @@ future. The worker alone holds adapters for requests: `submit` takes a lease of 
 request's adapters from the engine's lender (read on the store's threads while earlier
 requests generate), and every way a job ends (served, failed, cancelled, refused) gives
 it back (`_give_back`). A full queue refuses at once
-(`Overloaded`, answered 503 + Retry-After). A request whose client went away is
-cancelled while queued and skipped, so it costs no GPU work.
+(`Overloaded`, answered 503 + Retry-After). A request cancelled (its client went away, its
+video job deleted) while queued is skipped, so it costs no GPU work; while it generates,
+it stops at the next denoising step (`JobFuture.cancel`), unless another request in its
+batch still wants the images or the engine spans several ranks (which must stay in step).
 
 Scheduling, among queued requests whose adapters are ready:
 1. a request waiting longer than `max_wait_s`, or passed over `max_skips` times, goes
@@ -46,12 +48,28 @@ class SchedulerConfig(BaseModel):
         8, ge=0, description="Fairness: a request passed over this often goes next.")
 
 
+class Stopped(Exception):
+    """Raised between denoising steps: every request of the batch was cancelled."""
+
+
+class JobFuture(Future):
+    """A job's future: `cancel()` cancels it while queued, and asks a running job to stop."""
+
+    def __init__(self):
+        super().__init__()
+        self.stop_asked = threading.Event()
+
+    def cancel(self) -> bool:
+        self.stop_asked.set()
+        return super().cancel()
+
+
 @dataclass
 class Job:
     request: GenerateRequest
     lease: Future  # -> the Lease of the request's adapters, once they are read
     enqueued: float  # when it was queued (the worker's clock)
-    future: Future = field(default_factory=Future)
+    future: JobFuture = field(default_factory=JobFuture)
     skips: int = 0
     on_step: Callable[[int, int], None] | None = None  # progress: (steps done, steps in all)
     read_at: float | None = None  # when its adapters were in (the worker's clock)
@@ -73,6 +91,7 @@ class GpuWorker:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="loraswap-gpu-worker", daemon=True)
         self.skipped_cancelled = 0  # jobs dropped because their client left while queued
+        self.stopped = 0  # jobs stopped while they generated, every one of their batch cancelled
         self.completed = 0
         self.batches = 0
 
@@ -187,9 +206,8 @@ class GpuWorker:
                 job.future.set_exception(e)
         try:
             if ready:
-                hooks = [job.on_step for job in ready if job.on_step]
-                progress = {"on_step": lambda done, total: _report_progress(hooks, done, total)} if hooks else {}
-                results = self.engine.generate_batch([job.request for job in ready], leases[0], **progress)
+                results = self.engine.generate_batch([job.request for job in ready], leases[0],
+                                                     on_step=self._step_hook(ready))
                 for job, result in zip(ready, results):
                     result.timings |= {"read": (job.read_at or started) - job.enqueued, "wait": started - job.enqueued}
                     job.future.set_result(result)
@@ -202,6 +220,21 @@ class GpuWorker:
                 _give_back(job)
             self.completed += len(jobs)
             self.batches += 1
+
+
+    def _step_hook(self, jobs: list[Job]) -> Callable[[int, int], None]:
+        """Called after each denoising step: the jobs' progress hooks, then `Stopped` once every
+        job of the batch was cancelled (never on several ranks: the others would wait for it)."""
+        hooks = [job.on_step for job in jobs if job.on_step]
+        stoppable = self.engine.ranks is None
+
+        def step_ended(done: int, total: int) -> None:
+            _report_progress(hooks, done, total)
+            if stoppable and all(job.future.stop_asked.is_set() for job in jobs):
+                self.stopped += len(jobs)
+                raise Stopped(f"cancelled at step {done} of {total}")
+
+        return step_ended
 
 
 def _give_back(job: Job) -> None:

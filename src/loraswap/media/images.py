@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageMode, ImageOps
 
 from ..errors import BadRequest
 
@@ -113,12 +113,16 @@ def check_mask_fits(image: Image.Image, mask: Image.Image) -> None:
 
 
 def output_size(image: Image.Image, width: int | None, height: int | None, max_width: int,
-                max_height: int) -> tuple[int, int]:
+                max_height: int, max_pixels: int | None = None) -> tuple[int, int]:
     """The size to generate when the request names none (or one side): the image's, scaled
-    down to fit `max_width` x `max_height` (keeping its shape when both are missing) and
-    rounded down to a multiple of `SIZE_MULTIPLE`."""
-    scale = min(1.0, max_width / image.width, max_height / image.height) if width is None and height is None \
-        else 1.0
+    down to fit `max_width` x `max_height` and `max_pixels` (keeping its shape when both are
+    missing) and rounded down to a multiple of `SIZE_MULTIPLE`. A side asked for is kept."""
+    area = max_pixels or image.width * image.height
+    if width is None and height is None:
+        scale = min(1.0, max_width / image.width, max_height / image.height,
+                     math.sqrt(area / (image.width * image.height)))
+    else:
+        scale = min(1.0, area / ((width or image.width) * (height or image.height)))  # the other side shrinks
 
     def side(given: int | None, own: int, most: int) -> int:
         if given is not None:
@@ -127,6 +131,18 @@ def output_size(image: Image.Image, width: int | None, height: int | None, max_w
         return max(SIZE_MULTIPLE, fitted // SIZE_MULTIPLE * SIZE_MULTIPLE)
 
     return side(width, image.width, max_width), side(height, image.height, max_height)
+
+
+def decode_cost(data: bytes, what: str, limits: ImageLimits) -> int:
+    """The bytes decoding `data` takes at its peak, from its header alone: its pixels at the
+    depth and channels PIL decodes them to, twice (turned upright makes a copy), and the RGB
+    image (or grey mask) it becomes. BadRequest as `read_image` for a file it would refuse."""
+    check_file_bytes(len(data), what, limits)
+    header = _open(data, what, limits)
+    _check_size(header.width, header.height, what, limits)
+    mode = ImageMode.getmode(header.mode)
+    per_pixel = len(mode.bands) * max(1, int(mode.typestr[-1]))
+    return header.width * header.height * (2 * per_pixel + (3 if what == "image" else 2))
 
 
 def read_inputs(image: bytes, mask: bytes | None, limits: ImageLimits) -> tuple[Image.Image, Image.Image | None]:

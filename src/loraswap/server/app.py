@@ -25,6 +25,7 @@ from ..errors import LoraswapError, Overloaded
 from .auth import Keys, maybe_warn_open
 from .backend import Backend, LocalBackend
 from .config import ServerConfig
+from .decode_budget import DecodeBudget
 from .kept_adapters import KeptAdapters
 from .metrics import Metrics
 from .openapi import document_api
@@ -59,9 +60,11 @@ def create_app(config: ServerConfig, engine_factory=Engine, backend: Backend | N
     app.state.keys = keys
     app.state.backend = backend or LocalBackend(app.state, config, engine_factory)
     app.state.metrics = Metrics()
+    app.state.decode_budget = DecodeBudget(config.max_decode_bytes)
     app.state.videos = VideoStore(config)
     app.state.kept = KeptAdapters(app.state.videos.state.folder)  # the same claimed state folder
     _add_error_handlers(app)
+    app.add_middleware(ContainUnexpected)
     for router in ROUTERS:
         app.include_router(router)
     document_api(app, config, keys)
@@ -72,7 +75,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(LoraswapError, _known_error)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected)
 
 
 async def _known_error(request: Request, exc: LoraswapError):
@@ -90,6 +92,30 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
     return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
 
 
-async def _unexpected(request: Request, exc: Exception):
-    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return JSONResponse({"error": "internal server error"}, status_code=500)
+class ContainUnexpected:
+    """Any other exception: logged once with its traceback and answered with a plain 500, the
+    connection kept usable. (An exception handler for `Exception` would not do: Starlette
+    re-raises after answering, so uvicorn logs it a second time and drops the keep-alive
+    connection without a `Connection: close`.) One raised after its response has started
+    cannot be answered: uvicorn logs it and closes the connection."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:
+                raise
+            logger.error("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
+            await JSONResponse({"error": "internal server error"}, status_code=500)(scope, receive, send)

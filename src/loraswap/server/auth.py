@@ -17,6 +17,7 @@ GPU work. Keys are compared in constant time and never logged.
 """
 
 import enum
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -109,6 +110,15 @@ def _check(request: Request, access: Access) -> None:
     problem = "no key was sent" if token is None else "the key sent is not valid here"
     raise HTTPException(401, detail=f"this route needs {what}: {problem}. Send the header "
                         "'Authorization: Bearer KEY'", headers={"WWW-Authenticate": "Bearer"})
+
+
+def key_owner(request: Request) -> str | None:
+    """Who made a thing the server keeps for a key (a video job): a digest of the request's
+    key (never the key), None when the server runs without API keys (everything is everyone's)."""
+    if not request.app.state.keys.accepted(Access.GENERATION):
+        return None
+    token = bearer_token(request) or b""  # the route's dependency has checked it
+    return hashlib.sha256(b"loraswap owner\0" + token).hexdigest()[:32]
 
 
 async def require_api_key(request: Request) -> None:

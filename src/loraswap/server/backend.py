@@ -41,12 +41,15 @@ class ClientGone(Exception):
 
 
 POLL_S = 0.1  # how often a waiting request asks whether its client is still there
+STOP_WAIT_S = 600.0  # how long a cancelled request waits for its generation to stop (a step of a long video)
 
 
 async def wait_for_result(task: "asyncio.Future[T]", cancel: Callable[[], object],
                           is_disconnected: Callable[[], Awaitable[bool]] | None) -> T:
     """The task's result; `cancel()` and `ClientGone` if the client leaves first. Cancelled
-    itself (the proxy gives up on a request whose client left), it cancels too."""
+    itself (the proxy gives up on a request whose client left, a video job is deleted), it
+    cancels too, and ends once the work has stopped (a running generation stops at its next
+    step), so that what counts work in flight counts it until then."""
     try:
         while not task.done():
             await asyncio.wait([task], timeout=POLL_S)
@@ -55,6 +58,8 @@ async def wait_for_result(task: "asyncio.Future[T]", cancel: Callable[[], object
                 raise ClientGone()
     except asyncio.CancelledError:
         cancel()
+        if not (await asyncio.wait([task], timeout=STOP_WAIT_S))[0]:
+            logger.warning("a cancelled request is still running after %g s", STOP_WAIT_S)
         raise
     return task.result()
 

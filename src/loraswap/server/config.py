@@ -71,6 +71,14 @@ class ServerConfig(BaseModel):
     max_image_pixels: Annotated[int, Flag(SERVER)] = Field(
         4096 * 4096, ge=16 * 16, le=Image.MAX_IMAGE_PIXELS, description="Most pixels (width x height) of an input "
         "image, read from its header before any pixel is decoded.")
+    auto_size_max_pixels: Annotated[int, Flag(SERVER)] = Field(
+        1024 * 1024, ge=16 * 16, description="With an input image and no size asked, the size generated is the "
+        "image's, scaled down to at most this many pixels (its shape kept); asked for, a size is held only to "
+        "--max-width and --max-height.")
+    max_decode_bytes: Annotated[int, Flag(SERVER, name="max-decode-mb", unit="MiB", scale=2**20)] = Field(
+        1024 * 2**20, ge=2**20, description="Input images and masks being decoded at once, all requests together, "
+        "counted as their pixels' bytes (width x height x channels x bytes per channel, the copies a decode makes "
+        "included); past it a request waits up to 30 s for room, then gets 503.")
 
     @model_validator(mode="after")
     def _room_for_pending_videos(self):

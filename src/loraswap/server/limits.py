@@ -111,7 +111,9 @@ LIMITS = (
     Limit(("seed",), _BETWEEN, low=_SEED[0], high=_SEED[1]),
     Limit(("strength",), "strength {value} must be more than {low} and at most {high} (1 repaints the whole image)",
           low=_STRENGTH[0], high=_STRENGTH[1], low_exclusive=True),
-    Limit(("seconds",), "seconds {value} must be more than {low}", low=0, low_exclusive=True),
+    # a video has at most `max_video_frames` frames at 1 fps or more: a bound that keeps seconds x fps finite
+    Limit(("seconds",), "seconds {value} must be more than {low} and at most {high}", low=0, high="max_video_frames",
+          low_exclusive=True),
     Limit(("frames", "num_frames"), _BETWEEN, low=1, high="max_video_frames"),
     Limit(("fps",), _BETWEEN, low=1, high="max_video_fps"),
 )

@@ -17,9 +17,11 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from ..adapters.specs import adapter_with_weight, parse_adapter_specs
 from ..engine.config import GenerateRequest
 from ..errors import BadRequest
-from ..media.images import ImageLimits, decode_base64, looks_like_image, output_size, read_inputs, require_image
+from ..media.images import (ImageLimits, decode_base64, decode_cost, looks_like_image, output_size, read_inputs,
+                            require_image)
 from .backend import Backend
 from .config import ServerConfig
+from .decode_budget import DecodeBudget
 from .limits import check_limits, image_limits
 from .schemas import ApiBody, invalid_request_message, parse_size
 
@@ -64,6 +66,8 @@ def parse_json(body: bytes, api: type[ApiBody], max_bytes: int):
     it would be without images."""
     try:
         return json.loads(body)
+    except RecursionError:
+        raise BadRequest(f"the body's JSON is nested too deep: {api.example}") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         if api.takes_images and looks_like_image(body):
             raise BadRequest(f"the body is a bare image file, with no prompt: send JSON: {api.example}") from None
@@ -119,6 +123,7 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
     config, backend = request.app.state.config, request.app.state.backend
     # 1. the body, as the API's typed request (JSON, or a multipart form with files)
     fields = (await read_request(request, api, config)).fields()
+    check_text(fields)
     named = path_model or fields.pop("model", None)
     # 2. every field within its bounds (one table: limits.LIMITS), and the values they give:
     #    OpenAI's size as a width and a height, the seed of the last of n images
@@ -136,10 +141,12 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
                                        request.headers.get("lora"))
     # 4. the image and the mask, decoded and checked (the costliest check, so the last);
     #    no size asked: the image's
-    image, mask = await decode_inputs(fields.get("image"), fields.get("mask"), image_limits(config))
+    image, mask = await decode_inputs(fields.get("image"), fields.get("mask"), image_limits(config),
+                                      request.app.state.decode_budget)
     if image is not None:
         fields["width"], fields["height"] = output_size(image, fields.get("width"), fields.get("height"),
-                                                        config.max_width, config.max_height)
+                                                        config.max_width, config.max_height,
+                                                        config.auto_size_max_pixels)
     # 5. the engine's request (its own checks too: the blend's are the engine's)
     try:
         engine_request = GenerateRequest(
@@ -153,19 +160,38 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
     return ParsedRequest(engine_request, model, count, fps)
 
 
-async def decode_inputs(image: bytes | str | None, mask: bytes | str | None,
-                        limits: ImageLimits) -> tuple[Image.Image | None, Image.Image | None]:
+def check_text(value, name: str = "") -> None:
+    """BadRequest naming the field whose text is not Unicode a tokenizer can read: a lone
+    surrogate (JSON's `\\ud800` escape, valid JSON, no character) makes the tokenizer raise."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadRequest(f"{name or 'the body'} holds {value[e.start:e.end]!a}, half of a UTF-16 pair (a lone "
+                             "surrogate), which is no character: send the pair, or the character itself") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(item, key)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            check_text(item, name)
+
+
+async def decode_inputs(image: bytes | str | None, mask: bytes | str | None, limits: ImageLimits,
+                        budget: DecodeBudget) -> tuple[Image.Image | None, Image.Image | None]:
     """The request's image and mask (raw bytes, or base64 text), decoded and checked off the
-    event loop: decoding a large image takes a CPU for a while."""
+    event loop (a large image takes a CPU for a while), once their cost fits `budget`."""
     require_image(image is not None, mask is not None, None)
     if image is None:
         return None, None
 
-    def decode():  # base64 too: a large image takes a CPU for a while either way
-        return read_inputs(_as_bytes(image, "image", limits), None if mask is None else _as_bytes(mask, "mask", limits),
-                           limits)
+    def files():  # base64 too: a large image takes a CPU for a while either way
+        data = _as_bytes(image, "image", limits), None if mask is None else _as_bytes(mask, "mask", limits)
+        return data, decode_cost(data[0], "image", limits) + (decode_cost(data[1], "mask", limits) if mask else 0)
 
-    return await run_in_threadpool(decode)
+    (image_bytes, mask_bytes), cost = await run_in_threadpool(files)
+    async with budget.hold(cost):
+        return await run_in_threadpool(read_inputs, image_bytes, mask_bytes, limits)
 
 
 def _as_bytes(value: bytes | str, what: str, limits: ImageLimits) -> bytes:

@@ -50,6 +50,7 @@ class VideoJob:
     seconds: str = "auto"  # until finished, what was asked; then the MP4's length
     size: str = "auto"
     attempts: int = 0  # runs started: 2 once made again after a restart
+    owner: str | None = None  # the digest of the key that made it (`auth.key_owner`); None: everyone's
     task: asyncio.Task | None = field(default=None, repr=False)
 
     def report_step(self, done: int, total: int) -> None:
@@ -106,7 +107,7 @@ class VideoJob:
                 "model": self.model, "target": self.target, "fps": self.fps, "created_at": self.created_at,
                 "finished_at": self.finished_at, "expires_at": self.expires_at,
                 "error": json.dumps(self.error) if self.error else None, "seconds": self.seconds,
-                "size": self.size, "attempts": self.attempts}
+                "size": self.size, "attempts": self.attempts, "owner": self.owner}
 
     @classmethod
     def from_row(cls, row: dict) -> "VideoJob":

@@ -38,7 +38,8 @@ PART = ".part"
 # what a failed write raises: the disk (full, gone, read-only) or the database on it
 WRITE_ERRORS = (OSError, sqlite3.Error)
 COLUMNS = ("id", "request", "model", "target", "fps", "created_at", "finished_at", "expires_at", "error",
-           "seconds", "size", "attempts")
+           "seconds", "size", "attempts", "owner")
+ADDED_COLUMNS = ("owner",)  # columns a database made by an earlier version lacks: added when it is opened
 SCHEMA = f"CREATE TABLE IF NOT EXISTS videos ({', '.join(COLUMNS)}, PRIMARY KEY (id))"
 
 
@@ -165,6 +166,10 @@ def _connect(path: Path) -> sqlite3.Connection:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")  # WAL: a crash of the process loses no commit
         db.execute(SCHEMA)
+        present = {row[1] for row in db.execute("PRAGMA table_info(videos)")}
+        for column in ADDED_COLUMNS:
+            if column not in present:
+                db.execute(f"ALTER TABLE videos ADD COLUMN {column}")
         if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
             raise sqlite3.DatabaseError("quick_check failed")
         db.execute("SELECT * FROM videos").fetchall()

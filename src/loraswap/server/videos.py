@@ -7,7 +7,9 @@ is never cancelled for a client that left; only `DELETE` (or the server stopping
 `VideoStore` keeps the jobs: a finished one for `video_ttl_s` seconds (`sweep`, on every
 call and every `SWEEP_EVERY_S` in the background), at most `max_video_jobs` in all (past
 it the oldest finished job is dropped) and at most `max_video_jobs_pending` unfinished
-(past it: 503). Ids are random (`video_` and 32 hex digits): an id is the only way to a job.
+(past it: 503), a deleted job still counted until its generation has stopped. Ids are
+random (`video_` and 32 hex digits), and a job belongs to the key that made it: another
+key is answered 404 as for an unknown id (`owner`, when the server has API keys).
 
 The jobs and their MP4s are kept in the state folder (`video_state.VideoState`, one row a
 job, written before it runs and when it finishes). A new store on the folder finds them as
@@ -72,17 +74,18 @@ class VideoStore:
         self._jobs: dict[str, VideoJob] = {}  # in creation order
         self._interrupted: list[VideoJob] = []  # queued or in progress when the last server stopped
         self._tasks: list[asyncio.Task] = []  # the sweeper, the resumer
+        self._stopping: set[asyncio.Task] = set()  # deleted jobs whose generation has not stopped yet
         self.state = VideoState(config.state_dir)
         self._load()
 
     # ---------------------------------------------------------------- jobs
     def submit(self, request: GenerateRequest, model: str, fps: int | None, make: MakeVideo,
-               target: str | None = None) -> VideoJob:
-        """A new job, started now on the running event loop; `make(job)` generates its frames.
-        Overloaded (503) while `max_video_jobs_pending` jobs are unfinished."""
-        # 1. forget expired jobs; refuse past the cap on unfinished ones
+               target: str | None = None, owner: str | None = None) -> VideoJob:
+        """A new job of `owner`'s, started now on the running event loop; `make(job)` generates
+        its frames. Overloaded (503) while `max_video_jobs_pending` jobs are unfinished."""
+        # 1. forget expired jobs; refuse past the cap on unfinished ones (deleted ones still stopping too)
         self.sweep()
-        pending = sum(1 for job in self._jobs.values() if not job.finished)
+        pending = sum(1 for job in self._jobs.values() if not job.finished) + len(self._stopping)
         if pending >= self.config.max_video_jobs_pending:
             raise Overloaded(f"{pending} videos are being made, the most this server makes at once; retry later")
         # 2. make room: the oldest finished job goes (ServerConfig keeps max_video_jobs >=
@@ -92,7 +95,7 @@ class VideoStore:
             logger.info("dropping video %s: %d jobs kept, the most", oldest.id, len(self._jobs))
             self._forget(oldest.id)
         # 3. start it; nothing waits on it, so it runs whether or not its client stays
-        job = VideoJob("video_" + secrets.token_hex(16), request, model, fps, self.clock(), target)
+        job = VideoJob("video_" + secrets.token_hex(16), request, model, fps, self.clock(), target, owner=owner)
         job.size = f"{request.width}x{request.height}" if request.width and request.height else "auto"
         if request.frames and fps:  # the length is known now only when the rate it plays at is
             job.seconds = f"{request.frames / fps:g}"
@@ -149,17 +152,18 @@ class VideoStore:
         except WRITE_ERRORS as e:  # the job goes on; it is only not kept across a restart
             logger.error("video %s is not kept across a restart: writing its row failed: %s", job.id, e)
 
-    def get(self, video_id: str) -> VideoJob:
+    def get(self, video_id: str, owner: str | None = None) -> VideoJob:
+        """The job, if `owner`'s (or everyone's); VideoNotFound (404) otherwise."""
         self.sweep()
         job = self._jobs.get(video_id)
-        if job is None:
+        if job is None or job.owner not in (None, owner):
             raise VideoNotFound(f"no video {video_id!r}: unknown, deleted, or expired (videos are kept "
                                 f"{self.config.video_ttl_s:g} s after they finish)")
         return job
 
-    def completed(self, video_id: str) -> VideoJob:
+    def completed(self, video_id: str, owner: str | None = None) -> VideoJob:
         """The job, once completed; VideoNotReady (409) before, or when it failed."""
-        job = self.get(video_id)
+        job = self.get(video_id, owner)
         if job.status is VideoStatus.COMPLETED:
             self._check_files(job)
         if job.status is VideoStatus.FAILED:
@@ -169,13 +173,15 @@ class VideoStore:
                                 f"ready when its status is completed: poll GET /v1/videos/{video_id}")
         return job
 
-    def delete(self, video_id: str) -> VideoJob:
-        """Forget the job and remove its files; an unfinished one is cancelled (a queued one
-        costs no GPU work)."""
-        job = self.get(video_id)
+    def delete(self, video_id: str, owner: str | None = None) -> VideoJob:
+        """Forget the job and remove its files; an unfinished one is cancelled: a queued one
+        costs no GPU work, a running one stops at its next denoising step."""
+        job = self.get(video_id, owner)
         self._forget(video_id)
         if job.task is not None and not job.task.done():
             job.task.cancel()
+            self._stopping.add(job.task)
+            job.task.add_done_callback(self._stopping.discard)
         return job
 
     def _forget(self, video_id: str) -> None:
@@ -288,7 +294,7 @@ class VideoStore:
         """Cancel the background tasks and the unfinished jobs (the state folder keeps them for
         the next start), then close the state folder."""
         tasks = [job.task for job in self._jobs.values() if job.task is not None and not job.task.done()]
-        tasks += self._tasks
+        tasks += self._tasks + list(self._stopping)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

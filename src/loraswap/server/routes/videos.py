@@ -1,6 +1,7 @@
 """OpenAI videos API: `POST /v1/videos` starts a job, `GET /v1/videos/{id}` polls it,
 `GET /v1/videos/{id}/content` downloads the MP4, `DELETE /v1/videos/{id}` forgets (or
-cancels) it. The jobs live in `app.state.videos` (`videos.VideoStore`)."""
+cancels) it. The jobs live in `app.state.videos` (`videos.VideoStore`); each belongs to the
+key that made it (another key's request is answered 404)."""
 
 from typing import Literal
 
@@ -10,7 +11,8 @@ from fastapi.responses import JSONResponse
 
 from ...adapters.references import check_id
 from ...engine.engine import GenerateResult
-from ..auth import Access, require_api_key
+from ...errors import UnsupportedInput
+from ..auth import Access, key_owner, require_api_key
 from ..backend import not_ready
 from ..generation import encode, run_generation
 from ..openapi import LORA_HEADER, form_body
@@ -41,9 +43,22 @@ async def create_video(request: Request):
     info = state.backend.ready_info()
     if info is None:  # a job started now would only fail
         raise not_ready(state.backend.load_error)
+    _check_size(parsed.engine_request, info["capabilities"])
     # 2. start the job
     shown = parsed.model or _adapters_named(parsed.engine_request.loras) or info["model"]
-    return state.videos.submit(parsed.engine_request, shown, parsed.fps, video_maker(state), parsed.model).view()
+    return state.videos.submit(parsed.engine_request, shown, parsed.fps, video_maker(state), parsed.model,
+                               owner=key_owner(request)).view()
+
+
+def _check_size(request, capabilities: dict[str, dict]) -> None:
+    """A size the hosted video models cannot make, refused now rather than as a failed job
+    (the engine checks the model it routes to again)."""
+    multiples = {caps.get("size_multiple", 8) for caps in capabilities.values() if caps.get("output") == "video"}
+    for side in ("width", "height"):
+        value = getattr(request, side)
+        for multiple in multiples:
+            if value is not None and value % multiple:
+                raise UnsupportedInput(f"a video's {side} must be a multiple of {multiple}, not {value}")
 
 
 def video_maker(state) -> MakeVideo:
@@ -65,7 +80,7 @@ def _adapters_named(loras: list[tuple[str, float]]) -> str:
 async def retrieve_video(video_id: str, request: Request):
     """The job: `status` (queued, in_progress, completed, failed), `progress` (percent),
     `error` once failed; 404 for an unknown or expired id."""
-    job = request.app.state.videos.get(video_id)
+    job = request.app.state.videos.get(video_id, key_owner(request))
     return JSONResponse(job.view(), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
 
 
@@ -74,7 +89,7 @@ async def download_video(video_id: str, request: Request,
                          variant: Literal["video", "thumbnail"] = Query("video")) -> Response:
     """The MP4 (H.264), or with `variant=thumbnail` the first frame as WebP; 409 before the
     job completed (or when it failed)."""
-    job = request.app.state.videos.completed(video_id)
+    job = request.app.state.videos.completed(video_id, key_owner(request))
     if variant == "thumbnail":
         data, media = await encode(await run_in_threadpool(lambda: job.thumbnail), "image/webp")
         return Response(data, media_type=media)
@@ -85,5 +100,5 @@ async def download_video(video_id: str, request: Request,
 @router.delete(ROUTE + "/{video_id}")
 async def delete_video(video_id: str, request: Request):
     """Forget the video and remove its files (an unfinished one is cancelled); 404 for an unknown id."""
-    job = request.app.state.videos.delete(video_id)
+    job = request.app.state.videos.delete(video_id, key_owner(request))
     return {"id": job.id, "object": "video.deleted", "deleted": True}
