@@ -17,8 +17,15 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from ..adapters.specs import adapter_with_weight, parse_adapter_specs
 from ..engine.config import GenerateRequest
 from ..errors import BadRequest
-from ..media.images import (ImageLimits, decode_base64, decode_cost, looks_like_image, output_size, read_inputs,
-                            require_image)
+from ..media.images import (
+    ImageLimits,
+    decode_base64,
+    decode_cost,
+    looks_like_image,
+    output_size,
+    read_inputs,
+    require_image,
+)
 from .backend import Backend
 from .config import ServerConfig
 from .decode_budget import DecodeBudget
