@@ -54,9 +54,13 @@ def test_the_page_is_served_and_ready_says_what_the_model_takes(server):
     page = httpx.get(server.url + "/playground")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "<script" in page.text and "http" not in page.text.split("<script", 1)[1], "nothing fetched from elsewhere"
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy and "'unsafe-inline'" not in policy
+    assert "script-src 'sha256-" in policy and "connect-src 'self'" in policy
+    assert (page.headers["x-frame-options"], page.headers["x-content-type-options"]) == ("DENY", "nosniff")
     assert httpx.get(server.url + "/ready").json()["capabilities"] == {"demo": {
-        "image_input": "variants", "masks": True, "output": "image", "defaults": {"width": 32, "height": 32,
-                                                                                  "steps": 20, "guidance": 3.0}}}
+        "image_input": "variants", "masks": True, "output": "image", "size_multiple": 8,
+        "defaults": {"width": 32, "height": 32, "steps": 20, "guidance": 3.0}}}
 
 
 def test_pick_an_adapter_generate_and_see_the_image_with_its_timings(server, browser, tmp_path):

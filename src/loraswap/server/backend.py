@@ -60,6 +60,8 @@ async def wait_for_result(task: "asyncio.Future[T]", cancel: Callable[[], object
         cancel()
         if not (await asyncio.wait([task], timeout=STOP_WAIT_S))[0]:
             logger.warning("a cancelled request is still running after %g s", STOP_WAIT_S)
+        elif not task.cancelled():
+            task.exception()  # how it stopped is nobody's news: taken, so that asyncio logs nothing
         raise
     return task.result()
 
