@@ -5,15 +5,20 @@ video stops generating; a video job belongs to the key that made it."""
 
 import base64
 import http.client
+import io
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 from support.fakes import serve_on_loopback
-from support.images import encode, noise
+from support.images import encode, noise, png16_rgba
 from support.numerics import assert_bitwise_equal, weights_snapshot
+from support.servers import ServerProcess
 
 from loraswap.engine.config import EngineConfig
 from loraswap.server.app import create_app
@@ -168,3 +173,37 @@ def test_a_video_job_belongs_to_the_key_that_made_it(server):
     poll(url, job["id"], "completed")
     assert httpx.get(f"{url}/v1/videos/{job['id']}/content", headers=ONE).status_code == 200
     assert httpx.delete(f"{url}/v1/videos/{job['id']}", headers=ONE).status_code == 200
+
+
+def status_mb(pid: int, field: str) -> float:
+    line = next(line for line in open(f"/proc/{pid}/status") if line.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the server's peak RSS from /proc")
+def test_sixteen_huge_images_at_once_stay_within_the_decode_budget(tmp_path):
+    """16 edits at once, each a 4096² 16-bit RGBA image and mask in a ~270 KB body: a server with
+    a 512 MiB decode budget peaks within it (unbounded, the same requests took it up 2.8 GB)."""
+    budget_mb = 512
+    server = ServerProcess(["--model", "tiny-sd", "--max-queue", "64", "--auto-size-max-pixels", "4096",
+                            "--max-decode-mb", str(budget_mb)], tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        body = {"inputs": "x", "parameters": {"num_inference_steps": 1}}
+        assert httpx.post(server.url + "/", json=body, timeout=60).status_code == 200
+        before = status_mb(server.proc.pid, "VmHWM")
+        huge = png16_rgba(4096, 4096)
+
+        def edit(_):
+            return httpx.post(server.url + "/v1/images/edits", data={"prompt": "x", "num_inference_steps": "1"},
+                              files={"image": ("i.png", huge, "image/png"), "mask": ("m.png", huge, "image/png")},
+                              timeout=300)
+
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(edit, range(16)))
+        assert [a.status_code for a in answers] == [200] * 16, answers[0].text
+        assert Image.open(io.BytesIO(base64.b64decode(answers[0].json()["data"][0]["b64_json"]))).size == (64, 64)
+        peak = status_mb(server.proc.pid, "VmHWM") - before
+        assert peak < budget_mb * 1.049 + 250, f"the server's peak RSS grew {peak:.0f} MB"
+    finally:
+        server.stop()

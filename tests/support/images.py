@@ -52,3 +52,18 @@ REFUSALS = [
     ("too many bytes", encode(noise(256, 256)), "bytes; the limit is 65536 bytes: send a smaller file"),
     ("too small", encode(noise(8, 40)), "the image is 8x40; each side must be at least 16 pixels"),
 ]
+
+
+def png16_rgba(width: int, height: int) -> bytes:
+    """A 16-bit RGBA PNG of one colour: a few hundred KB that decode to width x height x 4 bytes
+    (PIL cannot write 16 bits a channel in colour, so the chunks are written here)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    row = b"\x00" + b"\x12\x34" * 4 * width  # filter byte, then RGBA at 16 bits
+    pixels = zlib.compress(row * height, 9)
+    header = struct.pack(">IIBBBBB", width, height, 16, 6, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")

@@ -216,3 +216,17 @@ def test_the_openai_and_huggingface_clients_send_the_key(keyed_server, monkeypat
     assert [(r.prompt, r.loras, r.seed) for r, _ in backend.generated] == [("a fox", [("style", 1.0)], None),
                                                                           ("a fox", [], 3)]
     assert httpx.post(url + "/", json={"inputs": "x"}).status_code == 401
+
+
+def test_the_access_log_hides_every_query_string():
+    import logging
+
+    from loraswap.server.access_log import HideQuery, log_config
+
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:5", "POST", "/v1/videos/x?api_key=SECRET&variant=v", "1.1", 401), None)
+    assert HideQuery().filter(record) and "SECRET" not in record.getMessage()
+    assert record.getMessage() == '127.0.0.1:5 - "POST /v1/videos/x?(query hidden) HTTP/1.1" 401'
+    config = log_config()
+    assert config["handlers"]["access"]["filters"] == ["hide_query"]
+    assert config["filters"]["hide_query"]["()"] is HideQuery

@@ -152,6 +152,17 @@ def test_the_output_size_is_the_images_within_the_limits(image, asked, limit, ex
     assert output_size(Image.new("RGB", image), *asked, *limit) == expected
 
 
+@pytest.mark.parametrize("image,asked,expected", [
+    ((4096, 4096), (None, None), (1024, 1024)),  # a 4096² input makes a 1024² image, not 2048²
+    ((4000, 3000), (None, None), (1168, 880)),  # its shape kept, within 1024² pixels
+    ((4096, 4096), (512, None), (512, 2048)),  # one side asked: the other shrinks to the pixel bound
+    ((4096, 4096), (2048, 2048), (2048, 2048)),  # a size asked for is the client's, within max_width/height
+    ((640, 480), (None, None), (640, 480)),
+])
+def test_the_size_chosen_for_an_image_input_is_bounded_in_pixels(image, asked, expected):
+    assert output_size(Image.new("RGB", image), *asked, 2048, 2048, max_pixels=1024 * 1024) == expected
+
+
 def test_one_encoder_writes_every_output_format():
     """PNG keeps every pixel; WebP and JPEG are written at quality 95, above PIL's defaults (80
     and 75), which blur a generated image's fine detail."""

@@ -18,6 +18,7 @@ from loraswap.engine.engine import GenerateResult
 from loraswap.errors import AdapterNotFound
 from loraswap.server import videos
 from loraswap.server.config import ServerConfig
+from loraswap.server.video_state import COLUMNS
 from loraswap.server.videos import VideoNotFound, VideoStatus, VideoStore
 
 REQUEST = GenerateRequest(prompt="a fox running", negative_prompt="blur", steps=3, guidance=4.5, width=16,
@@ -322,3 +323,30 @@ def test_a_state_folder_that_cannot_be_made_does_not_stop_the_start(tmp_path, ca
 
     job, temporary = asyncio.run(scenario())
     assert temporary and job.status is VideoStatus.COMPLETED and "lost at a restart" in caplog.text
+
+
+def test_a_database_from_before_jobs_had_owners_is_read_and_written(tmp_path):
+    """A row an earlier version wrote (no `owner` column) is everyone's job; new rows keep their owner."""
+    old_columns = [c for c in COLUMNS if c != "owner"]
+    db = sqlite3.connect(tmp_path / "videos.sqlite3")
+    db.execute(f"CREATE TABLE videos ({', '.join(old_columns)}, PRIMARY KEY (id))")
+    row = {"id": "video_" + "0" * 32, "request": REQUEST.model_dump_json(), "model": "m", "target": None, "fps": 8,
+           "created_at": 1000.0, "finished_at": 1000.0, "expires_at": 9e9, "error": '{"code": "x", "message": "y"}',
+           "seconds": "auto", "size": "auto", "attempts": 1}
+    db.execute(f"INSERT INTO videos VALUES ({', '.join('?' * len(old_columns))})", [row[c] for c in old_columns])
+    db.commit()
+    db.close()
+
+    async def scenario():
+        store = VideoStore(ServerConfig(state_dir=tmp_path), Clock())
+        assert store.get(row["id"], owner="anyone").error == {"code": "x", "message": "y"}
+        mine = store.submit(REQUEST, "m", None, makes, owner="owner-a")
+        await settle(mine)
+        await store.stop()
+        again = VideoStore(ServerConfig(state_dir=tmp_path), Clock())
+        assert again.get(mine.id, "owner-a").owner == "owner-a"
+        with pytest.raises(VideoNotFound):
+            again.get(mine.id, "owner-b")
+        await again.stop()
+
+    asyncio.run(scenario())

@@ -260,6 +260,50 @@ def test_delete_cancels_an_unfinished_job():
     asyncio.run(scenario())
 
 
+def test_a_deleted_job_counts_as_pending_until_its_generation_has_stopped():
+    async def scenario():
+        store = store_of(max_video_jobs_pending=1)
+        started, stop = asyncio.Event(), asyncio.Event()
+
+        async def stops_at_its_next_step(job):
+            started.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:  # as `wait_for_result` does: waits for the GPU worker to stop
+                await stop.wait()
+                raise
+
+        job = store.submit(REQUEST, "m", None, stops_at_its_next_step)
+        await started.wait()
+        store.delete(job.id)
+        await asyncio.sleep(0.05)
+        with pytest.raises(Overloaded, match="1 videos are being made"):
+            store.submit(REQUEST, "m", None, _returning(video_result(1)))
+        stop.set()
+        await asyncio.gather(job.task, return_exceptions=True)
+        await settle(store.submit(REQUEST, "m", None, _returning(video_result(1))))
+        await store.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_job_is_its_owners_only():
+    async def scenario():
+        store = store_of()
+        job = store.submit(REQUEST, "m", None, _returning(video_result(1)), owner="owner-a")
+        await settle(job)
+        for ask in (store.get, store.completed, store.delete):
+            with pytest.raises(VideoNotFound):
+                ask(job.id, "owner-b")
+        assert store.completed(job.id, "owner-a") is job
+        everyones = store.submit(REQUEST, "m", None, _returning(video_result(1)))  # a server without keys
+        await settle(everyones)
+        assert store.get(everyones.id, "owner-b") is everyones
+        await store.stop()
+
+    asyncio.run(scenario())
+
+
 # ---------------------------------------------------------------- the routes, in-process
 def form(**fields) -> dict:
     """A multipart form as the openai client sends it: every field as text."""

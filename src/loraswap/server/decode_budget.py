@@ -1,29 +1,51 @@
-"""How many bytes of input images all requests together may be decoding at once.
+"""How many bytes of input images all requests together may hold decoded at once.
 
 A 4096² image is 67 MB once decoded as RGBA, however well its file compresses; sixteen such
-requests at once, each with a mask, took a server from 0.5 GB to 4 GB. Each request says
+requests at once, each with a mask, took a server from 0.5 GB to 3.3 GB. Each request says
 what its files will cost to decode (`media.images.decode_cost`, from their headers) and
-decodes only once that fits under `--max-decode-mb` beside the decodes in flight; it waits
-for room up to `WAIT_S`, then gets a 503. A request that alone costs more than the budget
-is refused (400), saying so.
+decodes only once that fits under `--max-decode-mb` beside what other requests hold; it
+waits for room up to `WAIT_S`, then gets a 503. After the decode it keeps holding what its
+decoded image and mask take (`kept_bytes`) until it has been answered (`release_kept`, a
+route dependency), so requests waiting in the GPU worker's queue count too. A request that
+alone costs more than the budget is refused (400), saying so.
 """
 
 import asyncio
+import ctypes
+import ctypes.util
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+
+from fastapi import Request
+from PIL import Image
 
 from ..errors import BadRequest, Overloaded
 
 WAIT_S = 30.0
 
 
+def _trimmer():
+    """glibc's `malloc_trim`, or None: freed image buffers otherwise stay in the process's arenas."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_malloc_trim = _trimmer()
+
+
+def kept_bytes(*images: Image.Image | None) -> int:
+    """What decoded images take while they wait to be generated from."""
+    return sum(image.width * image.height * len(image.getbands()) for image in images if image is not None)
+
+
 class DecodeBudget:
-    """The bytes in flight, owned by the app (`app.state.decode_budget`), used on its event loop."""
+    """The bytes held, owned by the app (`app.state.decode_budget`), used on its event loop."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self.in_flight = 0
-        self.most_in_flight = 0  # the peak, for /metrics and the tests
+        self.held = 0
+        self.most_held = 0  # the peak, for the tests
         self._room: asyncio.Condition | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -33,24 +55,36 @@ class DecodeBudget:
             self._room, self._loop = asyncio.Condition(), loop
         return self._room
 
-    @asynccontextmanager
-    async def hold(self, cost: int) -> AsyncIterator[None]:
-        """Hold `cost` bytes of the budget for the block."""
+    async def take(self, cost: int) -> None:
+        """Hold `cost` bytes once they fit; BadRequest if they never can, Overloaded after `WAIT_S`."""
         if cost > self.max_bytes:
             raise BadRequest(f"decoding the input images takes {cost / 2**20:.0f} MiB, over this server's "
                              f"{self.max_bytes / 2**20:.0f} MiB for decoding (--max-decode-mb): send a smaller image")
         room = self._condition()
         async with room:
             try:
-                await asyncio.wait_for(room.wait_for(lambda: self.in_flight + cost <= self.max_bytes), WAIT_S)
+                await asyncio.wait_for(room.wait_for(lambda: self.held + cost <= self.max_bytes), WAIT_S)
             except TimeoutError:
-                raise Overloaded(f"the server is decoding {self.in_flight / 2**20:.0f} MiB of images for other "
+                raise Overloaded(f"the server holds {self.held / 2**20:.0f} MiB of decoded images for other "
                                  "requests; retry shortly") from None
-            self.in_flight += cost
-            self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            yield
-        finally:
+            self.held += cost
+            self.most_held = max(self.most_held, self.held)
+
+    async def give(self, cost: int) -> None:
+        if cost:
+            room = self._condition()
             async with room:
-                self.in_flight -= cost
+                self.held -= cost
                 room.notify_all()
+            if self.held == 0 and _malloc_trim is not None:  # the last image gone: its memory back to the system
+                _malloc_trim(0)
+
+
+async def release_kept(request: Request) -> AsyncIterator[None]:
+    """Route dependency: what the request's decoded images hold (`request.state.kept_bytes`,
+    set by the parse) is given back once the request is done, however it ends."""
+    request.state.kept_bytes = 0
+    try:
+        yield
+    finally:
+        await request.app.state.decode_budget.give(request.state.kept_bytes)

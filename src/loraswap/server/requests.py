@@ -28,7 +28,7 @@ from ..media.images import (
 )
 from .backend import Backend
 from .config import ServerConfig
-from .decode_budget import DecodeBudget
+from .decode_budget import DecodeBudget, kept_bytes
 from .limits import check_limits, image_limits
 from .schemas import ApiBody, invalid_request_message, parse_size
 
@@ -148,8 +148,7 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
                                        request.headers.get("lora"))
     # 4. the image and the mask, decoded and checked (the costliest check, so the last);
     #    no size asked: the image's
-    image, mask = await decode_inputs(fields.get("image"), fields.get("mask"), image_limits(config),
-                                      request.app.state.decode_budget)
+    image, mask = await decode_inputs(request, fields.get("image"), fields.get("mask"), image_limits(config))
     if image is not None:
         fields["width"], fields["height"] = output_size(image, fields.get("width"), fields.get("height"),
                                                         config.max_width, config.max_height,
@@ -184,10 +183,11 @@ def check_text(value, name: str = "") -> None:
             check_text(item, name)
 
 
-async def decode_inputs(image: bytes | str | None, mask: bytes | str | None, limits: ImageLimits,
-                        budget: DecodeBudget) -> tuple[Image.Image | None, Image.Image | None]:
+async def decode_inputs(request: Request, image: bytes | str | None, mask: bytes | str | None,
+                        limits: ImageLimits) -> tuple[Image.Image | None, Image.Image | None]:
     """The request's image and mask (raw bytes, or base64 text), decoded and checked off the
-    event loop (a large image takes a CPU for a while), once their cost fits `budget`."""
+    event loop (a large image takes a CPU for a while), once their cost fits the app's
+    `DecodeBudget`; the request then holds what they take until it is answered."""
     require_image(image is not None, mask is not None, None)
     if image is None:
         return None, None
@@ -197,8 +197,16 @@ async def decode_inputs(image: bytes | str | None, mask: bytes | str | None, lim
         return data, decode_cost(data[0], "image", limits) + (decode_cost(data[1], "mask", limits) if mask else 0)
 
     (image_bytes, mask_bytes), cost = await run_in_threadpool(files)
-    async with budget.hold(cost):
-        return await run_in_threadpool(read_inputs, image_bytes, mask_bytes, limits)
+    budget: DecodeBudget = request.app.state.decode_budget
+    await budget.take(cost)
+    kept = 0
+    try:
+        decoded = await run_in_threadpool(read_inputs, image_bytes, mask_bytes, limits)
+        kept = min(cost, kept_bytes(*decoded))
+        request.state.kept_bytes = kept  # given back by the route's `release_kept`
+        return decoded
+    finally:
+        await budget.give(cost - kept)
 
 
 def _as_bytes(value: bytes | str, what: str, limits: ImageLimits) -> bytes:
