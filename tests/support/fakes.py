@@ -52,6 +52,8 @@ class FakeBackend:
 
     async def generate(self, request: GenerateRequest, model, is_disconnected, on_step=None) -> GenerateResult:
         self.generated.append((request, model))
+        for text in (request.prompt, request.negative_prompt or ""):
+            text.encode("utf-8")  # as a tokenizer reads it: text that is not Unicode raises here
         if request.frames is None:
             return GenerateResult(Image.new("RGB", (8, 8), (200, 10, 10)), request.seed or 0, 0.0, 0.01)
         steps = request.steps or 2

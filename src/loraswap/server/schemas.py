@@ -26,7 +26,7 @@ def _json_list(value: Any) -> Any:
     if isinstance(value, str):
         try:
             return json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
             raise ValueError('loras in a form is JSON text: [{"path": "...", "scale": 1.0}]') from None
     return value
 
