@@ -40,7 +40,8 @@ class EngineFigures:
         """One engine's figures (an `Engine` and its `GpuWorker`)."""
         cache = engine.adapters.cache
         lookups = engine.compile_cache_lookups
-        return cls(recompiles=engine.recompiles, cache_misses=cache.misses, cancelled=worker.skipped_cancelled + worker.stopped,
+        return cls(recompiles=engine.recompiles, cache_misses=cache.misses,
+                   cancelled=worker.skipped_cancelled + worker.stopped,
                    cache_hits={t.value: cache.hits[t.value] for t in (Tier.HOST, Tier.GPU)},
                    cache_bytes={t.value: cache.used(t) for t in (Tier.HOST, Tier.GPU)},
                    queue_depth=worker.queue_depth, ready=True,
@@ -135,7 +136,8 @@ class _EngineCollector:
                                    labels=["tier"])
         misses = CounterMetricFamily("loraswap_adapter_cache_misses", "Adapter lookups read from disk.")
         depth = GaugeMetricFamily("loraswap_queue_depth", "Requests waiting for the GPU workers.")
-        skipped = CounterMetricFamily("loraswap_cancelled_requests", "Requests cancelled (client gone, video deleted): dropped while queued, or stopped at a step.")
+        skipped = CounterMetricFamily("loraswap_cancelled_requests", "Requests cancelled (client gone, video "
+                                      "deleted): dropped while queued, or stopped at a step.")
         ready = GaugeMetricFamily("loraswap_ready", "1 when every model is warm and serving.")
         cache_bytes = GaugeMetricFamily("loraswap_adapter_cache_bytes", "Bytes held by each cache tier.",
                                         labels=["tier"])
