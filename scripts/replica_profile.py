@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from loraswap.bench.serve import _server_timing, prepare_adapters, start_server, stop_server
+from loraswap.bench.serve import parse_server_timing, prepare_adapters, start_server, stop_server
 
 
 class GpuSampler:
@@ -112,7 +112,7 @@ def one_pass(url: str, pid: int, ids: list[str], steps: int, first_seed: int, ou
                 "num_inference_steps": steps, "seed": first_seed + i}}, headers={"lora": adapter})
             response.raise_for_status()
             latencies.append(time.perf_counter() - sent)
-            phases.append(_server_timing(response.headers.get("server-timing", "")))
+            phases.append(parse_server_timing(response.headers.get("server-timing", "")))
         wall = time.perf_counter() - started
     if profiler:
         _, err = profiler.communicate(timeout=60)

@@ -180,6 +180,7 @@ def status_mb(pid: int, field: str) -> float:
     return int(line.split()[1]) / 1024
 
 
+@pytest.mark.slow  # a server of its own, and 32 decodes of 4096² images
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the server's peak RSS from /proc")
 def test_sixteen_huge_images_at_once_stay_within_the_decode_budget(tmp_path):
     """16 edits at once, each a 4096² 16-bit RGBA image and mask in a ~270 KB body: a server with

@@ -9,7 +9,8 @@ from support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow  # compiles, and fills queues of real servers
 
-SLOW = {"inputs": "a slow one", "parameters": {"width": 512, "height": 512, "num_inference_steps": 40}}
+# about 6 s of a CPU core each: long enough for the queue to fill and a client to leave while it runs
+SLOW = {"inputs": "a slow one", "parameters": {"width": 384, "height": 384, "num_inference_steps": 40}}
 
 
 @pytest.fixture(scope="module")

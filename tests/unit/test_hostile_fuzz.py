@@ -87,6 +87,7 @@ def client():
         yield client
 
 
+@pytest.mark.slow  # 1,000 requests
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_no_json_body_reaches_a_server_error(client, route):
     @settings(max_examples=250, deadline=None, database=None, derandomize=True,

@@ -141,7 +141,7 @@ def _drive(url: str, stream: list[str], concurrency: int, params: dict, seen: se
                     latencies.append(elapsed)
                     colds.append(cold)
                     computes.append(float(response.headers["x-compute-time"]))
-                    phases.append(_server_timing(response.headers.get("server-timing", "")))
+                    phases.append(parse_server_timing(response.headers.get("server-timing", "")))
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -177,7 +177,7 @@ def _cold_and_cached(runs: list[dict]) -> dict:
             "cold_read_p50_ms": p50(cold_read)}
 
 
-def _server_timing(header: str) -> dict[str, float]:
+def parse_server_timing(header: str) -> dict[str, float]:
     """`parse;dur=1.2, swap;dur=3.4` -> {"parse": 1.2, "swap": 3.4} (milliseconds)."""
     phases = {}
     for item in filter(None, (part.strip() for part in header.split(","))):
