@@ -291,10 +291,12 @@ class VideoStore:
                 logger.exception("sweeping the videos failed")
 
     async def stop(self) -> None:
-        """Cancel the background tasks and the unfinished jobs (the state folder keeps them for
-        the next start), then close the state folder."""
-        tasks = [job.task for job in self._jobs.values() if job.task is not None and not job.task.done()]
-        tasks += self._tasks + list(self._stopping)
+        """Cancel the background tasks and the unfinished jobs (a generating one stops at its
+        next step; the state folder keeps them for the next start), then close the state folder."""
+        running = [job for job in self._jobs.values() if job.task is not None and not job.task.done()]
+        for job in running:
+            logger.info("video %s stopped by the server's shutdown; kept for the next start", job.id)
+        tasks = [job.task for job in running] + self._tasks + list(self._stopping)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
