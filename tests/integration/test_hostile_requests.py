@@ -76,6 +76,7 @@ DEEP = b"[" * 1000 + b"]" * 1000
     ("/v1/images/generations", b'{"prompt": "a \\udbff cat"}', "prompt holds"),
     ("/", b'{"inputs": "x", "parameters": ' + DEEP + b"}", "nested too deep"),
     ("/v1/images/generations", b'{"prompt": ' + DEEP + b"}", "nested too deep"),
+    ("/", b'{"inputs": "x", "parameters": {"seed": ' + b"7" * 5000 + b"}}", "the body must be JSON"),
     ("/", json.dumps({"inputs": base64.b64encode(PICTURE).decode(),
                       "parameters": {"prompt": "x", "strength": 0.2, "num_inference_steps": 1}}).encode(),
      "strength 0.2 x 1 steps is 0.2, under the one denoising step an image input needs: ask for a strength of at "

@@ -60,6 +60,8 @@ def test_client_gone_while_queued_costs_no_gpu_work(small_queue_server):
         time.sleep(0.1)
     assert small_queue_server.metric("loraswap_cancelled_requests_total") == cancelled_before + 1
     assert small_queue_server.metric("loraswap_requests_total", '{route="/",status="499"}') == 1
+    log = small_queue_server.log()
+    assert "unhandled error" not in log and "never retrieved" not in log, "a client leaving is no error"
 
 
 def test_compiled_server_swaps_without_recompiling(adapter_factory, tmp_path_factory):

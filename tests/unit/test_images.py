@@ -155,7 +155,8 @@ def test_the_output_size_is_the_images_within_the_limits(image, asked, limit, ex
 @pytest.mark.parametrize("image,asked,expected", [
     ((4096, 4096), (None, None), (1024, 1024)),  # a 4096² input makes a 1024² image, not 2048²
     ((4000, 3000), (None, None), (1168, 880)),  # its shape kept, within 1024² pixels
-    ((4096, 4096), (512, None), (512, 2048)),  # one side asked: the other shrinks to the pixel bound
+    ((4096, 4096), (512, None), (512, 1024)),  # one side asked: the other as with no size asked
+    ((1024, 1024), (2048, None), (2048, 1024)),  # within the bound: the image's own side
     ((4096, 4096), (2048, 2048), (2048, 2048)),  # a size asked for is the client's, within max_width/height
     ((640, 480), (None, None), (640, 480)),
 ])

@@ -9,9 +9,10 @@ import pytest
 from PIL import Image
 
 from loraswap.adapters.lease import Lease
+from loraswap.engine.calls import Stopped
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine, GenerateResult
-from loraswap.engine.worker import GpuWorker, SchedulerConfig, Stopped
+from loraswap.engine.worker import GpuWorker, SchedulerConfig
 from loraswap.errors import AdapterNotFound, Overloaded
 
 

@@ -21,6 +21,10 @@ from .config import GenerateRequest
 TEXT, IMG2IMG, INPAINT = "text", "img2img", "inpaint"
 
 
+class Stopped(Exception):
+    """Raised by a step hook between denoising steps: the call's requests were all cancelled."""
+
+
 class PipelineCalls:
     """The pipelines of one served model, keyed by the input they take, and their calls."""
 
@@ -133,19 +137,21 @@ class PipelineCalls:
         return adjust(kwargs) if adjust else kwargs
 
     def _check_denoising_steps(self, task: str, kwargs: dict) -> None:
-        """An image input's strength x steps of at least one: diffusers' image-to-image and
-        inpainting pipelines denoise int(steps x strength) steps, and with none their decode fails."""
-        defaults = inspect.signature(self.pipeline(task).__call__).parameters
-        if "strength" not in defaults or "image" not in kwargs:
+        """An image input's strength x steps of at least one where the family's pipelines round
+        it down (`Family.strength_rounds_down`): with no step, their decode fails."""
+        if not (self.family and self.family.strength_rounds_down) or "image" not in kwargs:
             return
+        defaults = inspect.signature(self.pipeline(task).__call__).parameters
         steps = kwargs.get("num_inference_steps", defaults["num_inference_steps"].default)
         strength = kwargs.get("strength", defaults["strength"].default)
-        if int(steps * strength) < 1:
-            most_steps = next(rule.le for rule in GenerateRequest.model_fields["steps"].metadata if hasattr(rule, "le"))
-            more_steps = math.ceil(1 / strength)
-            raise BadRequest(f"strength {strength:g} x {steps} steps is {steps * strength:.3g}, under the one "
-                             f"denoising step an image input needs: ask for a strength of at least {1 / steps:.3g}"
-                             + (f", or at least {more_steps} steps" if more_steps <= most_steps else ""))
+        if int(steps * strength) >= 1:
+            return
+        most_steps = next(rule.le for rule in GenerateRequest.model_fields["steps"].metadata if hasattr(rule, "le"))
+        least_strength = math.ceil(1000 / steps) / 1000  # rounded up: int(steps x it) is at least 1
+        more_steps = math.ceil(1 / strength)
+        raise BadRequest(f"strength {strength:g} x {steps} steps is {steps * strength:.3g}, under the one denoising "
+                         f"step an image input needs: ask for a strength of at least {least_strength:g}"
+                         + (f", or at least {more_steps} steps" if more_steps <= most_steps else ""))
 
     def _check_frames(self, task: str, request: GenerateRequest) -> None:
         """A video's frames within the server's limit, the model's default number included."""
@@ -171,7 +177,8 @@ class PipelineCalls:
             return {}
 
         def step_ended(pipeline, step: int, timestep, tensors: dict) -> dict:
-            on_step(step + 1, pipeline.num_timesteps)
+            total = getattr(pipeline, "num_timesteps", None) or len(pipeline.scheduler.timesteps)
+            on_step(step + 1, total)  # may raise `Stopped`, which ends the call
             return tensors
 
         return {"callback_on_step_end": step_ended}

@@ -20,6 +20,7 @@ import torch
 
 from ..models import denoiser_names, load_pipeline
 from ..models.staged import build_pipeline, fill_pipeline, plan_fill
+from .calls import Stopped
 from .compile import (
     CUDA_GRAPH_MODES,
     compile_pipeline,
@@ -182,6 +183,8 @@ class Startup:
             return step()
         try:
             return step()
+        except Stopped:  # its requests were cancelled: the cache is not to blame
+            raise
         except Exception as e:
             self._retried_cold = True
             self.compile_cache = use_fresh_compile_cache(self.compile_cache, e)

@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 
 from ..errors import Overloaded
 from ..flags import SCHEDULING, Flag
+from .calls import Stopped
 from .config import GenerateRequest
 from .engine import Engine
 
@@ -46,10 +47,6 @@ class SchedulerConfig(BaseModel):
         30.0, gt=0, description="Fairness: a request waiting this long goes next, seconds.")
     max_skips: Annotated[int, Flag(SCHEDULING)] = Field(
         8, ge=0, description="Fairness: a request passed over this often goes next.")
-
-
-class Stopped(Exception):
-    """Raised between denoising steps: every request of the batch was cancelled."""
 
 
 class JobFuture(Future):
@@ -92,6 +89,7 @@ class GpuWorker:
         self._thread = threading.Thread(target=self._run, name="loraswap-gpu-worker", daemon=True)
         self.skipped_cancelled = 0  # jobs dropped because their client left while queued
         self.stopped = 0  # jobs stopped while they generated, every one of their batch cancelled
+        # (`completed` counts every job that ran, however it ended: served, failed or stopped)
         self.completed = 0
         self.batches = 0
 
@@ -212,6 +210,8 @@ class GpuWorker:
                     result.timings |= {"read": (job.read_at or started) - job.enqueued, "wait": started - job.enqueued}
                     job.future.set_result(result)
         except BaseException as e:  # delivered to the waiting handlers
+            if isinstance(e, Stopped):  # no traceback: its frames would keep the call's tensors alive
+                e = Stopped(str(e))
             for job in ready:
                 if not job.future.done():
                     job.future.set_exception(e)

@@ -115,14 +115,13 @@ def check_mask_fits(image: Image.Image, mask: Image.Image) -> None:
 def output_size(image: Image.Image, width: int | None, height: int | None, max_width: int,
                 max_height: int, max_pixels: int | None = None) -> tuple[int, int]:
     """The size to generate when the request names none (or one side): the image's, scaled
-    down to fit `max_width` x `max_height` and `max_pixels` (keeping its shape when both are
-    missing) and rounded down to a multiple of `SIZE_MULTIPLE`. A side asked for is kept."""
-    area = max_pixels or image.width * image.height
-    if width is None and height is None:
-        scale = min(1.0, max_width / image.width, max_height / image.height,
-                     math.sqrt(area / (image.width * image.height)))
-    else:
-        scale = min(1.0, area / ((width or image.width) * (height or image.height)))  # the other side shrinks
+    down (its shape kept) to fit `max_width` x `max_height` when both sides are missing and
+    to `max_pixels`, and rounded down to a multiple of `SIZE_MULTIPLE`. A side asked for is
+    kept; the other is what it would be with no size asked, within its own limit."""
+    scale = min(1.0, max_width / image.width, max_height / image.height) if width is None and height is None \
+        else 1.0
+    if max_pixels is not None:
+        scale = min(scale, math.sqrt(max_pixels / (image.width * image.height)))
 
     def side(given: int | None, own: int, most: int) -> int:
         if given is not None:
@@ -135,14 +134,15 @@ def output_size(image: Image.Image, width: int | None, height: int | None, max_w
 
 def decode_cost(data: bytes, what: str, limits: ImageLimits) -> int:
     """The bytes decoding `data` takes at its peak, from its header alone: its pixels at the
-    depth and channels PIL decodes them to, twice (turned upright makes a copy), and the RGB
-    image (or grey mask) it becomes. BadRequest as `read_image` for a file it would refuse."""
+    depth and channels PIL decodes them to, twice (turned upright makes a copy), and the
+    conversions' copies (RGB for an image; for a mask, RGBA from a palette, its alpha and the
+    alpha inverted: at most 6 bytes a pixel). BadRequest as `read_image` for a file it refuses."""
     check_file_bytes(len(data), what, limits)
     header = _open(data, what, limits)
     _check_size(header.width, header.height, what, limits)
     mode = ImageMode.getmode(header.mode)
     per_pixel = len(mode.bands) * max(1, int(mode.typestr[-1]))
-    return header.width * header.height * (2 * per_pixel + (3 if what == "image" else 2))
+    return header.width * header.height * (2 * per_pixel + 6)
 
 
 def read_inputs(image: bytes, mask: bytes | None, limits: ImageLimits) -> tuple[Image.Image, Image.Image | None]:

@@ -52,6 +52,9 @@ class Family:
       Kontext's output area follows the asked size only when told so).
     - `size_multiple`: what width and height must be multiples of (latents an eighth of the
       image, packed in 2x2 patches by the transformers: 16).
+    - `strength_rounds_down`: its image-to-image and inpainting pipelines denoise
+      int(steps x strength) steps, none when that is under 1 (diffusers' SD and SDXL; the
+      others denoise at least one step for any strength).
     """
 
     name: str
@@ -66,6 +69,7 @@ class Family:
     call_names: Mapping[str, str] = field(default_factory=dict)
     adjust_call: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     size_multiple: int = 16
+    strength_rounds_down: bool = False
 
     @property
     def pipeline_class(self) -> type[DiffusionPipeline]:

@@ -19,11 +19,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..engine.engine import Engine
 from ..errors import LoraswapError, Overloaded
 from .auth import Keys, maybe_warn_open
-from .backend import Backend, LocalBackend
+from .backend import Backend, ClientGone, LocalBackend
 from .config import ServerConfig
 from .decode_budget import DecodeBudget
 from .kept_adapters import KeptAdapters
@@ -94,10 +95,11 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 
 class ContainUnexpected:
     """Any other exception: logged once with its traceback and answered with a plain 500, the
-    connection kept usable. (An exception handler for `Exception` would not do: Starlette
-    re-raises after answering, so uvicorn logs it a second time and drops the keep-alive
-    connection without a `Connection: close`.) One raised after its response has started
-    cannot be answered: uvicorn logs it and closes the connection."""
+    connection kept usable; a client that left is logged in a line. (An exception handler
+    for `Exception` would not do: Starlette re-raises after answering, so uvicorn logs it a
+    second time and drops the keep-alive connection without a `Connection: close`.) One
+    raised after its response has started cannot be answered: uvicorn logs it and closes
+    the connection."""
 
     def __init__(self, app):
         self.app = app
@@ -114,6 +116,10 @@ class ContainUnexpected:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except (ClientGone, ClientDisconnect):  # nobody to answer: no error of ours
+            logger.info("%s %s: the client left", scope["method"], scope["path"])
+            if not started:
+                await JSONResponse({"error": "the client closed the request"}, status_code=499)(scope, receive, send)
         except Exception as exc:
             if started:
                 raise

@@ -17,7 +17,6 @@ GPU work. Keys are compared in constant time and never logged.
 """
 
 import enum
-import hashlib
 import hmac
 import ipaddress
 import logging
@@ -112,13 +111,12 @@ def _check(request: Request, access: Access) -> None:
                         "'Authorization: Bearer KEY'", headers={"WWW-Authenticate": "Bearer"})
 
 
-def key_owner(request: Request) -> str | None:
-    """Who made a thing the server keeps for a key (a video job): a digest of the request's
-    key (never the key), None when the server runs without API keys (everything is everyone's)."""
+def request_key(request: Request) -> bytes | None:
+    """The API key the request was made with (the route's dependency has checked it); None
+    when the server runs without API keys. For what the server keeps per key (video jobs)."""
     if not request.app.state.keys.accepted(Access.GENERATION):
         return None
-    token = bearer_token(request) or b""  # the route's dependency has checked it
-    return hashlib.sha256(b"loraswap owner\0" + token).hexdigest()[:32]
+    return bearer_token(request) or b""
 
 
 async def require_api_key(request: Request) -> None:

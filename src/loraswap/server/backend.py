@@ -48,22 +48,26 @@ async def wait_for_result(task: "asyncio.Future[T]", cancel: Callable[[], object
                           is_disconnected: Callable[[], Awaitable[bool]] | None) -> T:
     """The task's result; `cancel()` and `ClientGone` if the client leaves first. Cancelled
     itself (the proxy gives up on a request whose client left, a video job is deleted), it
-    cancels too, and ends once the work has stopped (a running generation stops at its next
-    step), so that what counts work in flight counts it until then."""
+    cancels too. Either way it returns once the work has stopped (a running generation stops
+    at its next step), so that what counts work in flight counts it until then."""
     try:
         while not task.done():
             await asyncio.wait([task], timeout=POLL_S)
             if not task.done() and is_disconnected is not None and await is_disconnected():
-                cancel()
+                await _cancel_and_wait(task, cancel)
                 raise ClientGone()
     except asyncio.CancelledError:
-        cancel()
-        if not (await asyncio.wait([task], timeout=STOP_WAIT_S))[0]:
-            logger.warning("a cancelled request is still running after %g s", STOP_WAIT_S)
-        elif not task.cancelled():
-            task.exception()  # how it stopped is nobody's news: taken, so that asyncio logs nothing
+        await _cancel_and_wait(task, cancel)
         raise
     return task.result()
+
+
+async def _cancel_and_wait(task: "asyncio.Future", cancel: Callable[[], object]) -> None:
+    cancel()
+    if not (await asyncio.wait([task], timeout=STOP_WAIT_S))[0]:
+        logger.warning("a cancelled request is still running after %g s", STOP_WAIT_S)
+    elif not task.cancelled():
+        task.exception()  # how it stopped is nobody's news: taken, so that asyncio logs nothing
 
 
 class Backend(Protocol):

@@ -4,15 +4,15 @@ A 4096² image is 67 MB once decoded as RGBA, however well its file compresses; 
 requests at once, each with a mask, took a server from 0.5 GB to 3.3 GB. Each request says
 what its files will cost to decode (`media.images.decode_cost`, from their headers) and
 decodes only once that fits under `--max-decode-mb` beside what other requests hold; it
-waits for room up to `WAIT_S`, then gets a 503. After the decode it keeps holding what its
-decoded image and mask take (`kept_bytes`) until it has been answered (`release_kept`, a
-route dependency), so requests waiting in the GPU worker's queue count too. A request that
-alone costs more than the budget is refused (400), saying so.
+waits for room up to `WAIT_S`, then gets a 503. After the decode it goes on holding what
+its decoded image and mask take (`decoded_bytes`) until it has been answered
+(`release_decoded`, a route dependency), so requests waiting in the GPU worker's queue
+count too. A request that alone costs more than the budget is refused (400), saying so.
 """
 
 import asyncio
 import ctypes
-import ctypes.util
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -21,22 +21,21 @@ from PIL import Image
 from ..errors import BadRequest, Overloaded
 
 WAIT_S = 30.0
+TRIM_EVERY_S = 5.0  # at most this often, freed image memory is handed back to the system
 
 
-def _trimmer():
-    """glibc's `malloc_trim`, or None: freed image buffers otherwise stay in the process's arenas."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_malloc_trim = _trimmer()
-
-
-def kept_bytes(*images: Image.Image | None) -> int:
+def decoded_bytes(*images: Image.Image | None) -> int:
     """What decoded images take while they wait to be generated from."""
     return sum(image.width * image.height * len(image.getbands()) for image in images if image is not None)
+
+
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None (not glibc): freed image buffers otherwise stay in the
+    process's arenas, counted in its resident memory."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 class DecodeBudget:
@@ -45,9 +44,10 @@ class DecodeBudget:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.held = 0
-        self.most_held = 0  # the peak, for the tests
         self._room: asyncio.Condition | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._trim = _malloc_trim()
+        self._trimmed_at = 0.0
 
     def _condition(self) -> asyncio.Condition:
         loop = asyncio.get_running_loop()
@@ -55,7 +55,7 @@ class DecodeBudget:
             self._room, self._loop = asyncio.Condition(), loop
         return self._room
 
-    async def take(self, cost: int) -> None:
+    async def acquire(self, cost: int) -> None:
         """Hold `cost` bytes once they fit; BadRequest if they never can, Overloaded after `WAIT_S`."""
         if cost > self.max_bytes:
             raise BadRequest(f"decoding the input images takes {cost / 2**20:.0f} MiB, over this server's "
@@ -68,23 +68,24 @@ class DecodeBudget:
                 raise Overloaded(f"the server holds {self.held / 2**20:.0f} MiB of decoded images for other "
                                  "requests; retry shortly") from None
             self.held += cost
-            self.most_held = max(self.most_held, self.held)
 
-    async def give(self, cost: int) -> None:
-        if cost:
-            room = self._condition()
-            async with room:
-                self.held -= cost
-                room.notify_all()
-            if self.held == 0 and _malloc_trim is not None:  # the last image gone: its memory back to the system
-                _malloc_trim(0)
+    async def release(self, cost: int) -> None:
+        if not cost:
+            return
+        self.held -= cost  # before any await: a cancellation while waiting for the lock must not lose it
+        room = self._condition()
+        async with room:
+            room.notify_all()
+        if self.held == 0 and self._trim is not None and time.monotonic() - self._trimmed_at > TRIM_EVERY_S:
+            self._trimmed_at = time.monotonic()
+            asyncio.get_running_loop().run_in_executor(None, self._trim, 0)  # it walks every arena: off the loop
 
 
-async def release_kept(request: Request) -> AsyncIterator[None]:
-    """Route dependency: what the request's decoded images hold (`request.state.kept_bytes`,
+async def release_decoded(request: Request) -> AsyncIterator[None]:
+    """Route dependency: what the request's decoded images hold (`request.state.decoded_bytes`,
     set by the parse) is given back once the request is done, however it ends."""
-    request.state.kept_bytes = 0
+    request.state.decoded_bytes = 0
     try:
         yield
     finally:
-        await request.app.state.decode_budget.give(request.state.kept_bytes)
+        await request.app.state.decode_budget.release(request.state.decoded_bytes)

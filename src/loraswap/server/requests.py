@@ -28,7 +28,7 @@ from ..media.images import (
 )
 from .backend import Backend
 from .config import ServerConfig
-from .decode_budget import DecodeBudget, kept_bytes
+from .decode_budget import DecodeBudget, decoded_bytes
 from .limits import check_limits, image_limits
 from .schemas import ApiBody, invalid_request_message, parse_size
 
@@ -75,7 +75,7 @@ def parse_json(body: bytes, api: type[ApiBody], max_bytes: int):
         return json.loads(body)
     except RecursionError:
         raise BadRequest(f"the body's JSON is nested too deep: {api.example}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except ValueError:  # not JSON, not UTF-8, or an integer of thousands of digits
         if api.takes_images and looks_like_image(body):
             raise BadRequest(f"the body is a bare image file, with no prompt: send JSON: {api.example}") from None
         if len(body) > max_bytes:
@@ -170,6 +170,8 @@ def check_text(value, name: str = "") -> None:
     """BadRequest naming the field whose text is not Unicode a tokenizer can read: a lone
     surrogate (JSON's `\\ud800` escape, valid JSON, no character) makes the tokenizer raise."""
     if isinstance(value, str):
+        if value.isascii():  # a base64 image, most prompts: nothing to check
+            return
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
@@ -194,19 +196,21 @@ async def decode_inputs(request: Request, image: bytes | str | None, mask: bytes
 
     def files():  # base64 too: a large image takes a CPU for a while either way
         data = _as_bytes(image, "image", limits), None if mask is None else _as_bytes(mask, "mask", limits)
-        return data, decode_cost(data[0], "image", limits) + (decode_cost(data[1], "mask", limits) if mask else 0)
+        mask_cost = decode_cost(data[1], "mask", limits) if mask is not None else 0
+        return data, decode_cost(data[0], "image", limits) + mask_cost
 
     (image_bytes, mask_bytes), cost = await run_in_threadpool(files)
     budget: DecodeBudget = request.app.state.decode_budget
-    await budget.take(cost)
+    await budget.acquire(cost)
     kept = 0
     try:
         decoded = await run_in_threadpool(read_inputs, image_bytes, mask_bytes, limits)
-        kept = min(cost, kept_bytes(*decoded))
-        request.state.kept_bytes = kept  # given back by the route's `release_kept`
+        if hasattr(request.state, "decoded_bytes"):  # released once answered, by the route's `release_decoded`
+            kept = min(cost, decoded_bytes(*decoded))
+            request.state.decoded_bytes = kept
         return decoded
     finally:
-        await budget.give(cost - kept)
+        await budget.release(cost - kept)
 
 
 def _as_bytes(value: bytes | str, what: str, limits: ImageLimits) -> bytes:

@@ -50,7 +50,7 @@ class VideoJob:
     seconds: str = "auto"  # until finished, what was asked; then the MP4's length
     size: str = "auto"
     attempts: int = 0  # runs started: 2 once made again after a restart
-    owner: str | None = None  # the digest of the key that made it (`auth.key_owner`); None: everyone's
+    owner: str | None = None  # a digest of the API key that made it (`VideoStore.owner_of`); None: everyone's
     task: asyncio.Task | None = field(default=None, repr=False)
 
     def report_step(self, done: int, total: int) -> None:

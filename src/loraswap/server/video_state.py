@@ -4,6 +4,7 @@ The state folder (`--state-dir`, default ~/.cache/loraswap/state):
 
     lock                  held (flock) by the one server using the folder
     videos.sqlite3        one row a job (SQLite, WAL mode), with -wal and -shm beside it
+    owner-secret          the key of the digests naming the API key that made each job
     videos/ID.mp4         a completed job's MP4
     videos/ID.png         its first frame, lossless (the route sends it as WebP)
     videos/ID.*.part      a file being written: renamed to its name once whole
@@ -19,6 +20,7 @@ temporary folder, lost at a restart, and the log says so. A database that cannot
 import fcntl
 import logging
 import os
+import secrets
 import shutil
 import sqlite3
 import tempfile
@@ -40,6 +42,7 @@ WRITE_ERRORS = (OSError, sqlite3.Error)
 COLUMNS = ("id", "request", "model", "target", "fps", "created_at", "finished_at", "expires_at", "error",
            "seconds", "size", "attempts", "owner")
 ADDED_COLUMNS = ("owner",)  # columns a database made by an earlier version lacks: added when it is opened
+OWNER_SECRET = "owner-secret"  # the key of the digests that say which API key made a job
 SCHEMA = f"CREATE TABLE IF NOT EXISTS videos ({', '.join(COLUMNS)}, PRIMARY KEY (id))"
 
 
@@ -68,6 +71,7 @@ class VideoState:
         self.folder = self._claim(folder)
         self.files = self.folder / FILES
         self.files.mkdir(exist_ok=True)
+        self.owner_secret = _owner_secret(self.folder / OWNER_SECRET)
         self._db = self._open_database()
 
     def _claim(self, folder: Path) -> Path:
@@ -106,8 +110,8 @@ class VideoState:
     def save(self, row: dict) -> None:
         """Insert or replace the job's row."""
         with self._lock, self._db:
-            self._db.execute(f"INSERT OR REPLACE INTO videos VALUES ({', '.join('?' * len(COLUMNS))})",
-                             [row[column] for column in COLUMNS])
+            self._db.execute(f"INSERT OR REPLACE INTO videos ({', '.join(COLUMNS)}) "
+                             f"VALUES ({', '.join('?' * len(COLUMNS))})", [row[column] for column in COLUMNS])
 
     def remove(self, video_id: str) -> None:
         """The job's files, then its row: a crash between leaves a row whose MP4 is missing,
@@ -157,6 +161,17 @@ class VideoState:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def _owner_secret(path: Path) -> bytes:
+    """32 random bytes kept in the folder (owner-only), made once: a job's owner is an HMAC of
+    its API key under them, so the database alone cannot be used to guess a short key."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        secret = secrets.token_bytes(32)
+        _write_whole(path, lambda f: (os.fchmod(f.fileno(), 0o600), f.write(secret)))
+        return secret
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     """The database, in WAL mode, its table made, read once through (a corrupt one raises here
     rather than at the first write). Used from the event loop's thread and the pool's: one lock
@@ -166,17 +181,28 @@ def _connect(path: Path) -> sqlite3.Connection:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")  # WAL: a crash of the process loses no commit
         db.execute(SCHEMA)
-        present = {row[1] for row in db.execute("PRAGMA table_info(videos)")}
-        for column in ADDED_COLUMNS:
-            if column not in present:
-                db.execute(f"ALTER TABLE videos ADD COLUMN {column}")
         if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
             raise sqlite3.DatabaseError("quick_check failed")
         db.execute("SELECT * FROM videos").fetchall()
-        return db
     except sqlite3.DatabaseError:
         db.close()
         raise
+    _add_columns(db, path)
+    return db
+
+
+def _add_columns(db: sqlite3.Connection, path: Path) -> None:
+    """The columns a database made by an earlier version lacks, added; OSError (the folder is
+    then not used, and the database kept as it is) when it cannot be changed now (locked,
+    read-only): that is no sign of a corrupt database."""
+    present = {row[1] for row in db.execute("PRAGMA table_info(videos)")}
+    try:
+        for column in ADDED_COLUMNS:
+            if column not in present:
+                db.execute(f"ALTER TABLE videos ADD COLUMN {column}")
+    except sqlite3.OperationalError as e:
+        db.close()
+        raise OSError(f"the video jobs database {path} cannot be updated: {e}") from None
 
 
 def _write_whole(path: Path, write) -> None:

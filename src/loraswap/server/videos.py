@@ -7,9 +7,10 @@ is never cancelled for a client that left; only `DELETE` (or the server stopping
 `VideoStore` keeps the jobs: a finished one for `video_ttl_s` seconds (`sweep`, on every
 call and every `SWEEP_EVERY_S` in the background), at most `max_video_jobs` in all (past
 it the oldest finished job is dropped) and at most `max_video_jobs_pending` unfinished
-(past it: 503), a deleted job still counted until its generation has stopped. Ids are
-random (`video_` and 32 hex digits), and a job belongs to the key that made it: another
-key is answered 404 as for an unknown id (`owner`, when the server has API keys).
+(past it: 503), a deleted job still counted until its generation has stopped (on Ray:
+until the replica has been told). Ids are random (`video_` and 32 hex digits), and a job
+belongs to the API key that made it: another key is answered 404 as for an unknown id
+(`owner_of`, when the server has API keys).
 
 The jobs and their MP4s are kept in the state folder (`video_state.VideoState`, one row a
 job, written before it runs and when it finishes). A new store on the folder finds them as
@@ -20,6 +21,8 @@ server) or, with `resume_videos` off, failed with the code `server_restarted`.
 """
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import re
 import secrets
@@ -151,6 +154,13 @@ class VideoStore:
             self.state.save(job.row())
         except WRITE_ERRORS as e:  # the job goes on; it is only not kept across a restart
             logger.error("video %s is not kept across a restart: writing its row failed: %s", job.id, e)
+
+    def owner_of(self, key: bytes | None) -> str | None:
+        """The owner a job made with API key `key` records (an HMAC under the state folder's
+        secret: never the key); None without API keys (the job is everyone's)."""
+        if key is None:
+            return None
+        return hmac.new(self.state.owner_secret, key, hashlib.sha256).hexdigest()[:32]
 
     def get(self, video_id: str, owner: str | None = None) -> VideoJob:
         """The job, if `owner`'s (or everyone's); VideoNotFound (404) otherwise."""
@@ -295,7 +305,7 @@ class VideoStore:
         next step; the state folder keeps them for the next start), then close the state folder."""
         running = [job for job in self._jobs.values() if job.task is not None and not job.task.done()]
         for job in running:
-            logger.info("video %s stopped by the server's shutdown; kept for the next start", job.id)
+            logger.info("video %s: stopping it for the server's shutdown; its row stays for the next start", job.id)
         tasks = [job.task for job in running] + self._tasks + list(self._stopping)
         for task in tasks:
             task.cancel()

@@ -146,4 +146,5 @@ FAMILY = Family(
     # guidance 3: the most prompts drawn as asked (7.5, the pipeline's default, oversteers it)
     defaults={"width": SIZE, "height": SIZE, "steps": 20, "guidance": 3.0},
     size_multiple=8,
+    strength_rounds_down=True,
 )

@@ -47,4 +47,5 @@ FAMILY = Family(
     image_input="variants",
     defaults=TINY_DEFAULTS,
     size_multiple=8,
+    strength_rounds_down=True,
 )

@@ -7,13 +7,13 @@ import time
 from fastapi import APIRouter, Depends, Request
 
 from ..auth import Access, require_api_key
-from ..decode_budget import release_kept
+from ..decode_budget import release_decoded
 from ..generation import encode, generate
 from ..openapi import LORA_HEADER, form_body, json_body
 from ..requests import parse_request
 from ..schemas import ApiBody, OpenAIEditRequest, OpenAIImageRequest
 
-router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key), Depends(release_kept)])
+router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key), Depends(release_decoded)])
 
 OPENAI_OPENAPI = {"requestBody": json_body(OpenAIImageRequest.model_json_schema()), "parameters": [LORA_HEADER]}
 EDITS_OPENAPI = {"requestBody": form_body(OpenAIEditRequest.model_json_schema()), "parameters": [LORA_HEADER]}

@@ -20,8 +20,9 @@ PAGE = files("loraswap.server").joinpath("static/playground.html")
 
 
 def _hashes(page: str, tag: str) -> str:
-    """CSP sources allowing exactly the page's inline `<tag>` blocks."""
-    blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", page, re.DOTALL)
+    """CSP sources allowing exactly the page's inline `<tag>` blocks (what a browser hashes:
+    the text between the tags), whatever attributes the tag has."""
+    blocks = re.findall(rf"<{tag}(?:\s[^>]*)?>(.*?)</{tag}>", page, re.DOTALL)
     return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in blocks)
 
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from ...adapters.references import check_id
 from ...engine.engine import GenerateResult
 from ...errors import UnsupportedInput
-from ..auth import Access, key_owner, require_api_key
+from ..auth import Access, request_key, require_api_key
 from ..backend import not_ready
 from ..generation import encode, run_generation
 from ..openapi import LORA_HEADER, form_body
@@ -47,7 +47,7 @@ async def create_video(request: Request):
     # 2. start the job
     shown = parsed.model or _adapters_named(parsed.engine_request.loras) or info["model"]
     return state.videos.submit(parsed.engine_request, shown, parsed.fps, video_maker(state), parsed.model,
-                               owner=key_owner(request)).view()
+                               owner=state.videos.owner_of(request_key(request))).view()
 
 
 def _check_size(request, capabilities: dict[str, dict]) -> None:
@@ -80,7 +80,8 @@ def _adapters_named(loras: list[tuple[str, float]]) -> str:
 async def retrieve_video(video_id: str, request: Request):
     """The job: `status` (queued, in_progress, completed, failed), `progress` (percent),
     `error` once failed; 404 for an unknown or expired id."""
-    job = request.app.state.videos.get(video_id, key_owner(request))
+    videos = request.app.state.videos
+    job = videos.get(video_id, videos.owner_of(request_key(request)))
     return JSONResponse(job.view(), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
 
 
@@ -89,7 +90,8 @@ async def download_video(video_id: str, request: Request,
                          variant: Literal["video", "thumbnail"] = Query("video")) -> Response:
     """The MP4 (H.264), or with `variant=thumbnail` the first frame as WebP; 409 before the
     job completed (or when it failed)."""
-    job = request.app.state.videos.completed(video_id, key_owner(request))
+    videos = request.app.state.videos
+    job = videos.completed(video_id, videos.owner_of(request_key(request)))
     if variant == "thumbnail":
         data, media = await encode(await run_in_threadpool(lambda: job.thumbnail), "image/webp")
         return Response(data, media_type=media)
@@ -100,5 +102,6 @@ async def download_video(video_id: str, request: Request,
 @router.delete(ROUTE + "/{video_id}")
 async def delete_video(video_id: str, request: Request):
     """Forget the video and remove its files (an unfinished one is cancelled); 404 for an unknown id."""
-    job = request.app.state.videos.delete(video_id, key_owner(request))
+    videos = request.app.state.videos
+    job = videos.delete(video_id, videos.owner_of(request_key(request)))
     return {"id": job.id, "object": "video.deleted", "deleted": True}
