@@ -44,6 +44,7 @@ def right_half_mask(mode: str) -> bytes:
 _CLI_IMG2IMG = {}  # the CLI's image-to-image reference, made once for both servers
 
 
+@pytest.mark.slow  # against `loraswap generate` in a process of its own
 def test_image_to_image_and_inpainting_through_both_clients_match_the_cli(server, served_adapters, tmp_path,
                                                                           monkeypatch):
     import huggingface_hub.constants
@@ -73,6 +74,7 @@ def test_image_to_image_and_inpainting_through_both_clients_match_the_cli(server
     assert not np.array_equal(masked, by_hf), "the mask makes an inpainting, not the image-to-image"
 
 
+@pytest.mark.slow  # against `loraswap generate` in a process of its own
 def test_huggingface_inference_client(server, served_adapters, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
@@ -85,6 +87,7 @@ def test_huggingface_inference_client(server, served_adapters, tmp_path, monkeyp
     assert not np.array_equal(expected, np.asarray(base.convert("RGB"))), "the adapter changes the image"
 
 
+@pytest.mark.slow  # against `loraswap generate` in a process of its own
 def test_openai_images_client(server, served_adapters, tmp_path):
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
     response = client.images.generate(model="styles/second", prompt="a red fox", response_format="b64_json",
@@ -95,6 +98,7 @@ def test_openai_images_client(server, served_adapters, tmp_path):
 
 
 @pytest.mark.slow  # a CLI run for its reference image: seconds
+@pytest.mark.slow  # against `loraswap generate` in a process of its own
 def test_both_clients_name_adapters_in_the_bodys_loras_list(server, served_adapters, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
