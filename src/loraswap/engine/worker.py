@@ -221,7 +221,6 @@ class GpuWorker:
             self.completed += len(jobs)
             self.batches += 1
 
-
     def _step_hook(self, jobs: list[Job]) -> Callable[[int, int], None]:
         """Called after each denoising step: the jobs' progress hooks, then `Stopped` once every
         job of the batch was cancelled (never on several ranks: the others would wait for it)."""
