@@ -1,9 +1,11 @@
 """A real `loraswap serve` process of tiny-wan killed with SIGKILL and started again on the
 same --state-dir: the completed video downloads with the same SHA-256, the one it was
 making completes after the restart, the adapter it was told to keep is kept again, and
-DELETE of a job removes its files."""
+DELETE of a job removes its files; SIGTERM stops a video being made and leaves it for the
+next start."""
 
 import hashlib
+import sqlite3
 import time
 
 import httpx
@@ -71,8 +73,16 @@ def test_a_killed_server_keeps_its_finished_video_and_finishes_the_one_it_was_ma
         had_files = sorted(p.name for p in files.glob(f"{done.id}.*"))
         client.videos.delete(done.id)
         left = sorted(p.name for p in files.glob(f"{done.id}.*"))
+        # SIGTERM while a long video is made: it stops at its next step, and stays for the next start
+        longest = client.videos.create(model="tiny-wan", prompt="a long river", size="512x512",
+                                       extra_body={"frames": 65, "seed": 6, "num_inference_steps": 100})
+        wait_for(client, longest.id, {"in_progress"}, 60)
     finally:
-        second.stop()
+        stopped = second.stop()
+    with sqlite3.connect(tmp_path / "state" / "videos.sqlite3") as db:
+        left_unfinished = db.execute("SELECT finished_at FROM videos WHERE id = ?", (longest.id,)).fetchall()
+    assert stopped == 0 and left_unfinished == [(None,)], "stopped mid-way, not made to its 100th step"
+    assert f"video {longest.id}: stopping it for the server's shutdown" in second.log()
     assert had_files == [f"{done.id}.mp4", f"{done.id}.png"] and left == [], "DELETE removes the job's files"
     assert kept_again, "the adapter kept before the crash is kept again"
     assert (again.status, again.completed_at, again.expires_at) == ("completed", done.completed_at, done.expires_at)
