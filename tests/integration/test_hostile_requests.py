@@ -18,7 +18,7 @@ from PIL import Image
 from support.fakes import serve_on_loopback
 from support.images import encode, noise, png16_rgba
 from support.numerics import assert_bitwise_equal, weights_snapshot
-from support.servers import ServerProcess
+from support.servers import ServerProcess, form
 
 from loraswap.engine.config import EngineConfig
 from loraswap.server.app import create_app
@@ -62,11 +62,6 @@ def raw(url: str, path: str, body: bytes, headers=ONE) -> httpx.Response:
     return httpx.post(url + path, content=body, headers={**headers, "content-type": "application/json"}, timeout=60)
 
 
-def form(**fields) -> dict:
-    """A multipart form as the openai client sends it: every field as text."""
-    return {name: (None, str(value)) for name, value in fields.items()}
-
-
 DEEP = b"[" * 1000 + b"]" * 1000
 
 
@@ -100,7 +95,7 @@ def test_an_edit_whose_strength_leaves_no_step_is_refused(server):
 
 @pytest.mark.parametrize("fields,status,phrase", [
     ({"seconds": "1e308"}, 400, "seconds 1e+308 must be more than 0 and at most 121"),
-    ({"size": "72x48"}, 422, "a video's width must be a multiple of 16, not 72"),
+    ({"size": "72x48"}, 422, "tiny-wan needs a width that is a multiple of 16, not 72"),
 ])
 def test_bad_videos_are_refused_before_a_job_is_made(server, fields, status, phrase):
     url, app = server
@@ -149,7 +144,7 @@ def poll(url: str, video_id: str, status: str, timeout: float = 60.0) -> dict:
     return view
 
 
-def test_a_deleted_video_stops_generating_and_counts_until_it_has(server):
+def test_a_deleted_video_stops_at_its_next_step_and_the_worker_takes_the_next_job(server):
     url, app = server
     worker = app.state.deployment.by_name("tiny-wan").worker
     stopped, completed = worker.stopped, worker.completed

@@ -1,7 +1,6 @@
 """Real servers for tests: a loraswap process on 127.0.0.1, a free port, Ray's environment."""
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -11,12 +10,12 @@ from pathlib import Path
 import httpx
 
 from loraswap.bench.serve import RAY_ENV
+from loraswap.engine.rank_processes import free_port  # noqa: F401  (the tests' too)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def form(**fields) -> dict:
+    """A multipart form as the openai client sends it: every field as text (httpx's `files=`)."""
+    return {name: (None, str(value)) for name, value in fields.items()}
 
 
 class ServerProcess:

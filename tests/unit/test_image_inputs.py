@@ -9,7 +9,7 @@ from PIL import Image
 
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
-from loraswap.errors import UnsupportedInput
+from loraswap.errors import BadRequest, UnsupportedInput
 from loraswap.models import PRESET_FAMILIES, load_pipeline
 
 PROMPT = "a red house by a lake"
@@ -118,6 +118,18 @@ def test_requests_the_model_cannot_take_are_refused_before_the_swap(preset, requ
     with pytest.raises(UnsupportedInput, match=words):
         engine.generate(GenerateRequest(prompt="x", loras=[(path.stem, 1.0)], **request_fields))
     assert engine.applied_ids == (), "refused before the adapter was swapped in"
+
+
+def test_a_strength_leaving_no_step_is_refused_only_where_the_pipeline_rounds_it_down():
+    """SD's img2img denoises int(steps x strength) steps, none here, and its decode fails; FLUX.1's
+    denoises at least one step for any strength, as diffusers runs it."""
+    request = GenerateRequest(prompt=PROMPT, seed=1, steps=1, image=input_image(), strength=0.2)
+    sd = Engine(EngineConfig(model="tiny-sd", compile=False, warmup=False))
+    with pytest.raises(BadRequest, match=r"strength 0.2 x 1 steps is 0.2, .* a strength of at least 1, or at least "
+                                         r"5 steps"):
+        sd.generate(request)
+    flux = Engine(EngineConfig(model="tiny-flux", compile=False, warmup=False))
+    assert flux.generate(request).image.size == input_image().size
 
 
 def test_a_size_of_a_multiple_of_8_is_enough_for_sd():

@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 from support.fakes import fake_app, frame_red
+from support.servers import form
 
 from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
@@ -305,11 +306,6 @@ def test_a_job_is_its_owners_only():
 
 
 # ---------------------------------------------------------------- the routes, in-process
-def form(**fields) -> dict:
-    """A multipart form as the openai client sends it: every field as text."""
-    return {name: (None, str(value)) for name, value in fields.items()}
-
-
 def poll(client, video_id: str, status: str, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while (view := client.get(f"/v1/videos/{video_id}").json())["status"] != status:

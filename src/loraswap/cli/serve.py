@@ -75,7 +75,7 @@ def _serve_http(config) -> None:
 
 def _start_ranks(config):
     """With --ulysses-degree or --ring-degree over 1: ranks 1..N-1 started, this process rank 0."""
-    parallel = [e for e in config.engines if e.ulysses_degree * e.ring_degree > 1]
+    parallel = [e for e in config.engines if e.parallelism.world > 1]
     if not parallel:
         return None
     if len(config.engines) > 1:

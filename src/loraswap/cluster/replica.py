@@ -80,7 +80,7 @@ class ModelReplica:
             torch.set_num_threads(config.torch_threads)
         # with context parallelism this replica is rank 0 of its own processes, one per GPU it holds;
         # started from this (lasting) thread: a child dies with the thread that started it
-        self._ranks = RankProcesses(config) if config.ulysses_degree * config.ring_degree > 1 else None
+        self._ranks = RankProcesses(config) if config.parallelism.world > 1 else None
         self.engine = await asyncio.to_thread(self._ranks.engine_factory if self._ranks else Engine, config)
         self.worker = GpuWorker(self.engine, scheduler)
         self.worker.start()

@@ -8,6 +8,7 @@ modules, so a swap written into the weights serves them all, with no second copy
 
 import inspect
 import math
+from collections.abc import Mapping
 
 import torch
 from diffusers import DiffusionPipeline
@@ -19,10 +20,18 @@ from ..models import Family
 from .config import GenerateRequest
 
 TEXT, IMG2IMG, INPAINT = "text", "img2img", "inpaint"
+MOST_STEPS = next(rule.le for rule in GenerateRequest.model_fields["steps"].metadata if hasattr(rule, "le"))
 
 
 class Stopped(Exception):
     """Raised by a step hook between denoising steps: the call's requests were all cancelled."""
+
+
+def check_size_multiple(width: int | None, height: int | None, multiple: int, name: str) -> None:
+    """UnsupportedInput (422) for a side that is not a multiple of what model `name` needs."""
+    for side, value in (("width", width), ("height", height)):
+        if value is not None and value % multiple:
+            raise UnsupportedInput(f"{name} needs a {side} that is a multiple of {multiple}, not {value}")
 
 
 class PipelineCalls:
@@ -32,7 +41,7 @@ class PipelineCalls:
         self.family = family
         self.defaults = defaults
         self._pipelines = {TEXT: pipeline}
-        self._parameters: dict[str, set[str]] = {}
+        self._parameters: dict[str, Mapping[str, inspect.Parameter]] = {}
 
     def capabilities(self) -> dict:
         """What the model takes and makes, for clients that build their form from it (the
@@ -55,11 +64,8 @@ class PipelineCalls:
         if request.output not in (None, makes) or (request.frames is not None and makes == "image"):
             fix = "use the videos API (POST /v1/videos)" if makes == "video" else "ask for an image"
             raise UnsupportedInput(f"{name} makes {makes}s, not {'images' if makes == 'video' else 'videos'}: {fix}")
-        multiple = family.size_multiple if family else 8
-        for side in ("width", "height"):
-            value = getattr(request, side) or self.defaults.get(side)
-            if value is not None and value % multiple:
-                raise UnsupportedInput(f"{name} needs a {side} that is a multiple of {multiple}, not {value}")
+        check_size_multiple(request.width or self.defaults.get("width"), request.height or self.defaults.get("height"),
+                            family.size_multiple if family else 8, name)
 
     def _input_task(self, request: GenerateRequest) -> str:
         family, name = self.family, self.family.name if self.family else "this model"
@@ -88,9 +94,10 @@ class PipelineCalls:
             self._pipelines[task].set_progress_bar_config(disable=True)
         return self._pipelines[task]
 
-    def parameters(self, task: str) -> set[str]:
+    def parameters(self, task: str) -> Mapping[str, inspect.Parameter]:
+        """The arguments `task`'s pipeline call takes, with their defaults (read once)."""
         if task not in self._parameters:
-            self._parameters[task] = set(inspect.signature(self.pipeline(task).__call__).parameters)
+            self._parameters[task] = inspect.signature(self.pipeline(task).__call__).parameters
         return self._parameters[task]
 
     def warm_up_requests(self) -> list[GenerateRequest]:
@@ -141,23 +148,22 @@ class PipelineCalls:
         it down (`Family.strength_rounds_down`): with no step, their decode fails."""
         if not (self.family and self.family.strength_rounds_down) or "image" not in kwargs:
             return
-        defaults = inspect.signature(self.pipeline(task).__call__).parameters
+        defaults = self.parameters(task)
         steps = kwargs.get("num_inference_steps", defaults["num_inference_steps"].default)
         strength = kwargs.get("strength", defaults["strength"].default)
         if int(steps * strength) >= 1:
             return
-        most_steps = next(rule.le for rule in GenerateRequest.model_fields["steps"].metadata if hasattr(rule, "le"))
         least_strength = math.ceil(1000 / steps) / 1000  # rounded up: int(steps x it) is at least 1
         more_steps = math.ceil(1 / strength)
         raise BadRequest(f"strength {strength:g} x {steps} steps is {steps * strength:.3g}, under the one denoising "
                          f"step an image input needs: ask for a strength of at least {least_strength:g}"
-                         + (f", or at least {more_steps} steps" if more_steps <= most_steps else ""))
+                         + (f", or at least {more_steps} steps" if more_steps <= MOST_STEPS else ""))
 
     def _check_frames(self, task: str, request: GenerateRequest) -> None:
         """A video's frames within the server's limit, the model's default number included."""
         if not self.is_video or request.max_frames is None:
             return
-        default = inspect.signature(self.pipeline(task).__call__).parameters["num_frames"].default
+        default = self.parameters(task)["num_frames"].default
         frames = request.frames or self.defaults.get("frames") or default
         if frames > request.max_frames:
             raise BadRequest(f"this model makes {frames} frames by default, over the limit of {request.max_frames}: "

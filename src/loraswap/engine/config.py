@@ -2,7 +2,7 @@
 
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import torch
 from PIL import Image
@@ -15,6 +15,9 @@ from ..adapters.source import AdapterSources
 from ..adapters.store import make_remote, make_sources
 from ..flags import ADAPTERS, MODELS, SPEED, Flag
 from .quantize import QuantizeMode
+
+if TYPE_CHECKING:
+    from .context_parallel import Parallelism
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -132,11 +135,18 @@ class EngineConfig(BaseModel):
 
         return check_backend_name(name)
 
+    @property
+    def parallelism(self) -> "Parallelism":
+        """How the engine's sequence is split over processes (`world` 1: it is not)."""
+        from .context_parallel import Parallelism
+
+        return Parallelism(self.ulysses_degree, self.ring_degree)
+
     @model_validator(mode="after")
     def _ring_merges_with_the_log_sum_exp(self):
-        from .context_parallel import Parallelism, check_ring_attention
+        from .context_parallel import check_ring_attention
 
-        check_ring_attention(Parallelism(self.ulysses_degree, self.ring_degree), self.attention)
+        check_ring_attention(self.parallelism, self.attention)
         return self
 
     def adapter_sources(self) -> AdapterSources | None:

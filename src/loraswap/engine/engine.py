@@ -39,7 +39,7 @@ from .baselines import HotswapSwapper, LoadAndFuseSwapper
 from .calls import TEXT, PipelineCalls
 from .compile import graph_count
 from .config import EngineConfig, GenerateRequest
-from .context_parallel import Parallelism, Ranks, check_sequence, enable_context_parallel
+from .context_parallel import Ranks, check_sequence, enable_context_parallel
 from .startup import Startup
 from .swap import FusedSwapper
 
@@ -102,7 +102,7 @@ class Engine:
         self.calls = PipelineCalls(self.pipeline, family_of(self.pipeline), generation_defaults(config.model))
         self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
         # several ranks: the denoiser split over them before the warm-up, which every rank makes in step
-        self.parallelism = Parallelism(config.ulysses_degree, config.ring_degree)
+        self.parallelism = config.parallelism
         self.ranks: Ranks | None = None  # set once every rank is up (`use_ranks`)
         if self.parallelism.world > 1:
             for name in denoiser_names(self.pipeline):  # Wan 2.2's two experts alike

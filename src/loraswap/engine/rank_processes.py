@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .config import EngineConfig
-from .context_parallel import Parallelism, Ranks, follow
+from .context_parallel import Ranks, follow
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class RankProcesses:
     0's engine and makes it lead."""
 
     def __init__(self, config: EngineConfig):
-        self.parallelism = Parallelism(config.ulysses_degree, config.ring_degree)
+        self.parallelism = config.parallelism
         self.ranks: Ranks | None = None
         port = free_port()
         engine_only = config.model_dump(mode="json", include=set(EngineConfig.model_fields))  # a Ray replica's too
@@ -113,10 +113,9 @@ def _follower(config_json: dict, rank: int, port: int) -> None:
     from .engine import Engine
 
     config = EngineConfig.model_validate(config_json)
-    parallelism = Parallelism(config.ulysses_degree, config.ring_degree)
-    _join(config, rank, parallelism.world, port)
+    _join(config, rank, config.parallelism.world, port)
     engine = Engine(config)
-    follow(engine, Ranks(parallelism))
+    follow(engine, Ranks(config.parallelism))
     dist.destroy_process_group()
 
 

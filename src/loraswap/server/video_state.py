@@ -168,7 +168,12 @@ def _owner_secret(path: Path) -> bytes:
         return path.read_bytes()
     except FileNotFoundError:
         secret = secrets.token_bytes(32)
-        _write_whole(path, lambda f: (os.fchmod(f.fileno(), 0o600), f.write(secret)))
+
+        def write(file) -> None:
+            os.fchmod(file.fileno(), 0o600)  # before the secret is in it
+            file.write(secret)
+
+        _write_whole(path, write)
         return secret
 
 

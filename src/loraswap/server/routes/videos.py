@@ -10,8 +10,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from ...adapters.references import check_id
+from ...engine.calls import check_size_multiple
 from ...engine.engine import GenerateResult
-from ...errors import UnsupportedInput
 from ..auth import Access, request_key, require_api_key
 from ..backend import not_ready
 from ..generation import encode, run_generation
@@ -43,22 +43,19 @@ async def create_video(request: Request):
     info = state.backend.ready_info()
     if info is None:  # a job started now would only fail
         raise not_ready(state.backend.load_error)
-    _check_size(parsed.engine_request, info["capabilities"])
+    for model, capabilities in info["capabilities"].items():  # refused now, not as a failed job later
+        if capabilities["output"] == "video":
+            check_size_multiple(parsed.engine_request.width, parsed.engine_request.height,
+                                capabilities["size_multiple"], model)
     # 2. start the job
     shown = parsed.model or _adapters_named(parsed.engine_request.loras) or info["model"]
     return state.videos.submit(parsed.engine_request, shown, parsed.fps, video_maker(state), parsed.model,
-                               owner=state.videos.owner_of(request_key(request))).view()
+                               owner=_owner(request)).view()
 
 
-def _check_size(request, capabilities: dict[str, dict]) -> None:
-    """A size the hosted video models cannot make, refused now rather than as a failed job
-    (the engine checks the model it routes to again)."""
-    multiples = {caps.get("size_multiple", 8) for caps in capabilities.values() if caps.get("output") == "video"}
-    for side in ("width", "height"):
-        value = getattr(request, side)
-        for multiple in multiples:
-            if value is not None and value % multiple:
-                raise UnsupportedInput(f"a video's {side} must be a multiple of {multiple}, not {value}")
+def _owner(request: Request) -> str | None:
+    """Whose video jobs this request may see: its API key's (everyone's, without keys)."""
+    return request.app.state.videos.owner_of(request_key(request))
 
 
 def video_maker(state) -> MakeVideo:
@@ -80,8 +77,7 @@ def _adapters_named(loras: list[tuple[str, float]]) -> str:
 async def retrieve_video(video_id: str, request: Request):
     """The job: `status` (queued, in_progress, completed, failed), `progress` (percent),
     `error` once failed; 404 for an unknown or expired id."""
-    videos = request.app.state.videos
-    job = videos.get(video_id, videos.owner_of(request_key(request)))
+    job = request.app.state.videos.get(video_id, _owner(request))
     return JSONResponse(job.view(), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
 
 
@@ -90,8 +86,7 @@ async def download_video(video_id: str, request: Request,
                          variant: Literal["video", "thumbnail"] = Query("video")) -> Response:
     """The MP4 (H.264), or with `variant=thumbnail` the first frame as WebP; 409 before the
     job completed (or when it failed)."""
-    videos = request.app.state.videos
-    job = videos.completed(video_id, videos.owner_of(request_key(request)))
+    job = request.app.state.videos.completed(video_id, _owner(request))
     if variant == "thumbnail":
         data, media = await encode(await run_in_threadpool(lambda: job.thumbnail), "image/webp")
         return Response(data, media_type=media)
@@ -102,6 +97,5 @@ async def download_video(video_id: str, request: Request,
 @router.delete(ROUTE + "/{video_id}")
 async def delete_video(video_id: str, request: Request):
     """Forget the video and remove its files (an unfinished one is cancelled); 404 for an unknown id."""
-    videos = request.app.state.videos
-    job = videos.delete(video_id, videos.owner_of(request_key(request)))
+    job = request.app.state.videos.delete(video_id, _owner(request))
     return {"id": job.id, "object": "video.deleted", "deleted": True}
