@@ -123,48 +123,64 @@ def test_a_dead_rank_ends_its_server_a_dead_server_its_ranks_and_it_starts_again
 
 
 LORAS = {"tiny-flux": [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)], [("k", 1.0)], []],  # a LoKr too
-         "tiny-wan": [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)], []]}  # swapped between calls
-CALLS = {"tiny-flux": dict(height=64, width=64), "tiny-wan": dict(height=32, width=32, num_frames=5)}
+         "tiny-wan": [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)], []],  # swapped between calls
+         "tiny-qwen-image": [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)]]}
+# Wan and Qwen-Image guided with a negative prompt (two passes a step, split by --cfg-parallel);
+# Qwen-Image's prompts make texts of odd lengths, padded to split over two ranks
+PROMPT, NEGATIVE = "a red circle.", "blurry, dark, ugly"
+CALLS = {"tiny-flux": dict(height=64, width=64),
+         "tiny-wan": dict(height=32, width=32, num_frames=5, negative_prompt=NEGATIVE, guidance_scale=5.0),
+         "tiny-qwen-image": dict(height=64, width=64, negative_prompt=NEGATIVE, true_cfg_scale=4.0)}
 
 
 @pytest.fixture(scope="module")
-def wan_adapters(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("cp-wan-adapters")
-    components = lora_components("tiny-wan")[1]  # both experts
-    for name, seed in (("a", 1), ("b", 2)):
-        state_dict, metadata = make_random_adapter(components, 4, "all", "diffusers", dtype=torch.float32, seed=seed)
-        save_file(state_dict, str(folder / f"{name}.safetensors"), metadata=metadata)
-    return folder
+def model_adapters(tmp_path_factory, adapters) -> dict[str, Path]:
+    folders = {"tiny-flux": adapters}
+    for model in ("tiny-wan", "tiny-qwen-image"):
+        folder = folders[model] = tmp_path_factory.mktemp(f"cp-{model}")
+        components = lora_components(model)[1]  # Wan: both experts
+        for name, seed in (("a", 1), ("b", 2)):
+            state_dict, metadata = make_random_adapter(components, 4, "all", "diffusers", dtype=torch.float32,
+                                                       seed=seed)
+            save_file(state_dict, str(folder / f"{name}.safetensors"), metadata=metadata)
+    return folders
 
 
 def _float_images(engine: Engine, model: str) -> list[torch.Tensor]:
     images = []
     for loras in LORAS[model]:
         engine.set_adapters(loras)
-        output = engine.pipeline("a red circle", num_inference_steps=2, generator=torch.Generator().manual_seed(3),
-                                 output_type="pt", **CALLS[model])
+        call = dict(prompt=PROMPT, num_inference_steps=2, output_type="pt", **CALLS[model])
+        output = engine.pipeline(**engine.pipeline_arguments(call), generator=torch.Generator().manual_seed(3))
         images.append(output.frames if model == "tiny-wan" else output.images)
     return images
 
 
-def _rank(rank: int, model: str, world: int, port: int, folder: Path, out: Path) -> None:
+def _rank(rank: int, model: str, parallelism: dict, port: int, folder: Path, out: Path) -> None:
+    world = parallelism["ulysses_degree"] * (2 if parallelism["cfg_parallel"] else 1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    engine = Engine(EngineConfig(model=model, adapters=folder, compile=False, warmup=False, ulysses_degree=world))
+    engine = Engine(EngineConfig(model=model, adapters=folder, compile=False, warmup=False, **parallelism))
     images = _float_images(engine, model)
     if rank == 0:
         torch.save(images, out)
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("model", ["tiny-flux", "tiny-wan"])
-def test_split_images_are_within_1e_5_of_one_process(adapters, wan_adapters, tmp_path, model):
-    """The denoisers' output over two ranks (a FLUX.1 image; a Wan 2.2 video, both experts
-    split), adapters swapped in place between calls, against one process: the tensors before
-    8-bit rounding."""
-    folder = adapters if model == "tiny-flux" else wan_adapters
-    single = _float_images(Engine(EngineConfig(model=model, adapters=folder, compile=False, warmup=False)), model)
-    mp.start_processes(_rank, args=(model, 2, free_port(), folder, tmp_path / "split.pt"), nprocs=2,
-                       start_method="spawn")
+@pytest.mark.parametrize(("model", "ulysses", "cfg"), [("tiny-flux", 2, False), ("tiny-wan", 2, True),
+                                                      ("tiny-qwen-image", 2, False), ("tiny-qwen-image", 1, True)])
+def test_split_images_are_within_1e_5_of_one_process(model_adapters, tmp_path, model, ulysses, cfg):
+    """The outputs over several ranks, adapters swapped in place between calls, against one
+    process, as tensors before 8-bit rounding: a FLUX.1 image; a Wan 2.2 video, both experts
+    split over two ranks and its two guidance passes over two pairs of them (4 ranks);
+    Qwen-Image with its text padded to split, and with its guidance passes on two ranks."""
+    folder = model_adapters[model]
+    engine = Engine(EngineConfig(model=model, adapters=folder, compile=False, warmup=False))
+    if model == "tiny-qwen-image":  # texts of odd lengths: padded to split over two ranks
+        assert all(engine.pipeline.encode_prompt(text, device="cpu")[0].shape[1] % 2 for text in (PROMPT, NEGATIVE))
+    single = _float_images(engine, model)
+    parallelism = dict(ulysses_degree=ulysses, cfg_parallel=cfg)
+    mp.start_processes(_rank, args=(model, parallelism, free_port(), folder, tmp_path / "split.pt"),
+                       nprocs=ulysses * (2 if cfg else 1), start_method="spawn")
     split = torch.load(tmp_path / "split.pt")
     for loras, one, two in zip(LORAS[model], single, split):
         torch.testing.assert_close(two, one, rtol=0, atol=1e-5, msg=str(loras))

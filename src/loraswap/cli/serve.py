@@ -74,12 +74,13 @@ def _serve_http(config) -> None:
 
 
 def _start_ranks(config):
-    """With --ulysses-degree or --ring-degree over 1: ranks 1..N-1 started, this process rank 0."""
+    """With --ulysses-degree, --ring-degree or --cfg-parallel: ranks 1..N-1 started, this process rank 0."""
     parallel = [e for e in config.engines if e.parallelism.world > 1]
     if not parallel:
         return None
     if len(config.engines) > 1:
-        raise typer.BadParameter("--ulysses-degree and --ring-degree serve one model per server: give one --model")
+        raise typer.BadParameter("--ulysses-degree, --ring-degree and --cfg-parallel serve one model per server: "
+                                 "give one --model")
     from ..engine.rank_processes import RankProcesses
 
     return RankProcesses(parallel[0])

@@ -95,11 +95,14 @@ class EngineConfig(BaseModel):
         None, description="Regional torch.compile of the denoiser (default: on CUDA).")
     ulysses_degree: Annotated[int, Flag(SPEED)] = Field(
         1, ge=1, le=64, description="Split each image's sequence over this many processes, one GPU each (Ulysses "
-                                    "attention; FLUX, FLUX.2, Qwen-Image, Wan and LTX models): N x --ring-degree "
+                                    "attention; FLUX.1, FLUX.2, Qwen-Image and Wan): N x --ring-degree "
                                     "processes in all, the first serving HTTP.")
     ring_degree: Annotated[int, Flag(SPEED)] = Field(
         1, ge=1, le=64, description="Split each image's sequence over this many processes with ring attention "
                                     "(times --ulysses-degree).")
+    cfg_parallel: Annotated[bool, Flag(SPEED)] = Field(
+        False, description="Make the two passes of classifier-free guidance at once on two sets of processes "
+                           "(Wan, Qwen-Image): twice the processes of --ulysses-degree x --ring-degree.")
     compile_mode: Annotated[Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"],
                             Flag(SPEED)] = Field(
         "default", description="torch.compile mode: default, max-autotune-no-cudagraphs, reduce-overhead or "
@@ -140,7 +143,7 @@ class EngineConfig(BaseModel):
         """How the engine's sequence is split over processes (`world` 1: it is not)."""
         from .context_parallel import Parallelism
 
-        return Parallelism(self.ulysses_degree, self.ring_degree)
+        return Parallelism(self.ulysses_degree, self.ring_degree, 2 if self.cfg_parallel else 1)
 
     @model_validator(mode="after")
     def _ring_merges_with_the_log_sum_exp(self):

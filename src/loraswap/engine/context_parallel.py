@@ -24,6 +24,8 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..errors import BadRequest
 
@@ -32,12 +34,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Parallelism:
+    """How one image is spread over processes: its sequence over `ulysses` x `ring` of them,
+    and (`cfg` 2) the two passes of classifier-free guidance over two such groups."""
+
     ulysses: int = 1
     ring: int = 1
+    cfg: int = 1
+
+    @property
+    def sequence(self) -> int:
+        """The processes one pass's sequence is split over."""
+        return self.ulysses * self.ring
 
     @property
     def world(self) -> int:
-        return self.ulysses * self.ring
+        return self.cfg * self.sequence
 
 
 # attention backends that return the log-sum-exp ring attention merges its blocks with (PyTorch's
@@ -53,10 +64,12 @@ def check_ring_attention(parallelism: Parallelism, attention: str | None) -> Non
                          "--ulysses-degree alone")
 
 
-# families whose split sequences always divide: image tokens (checked per request) and a text
-# sequence padded to a fixed length. Qwen-Image's plan also splits its text, which is the
-# prompt's own length: not yet.
-FAMILIES = ("flux", "flux-kontext", "flux2", "wan")
+# families whose split sequences always divide: image tokens (checked per request), a text
+# sequence padded to a fixed length, or (Qwen-Image) the prompt's own length, padded here
+FAMILIES = ("flux", "flux-kontext", "flux2", "wan", "qwen-image")
+# families whose plan splits the prompt's text: padded with masked tokens (`pad_text_to_split`),
+# which ring attention cannot take (it applies each rank's own mask to every block of keys)
+TEXT_SPLIT = ("qwen-image",)
 
 
 def check_parallelizable(denoiser: torch.nn.Module, parallelism: Parallelism, model: str,
@@ -68,24 +81,55 @@ def check_parallelizable(denoiser: torch.nn.Module, parallelism: Parallelism, mo
     if name not in FAMILIES or getattr(type(denoiser), "_cp_plan", None) is None:
         raise ValueError(f"{model} ({name or type(denoiser).__name__}) is not split over processes: "
                          f"--ulysses-degree and --ring-degree take the {', '.join(FAMILIES)} families")
+    if name in TEXT_SPLIT and parallelism.ring > 1:
+        raise ValueError(f"{model} splits its prompt's text, padded with masked tokens, which ring attention does "
+                         "not take: use --ulysses-degree")
     heads = getattr(denoiser.config, "num_attention_heads", None)
     if heads is not None and heads % parallelism.ulysses:
         raise ValueError(f"{model} has {heads} attention heads, which --ulysses-degree {parallelism.ulysses} does "
                          "not divide: choose a divisor of the head count, or use --ring-degree")
 
 
-def enable_context_parallel(denoiser: torch.nn.Module, parallelism: Parallelism, model: str,
+def device_mesh(parallelism: Parallelism) -> DeviceMesh:
+    """The ranks as a mesh: `cfg` x `ring` x `ulysses` (every rank calls it, in the same order)."""
+    if not dist.is_initialized() or dist.get_world_size() != parallelism.world:
+        raise RuntimeError(f"{parallelism.world} ranks need a process group of that size")
+    return init_device_mesh(torch._C._get_accelerator().type, (parallelism.cfg, parallelism.ring, parallelism.ulysses),
+                            mesh_dim_names=("cfg", "ring", "ulysses"))
+
+
+def enable_context_parallel(denoiser: torch.nn.Module, mesh: DeviceMesh, model: str,
                             attention: str | None = None, family=None) -> None:
-    """Split the denoiser's sequence over the process group (initialized by the caller)."""
+    """Split the denoiser's sequence over the mesh's ring and ulysses dimensions (each half of
+    the cfg dimension splits its own pass)."""
     from diffusers import ContextParallelConfig
 
+    parallelism = Parallelism(mesh["ulysses"].size(), mesh["ring"].size(), mesh["cfg"].size())
     check_parallelizable(denoiser, parallelism, model, attention, family)
-    if not dist.is_initialized() or dist.get_world_size() != parallelism.world:
-        raise RuntimeError(f"context parallelism over {parallelism.world} ranks needs a process group of that size")
     config = ContextParallelConfig(ulysses_degree=parallelism.ulysses if parallelism.ulysses > 1 else None,
-                                   ring_degree=parallelism.ring if parallelism.ring > 1 else None)
+                                   ring_degree=parallelism.ring if parallelism.ring > 1 else None, mesh=mesh)
     with _one_device_per_cpu_rank():
         denoiser.enable_parallelism(config=config)
+    if family is not None and family.name in TEXT_SPLIT:
+        pad_text_to_split(denoiser, parallelism.sequence)
+
+
+def pad_text_to_split(denoiser: torch.nn.Module, pieces: int) -> None:
+    """The plan splits the prompt's text into `pieces`: pad it to a multiple of them with tokens
+    the attention mask hides, so no image or text token attends to them. The real tokens keep
+    their positions (rotary embeddings count from the first), so the image is the one unpadded."""
+
+    def pad(module, args: tuple, kwargs: dict):
+        text = kwargs.get("encoder_hidden_states")
+        if text is None or text.shape[1] % pieces == 0:
+            return None
+        extra = -text.shape[1] % pieces
+        mask = kwargs.get("encoder_hidden_states_mask")
+        mask = text.new_ones(text.shape[:2], dtype=torch.bool) if mask is None else mask.to(torch.bool)
+        return args, dict(kwargs, encoder_hidden_states=F.pad(text, (0, 0, 0, extra)),
+                          encoder_hidden_states_mask=F.pad(mask, (0, extra), value=False))
+
+    denoiser.register_forward_pre_hook(pad, with_kwargs=True)
 
 
 @contextlib.contextmanager
@@ -101,9 +145,9 @@ def _one_device_per_cpu_rank() -> Iterator[None]:
 
 def check_sequence(tokens: int, parallelism: Parallelism) -> None:
     """A sequence the ranks split must divide into equal pieces (a gather of unequal ones fails)."""
-    if tokens % parallelism.world:
-        raise BadRequest(f"this size makes {tokens} image tokens, which do not split over {parallelism.world} "
-                         f"ranks: choose a width and height whose tokens divide by {parallelism.world}")
+    if tokens % parallelism.sequence:
+        raise BadRequest(f"this size makes {tokens} image tokens, which do not split over {parallelism.sequence} "
+                         f"ranks: choose a width and height whose tokens divide by {parallelism.sequence}")
 
 
 class Ranks:

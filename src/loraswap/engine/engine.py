@@ -37,9 +37,10 @@ from ..models import (
 from .attention import AttentionBackend
 from .baselines import HotswapSwapper, LoadAndFuseSwapper
 from .calls import TEXT, PipelineCalls
+from .cfg_parallel import GuidanceSplit, check_guided
 from .compile import graph_count
 from .config import EngineConfig, GenerateRequest
-from .context_parallel import Ranks, check_sequence, enable_context_parallel
+from .context_parallel import Ranks, check_sequence, device_mesh, enable_context_parallel
 from .startup import Startup
 from .swap import FusedSwapper
 
@@ -104,14 +105,30 @@ class Engine:
         # several ranks: the denoiser split over them before the warm-up, which every rank makes in step
         self.parallelism = config.parallelism
         self.ranks: Ranks | None = None  # set once every rank is up (`use_ranks`)
+        self.guidance_split: GuidanceSplit | None = None  # --cfg-parallel: this rank's half of the passes
         if self.parallelism.world > 1:
-            for name in denoiser_names(self.pipeline):  # Wan 2.2's two experts alike
-                enable_context_parallel(getattr(self.pipeline, name), self.parallelism, self.model_name,
-                                        config.attention, self.calls.family)
+            self._split_over_ranks()
         with on_device(self.device):
             self._startup.compile_and_warm_up(self.pipeline, self.swapper, self._warm_up_images)
         self._graphs_after_warmup = graph_count()
         logger.info("%s ready in %.1f s", self.model_name, time.perf_counter() - self._startup.started)
+
+    def _split_over_ranks(self) -> None:
+        """Each denoiser (Wan 2.2's two experts alike) split over the ranks: its sequence, and
+        with --cfg-parallel its guidance passes."""
+        denoisers = [getattr(self.pipeline, name) for name in denoiser_names(self.pipeline)]
+        if self.parallelism.cfg > 1:
+            check_guided(self.calls.family, self.model_name)
+        mesh = device_mesh(self.parallelism)
+        if self.parallelism.sequence > 1:
+            for denoiser in denoisers:
+                enable_context_parallel(denoiser, mesh, self.model_name, self.config.attention, self.calls.family)
+        if self.parallelism.cfg > 1:
+            self.guidance_split = GuidanceSplit(mesh, self.calls.family, denoisers)
+
+    def pipeline_arguments(self, kwargs: dict) -> dict:
+        """A call's arguments on this rank (the second half of --cfg-parallel: prompts swapped)."""
+        return self.guidance_split.arguments(kwargs) if self.guidance_split else kwargs
 
     def _warm_up_images(self) -> None:
         for request in self.calls.warm_up_requests():
@@ -211,7 +228,7 @@ class Engine:
 
         def run() -> list[list[Image.Image]]:
             with torch.inference_mode(), self.attention.context() if self.attention else contextlib.nullcontext():
-                output = pipeline(**kwargs, generator=generators())
+                output = pipeline(**self.pipeline_arguments(kwargs), generator=generators())
             return self.calls.outputs(task, output)
 
         started = time.perf_counter()
@@ -226,7 +243,7 @@ class Engine:
 
     def _check_split(self, kwargs: dict) -> None:
         """A size whose tokens (per frame) do not split evenly over the ranks is refused at once."""
-        if kwargs.get("width") and kwargs.get("height"):
+        if kwargs.get("width") and kwargs.get("height") and self.parallelism.sequence > 1:
             patch = getattr(self.pipeline, "vae_scale_factor", 8) * 2  # latents, then 2x2 patches
             check_sequence((kwargs["width"] // patch) * (kwargs["height"] // patch), self.parallelism)
 

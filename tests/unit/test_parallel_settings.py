@@ -1,0 +1,59 @@
+"""What the split flags (--ulysses-degree, --ring-degree, --cfg-parallel) refuse before any
+process starts, and Qwen-Image's padded text giving the image of the unpadded one."""
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from loraswap.engine.cfg_parallel import check_guided
+from loraswap.engine.config import EngineConfig
+from loraswap.engine.context_parallel import Parallelism, check_parallelizable, check_sequence, pad_text_to_split
+from loraswap.errors import BadRequest
+from loraswap.models import build_preset, family_of
+
+
+def _denoiser_and_family(preset: str):
+    pipeline = build_preset(preset)
+    return getattr(pipeline, "transformer", None) or pipeline.unet, family_of(pipeline)
+
+
+def test_the_flags_count_processes_and_split_sizes():
+    assert EngineConfig(model="tiny-wan", ulysses_degree=2, cfg_parallel=True).parallelism.world == 4
+    parallelism = Parallelism(ulysses=2, cfg=2)
+    check_sequence(6, parallelism)  # each half splits its sequence in two
+    with pytest.raises(BadRequest, match="7 image tokens, which do not split over 2 ranks"):
+        check_sequence(7, parallelism)
+    with pytest.raises(ValidationError, match="--ring-degree needs an attention backend"):
+        EngineConfig(model="tiny-flux", ring_degree=2)
+
+
+def test_families_and_degrees_the_split_does_not_take_are_refused():
+    unet, sd = _denoiser_and_family("tiny-sd")
+    with pytest.raises(ValueError, match="is not split over processes: .* take the flux, .*qwen-image families"):
+        check_parallelizable(unet, Parallelism(ulysses=2), "tiny-sd", family=sd)
+    qwen, qwen_family = _denoiser_and_family("tiny-qwen-image")  # 2 heads
+    with pytest.raises(ValueError, match="3 does not divide"):
+        check_parallelizable(qwen, Parallelism(ulysses=3), "tiny-qwen-image", family=qwen_family)
+    with pytest.raises(ValueError, match="ring attention does not take: use --ulysses-degree"):
+        check_parallelizable(qwen, Parallelism(ring=2), "tiny-qwen-image", "_native_cudnn", qwen_family)
+    flux_family = _denoiser_and_family("tiny-flux")[1]
+    with pytest.raises(ValueError, match="no negative pass to split: --cfg-parallel takes the wan, qwen-image"):
+        check_guided(flux_family, "tiny-flux")
+    check_guided(qwen_family, "tiny-qwen-image")
+
+
+def test_padded_text_gives_the_prediction_of_the_unpadded():
+    """Masked padding tokens change nothing the image attends to: the prediction of a 7-token
+    text padded to 8 equals the unpadded one."""
+    transformer = _denoiser_and_family("tiny-qwen-image")[0].eval()
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, 16, transformer.config.in_channels, generator=generator)  # 4 x 4 tokens
+    text = torch.randn(1, 7, transformer.config.joint_attention_dim, generator=generator)
+    call = dict(hidden_states=latents, encoder_hidden_states=text, timestep=torch.tensor([0.5]),
+                img_shapes=[(1, 4, 4)], return_dict=False)
+    with torch.no_grad():
+        unpadded = transformer(**call)[0]
+        pad_text_to_split(transformer, 4)
+        padded = transformer(**call)[0]
+    torch.testing.assert_close(padded, unpadded, rtol=0, atol=1e-5)
+    assert padded.abs().max() > 0.1
