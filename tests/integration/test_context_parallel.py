@@ -92,18 +92,23 @@ def test_two_ranks_make_the_images_of_one_process(adapters, tmp_path):
     assert "rank 1" in two.log()
 
 
-def test_a_dead_rank_ends_its_server_a_dead_server_its_ranks_and_it_starts_again(adapters, tmp_path):
-    """Without all its ranks a server would hang in its next image: it exits (code 70) for its
-    supervisor to start it again. A server killed takes its ranks with it. Started again, it
-    makes the same images."""
+def test_a_rank_failing_alone_ends_its_server_a_dead_server_its_ranks_and_it_starts_again(adapters, tmp_path):
+    """A failure inside an image on one rank alone (a GPU out of memory) leaves the others in
+    a collective for good: that rank waits `--rank-wait-s` for them, then exits, and the
+    server with it (code 70), for its supervisor to start it again rather than hang. A server
+    killed takes its ranks with it. Started again, it makes the same images."""
     args = ["--model", "tiny-flux", "--adapters", str(adapters), "--no-compile", "--ulysses-degree", "2"]
-    first = ServerProcess(args, tmp_path / "first.log")
+    failing = str(Path(__file__).parents[1] / "support" / "fail_on_rank_1")
+    first = ServerProcess([*args, "--rank-wait-s", "3"], tmp_path / "first.log",
+                          env={"PYTHONPATH": os.pathsep.join(filter(None, [failing, os.environ.get("PYTHONPATH")]))})
     try:
         first.wait_ready()
         image = _image(first.url, "a", 9)
-        os.kill(_children(first.proc.pid)[0], signal.SIGKILL)
+        with pytest.raises(httpx.HTTPError):  # the server ends before it answers
+            httpx.post(first.url + "/", json={"inputs": "x", "parameters": {**PARAMS, "width": 96}}, timeout=60)
         assert first.proc.wait(30) == 70
-        assert "exited with code -9: the ranks cannot go on without it" in first.log()
+        assert "rank 1: the image failed here: out of memory, on rank 1 alone" in first.log()
+        assert "rank 1: the ranks did not all end the image within 3 s" in first.log()
     finally:
         first.stop()
     second = ServerProcess(args, tmp_path / "second.log")

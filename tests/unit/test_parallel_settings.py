@@ -5,7 +5,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from loraswap.engine.cfg_parallel import check_guided
+from loraswap.engine.cfg_parallel import GUIDED, GuidanceSplit, check_guided
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.context_parallel import Parallelism, check_parallelizable, check_sequence, pad_text_to_split
 from loraswap.errors import BadRequest
@@ -36,10 +36,28 @@ def test_families_and_degrees_the_split_does_not_take_are_refused():
         check_parallelizable(qwen, Parallelism(ulysses=3), "tiny-qwen-image", family=qwen_family)
     with pytest.raises(ValueError, match="ring attention does not take: use --ulysses-degree"):
         check_parallelizable(qwen, Parallelism(ring=2), "tiny-qwen-image", "_native_cudnn", qwen_family)
+    with pytest.raises(ValueError, match="masked tokens, which --attention flash does not take"):
+        check_parallelizable(qwen, Parallelism(ulysses=2), "tiny-qwen-image", "flash", qwen_family)
     flux_family = _denoiser_and_family("tiny-flux")[1]
     with pytest.raises(ValueError, match="no negative pass to split: --cfg-parallel takes the wan, qwen-image"):
         check_guided(flux_family, "tiny-flux")
     check_guided(qwen_family, "tiny-qwen-image")
+
+
+def _second_half(family: str) -> GuidanceSplit:
+    split = GuidanceSplit.__new__(GuidanceSplit)  # its prompts' rule alone: no ranks
+    split.half, split.blank = 1, GUIDED[family]
+    return split
+
+
+def test_the_second_half_of_the_guidance_passes_makes_the_negative_pass_first():
+    call = {"prompt": ["a cat", "a dog"], "negative_prompt": ["blurry", "dark"], "num_inference_steps": 2}
+    swapped = {**call, "prompt": ["blurry", "dark"], "negative_prompt": ["a cat", "a dog"]}
+    assert _second_half("wan").arguments(call) == _second_half("qwen-image").arguments(call) == swapped
+    # no negative prompt: Wan guides with a blank one, Qwen-Image does not guide (nor may the half)
+    alone = {"prompt": "a cat", "guidance_scale": 5.0}
+    assert _second_half("wan").arguments(alone) == {**alone, "prompt": "", "negative_prompt": "a cat"}
+    assert _second_half("qwen-image").arguments(alone) == alone
 
 
 def test_padded_text_gives_the_prediction_of_the_unpadded():

@@ -9,10 +9,10 @@ The second half is called with its prompts swapped (`GuidanceSplit.arguments`), 
 its pipeline makes first is the negative one. Each denoiser call is marked by the pipeline
 (`cache_context("cond")` / `("uncond")`): at the first, every rank computes its own pass and
 the halves gather both predictions; every rank then returns the prompt's prediction for the
-first call and the negative one for the second, without computing it. Both halves mix the
-same tensors, so their latents stay bitwise equal and the image is the one a single process
-makes. A call with guidance off makes only the first pass: the second half's work is wasted
-and the image is still the prompt's.
+first call and the negative one for the second, without computing it. Both halves make the
+same calls and mix the same tensors, so their latents stay bitwise equal and the image is
+the one a single process makes. A call with guidance off (a scale of 1; for Qwen-Image, no
+negative prompt) makes only the first pass: the second half's work is wasted.
 """
 
 import contextlib
@@ -21,11 +21,12 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from torch.distributed.device_mesh import DeviceMesh
 
-# families whose pipelines guide with a negative prompt, marking each pass, and the negative
-# prompt each one's pipeline means when given none
-GUIDED = {"wan": "", "qwen-image": " "}
+# families whose pipelines guide with a negative prompt, marking each pass, and what each
+# one's pipeline does when given none: Wan guides with a blank one; Qwen-Image does not guide
+GUIDED = {"wan": "", "qwen-image": None}
 
 
 def check_guided(family, model: str) -> None:
@@ -47,15 +48,16 @@ class GuidanceSplit:
 
     def arguments(self, kwargs: dict) -> dict:
         """The pipeline's arguments on this rank: on the second half, prompt and negative
-        prompt swapped (a missing negative prompt is the blank one the pipeline would use)."""
-        if self.half == 0:
+        prompt swapped (a missing negative prompt is the blank one the pipeline would use;
+        where the pipeline guides only beside one, the call is left as it is: no half guides)."""
+        prompt, negative = kwargs["prompt"], kwargs.get("negative_prompt")
+        if self.half == 0 or (negative is None and self.blank is None):
             return kwargs
-        prompt = kwargs["prompt"]
-        negative = kwargs.get("negative_prompt")
         if negative is None:
             negative = self.blank if isinstance(prompt, str) else [self.blank] * len(prompt)
         return dict(kwargs, prompt=negative, negative_prompt=prompt)
 
+    @torch.compiler.disable  # a collective: never in a compiled graph (or a CUDA graph)
     def exchange(self, prediction: torch.Tensor) -> list[torch.Tensor]:
         """Both halves' predictions: [the prompt's, the negative prompt's]."""
         both = [torch.empty_like(prediction) for _ in range(2)]
@@ -72,6 +74,8 @@ def _split_passes(denoiser: torch.nn.Module, split: GuidanceSplit) -> None:
     @contextlib.contextmanager
     def marked_context(name: str, *args, **kwargs) -> Iterator[None]:
         state["pass"] = name
+        if name == "cond":  # a step's first pass: the last step's negative prediction is spent
+            state["negative"] = None
         try:
             with cache_context(name, *args, **kwargs):
                 yield
@@ -96,18 +100,16 @@ def _split_passes(denoiser: torch.nn.Module, split: GuidanceSplit) -> None:
     denoiser.cache_context = marked_context
 
 
+@torch.compiler.disable
 def _prediction(output) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output.sample
 
 
+@torch.compiler.disable
 def _with_prediction(kwargs: dict, output, prediction: torch.Tensor):
     """`output` (or, for a pass not computed, the form the call asked for) holding `prediction`."""
     if output is None:
-        if kwargs.get("return_dict", True):
-            from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-            return Transformer2DModelOutput(sample=prediction)
-        return (prediction,)
+        return Transformer2DModelOutput(sample=prediction) if kwargs.get("return_dict", True) else (prediction,)
     if isinstance(output, tuple):
         return (prediction, *output[1:])
     output.sample = prediction

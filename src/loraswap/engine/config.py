@@ -95,11 +95,15 @@ class EngineConfig(BaseModel):
         None, description="Regional torch.compile of the denoiser (default: on CUDA).")
     ulysses_degree: Annotated[int, Flag(SPEED)] = Field(
         1, ge=1, le=64, description="Split each image's sequence over this many processes, one GPU each (Ulysses "
-                                    "attention; FLUX.1, FLUX.2, Qwen-Image and Wan): N x --ring-degree "
+                                    "attention; FLUX.1 and Kontext, FLUX.2, Qwen-Image and Wan): N x --ring-degree "
                                     "processes in all, the first serving HTTP.")
     ring_degree: Annotated[int, Flag(SPEED)] = Field(
         1, ge=1, le=64, description="Split each image's sequence over this many processes with ring attention "
                                     "(times --ulysses-degree).")
+    rank_wait_s: Annotated[float, Flag(SPEED)] = Field(
+        120.0, gt=0, description="With several processes: how long one that has ended an image waits for the "
+                                 "others to end it. Past it, one failed alone (a GPU out of memory) and left the "
+                                 "others stuck: the server exits (code 70) for its supervisor to start it again.")
     cfg_parallel: Annotated[bool, Flag(SPEED)] = Field(
         False, description="Make the two passes of classifier-free guidance at once on two sets of processes "
                            "(Wan, Qwen-Image): twice the processes of --ulysses-degree x --ring-degree.")

@@ -18,8 +18,10 @@ every rank as it was.
 import contextlib
 import datetime
 import logging
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 from unittest import mock
 
 import torch
@@ -30,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..errors import BadRequest
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,10 @@ def check_ring_attention(parallelism: Parallelism, attention: str | None) -> Non
 # sequence padded to a fixed length, or (Qwen-Image) the prompt's own length, padded here
 FAMILIES = ("flux", "flux-kontext", "flux2", "wan", "qwen-image")
 # families whose plan splits the prompt's text: padded with masked tokens (`pad_text_to_split`),
-# which ring attention cannot take (it applies each rank's own mask to every block of keys)
+# which ring attention cannot take (it applies each rank's own mask to every block of keys),
+# nor attention backends that refuse a mask: these take one
 TEXT_SPLIT = ("qwen-image",)
+MASKED_BACKENDS = (None, "native", "_native_efficient", "_native_math")
 
 
 def check_parallelizable(denoiser: torch.nn.Module, parallelism: Parallelism, model: str,
@@ -84,6 +89,9 @@ def check_parallelizable(denoiser: torch.nn.Module, parallelism: Parallelism, mo
     if name in TEXT_SPLIT and parallelism.ring > 1:
         raise ValueError(f"{model} splits its prompt's text, padded with masked tokens, which ring attention does "
                          "not take: use --ulysses-degree")
+    if name in TEXT_SPLIT and attention not in MASKED_BACKENDS:
+        raise ValueError(f"{model} splits its prompt's text, padded with masked tokens, which --attention "
+                         f"{attention} does not take: use PyTorch's default (or native, _native_efficient)")
     heads = getattr(denoiser.config, "num_attention_heads", None)
     if heads is not None and heads % parallelism.ulysses:
         raise ValueError(f"{model} has {heads} attention heads, which --ulysses-degree {parallelism.ulysses} does "
@@ -117,11 +125,12 @@ def enable_context_parallel(denoiser: torch.nn.Module, mesh: DeviceMesh, model: 
 def pad_text_to_split(denoiser: torch.nn.Module, pieces: int) -> None:
     """The plan splits the prompt's text into `pieces`: pad it to a multiple of them with tokens
     the attention mask hides, so no image or text token attends to them. The real tokens keep
-    their positions (rotary embeddings count from the first), so the image is the one unpadded."""
+    their positions (rotary embeddings count from the first), so the image is the one unpadded.
+    Every call gets a mask, padded or not, so a compiled model sees one kind of call."""
 
     def pad(module, args: tuple, kwargs: dict):
         text = kwargs.get("encoder_hidden_states")
-        if text is None or text.shape[1] % pieces == 0:
+        if text is None:
             return None
         extra = -text.shape[1] % pieces
         mask = kwargs.get("encoder_hidden_states_mask")
@@ -154,11 +163,14 @@ class Ranks:
     """This process's place among the ranks, and the messages they exchange (Python objects
     over a gloo group, whatever carries the tensors)."""
 
-    def __init__(self, parallelism: Parallelism):
+    def __init__(self, parallelism: Parallelism, wait_s: float = 120.0):
         self.parallelism = parallelism
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # the followers wait here for the next request, however long the server idles
         self._objects = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+        # and here for each other at the end of an image, `wait_s` at most (`together`)
+        self._ended = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait_s))
+        self.wait_s = wait_s
 
     @property
     def leading(self) -> bool:
@@ -182,6 +194,32 @@ class Ranks:
         errors: list = [None] * self.world
         dist.all_gather_object(errors, error, group=self._objects)
         return next((e for e in errors if e is not None), None)
+
+    def together(self, make: Callable[[], T]) -> T:
+        """`make()` (an image), then wait for every rank to end it too, failed or not: they end
+        it within moments of each other, their steps joined by collectives. A rank that does
+        not within `wait_s` is stuck in a collective that a failure on one rank alone (a GPU
+        out of memory) left unanswered: the ranks are out of step for good, so this process
+        ends (code 70), taking the server with it for its supervisor to start it again."""
+        try:
+            made = make()
+        except BaseException as e:
+            if not self.leading:  # rank 0 answers the request with it; here it would go unseen
+                logger.warning("rank %d: the image failed here: %s", self.rank, e)
+            self._wait_for_the_others()
+            raise
+        self._wait_for_the_others()
+        return made
+
+    def _wait_for_the_others(self) -> None:
+        try:
+            dist.monitored_barrier(group=self._ended, timeout=datetime.timedelta(seconds=self.wait_s))
+        except Exception as e:  # noqa: BLE001 - whatever the backend raises, the ranks cannot go on
+            logger.error("rank %d: the ranks did not all end the image within %.0f s (%s). A failure on one rank "
+                         "alone leaves the others waiting for good: exiting for a restart", self.rank, self.wait_s,
+                         str(e).splitlines()[0])
+            logging.shutdown()
+            os._exit(70)
 
 
 def follow(engine, ranks: Ranks) -> None:

@@ -231,6 +231,8 @@ class Engine:
                 output = pipeline(**self.pipeline_arguments(kwargs), generator=generators())
             return self.calls.outputs(task, output)
 
+        if self.ranks is not None:  # every rank ends the image, or the server ends for a restart
+            run = functools.partial(self.ranks.together, run)
         started = time.perf_counter()
         # the model's first image goes through the start-up (a cold retry, its figures); the rest straight
         # (several ranks: never retried on one rank alone, which would leave the others waiting)
