@@ -98,11 +98,12 @@ def check_parallelizable(denoiser: torch.nn.Module, parallelism: Parallelism, mo
                          "not divide: choose a divisor of the head count, or use --ring-degree")
 
 
-def device_mesh(parallelism: Parallelism) -> DeviceMesh:
-    """The ranks as a mesh: `cfg` x `ring` x `ulysses` (every rank calls it, in the same order)."""
+def device_mesh(parallelism: Parallelism, device_type: str) -> DeviceMesh:
+    """The ranks as a mesh: `cfg` x `ring` x `ulysses` (every rank calls it, in the same order),
+    on the engines' device type ("cuda": NCCL; "cpu": gloo)."""
     if not dist.is_initialized() or dist.get_world_size() != parallelism.world:
         raise RuntimeError(f"{parallelism.world} ranks need a process group of that size")
-    return init_device_mesh(torch._C._get_accelerator().type, (parallelism.cfg, parallelism.ring, parallelism.ulysses),
+    return init_device_mesh(device_type, (parallelism.cfg, parallelism.ring, parallelism.ulysses),
                             mesh_dim_names=("cfg", "ring", "ulysses"))
 
 

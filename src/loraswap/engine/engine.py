@@ -119,7 +119,7 @@ class Engine:
         denoisers = [getattr(self.pipeline, name) for name in denoiser_names(self.pipeline)]
         if self.parallelism.cfg > 1:
             check_guided(self.calls.family, self.model_name)
-        mesh = device_mesh(self.parallelism)
+        mesh = device_mesh(self.parallelism, self.device.type)
         if self.parallelism.sequence > 1:
             for denoiser in denoisers:
                 enable_context_parallel(denoiser, mesh, self.model_name, self.config.attention, self.calls.family)
