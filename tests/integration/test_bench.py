@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
-from loraswap.bench.serve import zipf_stream
+from loraswap.bench.serve import start_server, zipf_stream
 from loraswap.cli import app
 
 pytestmark = pytest.mark.slow  # runs the benchmarks, servers and all
@@ -46,6 +47,15 @@ def test_bench_serve_runs_both_modes(tmp_path):
         data = report["modes"][mode]
         assert data["cold_requests"] == sum(runs[0]["cold"]) and data["cold_p50_s"] > 0 and data["cached_p50_s"] > 0
     assert set(report["speedup_p50"]) == {"1", "2"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="float8 activations load on this machine's GPU")
+def test_a_server_whose_model_cannot_load_stops_the_bench_at_once(tmp_path):
+    """Its /ready answers 503 for good, naming the error: the bench says so, not waits."""
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="fused server of tiny-flux could not load it: --quantize fp8 cannot run"):
+        start_server("tiny-flux", tmp_path, "fused", tmp_path / "server.log", ["--quantize", "fp8"])
+    assert time.monotonic() - started < 120
 
 
 @pytest.mark.ray

@@ -65,6 +65,38 @@ def prepare_adapters(architecture: str, root: Path, num_ids: int, specs=SPECS) -
     return ids
 
 
+def _wait_ready(proc: subprocess.Popen, url: str, name: str, log_path: Path, timeout: float = 900.0) -> None:
+    """Until /ready answers 200; raised at once when the server exits or its model failed to load."""
+    deadline = time.perf_counter() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited:\n{log_path.read_text()[-3000:]}")
+        try:
+            response = httpx.get(url + "/ready", timeout=2)
+        except httpx.HTTPError:
+            response = None
+        if response is not None and response.status_code == 200:
+            return
+        error = _load_failure(response)
+        if error is not None:  # it failed, and will not load
+            raise RuntimeError(f"{name} could not load it: {error}")
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"{name} not ready:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def _load_failure(response: httpx.Response | None) -> str | None:
+    """The load error a 503 from /ready names; None while the model loads (or from a proxy
+    that answers for an application not deployed yet)."""
+    if response is None or response.status_code != 503:
+        return None
+    try:
+        error = response.json().get("error")
+    except ValueError:
+        return None
+    return error if error not in (None, "loading") else None
+
+
 def start_server(model: str, adapters: Path, mode: str, log_path: Path, extra: list[str]) -> tuple:
     port = free_port()
     log = log_path.open("w")
@@ -76,17 +108,7 @@ def start_server(model: str, adapters: Path, mode: str, log_path: Path, extra: l
     url = f"http://127.0.0.1:{port}"
     started = time.perf_counter()
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{mode} server exited:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - started > 900:
-                raise TimeoutError(f"{mode} server not ready:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
+        _wait_ready(proc, url, f"{mode} server of {model}", log_path)
     except BaseException:  # not ready (or interrupted): the bench may go on, so stop the server now
         stop_server(proc)
         log.close()
