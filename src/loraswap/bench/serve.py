@@ -91,9 +91,10 @@ def _load_failure(response: httpx.Response | None) -> str | None:
     if response is None or response.status_code != 503:
         return None
     try:
-        error = response.json().get("error")
+        body = response.json()
     except ValueError:
         return None
+    error = body.get("error") if isinstance(body, dict) else None
     return error if error not in (None, "loading") else None
 
 

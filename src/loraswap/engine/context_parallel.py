@@ -172,6 +172,7 @@ class Ranks:
         # and here for each other at the end of an image, `wait_s` at most (`together`)
         self._ended = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait_s))
         self.wait_s = wait_s
+        self._stopping = False  # the server stops its ranks: a broken wait is no failure then
 
     @property
     def leading(self) -> bool:
@@ -183,6 +184,7 @@ class Ranks:
 
     def stop(self) -> None:
         """Rank 0: the other ranks return from `follow`."""
+        self._stopping = True
         dist.broadcast_object_list([("stop", None)], src=0, group=self._objects)
 
     def receive(self) -> tuple[str, object]:
@@ -214,12 +216,20 @@ class Ranks:
 
     def _wait_for_the_others(self) -> None:
         try:
+            # the GPU's queued collectives first: ranks that failed at different points would pass the
+            # barrier with one left unmatched on a stream (the next image would pair them one step off);
+            # then a rank stuck here is one the others wait for in vain
+            if dist.get_backend() == "nccl":
+                torch.cuda.current_stream().synchronize()
             dist.monitored_barrier(group=self._ended, timeout=datetime.timedelta(seconds=self.wait_s))
         except Exception as e:  # noqa: BLE001 - whatever the backend raises, the ranks cannot go on
+            if self._stopping:  # the server stops them (a rank killed for being slow to stop): no failure
+                raise
             logger.error("rank %d: the ranks did not all end the image within %.0f s (%s). A failure on one rank "
                          "alone leaves the others waiting for good: exiting for a restart", self.rank, self.wait_s,
                          str(e).splitlines()[0])
-            logging.shutdown()
+            for handler in logging.getLogger().handlers:
+                handler.flush()
             os._exit(70)
 
 

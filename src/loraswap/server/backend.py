@@ -175,7 +175,7 @@ class LocalBackend:
             logger.info("ready: %s in %.1f s", ", ".join(h.engine.model_name for h in hosted),
                         time.perf_counter() - started)
         except Exception as e:
-            state.load_error = str(e)
+            state.load_error = str(e) or type(e).__name__  # never empty: empty reads as still loading
             logger.exception("loading %s failed", loading["model"])
         finally:
             done.set()
