@@ -146,19 +146,22 @@ def test_a_rank_failing_or_dying_ends_its_server_and_it_starts_again(adapters, t
 
 LORAS = {"tiny-flux": [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)], [("k", 1.0)], []],  # a LoKr too
          "tiny-wan": [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)]],  # swapped between calls
-         "tiny-qwen-image": [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)]]}
+         "tiny-qwen-image": [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)]],
+         "tiny-qwen-image-edit": [[], [("a", 1.0)]]}
 # Wan and Qwen-Image guided with a negative prompt (two passes a step, split by --cfg-parallel);
 # Qwen-Image's prompts make texts of odd lengths, padded to split over two ranks
 PROMPT, NEGATIVE = "a red circle.", "blurry, dark, ugly"
 CALLS = {"tiny-flux": dict(height=64, width=64),
          "tiny-wan": dict(height=32, width=32, num_frames=5, negative_prompt=NEGATIVE, guidance_scale=5.0),
-         "tiny-qwen-image": dict(height=64, width=64, negative_prompt=NEGATIVE, true_cfg_scale=4.0)}
+         "tiny-qwen-image": dict(height=64, width=64, negative_prompt=NEGATIVE, true_cfg_scale=4.0),
+         "tiny-qwen-image-edit": dict(height=64, width=64, negative_prompt=NEGATIVE, true_cfg_scale=4.0,
+                                      image=Image.new("RGB", (64, 48), (200, 30, 30)))}
 
 
 @pytest.fixture(scope="module")
 def model_adapters(tmp_path_factory, adapters) -> dict[str, Path]:
     folders = {"tiny-flux": adapters}
-    for model in ("tiny-wan", "tiny-qwen-image"):
+    for model in ("tiny-wan", "tiny-qwen-image", "tiny-qwen-image-edit"):
         folder = folders[model] = tmp_path_factory.mktemp(f"cp-{model}")
         components = lora_components(model)[1]  # Wan: both experts
         for name, seed in (("a", 1), ("b", 2)):
@@ -189,12 +192,12 @@ def _rank(rank: int, model: str, parallelism: dict, port: int, folder: Path, out
 
 
 @pytest.mark.parametrize(("model", "ulysses", "cfg"), [("tiny-flux", 2, False), ("tiny-wan", 2, True),
-                                                      ("tiny-qwen-image", 2, False), ("tiny-qwen-image", 1, True)])
+                                                      ("tiny-qwen-image", 2, False), ("tiny-qwen-image-edit", 1, True)])
 def test_split_images_are_within_1e_5_of_one_process(model_adapters, tmp_path, model, ulysses, cfg):
     """The outputs over several ranks, adapters swapped in place between calls, against one
     process, as tensors before 8-bit rounding: a FLUX.1 image; a Wan 2.2 video, both experts
     split over two ranks and its two guidance passes over two pairs of them (4 ranks);
-    Qwen-Image with its text padded to split, and with its guidance passes on two ranks."""
+    Qwen-Image with its text padded to split; Qwen-Image-Edit's guidance passes on two ranks."""
     folder = model_adapters[model]
     engine = Engine(EngineConfig(model=model, adapters=folder, compile=False, warmup=False))
     if model == "tiny-qwen-image":  # texts of odd lengths: padded to split over two ranks

@@ -29,7 +29,7 @@ def test_the_flags_count_processes_and_split_sizes():
 
 def test_families_and_degrees_the_split_does_not_take_are_refused():
     unet, sd = _denoiser_and_family("tiny-sd")
-    with pytest.raises(ValueError, match="is not split over processes: .* take the flux, .*qwen-image families"):
+    with pytest.raises(ValueError, match="is not split over processes: .* take the flux, .*qwen-image-edit families"):
         check_parallelizable(unet, Parallelism(ulysses=2), "tiny-sd", family=sd)
     qwen, qwen_family = _denoiser_and_family("tiny-qwen-image")  # 2 heads
     with pytest.raises(ValueError, match="3 does not divide"):

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 # families whose pipelines guide with a negative prompt, marking each pass, and what each
 # one's pipeline does when given none: Wan guides with a blank one; Qwen-Image does not guide
-GUIDED = {"wan": "", "qwen-image": None}
+GUIDED = {"wan": "", "qwen-image": None, "qwen-image-edit": None}
 
 
 def check_guided(family, model: str) -> None:

@@ -95,8 +95,8 @@ class EngineConfig(BaseModel):
         None, description="Regional torch.compile of the denoiser (default: on CUDA).")
     ulysses_degree: Annotated[int, Flag(SPEED)] = Field(
         1, ge=1, le=64, description="Split each image's sequence over this many processes, one GPU each (Ulysses "
-                                    "attention; FLUX.1 and Kontext, FLUX.2, Qwen-Image and Wan): N x --ring-degree "
-                                    "processes in all, the first serving HTTP.")
+                                    "attention; FLUX.1 and Kontext, FLUX.2, Qwen-Image and Edit, Wan): N x "
+                                    "--ring-degree processes in all, the first serving HTTP.")
     ring_degree: Annotated[int, Flag(SPEED)] = Field(
         1, ge=1, le=64, description="Split each image's sequence over this many processes with ring attention "
                                     "(times --ulysses-degree).")
@@ -106,7 +106,7 @@ class EngineConfig(BaseModel):
                                  "others stuck: the server exits (code 70) for its supervisor to start it again.")
     cfg_parallel: Annotated[bool, Flag(SPEED)] = Field(
         False, description="Make the two passes of classifier-free guidance at once on two sets of processes "
-                           "(Wan, Qwen-Image): twice the processes of --ulysses-degree x --ring-degree.")
+                           "(Wan, Qwen-Image and Edit): twice the processes of --ulysses-degree x --ring-degree.")
     compile_mode: Annotated[Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"],
                             Flag(SPEED)] = Field(
         "default", description="torch.compile mode: default, max-autotune-no-cudagraphs, reduce-overhead or "

@@ -67,13 +67,14 @@ def check_ring_attention(parallelism: Parallelism, attention: str | None) -> Non
                          "--ulysses-degree alone")
 
 
-# families whose split sequences always divide: image tokens (checked per request), a text
-# sequence padded to a fixed length, or (Qwen-Image) the prompt's own length, padded here
-FAMILIES = ("flux", "flux-kontext", "flux2", "wan", "qwen-image")
+# families whose split sequences always divide: image tokens (checked per request; an edit's
+# input image is sized by its pipeline in multiples of 32 pixels, so its tokens divide by 4),
+# a text sequence padded to a fixed length, or (Qwen-Image) the prompt's own length, padded here
+FAMILIES = ("flux", "flux-kontext", "flux2", "wan", "qwen-image", "qwen-image-edit")
 # families whose plan splits the prompt's text: padded with masked tokens (`pad_text_to_split`),
 # which ring attention cannot take (it applies each rank's own mask to every block of keys),
 # nor attention backends that refuse a mask: these take one
-TEXT_SPLIT = ("qwen-image",)
+TEXT_SPLIT = ("qwen-image", "qwen-image-edit")
 MASKED_BACKENDS = (None, "native", "_native_efficient", "_native_math")
 
 
