@@ -141,6 +141,24 @@ def test_delete_removes_the_row_and_the_files(tmp_path):
     assert (files(tmp_path), found) == ([], 0)
 
 
+def test_a_jobs_owner_is_the_same_after_a_restart_and_names_no_key(tmp_path):
+    """The owner secret is made once and kept (owner-only): a key's jobs stay its own after a
+    restart, and another key's digest differs."""
+    async def scenario():
+        first = VideoStore(ServerConfig(state_dir=tmp_path), Clock())
+        owners = first.owner_of(b"key-a"), first.owner_of(b"key-b")
+        await first.stop()
+        again = restart(first)
+        owner_again = again.owner_of(b"key-a")
+        await again.stop()
+        return owners, owner_again
+
+    (owner_a, owner_b), owner_again = asyncio.run(scenario())
+    assert owner_a == owner_again and owner_a != owner_b
+    assert "key-a" not in owner_a and owner_a != hashlib.sha256(b"key-a").hexdigest()[:32]
+    assert (tmp_path / "owner-secret").stat().st_mode & 0o777 == 0o600
+
+
 # ---------------------------------------------------------------- interrupted jobs
 def test_an_interrupted_job_is_made_again_with_the_same_request_after_a_restart(tmp_path):
     made = []

@@ -50,7 +50,12 @@ class PipelineCalls:
         family = self.family
         return {"image_input": family.image_input if family else "none", "masks": bool(family and family.takes_masks()),
                 "output": family.output if family else "image", "defaults": dict(self.defaults),
-                "size_multiple": family.size_multiple if family else 8}
+                "size_multiple": self.size_multiple}
+
+    @property
+    def size_multiple(self) -> int:
+        """What width and height must be multiples of: the family's, else the latents' 8."""
+        return self.family.size_multiple if self.family else 8
 
     # ------------------------------------------------------------ which pipeline
     def task(self, request: GenerateRequest) -> str:
@@ -65,7 +70,7 @@ class PipelineCalls:
             fix = "use the videos API (POST /v1/videos)" if makes == "video" else "ask for an image"
             raise UnsupportedInput(f"{name} makes {makes}s, not {'images' if makes == 'video' else 'videos'}: {fix}")
         check_size_multiple(request.width or self.defaults.get("width"), request.height or self.defaults.get("height"),
-                            family.size_multiple if family else 8, name)
+                            self.size_multiple, name)
 
     def _input_task(self, request: GenerateRequest) -> str:
         family, name = self.family, self.family.name if self.family else "this model"
@@ -170,7 +175,7 @@ class PipelineCalls:
                              "ask for fewer (frames, or seconds)")
 
     @staticmethod
-    def _sized(image: Image.Image, size: tuple[int | None, int | None], takes: set[str]) -> Image.Image:
+    def _sized(image: Image.Image, size: tuple[int | None, int | None], takes: Mapping[str, object]) -> Image.Image:
         """The input at the asked size where the pipeline takes no size (SD and SDXL img2img
         make the input's size): the output is then the size the request asked for."""
         if "width" in takes or None in size or image.size == size:

@@ -165,8 +165,7 @@ class Ranks:
     """This process's place among the ranks, and the messages they exchange (Python objects
     over a gloo group, whatever carries the tensors)."""
 
-    def __init__(self, parallelism: Parallelism, wait_s: float = 120.0):
-        self.parallelism = parallelism
+    def __init__(self, wait_s: float = 120.0):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # the followers wait here for the next request, however long the server idles
         self._objects = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))

@@ -74,7 +74,7 @@ class RankProcesses:
         from .engine import Engine
 
         engine = Engine(config)
-        self.ranks = Ranks(self.parallelism, config.rank_wait_s)
+        self.ranks = Ranks(config.rank_wait_s)
         engine.use_ranks(self.ranks)
         return engine
 
@@ -115,7 +115,7 @@ def _follower(config_json: dict, rank: int, port: int) -> None:
     config = EngineConfig.model_validate(config_json)
     _join(config, rank, config.parallelism.world, port)
     engine = Engine(config)
-    follow(engine, Ranks(config.parallelism, config.rank_wait_s))
+    follow(engine, Ranks(config.rank_wait_s))
     dist.destroy_process_group()
 
 

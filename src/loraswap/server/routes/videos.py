@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
+from ...adapters.metadata import same_model
 from ...adapters.references import check_id
 from ...engine.calls import check_size_multiple
 from ...engine.engine import GenerateResult
@@ -43,10 +44,11 @@ async def create_video(request: Request):
     info = state.backend.ready_info()
     if info is None:  # a job started now would only fail
         raise not_ready(state.backend.load_error)
-    for model, capabilities in info["capabilities"].items():  # refused now, not as a failed job later
-        if capabilities["output"] == "video":
-            check_size_multiple(parsed.engine_request.width, parsed.engine_request.height,
-                                capabilities["size_multiple"], model)
+    videos = {model: c for model, c in info["capabilities"].items() if c["output"] == "video"}
+    named = {model: c for model, c in videos.items() if parsed.model and same_model(model, parsed.model)}
+    for model, capabilities in (named or videos).items():  # refused now, not as a failed job later
+        check_size_multiple(parsed.engine_request.width, parsed.engine_request.height,
+                            capabilities["size_multiple"], model)
     # 2. start the job
     shown = parsed.model or _adapters_named(parsed.engine_request.loras) or info["model"]
     return state.videos.submit(parsed.engine_request, shown, parsed.fps, video_maker(state), parsed.model,
