@@ -1,14 +1,18 @@
-"""Where the FLUX.1 transformer's step time goes on the GPU, by kernel, and what fused QKV
-projections change.
+"""Where the FLUX.1 transformer's step time goes on the GPU, by kernel, for the ways of
+running it in float8.
 
-Builds the FLUX.1-dev transformer (real config, random weights) once, then one copy per
-variant: `unfused` (as loraswap serves it today) and `fused-qkv` (diffusers'
-`fuse_qkv_projections`: one q/k/v matmul per stream instead of three, the separate
-projections dropped), each quantized (`--quantize`) and compiled as the engine would
-(regional compile). Times `--steps` denoiser calls per image in interleaved rounds, compares
-one call's output, and profiles `--profile-steps` calls of each variant with
+Builds the FLUX.1-dev transformer (real config, random weights) once, then one model per
+variant, each compiled as the engine would (regional compile):
+- `bf16`: the transformer as built, unquantized (the reference the others are compared with);
+- `torchao`: quantized (`--quantize`), torchao's own activation scaling, fused by Inductor;
+- `one-pass`: quantized, activations scaled by loraswap's kernel (`float8_activations`), as
+  the engine serves `--quantize fp8`;
+- `fused-qkv`: as `one-pass`, with diffusers' `fuse_qkv_projections` (one q/k/v matmul per
+  stream instead of three, the separate projections dropped).
+Times `--steps` denoiser calls per image in interleaved rounds, compares one call's output
+with the first variant's, and profiles `--profile-steps` calls of each variant with
 torch.profiler: GPU time per step in matmuls, attention, Inductor's fused (Triton)
-kernels and the rest, and the slowest kernels.
+kernels, loraswap's activation kernel and the rest, and the slowest kernels.
 
     PYTHONPATH=src python scripts/flux_step_profile.py --out flux-steps.json
 """
@@ -28,14 +32,16 @@ from loraswap.bench.common import environment, timed
 from loraswap.bench.swap import Denoise
 from loraswap.bench.swap_setup import denoiser_inputs
 from loraswap.engine.compile import compile_denoiser
+from loraswap.engine.float8_activations import Float8RowsLinear
 from loraswap.engine.quantize import quantize_module
 from loraswap.models.architectures import build_architecture_component
 
-VARIANTS = ("unfused", "fused-qkv")
+VARIANTS = ("bf16", "torchao", "one-pass", "fused-qkv")
 SEPARATE_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 CATEGORIES = (  # first match wins; Inductor names its kernels after the ops they fuse (`_scaled_mm` for
     # an activation's float8 scaling), so its own come first; then cuDNN/FlashAttention, cuBLAS/CUTLASS
     ("inductor (triton)", re.compile(r"^triton_", re.I)),
+    ("activation kernel", re.compile(r"^quantize_rows", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|sm90_|nvjet|f8f8|cublas", re.I)),
 )
@@ -46,6 +52,9 @@ def category(kernel: str) -> str:
 
 
 def build(base: torch.nn.Module, variant: str, quantize: str, device) -> torch.nn.Module:
+    if variant == "bf16":  # the base itself: one copy fewer in memory
+        compile_denoiser(base, "default")
+        return base
     model = copy.deepcopy(base)
     if variant == "fused-qkv":
         model.fuse_qkv_projections()
@@ -54,9 +63,13 @@ def build(base: torch.nn.Module, variant: str, quantize: str, device) -> torch.n
                 for name in SEPARATE_PROJECTIONS:
                     if hasattr(module, name):
                         delattr(module, name)
-    elif variant != "unfused":
+    elif variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant}; choose from {', '.join(VARIANTS)}")
     quantize_module(model, quantize, device)
+    if variant == "torchao":
+        for module in model.modules():
+            if isinstance(module, Float8RowsLinear):
+                module.__class__ = torch.nn.Linear
     compile_denoiser(model, "default")
     return model
 
@@ -89,7 +102,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=2)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default="bf16,torchao,one-pass")
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -106,7 +119,7 @@ def main() -> None:
     base = build_architecture_component("flux-dev", "transformer", device=device, dtype=dtype)
     inputs = denoiser_inputs(base, args.size, args.size, device, dtype)
     models = {}
-    for name in variants:
+    for name in sorted(variants, key=lambda v: v == "bf16"):  # bf16 compiles the base itself: copied first
         models[name] = Denoise(build(base, name, args.quantize, device), inputs, args.steps)
         results[f"compile_{name}_s"] = timed(lambda: models[name](2))[0]
         print(f"{name}: built and compiled, warm-up {results[f'compile_{name}_s']:.1f} s", flush=True)

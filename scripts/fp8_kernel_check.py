@@ -11,7 +11,8 @@ import sys
 import torch
 from torchao.quantization import Float8Tensor, PerRow, PerTensor
 
-from loraswap.engine.swap import Fp8Weight
+from loraswap.adapters.kinds import LORA, Layer
+from loraswap.engine.float8_weights import Fp8Weight
 
 
 def timed(fn, repeats: int = 20) -> float:
@@ -35,13 +36,14 @@ def main(out: str | None) -> None:
             hp = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 0.02
             up = torch.randn(rows, rank, device="cuda", dtype=torch.bfloat16) * 0.01
             down = torch.randn(rank, cols, device="cuda", dtype=torch.bfloat16) * 0.01
+            change = [(Layer(LORA, {"up": up, "down": down}), 0.8)]
             results = {}
             for kernel in (True, False):
                 weight = Float8Tensor.from_hp(hp, float8_dtype=torch.float8_e4m3fn, granularity=granularity)
                 fp8 = Fp8Weight(weight)
-                fp8.write([(up, down, 0.8)], kernel=kernel)
+                fp8.write(change, kernel=kernel)
                 results[kernel] = (weight.qdata.clone(), weight.scale.clone(),
-                                   timed(lambda: fp8.write([(up, down, 0.8)], kernel=kernel)))
+                                   timed(lambda: fp8.write(change, kernel=kernel)))
             (q, s, ms), (q_eager, s_eager, ms_eager) = results[True], results[False]
             differs = q.view(torch.uint8) != q_eager.view(torch.uint8)
             steps = (q.float() - q_eager.float()).abs() / q_eager.float().abs().clamp(min=2**-9)

@@ -17,14 +17,16 @@ pytest.importorskip("triton", reason="the test extra pins triton for the CPU int
 def interpreted():
     """The kernel built once for Triton's CPU interpreter (and rebuilt normally afterwards)."""
     from loraswap.engine import kernels
+    from loraswap.engine.float8_rounding import float8_rounding
 
+    built = (kernels._kernel, kernels._float8_kernel, kernels._loha_kernel, kernels._dora_kernel, float8_rounding)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
-        for built in (kernels._kernel, kernels._float8_kernel, kernels._loha_kernel, kernels._dora_kernel):
-            built.cache_clear()
+        for kernel in built:
+            kernel.cache_clear()
         yield kernels
-    for built in (kernels._kernel, kernels._float8_kernel, kernels._loha_kernel, kernels._dora_kernel):
-        built.cache_clear()
+    for kernel in built:
+        kernel.cache_clear()
 
 
 @pytest.mark.parametrize("dtype,ulps", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])

@@ -17,6 +17,8 @@ from functools import cache
 
 import torch
 
+from .float8_rounding import float8_rounding
+
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 32
 NUM_WARPS = 4
 
@@ -186,13 +188,14 @@ def _float8_kernel():
     the new scale (`stats` now), clamp to +-448, round to nearest even; NaN stays NaN.
     Each pass reads P once: 2 bytes per weight in all, against some 40 through eager ops.
     """
-    global _larger  # (as `_lora_tile`)
+    global _larger, round_to_float8  # (as `_lora_tile`)
     try:
         import triton
         import triton.language as tl
     except ImportError:
         return None
     _kernel()  # defines `_lora_tile`, the tile of B @ A both kernels compute
+    round_to_float8 = float8_rounding()
 
     @triton.jit
     def _larger(a, b):  # tl.max is a jit function of Triton's own, which its interpreter cannot call
@@ -201,7 +204,7 @@ def _float8_kernel():
     @triton.jit(do_not_specialize=["M", "alpha"])
     def requantize(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, stats_ptr, M, N, K, alpha, PASS: tl.constexpr,
                    PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   IEEE: tl.constexpr, EMULATE: tl.constexpr):
         acc, rows, in_m, offsets, mask = _lora_tile(b_ptr, a_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
         if PER_ROW:
             scale = tl.load(s_ptr + rows, mask=in_m, other=1.0)[:, None]
@@ -219,18 +222,7 @@ def _float8_kernel():
                 new_scale = tl.load(stats_ptr + rows, mask=in_m, other=1.0)[:, None]
             else:
                 new_scale = tl.load(stats_ptr)
-            q = tl.math.div_rn(w, new_scale)  # IEEE division, as torch's tensor / tensor
-            q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
-                           propagate_nan=tl.PropagateNan.ALL)  # 448: float8 e4m3's largest
-            # round to the nearest float8 value (ties to even) in fp32, then cast exactly (the
-            # interpreter's cast is wrong where rounding carries into the exponent): normal
-            # values keep 3 of fp32's 23 mantissa bits; below 2**-6 the step is 2**-9
-            bits = q.to(tl.int32, bitcast=True)
-            normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-            tiny = ((tl.abs(q) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125  # 1.5 * 2**23 rounds to integers
-            subnormal = (tiny.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # sign
-            # NaN (0 / 0 in an all-zero row) stays NaN on a GPU, as in torchao (not in the interpreter)
-            q = tl.where(q != q, q, tl.where(tl.abs(q) < 0.015625, subnormal, normal))
+            q = round_to_float8(tl.math.div_rn(w, new_scale), EMULATE)  # IEEE division, as torch's tensor / tensor
             tl.store(out_ptr + offsets, q.to(out_ptr.dtype.element_ty), mask=mask)
 
     return requantize
@@ -256,7 +248,8 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
     for step in (0, 1):
         _float8_kernel()[grid](qdata, pristine_qdata, pristine_scale, up, down, stats, m, n, k, float(alpha),
                                PASS=step, PER_ROW=per_row, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                               IEEE=up.dtype == torch.float32 or not qdata.is_cuda, num_warps=NUM_WARPS)
+                               IEEE=up.dtype == torch.float32 or not qdata.is_cuda, EMULATE=not qdata.is_cuda,
+                               num_warps=NUM_WARPS)
         if step == 0:  # the largest |W| -> the new scale, by torchao's own op (CUDA divides by 448 as
             stats = stats / FLOAT8_MAX  # a multiply by its reciprocal, which pass 1 must divide by too)
     scale.view(-1).copy_(stats)

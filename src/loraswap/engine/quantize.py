@@ -1,7 +1,8 @@
 """`--quantize` and `--quantize-text-encoders`: linear weights in float8, through torchao.
 
 `fp8`: float8 weights and dynamically quantized activations, row-wise scales (float8
-matmuls; CUDA compute capability 8.9 or later). `fp8-tensorwise`: the same with one scale
+matmuls; CUDA compute capability 8.9 or later), the activations scaled in one pass by
+`float8_activations`. `fp8-tensorwise`: the same with one scale
 per tensor (cheaper scaling, coarser). `fp8-weight-only`: float8 weights de-quantized in
 the matmul (half the weight memory, any device). Either way the fused swap re-quantizes a
 touched weight from its pristine float8 copy (`swap.Fp8Weight`).
@@ -11,6 +12,8 @@ import logging
 from typing import Literal, get_args
 
 from torch import nn
+
+from .float8_activations import use_float8_rows
 
 logger = logging.getLogger(__name__)
 
@@ -73,4 +76,6 @@ def quantize_module(module: nn.Module, mode: str, device=None) -> None:
         quantize_(module, config, device=device)
     except AssertionError as e:  # torchao's hardware check
         raise ValueError(f"--quantize {mode} cannot run here ({e}); use fp8-weight-only") from None
+    if mode == "fp8":
+        use_float8_rows(module)
     logger.info("%s quantized: %s", type(module).__name__, mode)

@@ -1,0 +1,152 @@
+"""Row-wise float8 activations in one pass: the input of every float8 linear layer (`--quantize
+fp8`) scaled by a Triton kernel of our own instead of torchao's torch ops.
+
+torchao quantizes each activation row as `x / s` with `s = amax(|row|) / 448` (the division
+in the activation's dtype), through ops that Inductor fuses into the kernel that produces
+the activation: one pass that reads it for the largest value and another that reads it
+again to scale it, each running well under the GPU's bandwidth at FLUX's rows of 3,072 to
+15,360 values (a quarter of the float8 step: bench/results/flux-steps-h200.json). torchao's
+own one-pass kernel (`mslk`'s `quantize_fp8_row`) is not published on PyPI for this CUDA.
+The kernel here gives one program a row: the first loop finds the largest value, the second
+reads the row again from the L2 cache (at most 30 KB a row), scales, rounds and stores it,
+so the activation leaves device memory once. Its output is torchao's bitwise (same scale,
+same rounding), but for an all-zero row: torchao divides 0 by 0 there and writes NaN, the
+kernel writes zeros.
+
+`use_float8_rows(module)` switches each float8 linear layer of a module quantized with
+`fp8` to this path; the weights stay torchao's `Float8Tensor`, so the swap re-quantizes them
+in place as before, and the matmul is the same `torch._scaled_mm` torchao calls.
+"""
+
+import logging
+import os
+from functools import cache
+
+import torch
+from torch import nn
+
+from .float8_rounding import float8_rounding
+from .kernels import triton_cdiv
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 2048  # values of a row a program loads at a time
+ROWS = 1  # rows a program scales (more under Triton's interpreter, where each program costs)
+NUM_WARPS = 8
+
+
+@cache
+def _rows_kernel():
+    """The Triton kernel, or None without Triton (built once, on first use)."""
+    global round_to_float8, _largest, tl  # Triton looks these up in the kernel's module
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    round_to_float8 = float8_rounding()
+
+    @triton.jit
+    def _largest(a, b):  # NaN wins, as in torch's amax
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit(do_not_specialize=["M", "stride"])
+    def quantize_rows(x_ptr, q_ptr, s_ptr, M, K, stride, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                      EMULATE: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        in_m = rows < M
+        cols = tl.arange(0, BLOCK)
+        source, target = x_ptr + rows[:, None] * stride, q_ptr + rows[:, None] * K
+        largest = tl.full([ROWS, BLOCK], 0.0, tl.float32)  # (tl.zeros: a jit function the interpreter cannot call)
+        for start in range(0, K, BLOCK):
+            at = start + cols[None, :]
+            value = tl.load(source + at, mask=in_m[:, None] & (at < K), other=0.0).to(tl.float32)
+            largest = _largest(largest, tl.abs(value))
+        # Triton's own max (the interpreter runs it in numpy; it may drop NaN), then NaN put
+        # back in the rows that had one
+        amax = tl.reduce(largest, 1, tl.standard._elementwise_max)
+        nan_seen = tl.reduce((largest != largest).to(tl.float32), 1, tl.standard._elementwise_max)
+        scale = tl.math.div_rn(tl.where(nan_seen > 0, float("nan"), amax), 448.0)
+        # torchao divides in bf16: round to nearest even, keeping 7 of fp32's 23 mantissa bits
+        bits = scale.to(tl.int32, bitcast=True)
+        scale = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+        tl.store(s_ptr + rows, scale, mask=in_m)
+        divisor = tl.where(scale == 0.0, 1.0, scale)[:, None]  # an all-zero row: zeros, not 0 / 0
+        for start in range(0, K, BLOCK):
+            at = start + cols[None, :]
+            mask = in_m[:, None] & (at < K)
+            value = tl.load(source + at, mask=mask, other=0.0).to(tl.float32)
+            quantized = round_to_float8(tl.math.div_rn(value, divisor), EMULATE)
+            tl.store(target + at, quantized.to(q_ptr.dtype.element_ty), mask=mask)
+
+    return quantize_rows
+
+
+def kernel_runs(device: torch.device) -> bool:
+    """Whether the kernel runs for activations on `device`: CUDA with float8 (compute
+    capability 8.9 and later) and Triton, or Triton's CPU interpreter (the tests)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return _rows_kernel() is not None
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9) \
+        and _rows_kernel() is not None
+
+
+@torch.library.triton_op("loraswap::float8_rows", mutates_args=())
+def float8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-D bf16 activation with rows of unit stride as float8 e4m3 values and
+    one fp32 scale per row ([rows, 1]), as torchao's `Float8Tensor.from_hp(x, PerRow())`."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, k = x.shape
+    quantized = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        from torch.library import wrap_triton
+
+        block = min(BLOCK, 1 << (k - 1).bit_length())
+        per_program = 64 if os.environ.get("TRITON_INTERPRET") == "1" else ROWS
+        wrap_triton(_rows_kernel())[(triton_cdiv(rows, per_program),)](
+            x, quantized, scale, rows, k, x.stride(0), ROWS=per_program, BLOCK=block, EMULATE=not x.is_cuda,
+            num_warps=NUM_WARPS)
+    return quantized, scale
+
+
+class Float8RowsLinear(nn.Linear):
+    """A linear layer with a torchao `Float8Tensor` weight (row-wise scales), whose input is
+    quantized by `float8_rows` and multiplied as torchao does (`torch._scaled_mm`, the
+    weight's own fast-accumulation setting). Other activation dtypes take torchao's path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            return super().forward(x)
+        weight = self.weight
+        quantized, scale = torch.ops.loraswap.float8_rows(x.reshape(-1, x.shape[-1]))
+        out = torch._scaled_mm(quantized, weight.qdata.t(), scale_a=scale, scale_b=weight.scale.t(), bias=self.bias,
+                               out_dtype=x.dtype, use_fast_accum=weight.mm_config.use_fast_accum)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _takes_float8_rows(module: nn.Module) -> bool:
+    """A plain linear layer whose weight torchao quantized to float8 e4m3 with row-wise
+    scales, bf16, and row-wise dynamic activations, unbounded (the configuration `fp8` makes)."""
+    weight = getattr(module, "weight", None)
+    if type(module) is not nn.Linear or type(weight).__name__ != "Float8Tensor":
+        return False
+    activation = getattr(weight, "act_quant_kwargs", None)
+    block = list(getattr(weight, "block_size", []))
+    return (activation is not None and block == [1, weight.shape[-1]] and weight.qdata.dtype == torch.float8_e4m3fn
+            and type(activation.granularity).__name__ == "PerRow" and activation.hp_value_lb is None
+            and activation.hp_value_ub is None and activation.float8_dtype == torch.float8_e4m3fn
+            and weight.dtype == torch.bfloat16)
+
+
+def use_float8_rows(module: nn.Module) -> int:
+    """Switch every linear layer of `module` that `fp8` quantized to `Float8RowsLinear`
+    where the kernel runs on its device; returns how many were switched."""
+    switched = 0
+    for layer in module.modules():
+        if _takes_float8_rows(layer) and kernel_runs(layer.weight.qdata.device):
+            layer.__class__ = Float8RowsLinear
+            switched += 1
+    if switched:
+        logger.info("%s: %d float8 linear layers scale their activations in one pass", type(module).__name__, switched)
+    return switched

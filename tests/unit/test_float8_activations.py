@@ -1,0 +1,123 @@
+"""`--quantize fp8`'s activations scaled in one pass (`engine/float8_activations.py`), run by
+Triton's interpreter on CPU tensors, against torchao's own row-wise scaling.
+
+torchao refuses float8 activations without a GPU of compute capability 8.9; its hardware
+check is switched off here so that its configuration builds the same weights it builds on
+a GPU, and its CPU path (`Float8Tensor.from_hp` in torch ops, then `torch._scaled_mm`) is
+the reference. On a GPU, `scripts/float8_rows_bench.py` checks the compiled kernel against
+torchao at FLUX.1's shapes."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("triton", reason="the test extra pins triton for the CPU interpreter")
+pytest.importorskip("torchao", reason="the test extra pins torchao")
+
+from torchao.quantization import Float8Tensor, PerRow  # noqa: E402
+
+from loraswap.engine import float8_activations  # noqa: E402
+from loraswap.engine.config import EngineConfig, GenerateRequest  # noqa: E402
+from loraswap.engine.engine import Engine  # noqa: E402
+from loraswap.engine.float8_activations import Float8RowsLinear  # noqa: E402
+from loraswap.engine.float8_rounding import float8_rounding  # noqa: E402
+from loraswap.engine.quantize import quantize_module  # noqa: E402
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The kernel built for Triton's interpreter, and torchao's float8 activations allowed on CPU."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr("torchao.quantization.quant_api._check_hardware_support", lambda granularity: None)
+    for built in (float8_activations._rows_kernel, float8_rounding):
+        built.cache_clear()
+    yield
+    for built in (float8_activations._rows_kernel, float8_rounding):
+        built.cache_clear()
+
+
+def rows(count: int, k: int, seed: int) -> torch.Tensor:
+    """Rows from 1e-4 to 1e4 in size (float8's subnormals and its largest values both occur)."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.logspace(-4, 4, count)[torch.randperm(count, generator=g)]
+    return (torch.randn(count, k, generator=g) * spread[:, None]).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("count,k", [(7, 64), (33, 3000), (5, 4500)])  # one block, several, a ragged last one
+def test_rows_are_scaled_and_rounded_as_torchao_does_bitwise(interpreted, count, k):
+    x = rows(count, k, seed=k)
+    values, scales = torch.ops.loraswap.float8_rows(x)
+    reference = Float8Tensor.from_hp(x, granularity=PerRow())
+    assert values.dtype == torch.float8_e4m3fn and scales.shape == (count, 1)
+    assert torch.equal(scales, reference.scale.reshape(count, 1))
+    assert torch.equal(values.view(torch.uint8), reference.qdata.view(torch.uint8))
+
+
+def test_an_all_zero_row_is_zeros_where_torchao_writes_nan(interpreted):
+    x = rows(4, 300, seed=1)
+    x[2] = 0
+    values, scales = torch.ops.loraswap.float8_rows(x)
+    assert scales[2].item() == 0.0 and not values[2].float().any()
+    assert Float8Tensor.from_hp(x, granularity=PerRow()).qdata[2].float().isnan().all()  # what torchao does
+    other = torch.ops.loraswap.float8_rows(x[[0, 1, 3]])
+    assert torch.equal(values[[0, 1, 3]].view(torch.uint8), other[0].view(torch.uint8))
+
+
+def test_rows_of_a_strided_view_are_read_where_they_lie(interpreted):
+    wide = rows(6, 512, seed=2)
+    view = wide[:, 100:400]  # rows 512 apart
+    values, scales = torch.ops.loraswap.float8_rows(view)
+    reference = Float8Tensor.from_hp(view.contiguous(), granularity=PerRow())
+    assert torch.equal(values.view(torch.uint8), reference.qdata.view(torch.uint8))
+    assert torch.equal(scales, reference.scale.reshape(-1, 1))
+
+
+def quantized_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 256), nn.GELU(approximate="tanh"), nn.Linear(256, 80, bias=False),
+                          nn.LayerNorm(80)).to(torch.bfloat16)
+    quantize_module(model, "fp8")
+    return model
+
+
+def test_fp8_layers_scale_activations_in_one_pass_with_torchaos_result(interpreted):
+    model = quantized_model()
+    assert [type(m) for m in model] == [Float8RowsLinear, nn.GELU, Float8RowsLinear, nn.LayerNorm]
+    x = rows(2 * 9, 96, seed=3).reshape(2, 9, 96) / 100
+    with torch.no_grad():
+        ours = model(x)
+        for layer in (model[0], model[2]):
+            layer.__class__ = nn.Linear  # torchao's own path through the same weights
+        reference = model(x)
+    assert ours.shape == (2, 9, 80) and torch.equal(ours, reference)
+
+
+def test_other_modes_and_dtypes_keep_torchaos_path(interpreted):
+    model = nn.Sequential(nn.Linear(32, 32)).to(torch.bfloat16)
+    quantize_module(model, "fp8-weight-only")
+    assert type(model[0]) is nn.Linear
+    model = quantized_model()
+    with torch.no_grad():
+        x = rows(3, 96, seed=4) / 100
+        assert torch.equal(model[0](x.float()), nn.Linear.forward(model[0], x.float()))  # fp32 input: torchao's
+
+
+def test_an_fp8_engine_swaps_per_request_with_torchaos_images(interpreted, adapter_factory, tmp_path):
+    """The tiny FLUX model in `fp8` with adapters swapped per request (the swap re-quantizes
+    the weights the kernel's layers read): every image equals torchao's own path's."""
+    adapter_factory("strong", "tiny-flux", rank=8, targets="all", alpha=64.0, seed=70, folder=tmp_path)
+    engine = Engine(EngineConfig(model="tiny-flux", adapters=tmp_path, compile=False, warmup=False, quantize="fp8",
+                                 dtype="bfloat16"))
+    switched = [m for m in engine.denoiser.modules() if isinstance(m, Float8RowsLinear)]
+    assert switched and all(type(m) is Float8RowsLinear for m in switched)
+
+    def image(loras) -> np.ndarray:
+        request = GenerateRequest(prompt="a fox", seed=2, steps=1, width=32, height=32, loras=loras)
+        return np.asarray(engine.generate(request).image)
+
+    ours = [image([("strong", 0.8)]), image([])]
+    for module in switched:
+        module.__class__ = nn.Linear
+    assert np.array_equal(image([("strong", 0.8)]), ours[0]) and np.array_equal(image([]), ours[1])
+    assert not np.array_equal(ours[0], ours[1])
