@@ -60,8 +60,8 @@ def shape_row(name: str, rows: int, k: int) -> dict:
     s = torch.empty(rows, 1, dtype=torch.float32, device="cuda")
     for per_program, block, warps in CONFIGS:
         row[f"kernel_{per_program}x{block}x{warps}_us"] = microseconds(
-            lambda: kernel[(-(-rows // per_program),)](x, q, s, rows, k, k, ROWS=per_program, BLOCK=block, EMULATE=False,
-                                                       num_warps=warps))
+            lambda: kernel[(-(-rows // per_program),)](x, q, s, rows, k, k, ROWS=per_program, BLOCK=block,
+                                                       EMULATE=False, num_warps=warps))
     row["best_kernel_us"] = min(v for key, v in row.items() if key.startswith("kernel_"))
     row["best_kernel_TBps"] = moved / row["best_kernel_us"] / 1e6
     row["inductor_TBps"] = moved / row["torchao_inductor_us"] / 1e6
