@@ -103,6 +103,7 @@ def test_other_modes_and_dtypes_keep_torchaos_path(interpreted):
         assert torch.equal(model[0](x.float()), nn.Linear.forward(model[0], x.float()))  # fp32 input: torchao's
 
 
+@pytest.mark.slow
 def test_an_fp8_engine_swaps_per_request_with_torchaos_images(interpreted, adapter_factory, tmp_path):
     """The tiny FLUX model in `fp8` with adapters swapped per request (the swap re-quantizes
     the weights the kernel's layers read): every image equals torchao's own path's."""
