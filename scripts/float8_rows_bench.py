@@ -61,7 +61,7 @@ def shape_row(name: str, rows: int, k: int) -> dict:
     for per_program, block, warps in CONFIGS:
         row[f"kernel_{per_program}x{block}x{warps}_us"] = microseconds(
             lambda: kernel[(-(-rows // per_program),)](x, q, s, rows, k, k, ROWS=per_program, BLOCK=block,
-                                                       EMULATE=False, num_warps=warps))
+                                                       EMULATE=False, GELU=False, num_warps=warps))
     row["best_kernel_us"] = min(v for key, v in row.items() if key.startswith("kernel_"))
     row["best_kernel_TBps"] = moved / row["best_kernel_us"] / 1e6
     row["inductor_TBps"] = moved / row["torchao_inductor_us"] / 1e6
@@ -81,6 +81,16 @@ def fused_producers() -> list[dict]:
         with_kernel = torch.compile(lambda *a, p=producer: torch.ops.loraswap.float8_rows(p(*a)))
         out.append({"case": name, "torchao_inductor_us": microseconds(lambda: with_torchao(*args)),
                     "kernel_us": microseconds(lambda: with_kernel(*args))})
+    # the GELU read by the kernel itself (its pre-activation input, no bf16 output in between)
+    q = torch.empty(hidden.shape, dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.empty(hidden.shape[0], 1, dtype=torch.float32, device="cuda")
+    kernel = rows_kernel._rows_kernel()
+    run = lambda: kernel[(hidden.shape[0],)](hidden, q, s, hidden.shape[0], hidden.shape[1], hidden.shape[1],  # noqa: E731
+                                             ROWS=1, BLOCK=2048, EMULATE=False, GELU=True, num_warps=8)
+    run()
+    reference = torchao_rows(F.gelu(hidden, approximate="tanh"))
+    out[-1]["kernel_with_gelu_inside_us"] = microseconds(run)
+    out[-1]["gelu_inside_values_differ"] = float((q.view(torch.uint8) != reference[0].view(torch.uint8)).float().mean())
     return out
 
 
@@ -90,6 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     results = {"env": environment(), "shapes": [shape_row(name, *shape) for name, shape in SHAPES.items()]}
+    args.out.write_text(json.dumps(results, indent=2))
     results["producers"] = fused_producers()
     args.out.write_text(json.dumps(results, indent=2))
     for row in results["shapes"]:
@@ -100,7 +111,7 @@ def main() -> None:
                   f"{k[7:-3]}={v:.0f}" for k, v in row.items() if k.startswith("kernel_")))
     for row in results["producers"]:
         print(f"{row['case']:28} compiled: torchao scaling {row['torchao_inductor_us']:.0f} us, "
-              f"kernel {row['kernel_us']:.0f} us")
+              f"kernel {row['kernel_us']:.0f} us", {k: v for k, v in row.items() if "inside" in k})
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ NUM_WARPS = 8
 @cache
 def _rows_kernel():
     """The Triton kernel, or None without Triton (built once, on first use)."""
-    global round_to_float8, _largest, tl  # Triton looks these up in the kernel's module
+    global round_to_float8, _largest, _activation, tl  # Triton looks these up in the kernel's module
     try:
         import triton
         import triton.language as tl
@@ -50,9 +50,20 @@ def _rows_kernel():
     def _largest(a, b):  # NaN wins, as in torch's amax
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
+    @triton.jit
+    def _activation(value, GELU: tl.constexpr):
+        """The loaded bf16 values in fp32; with GELU, tanh-GELU's bf16 output (as torch's)."""
+        value = value.to(tl.float32)
+        if GELU:
+            inner = 0.7978845608028654 * (value + 0.044715 * value * value * value)
+            value = 0.5 * value * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+            bits = value.to(tl.int32, bitcast=True)
+            value = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+        return value
+
     @triton.jit(do_not_specialize=["M", "stride"])
     def quantize_rows(x_ptr, q_ptr, s_ptr, M, K, stride, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                      EMULATE: tl.constexpr):
+                      EMULATE: tl.constexpr, GELU: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         in_m = rows < M
         cols = tl.arange(0, BLOCK)
@@ -60,7 +71,7 @@ def _rows_kernel():
         largest = tl.full([ROWS, BLOCK], 0.0, tl.float32)  # (tl.zeros: a jit function the interpreter cannot call)
         for start in range(0, K, BLOCK):
             at = start + cols[None, :]
-            value = tl.load(source + at, mask=in_m[:, None] & (at < K), other=0.0).to(tl.float32)
+            value = _activation(tl.load(source + at, mask=in_m[:, None] & (at < K), other=0.0), GELU)
             largest = _largest(largest, tl.abs(value))
         # Triton's own max (the interpreter runs it in numpy; it may drop NaN), then NaN put
         # back in the rows that had one
@@ -75,7 +86,7 @@ def _rows_kernel():
         for start in range(0, K, BLOCK):
             at = start + cols[None, :]
             mask = in_m[:, None] & (at < K)
-            value = tl.load(source + at, mask=mask, other=0.0).to(tl.float32)
+            value = _activation(tl.load(source + at, mask=mask, other=0.0), GELU)
             quantized = round_to_float8(tl.math.div_rn(value, divisor), EMULATE)
             tl.store(target + at, quantized.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -91,7 +102,9 @@ def kernel_runs(device: torch.device) -> bool:
         and _rows_kernel() is not None
 
 
-@torch.library.triton_op("loraswap::float8_rows", mutates_args=())
+# an opaque custom op: compiled graphs call it as it is (Inductor's own launch of a user's
+# Triton kernel, `torch.library.triton_op`, failed on torch 2.11 with Triton 3.6)
+@torch.library.custom_op("loraswap::float8_rows", mutates_args=())
 def float8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A 2-D bf16 activation with rows of unit stride as float8 e4m3 values and
     one fp32 scale per row ([rows, 1]), as torchao's `Float8Tensor.from_hp(x, PerRow())`."""
@@ -100,14 +113,18 @@ def float8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quantized = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
-        from torch.library import wrap_triton
-
         block = min(BLOCK, 1 << (k - 1).bit_length())
         per_program = 64 if os.environ.get("TRITON_INTERPRET") == "1" else ROWS
-        wrap_triton(_rows_kernel())[(triton_cdiv(rows, per_program),)](
-            x, quantized, scale, rows, k, x.stride(0), ROWS=per_program, BLOCK=block, EMULATE=not x.is_cuda,
+        _rows_kernel()[(triton_cdiv(rows, per_program),)](
+            x, quantized, scale, rows, k, x.stride(0), ROWS=per_program, BLOCK=block, EMULATE=not x.is_cuda, GELU=False,
             num_warps=NUM_WARPS)
     return quantized, scale
+
+
+@float8_rows.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+            torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device))
 
 
 class Float8RowsLinear(nn.Linear):
