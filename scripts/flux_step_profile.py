@@ -36,7 +36,10 @@ from loraswap.engine.float8_activations import Float8RowsLinear
 from loraswap.engine.quantize import quantize_module
 from loraswap.models.architectures import build_architecture_component
 
-VARIANTS = ("bf16", "torchao", "one-pass", "fused-qkv")
+VARIANTS = ("bf16", "torchao", "one-pass", "one-pass-outputs", "fused-qkv")
+# the linear layers whose input no other layer reads and that no norm produces: the ones
+# `one-pass-outputs` gives the kernel (the others keep torchao's scaling, fused by Inductor)
+OUTPUT_LAYERS = ("proj_out", "to_out.0", "to_add_out", "ff.net.2", "ff_context.net.2")
 SEPARATE_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 CATEGORIES = (  # first match wins; Inductor names its kernels after the ops they fuse (`_scaled_mm` for
     # an activation's float8 scaling), so its own come first; then cuDNN/FlashAttention, cuBLAS/CUTLASS
@@ -66,10 +69,10 @@ def build(base: torch.nn.Module, variant: str, quantize: str, device) -> torch.n
     elif variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant}; choose from {', '.join(VARIANTS)}")
     quantize_module(model, quantize, device)
-    if variant == "torchao":
-        for module in model.modules():
-            if isinstance(module, Float8RowsLinear):
-                module.__class__ = torch.nn.Linear
+    for name, module in model.named_modules():
+        if isinstance(module, Float8RowsLinear) and (
+                variant == "torchao" or (variant == "one-pass-outputs" and not name.endswith(OUTPUT_LAYERS))):
+            module.__class__ = torch.nn.Linear
     compile_denoiser(model, "default")
     return model
 
