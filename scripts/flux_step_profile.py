@@ -5,8 +5,9 @@ Builds the FLUX.1-dev transformer (real config, random weights) once, then one m
 variant, each compiled as the engine would (regional compile):
 - `bf16`: the transformer as built, unquantized (the reference the others are compared with);
 - `torchao`: quantized (`--quantize`), torchao's own activation scaling, fused by Inductor;
-- `one-pass`: quantized, activations scaled by loraswap's kernel (`float8_activations`), as
-  the engine serves `--quantize fp8`;
+- `one-pass`: quantized, the output projections' activations scaled by loraswap's kernel
+  (`float8_activations`), as the engine serves `--quantize fp8`;
+- `one-pass-all`: the kernel on every float8 linear layer;
 - `fused-qkv`: as `one-pass`, with diffusers' `fuse_qkv_projections` (one q/k/v matmul per
   stream instead of three, the separate projections dropped).
 Times `--steps` denoiser calls per image in interleaved rounds, compares one call's output
@@ -32,14 +33,11 @@ from loraswap.bench.common import environment, timed
 from loraswap.bench.swap import Denoise
 from loraswap.bench.swap_setup import denoiser_inputs
 from loraswap.engine.compile import compile_denoiser
-from loraswap.engine.float8_activations import Float8RowsLinear
+from loraswap.engine.float8_activations import Float8RowsLinear, use_float8_rows
 from loraswap.engine.quantize import quantize_module
 from loraswap.models.architectures import build_architecture_component
 
-VARIANTS = ("bf16", "torchao", "one-pass", "one-pass-outputs", "fused-qkv")
-# the linear layers whose input no other layer reads and that no norm produces: the ones
-# `one-pass-outputs` gives the kernel (the others keep torchao's scaling, fused by Inductor)
-OUTPUT_LAYERS = ("proj_out", "to_out.0", "to_add_out", "ff.net.2", "ff_context.net.2")
+VARIANTS = ("bf16", "torchao", "one-pass", "one-pass-all", "fused-qkv")
 SEPARATE_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 CATEGORIES = (  # first match wins; Inductor names its kernels after the ops they fuse (`_scaled_mm` for
     # an activation's float8 scaling), so its own come first; then cuDNN/FlashAttention, cuBLAS/CUTLASS
@@ -69,10 +67,12 @@ def build(base: torch.nn.Module, variant: str, quantize: str, device) -> torch.n
     elif variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant}; choose from {', '.join(VARIANTS)}")
     quantize_module(model, quantize, device)
-    for name, module in model.named_modules():
-        if isinstance(module, Float8RowsLinear) and (
-                variant == "torchao" or (variant == "one-pass-outputs" and not name.endswith(OUTPUT_LAYERS))):
-            module.__class__ = torch.nn.Linear
+    if variant == "one-pass-all":
+        use_float8_rows(model, names=None)
+    if variant == "torchao":
+        for module in model.modules():
+            if isinstance(module, Float8RowsLinear):
+                module.__class__ = torch.nn.Linear
     compile_denoiser(model, "default")
     return model
 

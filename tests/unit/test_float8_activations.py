@@ -20,7 +20,7 @@ from torchao.quantization import Float8Tensor, PerRow  # noqa: E402
 from loraswap.engine import float8_activations  # noqa: E402
 from loraswap.engine.config import EngineConfig, GenerateRequest  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
-from loraswap.engine.float8_activations import Float8RowsLinear  # noqa: E402
+from loraswap.engine.float8_activations import Float8RowsLinear, use_float8_rows  # noqa: E402
 from loraswap.engine.float8_rounding import float8_rounding  # noqa: E402
 from loraswap.engine.quantize import quantize_module  # noqa: E402
 
@@ -73,24 +73,51 @@ def test_rows_of_a_strided_view_are_read_where_they_lie(interpreted):
     assert torch.equal(scales, reference.scale.reshape(-1, 1))
 
 
+class Block(nn.Module):
+    """A norm feeding q and an MLP, whose output projections take the kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.to_q = nn.LayerNorm(96), nn.Linear(96, 96)
+        self.ff = nn.Module()
+        self.ff.net = nn.Sequential(nn.Linear(96, 256), nn.GELU(approximate="tanh"), nn.Linear(256, 80, bias=False))
+        self.proj_out = nn.Linear(96 + 80, 64)
+
+    def forward(self, x):
+        x = self.norm(x)
+        return self.proj_out(torch.cat([self.to_q(x), self.ff.net(x)], dim=-1))
+
+
 def quantized_model() -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(96, 256), nn.GELU(approximate="tanh"), nn.Linear(256, 80, bias=False),
-                          nn.LayerNorm(80)).to(torch.bfloat16)
+    model = Block().to(torch.bfloat16)
     quantize_module(model, "fp8")
     return model
 
 
-def test_fp8_layers_scale_activations_in_one_pass_with_torchaos_result(interpreted):
+def test_fp8_output_projections_scale_activations_in_one_pass_with_torchaos_result(interpreted):
     model = quantized_model()
-    assert [type(m) for m in model] == [Float8RowsLinear, nn.GELU, Float8RowsLinear, nn.LayerNorm]
+    switched = {name for name, m in model.named_modules() if type(m) is Float8RowsLinear}
+    assert switched == {"ff.net.2", "proj_out"}  # q and the MLP's first layer take a norm's output
     x = rows(2 * 9, 96, seed=3).reshape(2, 9, 96) / 100
     with torch.no_grad():
         ours = model(x)
-        for layer in (model[0], model[2]):
+        for layer in (model.ff.net[2], model.proj_out):
             layer.__class__ = nn.Linear  # torchao's own path through the same weights
         reference = model(x)
-    assert ours.shape == (2, 9, 80) and torch.equal(ours, reference)
+    assert ours.shape == (2, 9, 64) and torch.equal(ours, reference)
+
+
+def test_every_fp8_layer_can_take_the_kernel(interpreted):
+    model = quantized_model()
+    assert use_float8_rows(model, names=None) == 2  # the two not switched yet
+    x = rows(5, 96, seed=5) / 100
+    with torch.no_grad():
+        ours = model(x)
+        for layer in model.modules():
+            if isinstance(layer, Float8RowsLinear):
+                layer.__class__ = nn.Linear
+        assert torch.equal(ours, model(x))
 
 
 def test_other_modes_and_dtypes_keep_torchaos_path(interpreted):
@@ -99,8 +126,8 @@ def test_other_modes_and_dtypes_keep_torchaos_path(interpreted):
     assert type(model[0]) is nn.Linear
     model = quantized_model()
     with torch.no_grad():
-        x = rows(3, 96, seed=4) / 100
-        assert torch.equal(model[0](x.float()), nn.Linear.forward(model[0], x.float()))  # fp32 input: torchao's
+        x = rows(3, 176, seed=4) / 100
+        assert torch.equal(model.proj_out(x.float()), nn.Linear.forward(model.proj_out, x.float()))  # torchao's
 
 
 @pytest.mark.slow
@@ -110,8 +137,10 @@ def test_an_fp8_engine_swaps_per_request_with_torchaos_images(interpreted, adapt
     adapter_factory("strong", "tiny-flux", rank=8, targets="all", alpha=64.0, seed=70, folder=tmp_path)
     engine = Engine(EngineConfig(model="tiny-flux", adapters=tmp_path, compile=False, warmup=False, quantize="fp8",
                                  dtype="bfloat16"))
-    switched = [m for m in engine.denoiser.modules() if isinstance(m, Float8RowsLinear)]
+    switched = [m for name, m in engine.denoiser.named_modules() if isinstance(m, Float8RowsLinear)]
     assert switched and all(type(m) is Float8RowsLinear for m in switched)
+    assert {name.rsplit(".", 1)[-1] for name, m in engine.denoiser.named_modules()
+            if type(m) is Float8RowsLinear} >= {"proj_out", "0", "to_add_out", "2"}
 
     def image(loras) -> np.ndarray:
         request = GenerateRequest(prompt="a fox", seed=2, steps=1, width=32, height=32, loras=loras)

@@ -1,21 +1,29 @@
-"""Row-wise float8 activations in one pass: the input of every float8 linear layer (`--quantize
+"""Row-wise float8 activations in one pass: the input of a float8 linear layer (`--quantize
 fp8`) scaled by a Triton kernel of our own instead of torchao's torch ops.
 
 torchao quantizes each activation row as `x / s` with `s = amax(|row|) / 448` (the division
-in the activation's dtype), through ops that Inductor fuses into the kernel that produces
-the activation: one pass that reads it for the largest value and another that reads it
-again to scale it, each running well under the GPU's bandwidth at FLUX's rows of 3,072 to
-15,360 values (a quarter of the float8 step: bench/results/flux-steps-h200.json). torchao's
-own one-pass kernel (`mslk`'s `quantize_fp8_row`) is not published on PyPI for this CUDA.
-The kernel here gives one program a row: the first loop finds the largest value, the second
-reads the row again from the L2 cache (at most 30 KB a row), scales, rounds and stores it,
-so the activation leaves device memory once. Its output is torchao's bitwise (same scale,
-same rounding), but for an all-zero row: torchao divides 0 by 0 there and writes NaN, the
-kernel writes zeros.
+in the activation's dtype), through ops that Inductor fuses into the kernel producing the
+activation: one pass reads it for the largest value, another reads it again to scale it,
+well under the GPU's bandwidth at FLUX's rows of 3,072 to 15,360 values. torchao's own
+one-pass kernel (`mslk`'s `quantize_fp8_row`) is not published on PyPI for this CUDA. Here
+one program scales a row: the first loop finds the largest value, the second reads the row
+again from the L2 cache (at most 30 KB), scales, rounds and stores it. Its output is
+torchao's bitwise (same scale, same rounding), but for an all-zero row: torchao divides 0 by
+0 there and writes NaN, the kernel writes zeros. On an H200 it scales FLUX.1's activations
+3.5 to 13 times faster than Inductor's fused torchao ops
+(bench/results/float8-h200/activation-kernel.json).
 
-`use_float8_rows(module)` switches each float8 linear layer of a module quantized with
-`fp8` to this path; the weights stay torchao's `Float8Tensor`, so the swap re-quantizes them
-in place as before, and the matmul is the same `torch._scaled_mm` torchao calls.
+It is an opaque op to compiled graphs, so it pays only where Inductor cannot fuse better:
+the output projections (`OUTPUT_PROJECTIONS`: attention outputs and the feed-forward's
+second layer), whose input comes from attention or an activation function and feeds no
+other layer. A layer fed by a norm, or sharing its input with others (q, k and v), keeps
+torchao's scaling, which Inductor fuses into the norm's kernel and computes once for all of
+them; the kernel on every layer made a FLUX.1 step slower (96.3 ms against 92.8), on the
+output projections faster (90.0 against 92.4; bench/results/float8-h200/).
+
+`use_float8_rows(module)` switches those layers to this path; their weights stay torchao's
+`Float8Tensor`, so the swap re-quantizes them in place as before, and the matmul is the
+`torch._scaled_mm` torchao calls.
 """
 
 import logging
@@ -156,12 +164,18 @@ def _takes_float8_rows(module: nn.Module) -> bool:
             and weight.dtype == torch.bfloat16)
 
 
-def use_float8_rows(module: nn.Module) -> int:
-    """Switch every linear layer of `module` that `fp8` quantized to `Float8RowsLinear`
-    where the kernel runs on its device; returns how many were switched."""
+# diffusers' names for them (FLUX.1, FLUX.2's double blocks, SD3, Qwen-Image, Wan attention)
+OUTPUT_PROJECTIONS = ("proj_out", "to_out.0", "to_add_out", "ff.net.2", "ff_context.net.2")
+
+
+def use_float8_rows(module: nn.Module, names: tuple[str, ...] | None = OUTPUT_PROJECTIONS) -> int:
+    """Switch the linear layers of `module` that `fp8` quantized and whose names end with
+    one of `names` (None: every such layer) to `Float8RowsLinear` where the kernel runs on
+    their device; returns how many were switched."""
     switched = 0
-    for layer in module.modules():
-        if _takes_float8_rows(layer) and kernel_runs(layer.weight.qdata.device):
+    for name, layer in module.named_modules():
+        if (names is None or name.endswith(names)) and _takes_float8_rows(layer) \
+                and kernel_runs(layer.weight.qdata.device):
             layer.__class__ = Float8RowsLinear
             switched += 1
     if switched:
