@@ -1,9 +1,11 @@
 """The float8 re-quantization kernel on a GPU, against the eager path it replaces, on
-FLUX.1-sized weights: agreement (scales, float8 values) and time per swap of one layer.
+FLUX.1-sized weights: agreement (scales, float8 values) and time per swap of one layer, for
+one LoRA and for a blend of two (the second of half the rank, weight -0.5).
 
     PYTHONPATH=src python scripts/fp8_kernel_check.py [OUT.json]
 """
 
+import itertools
 import json
 import statistics
 import sys
@@ -28,15 +30,19 @@ def timed(fn, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def lora(rows: int, cols: int, rank: int) -> Layer:
+    return Layer(LORA, {"up": torch.randn(rows, rank, device="cuda", dtype=torch.bfloat16) * 0.01,
+                        "down": torch.randn(rank, cols, device="cuda", dtype=torch.bfloat16) * 0.01})
+
+
 def main(out: str | None) -> None:
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
     for granularity in (PerRow(), PerTensor()):
-        for rows, cols, rank in ((3072, 12288, 64), (12288, 3072, 16), (3072, 3072, 128)):
+        for (rows, cols, rank), blend in itertools.product(((3072, 12288, 64), (12288, 3072, 16),
+                                                            (3072, 3072, 128)), (False, True)):
             hp = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 0.02
-            up = torch.randn(rows, rank, device="cuda", dtype=torch.bfloat16) * 0.01
-            down = torch.randn(rank, cols, device="cuda", dtype=torch.bfloat16) * 0.01
-            change = [(Layer(LORA, {"up": up, "down": down}), 0.8)]
+            change = [(lora(rows, cols, rank), 0.8)] + ([(lora(rows, cols, rank // 2), -0.5)] if blend else [])
             results = {}
             for kernel in (True, False):
                 weight = Float8Tensor.from_hp(hp, float8_dtype=torch.float8_e4m3fn, granularity=granularity)
@@ -47,7 +53,7 @@ def main(out: str | None) -> None:
             (q, s, ms), (q_eager, s_eager, ms_eager) = results[True], results[False]
             differs = q.view(torch.uint8) != q_eager.view(torch.uint8)
             steps = (q.float() - q_eager.float()).abs() / q_eager.float().abs().clamp(min=2**-9)
-            case = {"granularity": type(granularity).__name__, "shape": [rows, cols], "rank": rank,
+            case = {"granularity": type(granularity).__name__, "shape": [rows, cols], "rank": rank, "blend": blend,
                     "scale_max_rel_diff": float(((s - s_eager).abs() / s_eager).max()),
                     "qdata_differ_fraction": float(differs.float().mean()),
                     "max_relative_step_where_differ": float(steps[differs].max()) if differs.any() else 0.0,

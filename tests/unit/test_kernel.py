@@ -166,6 +166,40 @@ def test_float8_kernel_matches_torchaos_requantization(interpreted, per_row, m, 
     assert torch.equal(pristine, base.qdata)  # the pristine copy is only read
 
 
+@pytest.mark.parametrize("per_row", [True, False])
+def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(interpreted, per_row):
+    """A blend of three LoRAs of ranks 5, 40 and 32 (padded to 32, 64 and 32 ranks) in one
+    call, each weighted by its own blend weight, against torchao's quantization of the fp32
+    sum the eager path makes."""
+    from torchao.quantization import Float8Tensor, PerRow, PerTensor
+
+    from loraswap.adapters.kinds import LORA, Layer
+    from loraswap.engine.float8_weights import side_by_side
+
+    granularity = PerRow() if per_row else PerTensor()
+    g = torch.Generator().manual_seed(7)
+    m, n = 70, 130
+    weight = torch.randn(m, n, generator=g) * torch.exp(torch.randn(m, n, generator=g) * 2)
+    base = Float8Tensor.from_hp(weight, float8_dtype=FLOAT8, granularity=granularity)
+    pristine, scale = base.qdata.clone(), base.scale.clone()
+    changes = [(Layer(LORA, {"up": torch.randn(m, r, generator=g), "down": torch.randn(r, n, generator=g)}, s), b)
+               for r, s, b in ((5, 0.5, 0.7), (40, 0.1, -1.2), (32, 1.0, 0.3))]
+    high = pristine.float() * scale
+    for layer, blend in changes:
+        high.addmm_(layer.up, layer.down, alpha=blend * layer.scale)
+    expected = Float8Tensor.from_hp(high, float8_dtype=FLOAT8, granularity=granularity)
+    up, down, alpha, alphas = side_by_side(changes, torch.device("cpu"))
+    assert up.shape == (m, 128) and down.shape == (128, n) and alphas.tolist() == pytest.approx(
+        [0.35, -0.12, -0.12, 0.3])
+    qdata, new_scale = torch.empty_like(pristine), torch.full_like(scale, float("nan"))
+    interpreted.requantize_into(qdata, new_scale, pristine, scale, up, down, alpha, alphas)
+    torch.testing.assert_close(new_scale, expected.scale.reshape(scale.shape), rtol=1e-6, atol=0)
+    differs = qdata.view(torch.uint8) != expected.qdata.view(torch.uint8)
+    assert differs.float().mean() < 1e-3  # fp32 sums in another order, one step at most
+    steps = (qdata.float() - expected.qdata.float()).abs() / expected.qdata.float().abs().clamp(min=2**-9)
+    assert (steps[differs] <= 2**-3 + 1e-6).all()
+
+
 @pytest.mark.slow  # Triton's interpreter
 def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(interpreted, adapter_factory, tmp_path):
     pytest.importorskip("torchao", reason="the test extra pins torchao")
@@ -173,6 +207,7 @@ def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(interpre
     from loraswap.engine.engine import Engine
 
     adapter_factory("f1", "tiny-flux", rank=8, targets="all", alpha=32.0, seed=92, folder=tmp_path)
+    adapter_factory("f2", "tiny-flux", rank=20, targets="all", alpha=10.0, seed=93, folder=tmp_path)
     engines = [Engine(EngineConfig(model="tiny-flux", adapters=tmp_path, compile=False, warmup=False,
                                    quantize="fp8-weight-only")) for _ in range(2)]
     engines[1].swapper.float8_kernel = False
@@ -189,12 +224,19 @@ def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(interpre
         for engine in engines:
             engine.set_adapters([("f1", 1.0)])
             fused.append(state(engine))
+        calls.append("blend")
+        for engine in engines:  # a blend of two: one kernel call per weight too
+            engine.set_adapters([("f1", 0.7), ("f2", -0.4)])
+            fused.append(state(engine))
     changed = [n for n in base if not torch.equal(base[n][0], fused[0][n][0])]
-    assert len(changed) > 20 and len(calls) == len(changed)  # every touched float8 weight, by the kernel
-    for name in changed:
-        (q, s), (q_eager, s_eager) = fused[0][name], fused[1][name]
-        torch.testing.assert_close(s, s_eager, rtol=1e-6, atol=0)
-        assert (q.view(torch.uint8) != q_eager.view(torch.uint8)).float().mean() < 1e-2
+    one, blend = calls[:calls.index("blend")], calls[calls.index("blend") + 1:]
+    assert len(changed) > 20 and len(one) == len(changed)  # every touched float8 weight, by the kernel
+    assert len(blend) == len({n for n in base if not torch.equal(base[n][0], fused[2][n][0])})
+    for first, second in ((0, 1), (2, 3)):
+        for name in changed:
+            (q, s), (q_eager, s_eager) = fused[first][name], fused[second][name]
+            torch.testing.assert_close(s, s_eager, rtol=1e-6, atol=0)
+            assert (q.view(torch.uint8) != q_eager.view(torch.uint8)).float().mean() < 1e-2
     engines[0].set_adapters([])
     after = state(engines[0])
     assert all(torch.equal(base[n][0], after[n][0]) and torch.equal(base[n][1], after[n][1]) for n in base)

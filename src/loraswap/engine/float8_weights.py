@@ -4,7 +4,7 @@ re-quantized in place after each swap, from a pristine copy of both."""
 import torch
 
 from ..adapters import kinds
-from .kernels import float8_kernel_available, requantize_into
+from .kernels import BLOCK_K, float8_kernel_available, requantize_into, triton_cdiv
 
 
 class Fp8Weight:
@@ -46,18 +46,21 @@ class Fp8Weight:
         self.scale.copy_(self.pristine_scale, non_blocking=True)
 
     def write(self, changes: list[tuple[kinds.Layer, float]], kernel: bool = False) -> None:
-        """One plain LoRA through `kernels.requantize_into` where it runs (and `kernel`), two
-        passes reading the float8 copy; other kinds, a blend, or elsewhere, through eager
-        fp32 ops (`changes`: (layer, the request's weight) in order)."""
+        """Plain LoRAs (one, or a blend side by side) through `kernels.requantize_into` where
+        it runs (and `kernel`), two passes reading the float8 copy; other kinds, or elsewhere,
+        through eager fp32 ops (`changes`: (layer, the request's weight) in order)."""
         from torchao.quantization import Float8Tensor
 
         device = self.qdata.device
         qdata = self.pristine_qdata.to(device, non_blocking=True)
         scale = self.pristine_scale.to(device, non_blocking=True)
-        if kernel and len(changes) == 1 and changes[0][0].plain and float8_kernel_available(self.qdata) \
+        if kernel and all(layer.plain for layer, _ in changes) and float8_kernel_available(self.qdata) \
                 and self.qdata.is_contiguous():
-            layer, blend = changes[0]
-            requantize_into(self.qdata, self.scale, qdata, scale, layer.up, layer.down, blend * layer.scale)
+            if len(changes) == 1:
+                layer, blend = changes[0]
+                requantize_into(self.qdata, self.scale, qdata, scale, layer.up, layer.down, blend * layer.scale)
+            else:
+                requantize_into(self.qdata, self.scale, qdata, scale, *side_by_side(changes, device))
             return
         high = qdata.to(torch.float32) * scale.to(torch.float32)  # [rows, 1] or [1, 1]: broadcast
         for layer, blend in changes:
@@ -68,3 +71,21 @@ class Fp8Weight:
         fresh = Float8Tensor.from_hp(high, float8_dtype=self.qdata.dtype, granularity=self.granularity)
         self.qdata.copy_(fresh.qdata)
         self.scale.copy_(fresh.scale.reshape(self.scale.shape))
+
+
+def side_by_side(changes: list[tuple[kinds.Layer, float]], device: torch.device) -> tuple:
+    """A blend of plain LoRAs as `requantize_into`'s (up, down, 1.0, alphas): the up factors
+    side by side and the down factors stacked, each padded with zero ranks to a multiple of
+    `BLOCK_K`, and each block's weight (the kernel weighs each block's product, in fp32, as
+    the eager path adds each adapter's)."""
+    dtype = changes[0][0].up.dtype
+    for layer, _ in changes:
+        dtype = torch.promote_types(dtype, layer.up.dtype)
+    ups, downs, alphas = [], [], []
+    for layer, blend in changes:
+        rank = layer.down.shape[0]
+        padding = triton_cdiv(rank, BLOCK_K) * BLOCK_K - rank
+        ups.append(torch.nn.functional.pad(layer.up.to(dtype), (0, padding)))
+        downs.append(torch.nn.functional.pad(layer.down.to(dtype), (0, 0, 0, padding)))
+        alphas += [blend * layer.scale] * ((rank + padding) // BLOCK_K)
+    return torch.cat(ups, 1), torch.cat(downs, 0), 1.0, torch.tensor(alphas, dtype=torch.float32, device=device)

@@ -26,7 +26,7 @@ NUM_WARPS = 4
 @cache
 def _kernel():
     """The compiled Triton kernel, or None without Triton (built once, on first use)."""
-    global _lora_tile  # Triton looks the functions a kernel calls up in its module's globals
+    global _lora_tile, _blended_tile  # Triton looks the functions a kernel calls up in its module's globals
     try:
         import triton
         import triton.language as tl
@@ -34,10 +34,11 @@ def _kernel():
         return None
 
     @triton.jit
-    def _lora_tile(b_ptr, a_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IEEE: tl.constexpr):
+    def _blended_tile(b_ptr, a_ptr, alphas_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr, BLENDED: tl.constexpr):
         # this program's tile of B @ A in fp32 (one tile of an M x N weight per program), with
-        # its rows (int64), row mask, offsets into the weight and mask
+        # its rows (int64), row mask, offsets into the weight and mask; BLENDED: each block of
+        # BLOCK_K ranks times its own weight (`alphas_ptr`), the adapters of a blend side by side
         tiles_n = (N + BLOCK_N - 1) // BLOCK_N
         pid = tl.program_id(0)
         rm = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -53,10 +54,18 @@ def _kernel():
             a = tl.load(a_ptr + ks[:, None].to(tl.int64) * N + rn[None, :],
                         mask=(ks[:, None] < K) & in_n[None, :], other=0.0)
             if IEEE:  # fp32 weights (and the CPU interpreter, whose bf16 dot is wrong): fp32 products
-                acc += tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+                part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
             else:
-                acc += tl.dot(b, a)
+                part = tl.dot(b, a)
+            if BLENDED:
+                part = part * tl.load(alphas_ptr + k0 // BLOCK_K)
+            acc += part
         return acc, rows, in_m, rows[:, None] * N + rn[None, :], in_m[:, None] & in_n[None, :]
+
+    @triton.jit
+    def _lora_tile(b_ptr, a_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   IEEE: tl.constexpr):
+        return _blended_tile(b_ptr, a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, False)
 
     # Weights, their copies and packed factors are 16-byte aligned, and row lengths and ranks
     # mostly multiples of 16: specialized on those (vectorized loads), the kernel has up to six
@@ -202,10 +211,11 @@ def _float8_kernel():
         return tl.maximum(a, b)
 
     @triton.jit(do_not_specialize=["M", "alpha"])
-    def requantize(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, stats_ptr, M, N, K, alpha, PASS: tl.constexpr,
+    def requantize(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, alphas_ptr, stats_ptr, M, N, K, alpha, PASS: tl.constexpr,
                    PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IEEE: tl.constexpr, EMULATE: tl.constexpr):
-        acc, rows, in_m, offsets, mask = _lora_tile(b_ptr, a_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+                   IEEE: tl.constexpr, EMULATE: tl.constexpr, BLENDED: tl.constexpr):
+        acc, rows, in_m, offsets, mask = _blended_tile(b_ptr, a_ptr, alphas_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                       IEEE, BLENDED)
         if PER_ROW:
             scale = tl.load(s_ptr + rows, mask=in_m, other=1.0)[:, None]
         else:
@@ -237,19 +247,22 @@ def float8_kernel_available(qdata: torch.Tensor) -> bool:
 
 
 def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
-                    pristine_scale: torch.Tensor, up: torch.Tensor, down: torch.Tensor, alpha: float) -> None:
+                    pristine_scale: torch.Tensor, up: torch.Tensor, down: torch.Tensor, alpha: float,
+                    alphas: torch.Tensor | None = None) -> None:
     """qdata, scale = float8(pristine_qdata * pristine_scale + alpha * up @ down), in place,
-    with a scale per row (`scale` of shape [rows, 1]) or per tensor ([1, 1]); all on one device."""
+    with a scale per row (`scale` of shape [rows, 1]) or per tensor ([1, 1]); all on one device.
+    With `alphas` (fp32, one per `BLOCK_K` ranks: a blend's adapters side by side, each
+    padded to a multiple of `BLOCK_K`), each block of ranks is weighted by its own."""
     m, n = qdata.shape
     k = down.shape[0]
     per_row = scale.numel() != 1
     stats = torch.zeros(m if per_row else 1, device=qdata.device, dtype=torch.float32)
     grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
     for step in (0, 1):
-        _float8_kernel()[grid](qdata, pristine_qdata, pristine_scale, up, down, stats, m, n, k, float(alpha),
-                               PASS=step, PER_ROW=per_row, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                               IEEE=up.dtype == torch.float32 or not qdata.is_cuda, EMULATE=not qdata.is_cuda,
-                               num_warps=NUM_WARPS)
+        _float8_kernel()[grid](qdata, pristine_qdata, pristine_scale, up, down, stats if alphas is None else alphas,
+                               stats, m, n, k, float(alpha), PASS=step, PER_ROW=per_row, BLOCK_M=BLOCK_M,
+                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=up.dtype == torch.float32 or not qdata.is_cuda,
+                               EMULATE=not qdata.is_cuda, BLENDED=alphas is not None, num_warps=NUM_WARPS)
         if step == 0:  # the largest |W| -> the new scale, by torchao's own op (CUDA divides by 448 as
             stats = stats / FLOAT8_MAX  # a multiply by its reciprocal, which pass 1 must divide by too)
     scale.view(-1).copy_(stats)
@@ -314,12 +327,13 @@ def warm_up(device: torch.device, dtype: torch.dtype, row_lengths: Iterable[int]
 def warm_up_float8(device: torch.device, per_tensor: bool, row_lengths: Iterable[int],
                    dtype: torch.dtype = torch.bfloat16) -> None:
     """Compile `requantize_into`'s variants (both passes) for float8 weights with these row
-    lengths and `dtype` factors, as `warm_up` does."""
+    lengths and `dtype` factors, as `warm_up` does, and for blends (ranks padded to 16s)."""
     for n, k in variants(row_lengths):
         pristine = torch.zeros(2, n, device=device, dtype=torch.float8_e4m3fn)
         scale = torch.ones(1 if per_tensor else 2, 1, device=device)
         up, down = torch.ones(2, k, device=device, dtype=dtype), torch.ones(k, n, device=device, dtype=dtype)
-        requantize_into(torch.empty_like(pristine), torch.empty_like(scale), pristine, scale, up, down, 1.0)
+        for alphas in [None] + ([torch.ones(triton_cdiv(k, BLOCK_K), device=device)] if k % 16 == 0 else []):
+            requantize_into(torch.empty_like(pristine), torch.empty_like(scale), pristine, scale, up, down, 1.0, alphas)
 
 
 def triton_cdiv(a: int, b: int) -> int:
