@@ -258,14 +258,13 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
     per_row = scale.numel() != 1
     stats = torch.zeros(m if per_row else 1, device=qdata.device, dtype=torch.float32)
     grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
-    for step in (0, 1):
+    for step, largest in ((0, stats), (1, scale)):
         _float8_kernel()[grid](qdata, pristine_qdata, pristine_scale, up, down, stats if alphas is None else alphas,
-                               stats, m, n, k, float(alpha), PASS=step, PER_ROW=per_row, BLOCK_M=BLOCK_M,
+                               largest, m, n, k, float(alpha), PASS=step, PER_ROW=per_row, BLOCK_M=BLOCK_M,
                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=up.dtype == torch.float32 or not qdata.is_cuda,
                                EMULATE=not qdata.is_cuda, BLENDED=alphas is not None, num_warps=NUM_WARPS)
-        if step == 0:  # the largest |W| -> the new scale, by torchao's own op (CUDA divides by 448 as
-            stats = stats / FLOAT8_MAX  # a multiply by its reciprocal, which pass 1 must divide by too)
-    scale.view(-1).copy_(stats)
+        if step == 0:  # the largest |W| -> the new scale, by torchao's own op (CUDA divides by 448 as a
+            torch.div(stats, FLOAT8_MAX, out=scale.view(-1))  # multiply by its reciprocal), which pass 1 reads
 
 
 def kernel_available(weight: torch.Tensor) -> bool:
