@@ -8,6 +8,8 @@ variant, each compiled as the engine would (regional compile):
 - `one-pass`: quantized, the output projections' activations scaled by loraswap's kernel
   (`float8_activations`), as the engine serves `--quantize fp8`;
 - `one-pass-all`: the kernel on every float8 linear layer;
+- `one-pass-gelu`: as `one-pass`, with the feed-forwards' GELU applied by the kernel of
+  their second layer (`use_float8_gelu_rows`);
 - `fused-qkv`: as `one-pass`, with diffusers' `fuse_qkv_projections` (one q/k/v matmul per
   stream instead of three, the separate projections dropped).
 Times `--steps` denoiser calls per image in interleaved rounds, compares one call's output
@@ -33,11 +35,11 @@ from loraswap.bench.common import environment, timed
 from loraswap.bench.swap import Denoise
 from loraswap.bench.swap_setup import denoiser_inputs
 from loraswap.engine.compile import compile_denoiser
-from loraswap.engine.float8_activations import Float8RowsLinear, use_float8_rows
+from loraswap.engine.float8_activations import Float8RowsLinear, use_float8_gelu_rows, use_float8_rows
 from loraswap.engine.quantize import quantize_module
 from loraswap.models.architectures import build_architecture_component
 
-VARIANTS = ("bf16", "torchao", "one-pass", "one-pass-all", "fused-qkv")
+VARIANTS = ("bf16", "torchao", "one-pass", "one-pass-all", "one-pass-gelu", "fused-qkv")
 SEPARATE_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 CATEGORIES = (  # first match wins; Inductor names its kernels after the ops they fuse (`_scaled_mm` for
     # an activation's float8 scaling), so its own come first; then cuDNN/FlashAttention, cuBLAS/CUTLASS
@@ -69,6 +71,8 @@ def build(base: torch.nn.Module, variant: str, quantize: str, device) -> torch.n
     quantize_module(model, quantize, device)
     if variant == "one-pass-all":
         use_float8_rows(model, names=None)
+    if variant == "one-pass-gelu":
+        use_float8_gelu_rows(model)
     if variant == "torchao":
         for module in model.modules():
             if isinstance(module, Float8RowsLinear):

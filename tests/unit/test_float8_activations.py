@@ -10,6 +10,7 @@ torchao at FLUX.1's shapes."""
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 pytest.importorskip("triton", reason="the test extra pins triton for the CPU interpreter")
@@ -20,7 +21,11 @@ from torchao.quantization import Float8Tensor, PerRow  # noqa: E402
 from loraswap.engine import float8_activations  # noqa: E402
 from loraswap.engine.config import EngineConfig, GenerateRequest  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
-from loraswap.engine.float8_activations import Float8RowsLinear, use_float8_rows  # noqa: E402
+from loraswap.engine.float8_activations import (  # noqa: E402
+    Float8RowsLinear,
+    use_float8_gelu_rows,
+    use_float8_rows,
+)
 from loraswap.engine.float8_rounding import float8_rounding  # noqa: E402
 from loraswap.engine.quantize import quantize_module  # noqa: E402
 
@@ -118,6 +123,33 @@ def test_every_fp8_layer_can_take_the_kernel(interpreted):
             if isinstance(layer, Float8RowsLinear):
                 layer.__class__ = nn.Linear
         assert torch.equal(ours, model(x))
+
+
+def test_a_feed_forwards_gelu_moves_into_its_second_layers_kernel(interpreted):
+    """diffusers' FeedForward (tanh-GELU) with the GELU applied by the kernel as it reads the
+    first layer's output: the same float8 values as torchao's scaling of torch's GELU output
+    but where the two GELUs round apart, one float8 step at most."""
+    from diffusers.models.activations import GELU
+    from diffusers.models.attention import FeedForward
+
+    torch.manual_seed(1)
+    model = nn.Module()
+    model.ff = FeedForward(96, dim_out=80, activation_fn="gelu-approximate").to(torch.bfloat16)
+    quantize_module(model, "fp8")
+    assert use_float8_gelu_rows(model) == 1 and type(model.ff.net[2]).__name__ == "Float8GeluRowsLinear"
+    x = rows(40, 96, seed=6) / 100
+    with torch.no_grad():
+        hidden = model.ff.net[0](x)  # the first layer's output, before the GELU
+        ours = torch.ops.loraswap.float8_rows(hidden, True)
+        reference = Float8Tensor.from_hp(F.gelu(hidden, approximate="tanh"), granularity=PerRow())
+        out = model.ff(x)
+        model.ff.net[0].__class__, model.ff.net[2].__class__ = GELU, nn.Linear
+        expected = model.ff(x)
+    differs = ours[0].view(torch.uint8) != reference.qdata.view(torch.uint8)
+    assert differs.float().mean() < 0.01
+    steps = (ours[0].float() - reference.qdata.float()).abs() / reference.qdata.float().abs().clamp(min=2**-9)
+    assert (steps[differs] <= 2**-3 + 1e-6).all()
+    assert ((out.float() - expected.float()).norm() / expected.float().norm()).item() < 0.01
 
 
 def test_other_modes_and_dtypes_keep_torchaos_path(interpreted):

@@ -31,6 +31,9 @@ import os
 from functools import cache
 
 import torch
+import torch.nn.functional as F
+from diffusers.models.activations import GELU
+from diffusers.models.attention import FeedForward
 from torch import nn
 
 from .float8_rounding import float8_rounding
@@ -113,9 +116,10 @@ def kernel_runs(device: torch.device) -> bool:
 # an opaque custom op: compiled graphs call it as it is (Inductor's own launch of a user's
 # Triton kernel, `torch.library.triton_op`, failed on torch 2.11 with Triton 3.6)
 @torch.library.custom_op("loraswap::float8_rows", mutates_args=())
-def float8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def float8_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A 2-D bf16 activation with rows of unit stride as float8 e4m3 values and
-    one fp32 scale per row ([rows, 1]), as torchao's `Float8Tensor.from_hp(x, PerRow())`."""
+    one fp32 scale per row ([rows, 1]), as torchao's `Float8Tensor.from_hp(x, PerRow())`;
+    with `gelu`, of tanh-GELU(x) (rounded to bf16 first, as torch's GELU returns it)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, k = x.shape
     quantized = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
@@ -124,13 +128,13 @@ def float8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = min(BLOCK, 1 << (k - 1).bit_length())
         per_program = 64 if os.environ.get("TRITON_INTERPRET") == "1" else ROWS
         _rows_kernel()[(triton_cdiv(rows, per_program),)](
-            x, quantized, scale, rows, k, x.stride(0), ROWS=per_program, BLOCK=block, EMULATE=not x.is_cuda, GELU=False,
+            x, quantized, scale, rows, k, x.stride(0), ROWS=per_program, BLOCK=block, EMULATE=not x.is_cuda, GELU=gelu,
             num_warps=NUM_WARPS)
     return quantized, scale
 
 
 @float8_rows.register_fake
-def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
             torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device))
 
@@ -140,14 +144,46 @@ class Float8RowsLinear(nn.Linear):
     quantized by `float8_rows` and multiplied as torchao does (`torch._scaled_mm`, the
     weight's own fast-accumulation setting). Other activation dtypes take torchao's path."""
 
+    gelu_input = False  # the input is a GELU's (`Float8GeluRowsLinear`)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
-            return super().forward(x)
+            return super().forward(F.gelu(x, approximate="tanh") if self.gelu_input else x)
         weight = self.weight
-        quantized, scale = torch.ops.loraswap.float8_rows(x.reshape(-1, x.shape[-1]))
+        quantized, scale = torch.ops.loraswap.float8_rows(x.reshape(-1, x.shape[-1]), self.gelu_input)
         out = torch._scaled_mm(quantized, weight.qdata.t(), scale_a=scale, scale_b=weight.scale.t(), bias=self.bias,
                                out_dtype=x.dtype, use_fast_accum=weight.mm_config.use_fast_accum)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Float8GeluRowsLinear(Float8RowsLinear):
+    """A feed-forward's second layer whose input is the first layer's output before its
+    tanh-GELU: the kernel applies the GELU as it reads (`use_float8_gelu_rows`)."""
+
+    gelu_input = True
+
+
+class _WithoutGelu(GELU):
+    """diffusers' GELU module (a linear layer, then GELU) without the GELU: the next layer
+    applies it."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.proj(hidden_states)
+
+
+def use_float8_gelu_rows(module: nn.Module) -> int:
+    """In every feed-forward of `module` (diffusers' `FeedForward`: tanh-GELU module, dropout,
+    a `Float8RowsLinear`), the GELU moved into the second layer's kernel, so that its output
+    is never written in bf16; returns how many were changed."""
+    changed = 0
+    for layer in module.modules():
+        net = getattr(layer, "net", None)
+        if isinstance(layer, FeedForward) and len(net) == 3 and type(net[0]) is GELU \
+                and net[0].approximate == "tanh" and isinstance(net[1], nn.Dropout) \
+                and type(net[2]) is Float8RowsLinear:
+            net[0].__class__, net[2].__class__ = _WithoutGelu, Float8GeluRowsLinear
+            changed += 1
+    return changed
 
 
 def _takes_float8_rows(module: nn.Module) -> bool:
