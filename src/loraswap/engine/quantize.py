@@ -1,9 +1,9 @@
 """`--quantize` and `--quantize-text-encoders`: linear weights in float8, through torchao.
 
 `fp8`: float8 weights and dynamically quantized activations, row-wise scales (float8
-matmuls; CUDA compute capability 8.9 or later), the activations scaled in one pass by
-`float8_activations`. `fp8-tensorwise`: the same with one scale
-per tensor (cheaper scaling, coarser). `fp8-weight-only`: float8 weights de-quantized in
+matmuls; CUDA compute capability 8.9 or later), the output projections' activations scaled
+in one pass by `float8_activations`. `fp8-tensorwise`: the same with one scale per tensor
+(cheaper scaling, coarser). `fp8-weight-only`: float8 weights de-quantized in
 the matmul (half the weight memory, any device). Either way the fused swap re-quantizes a
 touched weight from its pristine float8 copy (`swap.Fp8Weight`).
 """
