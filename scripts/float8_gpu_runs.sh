@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The float8 GPU runs in the order they matter, each under its own timeout, for one device
+# call (about 8 minutes with every step). Run from the repository root on a CUDA machine
+# with PYTHONPATH=src; results go under ${OUT:-out}.
+#   bash scripts/float8_gpu_runs.sh [step ...]
+# steps: loops check steps swap-flux2 swap-wan swap-flux
+set -uo pipefail
+out=${OUT:-out}
+mkdir -p "$out"
+steps=${*:-loops check steps swap-flux2 swap-wan}
+run() {
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (timeout $limit s)"
+  timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tail -40
+  echo "== $name rc ${PIPESTATUS[0]}"
+}
+
+for step in $steps; do
+  case $step in
+    loops)  # the re-quantization kernel's loop orders (which one to build in)
+      run loops 150 python scripts/float8_kernel_loops.py ;;
+    check)  # the re-quantization kernel against eager torchao, one LoRA and a blend
+      run check 120 python scripts/fp8_kernel_check.py "$out/fp8-kernel-check.json" ;;
+    steps)  # a FLUX.1 step: torchao's scaling, the served kernel, the kernel with the GELU
+      run steps 330 python scripts/flux_step_profile.py --variants torchao,one-pass,one-pass-gelu --rounds 3 \
+        --out "$out/flux-steps.json" ;;
+    swap-flux2 | swap-wan | swap-flux)  # a float8 swap's time by kernel
+      architecture=$(case $step in swap-flux2) echo flux2-dev ;; swap-wan) echo wan-14b ;; *) echo flux-dev ;; esac)
+      run "$step" 300 python scripts/float8_swap_profile.py --architecture "$architecture" --rounds 8 \
+        --out "$out/swap-profile-$architecture.json" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
