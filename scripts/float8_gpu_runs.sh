@@ -19,7 +19,7 @@ run() {
 for step in $steps; do
   case $step in
     loops)  # the re-quantization kernel's loop orders (which one to build in)
-      run loops 150 python scripts/float8_kernel_loops.py ;;
+      run loops 150 python scripts/float8_kernel_variants.py --runs loops --out "$out/kernel-loops.json" ;;
     check)  # the re-quantization kernel against eager torchao, one LoRA and a blend
       run check 120 python scripts/fp8_kernel_check.py "$out/fp8-kernel-check.json" ;;
     steps)  # a FLUX.1 step: torchao's scaling, the served kernel, the kernel with the GELU

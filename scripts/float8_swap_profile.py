@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from loraswap.bench.common import environment, sync, timed, write_random_adapters
+from loraswap.bench.common import environment, gpu_kernel_times, timed, write_random_adapters
 from loraswap.bench.swap_setup import bound_reader, build_denoiser
 from loraswap.engine.quantize import quantize_module
 from loraswap.engine.swap import FusedSwapper
@@ -44,24 +44,12 @@ def routes(swapper: FusedSwapper, adapter) -> dict:
     return {route: {"layers": n, "GiB": b / 2**30} for route, (n, b) in counts.items()}
 
 
-def kernel_profile(swap, swaps: int, device: torch.device) -> dict:
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(swaps):
-            swap()
-        sync()
-    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            row = per_kernel[event.name[:120]]
-            row[0] += event.time_range.elapsed_us() / 1e3 / swaps
-            row[1] += 1 / swaps
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
-    return {"gpu_busy_ms": sum(ms for ms, _ in per_kernel.values()),
-            "launches": sum(n for _, n in per_kernel.values()),
-            "kernels": [{"name": name, "ms": ms, "calls": n} for name, (ms, n) in top[:20]]}
+def kernel_profile(swap, swaps: int) -> dict:
+    times = gpu_kernel_times(lambda: [swap() for _ in range(swaps)], swaps)
+    top = sorted(times.items(), key=lambda kv: -kv[1][0])
+    return {"gpu_busy_ms": sum(ms for ms, _ in times.values()),
+            "launches": sum(n for _, n in times.values()),
+            "kernels": [{"name": name[:120], "ms": ms, "calls": n} for name, (ms, n) in top[:20]]}
 
 
 def main() -> None:
@@ -91,7 +79,7 @@ def main() -> None:
     swap = lambda: swapper.apply([(adapters[next(turn) % 2], 1.0)])  # noqa: E731
     walls = [timed(swap)[0] * 1e3 for _ in range(args.rounds)]
     results["swap_ms"] = {"p50": statistics.median(walls), "min": min(walls), "all": walls}
-    results["profile"] = profile = kernel_profile(swap, 3, device)
+    results["profile"] = profile = kernel_profile(swap, 3)
     results["float8_bytes_GB"] = 2 * touched / 1e9
     results["floor_rate_TBps_at_wall"] = 2 * touched / 1e12 / (results["swap_ms"]["p50"] / 1e3)
     results["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from loraswap.bench.common import environment, timed
+from loraswap.bench.common import environment, gpu_kernel_times, timed
 from loraswap.bench.swap import Denoise
 from loraswap.bench.swap_setup import denoiser_inputs
 from loraswap.engine.compile import compile_denoiser
@@ -82,25 +82,16 @@ def build(base: torch.nn.Module, variant: str, quantize: str, device) -> torch.n
 
 
 def kernel_profile(denoise: Denoise, steps: int) -> dict:
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        denoise(steps)
-        torch.cuda.synchronize()
-    per_kernel: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[event.name] += event.time_range.elapsed_us() / 1e3 / steps
-            counts[event.name] += 1
+    times = gpu_kernel_times(lambda: denoise(steps), steps)
     by_category: dict[str, float] = defaultdict(float)
-    for name, ms in per_kernel.items():
+    for name, (ms, _) in times.items():
         by_category[category(name)] += ms
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
-    return {"ms_per_step": sum(per_kernel.values()),
+    top = sorted(times.items(), key=lambda kv: -kv[1][0])[:25]
+    return {"ms_per_step": sum(ms for ms, _ in times.values()),
             "by_category_ms_per_step": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
-            "launches_per_step": sum(counts.values()) / steps,
+            "launches_per_step": sum(n for _, n in times.values()),
             "top_kernels": [{"name": name[:160], "category": category(name), "ms_per_step": ms,
-                             "calls_per_step": counts[name] / steps} for name, ms in top]}
+                             "calls_per_step": n} for name, (ms, n) in top]}
 
 
 def main() -> None:

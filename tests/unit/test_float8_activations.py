@@ -35,11 +35,27 @@ def interpreted(monkeypatch):
     """The kernel built for Triton's interpreter, and torchao's float8 activations allowed on CPU."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr("torchao.quantization.quant_api._check_hardware_support", lambda granularity: None)
-    for built in (float8_activations._rows_kernel, float8_rounding):
+    kernels = (float8_activations._rows_kernel, float8_rounding)
+    for built in kernels:
         built.cache_clear()
     yield
-    for built in (float8_activations._rows_kernel, float8_rounding):
+    for built in kernels:
         built.cache_clear()
+
+
+@pytest.fixture
+def launches(interpreted, monkeypatch) -> list:
+    """The grids the activation kernel is launched on, from now on (its compiled layers are
+    otherwise indistinguishable from torchao's path: the results are the same)."""
+    grids, built = [], float8_activations._rows_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return built()[grid]
+
+    monkeypatch.setattr(float8_activations, "_rows_kernel", Counted)
+    return grids
 
 
 def rows(count: int, k: int, seed: int) -> torch.Tensor:
@@ -100,32 +116,34 @@ def quantized_model() -> nn.Module:
     return model
 
 
-def test_fp8_output_projections_scale_activations_in_one_pass_with_torchaos_result(interpreted):
+def test_fp8_output_projections_scale_activations_in_one_pass_with_torchaos_result(launches):
     model = quantized_model()
     switched = {name for name, m in model.named_modules() if type(m) is Float8RowsLinear}
     assert switched == {"ff.net.2", "proj_out"}  # q and the MLP's first layer take a norm's output
     x = rows(2 * 9, 96, seed=3).reshape(2, 9, 96) / 100
     with torch.no_grad():
         ours = model(x)
+        assert len(launches) == 2  # the kernel ran, once for each
         for layer in (model.ff.net[2], model.proj_out):
             layer.__class__ = nn.Linear  # torchao's own path through the same weights
         reference = model(x)
     assert ours.shape == (2, 9, 64) and torch.equal(ours, reference)
 
 
-def test_every_fp8_layer_can_take_the_kernel(interpreted):
+def test_every_fp8_layer_can_take_the_kernel(launches):
     model = quantized_model()
     assert use_float8_rows(model, names=None) == 2  # the two not switched yet
     x = rows(5, 96, seed=5) / 100
     with torch.no_grad():
         ours = model(x)
+        assert len(launches) == 4
         for layer in model.modules():
             if isinstance(layer, Float8RowsLinear):
                 layer.__class__ = nn.Linear
         assert torch.equal(ours, model(x))
 
 
-def test_a_feed_forwards_gelu_moves_into_its_second_layers_kernel(interpreted):
+def test_a_feed_forwards_gelu_moves_into_its_second_layers_kernel(launches):
     """diffusers' FeedForward (tanh-GELU) with the GELU applied by the kernel as it reads the
     first layer's output: the same float8 values as torchao's scaling of torch's GELU output
     but where the two GELUs round apart, one float8 step at most."""
@@ -142,7 +160,9 @@ def test_a_feed_forwards_gelu_moves_into_its_second_layers_kernel(interpreted):
         hidden = model.ff.net[0](x)  # the first layer's output, before the GELU
         ours = torch.ops.loraswap.float8_rows(hidden, True)
         reference = Float8Tensor.from_hp(F.gelu(hidden, approximate="tanh"), granularity=PerRow())
+        launched = len(launches)
         out = model.ff(x)
+        assert len(launches) == launched + 1
         model.ff.net[0].__class__, model.ff.net[2].__class__ = GELU, nn.Linear
         expected = model.ff(x)
     differs = ours[0].view(torch.uint8) != reference.qdata.view(torch.uint8)
@@ -163,7 +183,7 @@ def test_other_modes_and_dtypes_keep_torchaos_path(interpreted):
 
 
 @pytest.mark.slow
-def test_an_fp8_engine_swaps_per_request_with_torchaos_images(interpreted, adapter_factory, tmp_path):
+def test_an_fp8_engine_swaps_per_request_with_torchaos_images(launches, adapter_factory, tmp_path):
     """The tiny FLUX model in `fp8` with an adapter swapped in (the swap re-quantizes the
     weights the kernel's layers read): its image equals torchao's own path's, bitwise."""
     adapter_factory("strong", "tiny-flux", rank=8, targets="all", alpha=64.0, seed=70, folder=tmp_path)
@@ -179,6 +199,7 @@ def test_an_fp8_engine_swaps_per_request_with_torchaos_images(interpreted, adapt
         return np.asarray(engine.generate(request).image)
 
     ours = image([("strong", 0.8)])
+    assert len(launches) >= len(switched)  # every output projection through the kernel
     for module in switched:
         module.__class__ = nn.Linear
     assert np.array_equal(image([("strong", 0.8)]), ours)

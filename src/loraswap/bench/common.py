@@ -36,6 +36,21 @@ def cuda_ms_per_call(fn: Callable[[], object], repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def gpu_kernel_times(run: Callable[[], object], units: int) -> dict[str, tuple[float, float]]:
+    """Kernel name -> (GPU milliseconds, launches) per unit of work, from one torch.profiler
+    run of `run`, which does `units` of it (steps, swaps)."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]  # CUDA where it is
+    with torch.profiler.profile(activities=activities) as prof:
+        run()
+        sync()
+    times: dict[str, tuple[float, float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            ms, launches = times.get(event.name, (0.0, 0.0))
+            times[event.name] = (ms + event.time_range.elapsed_us() / 1e3 / units, launches + 1 / units)
+    return times
+
+
 def summary(values: list[float]) -> dict[str, float]:
     if not values:
         return {}

@@ -27,7 +27,6 @@ output projections faster (90.0 against 92.4; bench/results/float8-h200/).
 """
 
 import logging
-import os
 from functools import cache
 
 import torch
@@ -36,7 +35,7 @@ from diffusers.models.activations import GELU
 from diffusers.models.attention import FeedForward
 from torch import nn
 
-from .float8_rounding import float8_rounding
+from .float8_rounding import float8_rounding, float8_runs_on
 from .kernels import triton_cdiv
 
 logger = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ NUM_WARPS = 8
 @cache
 def _rows_kernel():
     """The Triton kernel, or None without Triton (built once, on first use)."""
-    global round_to_float8, _largest, _activation, tl  # Triton looks these up in the kernel's module
+    global round_to_float8, _largest, _to_bfloat16, _activation, tl  # Triton looks these up in the kernel's module
     try:
         import triton
         import triton.language as tl
@@ -62,14 +61,18 @@ def _rows_kernel():
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
+    def _to_bfloat16(value):
+        """fp32 values rounded to bf16's precision (nearest, ties to even), kept in fp32."""
+        bits = value.to(tl.int32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _activation(value, GELU: tl.constexpr):
         """The loaded bf16 values in fp32; with GELU, tanh-GELU's bf16 output (as torch's)."""
         value = value.to(tl.float32)
         if GELU:
             inner = 0.7978845608028654 * (value + 0.044715 * value * value * value)
-            value = 0.5 * value * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
-            bits = value.to(tl.int32, bitcast=True)
-            value = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+            value = _to_bfloat16(0.5 * value * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0)))
         return value
 
     @triton.jit(do_not_specialize=["M", "stride"])
@@ -88,10 +91,8 @@ def _rows_kernel():
         # back in the rows that had one
         amax = tl.reduce(largest, 1, tl.standard._elementwise_max)
         nan_seen = tl.reduce((largest != largest).to(tl.float32), 1, tl.standard._elementwise_max)
-        scale = tl.math.div_rn(tl.where(nan_seen > 0, float("nan"), amax), 448.0)
-        # torchao divides in bf16: round to nearest even, keeping 7 of fp32's 23 mantissa bits
-        bits = scale.to(tl.int32, bitcast=True)
-        scale = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+        # torchao divides in the activation's dtype, bf16
+        scale = _to_bfloat16(tl.math.div_rn(tl.where(nan_seen > 0, float("nan"), amax), 448.0))
         tl.store(s_ptr + rows, scale, mask=in_m)
         divisor = tl.where(scale == 0.0, 1.0, scale)[:, None]  # an all-zero row: zeros, not 0 / 0
         for start in range(0, K, BLOCK):
@@ -102,15 +103,6 @@ def _rows_kernel():
             tl.store(target + at, quantized.to(q_ptr.dtype.element_ty), mask=mask)
 
     return quantize_rows
-
-
-def kernel_runs(device: torch.device) -> bool:
-    """Whether the kernel runs for activations on `device`: CUDA with float8 (compute
-    capability 8.9 and later) and Triton, or Triton's CPU interpreter (the tests)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return _rows_kernel() is not None
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9) \
-        and _rows_kernel() is not None
 
 
 # an opaque custom op: compiled graphs call it as it is (Inductor's own launch of a user's
@@ -126,7 +118,7 @@ def float8_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torc
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
         block = min(BLOCK, 1 << (k - 1).bit_length())
-        per_program = 64 if os.environ.get("TRITON_INTERPRET") == "1" else ROWS
+        per_program = ROWS if x.is_cuda else 64  # the interpreter (CPU tensors) pays per program
         _rows_kernel()[(triton_cdiv(rows, per_program),)](
             x, quantized, scale, rows, k, x.stride(0), ROWS=per_program, BLOCK=block, EMULATE=not x.is_cuda, GELU=gelu,
             num_warps=NUM_WARPS)
@@ -211,7 +203,7 @@ def use_float8_rows(module: nn.Module, names: tuple[str, ...] | None = OUTPUT_PR
     switched = 0
     for name, layer in module.named_modules():
         if (names is None or name.endswith(names)) and _takes_float8_rows(layer) \
-                and kernel_runs(layer.weight.qdata.device):
+                and float8_runs_on(layer.weight.qdata.device) and _rows_kernel() is not None:
             layer.__class__ = Float8RowsLinear
             switched += 1
     if switched:

@@ -1,7 +1,22 @@
-"""Rounding to float8 e4m3 inside Triton kernels, by torchao's rule, shared by the swap's
-re-quantization kernel (`kernels.py`) and the activation kernel (`float8_activations.py`)."""
+"""Float8 in Triton kernels, for the swap's re-quantization kernel (`kernels.py`) and the
+activation kernel (`float8_activations.py`): where they run, and rounding to float8 e4m3 by
+torchao's rule."""
 
+import os
 from functools import cache
+
+import torch
+
+
+def interpreting() -> bool:
+    """Whether Triton's CPU interpreter runs kernels (`TRITON_INTERPRET=1`: the unit tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def float8_runs_on(device: torch.device) -> bool:
+    """Whether float8 Triton kernels run on `device`: CUDA of compute capability 8.9 and
+    later (Triton has float8 e4m3 there), or any device under the interpreter."""
+    return interpreting() or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 @cache

@@ -1,6 +1,8 @@
 """Float8 weights under the fused swap: torchao's `Float8Tensor` (`qdata` and its `scale`)
 re-quantized in place after each swap, from a pristine copy of both."""
 
+import functools
+
 import torch
 
 from ..adapters import kinds
@@ -78,9 +80,7 @@ def side_by_side(changes: list[tuple[kinds.Layer, float]], device: torch.device)
     side by side and the down factors stacked, each padded with zero ranks to a multiple of
     `BLOCK_K`, and each block's weight (the kernel weighs each block's product, in fp32, as
     the eager path adds each adapter's)."""
-    dtype = changes[0][0].up.dtype
-    for layer, _ in changes:
-        dtype = torch.promote_types(dtype, layer.up.dtype)
+    dtype = functools.reduce(torch.promote_types, (layer.up.dtype for layer, _ in changes))
     ups, downs, alphas = [], [], []
     for layer, blend in changes:
         rank = layer.down.shape[0]
@@ -88,4 +88,6 @@ def side_by_side(changes: list[tuple[kinds.Layer, float]], device: torch.device)
         ups.append(torch.nn.functional.pad(layer.up.to(dtype), (0, padding)))
         downs.append(torch.nn.functional.pad(layer.down.to(dtype), (0, 0, 0, padding)))
         alphas += [blend * layer.scale] * ((rank + padding) // BLOCK_K)
-    return torch.cat(ups, 1), torch.cat(downs, 0), 1.0, torch.tensor(alphas, dtype=torch.float32, device=device)
+    # from pageable memory without waiting for the stream (`torch.tensor(..., device=)` would)
+    weights = torch.tensor(alphas, dtype=torch.float32).to(device, non_blocking=True)
+    return torch.cat(ups, 1), torch.cat(downs, 0), 1.0, weights

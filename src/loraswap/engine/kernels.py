@@ -11,13 +11,12 @@ Used on CUDA when Triton is installed; everywhere else `fuse_into` falls back to
 `addmm`. `TRITON_INTERPRET=1` runs the kernel on CPU tensors (the unit tests do).
 """
 
-import os
 from collections.abc import Iterable
 from functools import cache
 
 import torch
 
-from .float8_rounding import float8_rounding
+from .float8_rounding import float8_rounding, float8_runs_on, interpreting
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 32
 NUM_WARPS = 4
@@ -192,10 +191,12 @@ def _float8_kernel():
     One program per tile of W = dequantize(P) + alpha * B @ A, with P float8 and one fp32
     scale per row or per tensor. Pass 0 takes each row's (or the tensor's) largest |W|
     into `stats` (atomic max over the row's tiles); torch turns that into the new scale,
-    amax / 448, as torchao does; pass 1 computes the tile again (the rank-r product is
-    cheap, W is never stored in fp32) and writes it as float8 by torchao's rule: divide by
-    the new scale (`stats` now), clamp to +-448, round to nearest even; NaN stays NaN.
-    Each pass reads P once: 2 bytes per weight in all, against some 40 through eager ops.
+    amax / 448, as torchao does, written into the weight's scale; pass 1 computes the tile
+    again (W is never stored in fp32) and writes it as float8 by torchao's rule: divide by
+    the new scale, clamp to +-448, round to nearest even; NaN stays NaN. P is read twice and
+    W written once, 3 bytes a weight against some 40 through eager ops; on an H200 the
+    rank-r product computed twice and the IEEE division cost more than that traffic
+    (bench/results/runs/2026-12-05-float8-h200.md).
     """
     global _larger, round_to_float8  # (as `_lora_tile`)
     try:
@@ -203,7 +204,7 @@ def _float8_kernel():
         import triton.language as tl
     except ImportError:
         return None
-    _kernel()  # defines `_lora_tile`, the tile of B @ A both kernels compute
+    _kernel()  # defines `_blended_tile`, the tile of B @ A the kernels compute
     round_to_float8 = float8_rounding()
 
     @triton.jit
@@ -239,11 +240,8 @@ def _float8_kernel():
 
 
 def float8_kernel_available(qdata: torch.Tensor) -> bool:
-    """Whether `requantize_into` runs the kernel for these float8 data (else eager torch):
-    Triton has float8 e4m3 on CUDA compute capability 8.9 and later."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    on_gpu = qdata.is_cuda and torch.cuda.get_device_capability(qdata.device) >= (8, 9)
-    return (on_gpu or interpret) and qdata.dtype == torch.float8_e4m3fn and _float8_kernel() is not None
+    """Whether `requantize_into` runs the kernel for these float8 data (else eager torch)."""
+    return float8_runs_on(qdata.device) and qdata.dtype == torch.float8_e4m3fn and _float8_kernel() is not None
 
 
 def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
@@ -269,8 +267,7 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
 
 def kernel_available(weight: torch.Tensor) -> bool:
     """Whether `fuse_into` runs the one-pass kernel for this weight (else `addmm`)."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    return (weight.is_cuda or interpret) and weight.dtype in _DTYPES and _kernel() is not None
+    return (weight.is_cuda or interpreting()) and weight.dtype in _DTYPES and _kernel() is not None
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -326,7 +323,8 @@ def warm_up(device: torch.device, dtype: torch.dtype, row_lengths: Iterable[int]
 def warm_up_float8(device: torch.device, per_tensor: bool, row_lengths: Iterable[int],
                    dtype: torch.dtype = torch.bfloat16) -> None:
     """Compile `requantize_into`'s variants (both passes) for float8 weights with these row
-    lengths and `dtype` factors, as `warm_up` does, and for blends (ranks padded to 16s)."""
+    lengths and `dtype` factors, as `warm_up` does, and for blends where the ranks divide by
+    16 (a blend's are padded to multiples of `BLOCK_K`)."""
     for n, k in variants(row_lengths):
         pristine = torch.zeros(2, n, device=device, dtype=torch.float8_e4m3fn)
         scale = torch.ones(1 if per_tensor else 2, 1, device=device)
