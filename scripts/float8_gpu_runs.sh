@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The float8 GPU runs in the order they matter, each under its own timeout, for one device
-# call (about 8 minutes with every step). Run from the repository root on a CUDA machine
+# call or two (about 12 minutes with every step). Run from the repository root on a CUDA machine
 # with PYTHONPATH=src; results go under ${OUT:-out}.
 #   bash scripts/float8_gpu_runs.sh [step ...]
-# steps: loops check steps swap-flux2 swap-wan swap-flux
+# steps: tiles check swap-flux2 swap-wan swap-flux steps loops
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
-steps=${*:-loops check steps swap-flux2 swap-wan}
+steps=${*:-tiles check swap-flux2 swap-wan swap-flux steps}
 run() {
   local name=$1 limit=$2
   shift 2
@@ -18,7 +18,9 @@ run() {
 
 for step in $steps; do
   case $step in
-    loops)  # the re-quantization kernel's loop orders (which one to build in)
+    tiles)  # the re-quantization kernel's tiles, and against a copy with the division switchable
+      run tiles 170 python scripts/float8_kernel_variants.py --runs tiles,rows --out "$out/kernel-tiles.json" ;;
+    loops)  # the two-launch kernel's loop orders
       run loops 150 python scripts/float8_kernel_variants.py --runs loops --out "$out/kernel-loops.json" ;;
     check)  # the re-quantization kernel against eager torchao, one LoRA and a blend
       run check 120 python scripts/fp8_kernel_check.py "$out/fp8-kernel-check.json" ;;

@@ -1,19 +1,28 @@
-"""The float8 re-quantization kernel (`kernels.requantize_into`) and variants of it, on a GPU,
-at FLUX.2 [dev]'s largest weights with a rank-32 LoRA (median times, `triton.testing.do_bench`):
+"""The float8 re-quantization kernel (`float8_kernels.requantize_into`, one scale per row) and
+variants of it, on a GPU, at FLUX.2 [dev]'s largest weights with a rank-32 LoRA (median
+times, `triton.testing.do_bench`):
 
-- `tiles`: the kernel itself at several tile sizes and warp counts, at three weights, with
-  the rate at its own traffic (the float8 weight read by both passes and written by the
-  second: 3 bytes a weight);
-- `parts`: a copy of its two passes with the rank-r tile product (`DOT`) and the IEEE
-  division (`DIV`) each switchable, at three tile shapes, on the largest weight;
+- `tiles`: the kernel itself at several row blocks, column tiles, pipelining depths and
+  warp counts, at three weights, with the rate at its own traffic (the float8 weight read
+  twice and written once: 3 bytes a weight);
+- `parts`: a copy of the two-launch kernel it replaced, with the rank-r tile product (`DOT`)
+  and the IEEE division (`DIV`) each switchable, at three tile shapes, on the largest weight;
 - `loops`: that copy against programs that loop over a row block's column tiles (`nloop`:
   the `up` rows loaded once, the row maxima kept in registers, no atomics) or over a column
   tile's row blocks (`mloop`: the `down` columns loaded once), at several tiles, warps and
   pipelining depths.
+- `division`: the division by the new scale three ways (IEEE `div_rn`; a multiply by the
+  row's reciprocal; that multiply corrected once by its exact remainder, Markstein's
+  sequence, which rounds as `div_rn` does): the corrected quotient against `div_rn`,
+  bitwise, over random pairs, and pass 2 timed with each;
+- `rows`: one launch per weight, each program a block of whole rows: the rows' largest |W|
+  kept in registers, their new scales written, then the rows written as float8 (P read
+  again, mostly from L2), a copy of the kernel with the division switchable, against it,
+  with its output compared.
 
 The copies are for measuring only: the swap runs `kernels.py`.
 
-    PYTHONPATH=src python scripts/float8_kernel_variants.py [--runs tiles,parts,loops] [--out OUT.json]
+    PYTHONPATH=src python scripts/float8_kernel_variants.py [--runs tiles,parts,loops,division,rows] [--out OUT.json]
 """
 
 import argparse
@@ -25,13 +34,27 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from loraswap.engine import kernels
+from loraswap.engine import float8_kernels
 
 SHAPES = {"single block to_qkv_mlp_proj": (55296, 6144), "single block to_out": (6144, 24576),
           "double block ff in": (36864, 6144)}
 RANK = 32
-TILE_CONFIGS = [(64, 128, 32, 4), (128, 128, 32, 4), (128, 128, 32, 8), (64, 256, 32, 4), (128, 256, 32, 8),
-                (256, 128, 32, 8)]
+TILE_CONFIGS = [(16, 256, 3, 4), (32, 256, 3, 4), (16, 128, 3, 4), (16, 512, 2, 4), (32, 128, 4, 4),
+                (64, 128, 2, 4), (16, 256, 4, 4), (16, 256, 3, 8)]  # rows, columns, stages, warps
+
+
+RECIPROCAL_448 = float(torch.tensor(1 / 448, dtype=torch.float32))  # CUDA's `stats / 448`: times fp32 1/448
+
+
+@triton.jit
+def _divide(w, new_scale, reciprocal, DIV: tl.constexpr):
+    """W / new scale: 0 a multiply by the reciprocal, 1 IEEE division, 2 Markstein's sequence."""
+    if DIV == 1:
+        return tl.math.div_rn(w, new_scale)
+    q = w * reciprocal
+    if DIV == 2:
+        q = tl.fma(tl.fma(-q, new_scale, w), reciprocal, q)
+    return q
 
 
 @triton.jit
@@ -41,8 +64,43 @@ def _finish(w, stats_ptr, out_ptr, rows, offsets, PASS: tl.constexpr, DIV: tl.co
         tl.atomic_max(stats_ptr + rows, tl.max(tl.abs(w), 1))
     else:
         new_scale = tl.load(stats_ptr + rows)[:, None]
-        q = tl.math.div_rn(w, new_scale) if DIV else w * (1.0 / new_scale)
+        q = _divide(w, new_scale, tl.math.div_rn(tl.full(new_scale.shape, 1.0, tl.float32), new_scale), DIV)
         tl.store(out_ptr + offsets, tl.minimum(tl.maximum(q, -448.0), 448.0).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def rows_kernel(out_ptr, p_ptr, s_ptr, new_s_ptr, b_ptr, a_ptr, M, N, K, alpha, RECIPROCAL: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, DIV: tl.constexpr):
+    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    ks = tl.arange(0, BK)
+    up = tl.load(b_ptr + rows[:, None] * K + ks[None, :])
+    scale = tl.load(s_ptr + rows)[:, None]
+    largest = tl.full((BM,), 0.0, tl.float32)
+    for n0 in tl.range(0, N, BN, num_stages=STAGES):
+        cols = n0 + tl.arange(0, BN)
+        acc = tl.dot(up, tl.load(a_ptr + ks[:, None].to(tl.int64) * N + cols[None, :]))
+        w = tl.load(p_ptr + rows[:, None] * N + cols[None, :]).to(tl.float32) * scale + acc * alpha
+        largest = tl.maximum(largest, tl.max(tl.abs(w), 1))
+    new_scale = largest * RECIPROCAL
+    tl.store(new_s_ptr + rows, new_scale)
+    new_scale = new_scale[:, None]
+    reciprocal = tl.math.div_rn(tl.full(new_scale.shape, 1.0, tl.float32), new_scale)
+    for n0 in tl.range(0, N, BN, num_stages=STAGES):
+        cols = n0 + tl.arange(0, BN)
+        offsets = rows[:, None] * N + cols[None, :]
+        acc = tl.dot(up, tl.load(a_ptr + ks[:, None].to(tl.int64) * N + cols[None, :]))
+        w = tl.load(p_ptr + offsets).to(tl.float32) * scale + acc * alpha
+        q = _divide(w, new_scale, reciprocal, DIV)
+        tl.store(out_ptr + offsets, tl.minimum(tl.maximum(q, -448.0), 448.0).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def division_check(w_ptr, s_ptr, count_ptr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    w, s = tl.load(w_ptr + offsets), tl.load(s_ptr + offsets)
+    exact = tl.math.div_rn(w, s)
+    q = _divide(w, s, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), 2)
+    tl.atomic_add(count_ptr, tl.sum((exact.to(tl.int32, bitcast=True) != q.to(tl.int32, bitcast=True)).to(tl.int32)))
 
 
 @triton.jit
@@ -78,7 +136,7 @@ def nloop(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, stats_ptr, M, N, K, alpha, PASS: 
         if PASS == 0:
             largest = tl.maximum(largest, tl.max(tl.abs(w), 1))
         else:
-            _finish(w, stats_ptr, out_ptr, rows, offsets, PASS, True)
+            _finish(w, stats_ptr, out_ptr, rows, offsets, PASS, 1)
     if PASS == 0:
         tl.store(stats_ptr + rows, largest)
 
@@ -97,7 +155,7 @@ def mloop(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, stats_ptr, M, N, K, alpha, PASS: 
         offsets = rows[:, None] * N + cols[None, :]
         acc = tl.dot(tl.load(b_ptr + rows[:, None] * K + ks[None, :]), down)
         w = tl.load(p_ptr + offsets).to(tl.float32) * tl.load(s_ptr + rows)[:, None] + acc * alpha
-        _finish(w, stats_ptr, out_ptr, rows, offsets, PASS, True)
+        _finish(w, stats_ptr, out_ptr, rows, offsets, PASS, 1)
 
 
 def weight(m: int, n: int) -> tuple:
@@ -119,10 +177,16 @@ def tile_sizes(rows: list) -> None:
     for name, (m, n) in SHAPES.items():
         qdata, pristine, scale, up, down, _ = weight(m, n)
         pristine_scale = scale.clone()
+        served = (float8_kernels.ROWS_BLOCK_M, float8_kernels.ROWS_BLOCK_N, float8_kernels.ROWS_STAGES,
+                  float8_kernels.ROWS_NUM_WARPS)
         for config in TILE_CONFIGS:
-            kernels.BLOCK_M, kernels.BLOCK_N, kernels.BLOCK_K, kernels.NUM_WARPS = config
+            (float8_kernels.ROWS_BLOCK_M, float8_kernels.ROWS_BLOCK_N, float8_kernels.ROWS_STAGES,
+             float8_kernels.ROWS_NUM_WARPS) = config
             timed(rows, f"{name} {m}x{n} {config}",
-                  lambda: kernels.requantize_into(qdata, scale, pristine, pristine_scale, up, down, 0.8), 3 * m * n)
+                  lambda: float8_kernels.requantize_into(qdata, scale, pristine, pristine_scale, up, down, 0.8),
+                  3 * m * n)
+        (float8_kernels.ROWS_BLOCK_M, float8_kernels.ROWS_BLOCK_N, float8_kernels.ROWS_STAGES,
+         float8_kernels.ROWS_NUM_WARPS) = served
 
 
 def parts(rows: list) -> None:
@@ -132,8 +196,8 @@ def parts(rows: list) -> None:
         for step, dot, div in [(0, True, True), (0, False, True), (1, True, True), (1, True, False),
                                (1, False, True), (1, False, False)]:
             timed(rows, f"parts {bm}x{bn} pass {step + 1} product={dot} division={div}",
-                  lambda: tiles[(m // bm * (n // bn),)](*args, PASS=step, BM=bm, BN=bn, BK=RANK, DOT=dot, DIV=div,
-                                                        num_warps=warps))
+                  lambda: tiles[(m // bm * (n // bn),)](*args, PASS=step, BM=bm, BN=bn, BK=RANK, DOT=dot,
+                                                        DIV=int(div), num_warps=warps))
 
 
 def loops(rows: list) -> None:
@@ -141,7 +205,7 @@ def loops(rows: list) -> None:
     args = (*weight(m, n), m, n, RANK, 0.8)
     for step in (0, 1):
         timed(rows, f"loops pass {step + 1} tiles 64x128",
-              lambda: tiles[(m // 64 * (n // 128),)](*args, PASS=step, BM=64, BN=128, BK=RANK, DOT=True, DIV=True,
+              lambda: tiles[(m // 64 * (n // 128),)](*args, PASS=step, BM=64, BN=128, BK=RANK, DOT=True, DIV=1,
                                                      num_warps=4))
         for bm, bn, warps, stages in [(64, 128, 4, 1), (64, 128, 4, 3), (128, 128, 8, 2), (32, 256, 4, 2),
                                       (64, 256, 8, 2)]:
@@ -154,7 +218,59 @@ def loops(rows: list) -> None:
                                                                   TILES=count, STAGES=stages, num_warps=warps))
 
 
-RUNS = {"tiles": tile_sizes, "parts": parts, "loops": loops}
+def random_floats(count: int, exponents: tuple[int, int], mantissa_all_ones: bool = False) -> torch.Tensor:
+    """fp32 values with random signs, random mantissas and exponents in [lo, hi) (biased)."""
+    bits = torch.randint(0, 1 << 23, (count,), device="cuda", dtype=torch.int32)
+    if mantissa_all_ones:
+        bits = bits | ((1 << 23) - 1)
+    bits |= torch.randint(*exponents, (count,), device="cuda", dtype=torch.int32) << 23
+    bits |= torch.randint(0, 2, (count,), device="cuda", dtype=torch.int32) << 31
+    return bits.view(torch.float32)
+
+
+def division(rows: list) -> None:
+    count, block = 1 << 26, 1024
+    for name, w_exponents, s_exponents, ones in [("wide", (64, 190), (64, 190), False),
+                                                  ("weights", (100, 135), (105, 125), False),
+                                                  ("all-ones scales", (100, 135), (105, 125), True)]:
+        wrong = torch.zeros(1, device="cuda", dtype=torch.int32)
+        for _ in range(16):
+            w, s = random_floats(count, w_exponents), random_floats(count, s_exponents, ones).abs()
+            division_check[(count // block,)](w, s, wrong, BLOCK=block)
+        rows.append({"case": f"division {name}", "pairs": 16 * count, "markstein_differs": int(wrong)})
+        print(f"division {name}: Markstein differs from div_rn in {int(wrong)} of {16 * count} pairs", flush=True)
+    m, n = SHAPES["single block to_qkv_mlp_proj"]
+    args = (*weight(m, n), m, n, RANK, 0.8)
+    for div in (1, 0, 2):
+        timed(rows, f"division pass 2 64x128 division mode {div}",
+              lambda: tiles[(m // 64 * (n // 128),)](*args, PASS=1, BM=64, BN=128, BK=RANK, DOT=True, DIV=div,
+                                                     num_warps=4))
+
+
+def whole_rows(rows: list) -> None:
+    for name, (m, n) in SHAPES.items():
+        qdata, pristine, scale, up, down, _ = weight(m, n)
+        pristine_scale = scale.clone()
+        timed(rows, f"rows {name} requantize_into",
+              lambda: float8_kernels.requantize_into(qdata, scale, pristine, pristine_scale, up, down, 0.8),
+              3 * m * n)
+        reference, reference_scale = qdata.clone(), scale.clone()
+        for bm, bn, warps, stages in [(64, 128, 4, 2), (32, 128, 4, 2), (32, 256, 4, 3), (16, 256, 4, 3),
+                                      (64, 256, 8, 2), (16, 512, 4, 2)]:
+            for div in (2, 1):
+                out, new_scale = torch.empty_like(qdata), torch.empty_like(scale)
+                run = lambda: rows_kernel[(m // bm,)](out, pristine, pristine_scale, new_scale, up, down, m, n,  # noqa: E731
+                                                      RANK, 0.8, RECIPROCAL=RECIPROCAL_448, BM=bm, BN=bn, BK=RANK,
+                                                      STAGES=stages, DIV=div, num_warps=warps)
+                timed(rows, f"rows {name} {bm}x{bn} w{warps} s{stages} division mode {div}", run, 3 * m * n)
+                run()
+                rows[-1]["values_differ"] = int((out.view(torch.uint8) != reference.view(torch.uint8)).sum())
+                rows[-1]["scales_differ"] = int((new_scale != reference_scale).sum())
+                print(f"  differs from requantize_into: {rows[-1]['values_differ']} values, "
+                      f"{rows[-1]['scales_differ']} scales", flush=True)
+
+
+RUNS = {"tiles": tile_sizes, "parts": parts, "loops": loops, "division": division, "rows": whole_rows}
 
 
 def main() -> None:

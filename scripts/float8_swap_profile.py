@@ -26,6 +26,9 @@ from loraswap.bench.common import environment, gpu_kernel_times, timed, write_ra
 from loraswap.bench.swap_setup import bound_reader, build_denoiser
 from loraswap.engine.quantize import quantize_module
 from loraswap.engine.swap import FusedSwapper
+from loraswap.models import lora_components
+from loraswap.models.architectures import build_architecture_component
+from loraswap.models.presets import PRESETS, build_preset
 
 
 def routes(swapper: FusedSwapper, adapter) -> dict:
@@ -52,6 +55,19 @@ def kernel_profile(swap, swaps: int) -> dict:
             "kernels": [{"name": name[:120], "ms": ms, "calls": n} for name, (ms, n) in top[:20]]}
 
 
+def build_denoisers(architecture: str, device, dtype, quantize: str) -> tuple[dict, str, type]:
+    """The denoiser(s) as served, each quantized as built: Wan 2.2's two experts, else one."""
+    model, prefix, pipeline_cls = build_denoiser(architecture, device, dtype)
+    quantize_module(model, quantize, device)
+    models = {prefix: model}
+    if "transformer_2" in lora_components(architecture)[1]:
+        models["transformer_2"] = (build_preset(architecture).transformer_2.to(device, dtype) if architecture in PRESETS
+                                   else build_architecture_component(architecture, "transformer_2", device=device,
+                                                                     dtype=dtype))
+        quantize_module(models["transformer_2"], quantize, device)
+    return models, prefix, pipeline_cls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--architecture", default="flux2-dev")
@@ -63,9 +79,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
-    model, prefix, pipeline_cls = build_denoiser(args.architecture, device, dtype)
-    quantize_module(model, args.quantize, device)
-    swapper = FusedSwapper({prefix: model})
+    models, prefix, pipeline_cls = build_denoisers(args.architecture, device, dtype, args.quantize)
+    model = models[prefix]
+    swapper = FusedSwapper(models)
     swapper.warm_up_kernel()
     read = bound_reader(pipeline_cls, prefix, model, swapper.layers)
     paths = write_random_adapters(args.architecture, [(args.rank, "all")] * 2, Path(tempfile.mkdtemp()))

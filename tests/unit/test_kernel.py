@@ -16,10 +16,11 @@ pytest.importorskip("triton", reason="the test extra pins triton for the CPU int
 @pytest.fixture(scope="module")
 def interpreted():
     """The kernel built once for Triton's CPU interpreter (and rebuilt normally afterwards)."""
-    from loraswap.engine import kernels
+    from loraswap.engine import float8_kernels, kernels
     from loraswap.engine.float8_rounding import float8_rounding
 
-    built = (kernels._kernel, kernels._float8_kernel, kernels._loha_kernel, kernels._dora_kernel, float8_rounding)
+    built = (kernels.tile_functions, kernels._kernel, kernels._loha_kernel, kernels._dora_kernel, float8_rounding,
+             float8_kernels._float8_functions, float8_kernels._float8_kernels)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
         for kernel in built:
@@ -27,6 +28,14 @@ def interpreted():
         yield kernels
     for kernel in built:
         kernel.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def float8(interpreted):
+    """The float8 kernels, under Triton's CPU interpreter as `interpreted`."""
+    from loraswap.engine import float8_kernels
+
+    return float8_kernels
 
 
 @pytest.mark.parametrize("dtype,ulps", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
@@ -114,7 +123,7 @@ FLOAT8 = torch.float8_e4m3fn
 
 
 @pytest.mark.slow  # Triton's interpreter
-def test_float8_kernel_rounds_to_nearest_even_as_torch_does(interpreted):
+def test_float8_kernel_rounds_to_nearest_even_as_torch_does(float8):
     """Per tensor, with P = 0 and the largest |value| 448, the scale stays 1 and the kernel's
     float8 values are its own rounding of `values`: ties, carries into the exponent
     (124.6 -> 128), subnormals (below 2**-6, steps of 2**-9) and their ties."""
@@ -129,8 +138,8 @@ def test_float8_kernel_rounds_to_nearest_even_as_torch_does(interpreted):
     pristine, scale = torch.zeros(m, 4, dtype=FLOAT8), torch.ones(1, 1)
     up, down = values[:, None].float(), torch.ones(1, 4)
     qdata, new_scale = torch.empty_like(pristine), torch.empty_like(scale)
-    assert interpreted.float8_kernel_available(qdata)
-    interpreted.requantize_into(qdata, new_scale, pristine, scale, up, down, 1.0)
+    assert float8.float8_kernel_available(qdata)
+    float8.requantize_into(qdata, new_scale, pristine, scale, up, down, 1.0)
     assert new_scale.item() == 1.0
     expected = values.to(FLOAT8)
     wrong = (qdata[:, 0].view(torch.uint8) != expected.view(torch.uint8)).nonzero().flatten()
@@ -139,8 +148,8 @@ def test_float8_kernel_rounds_to_nearest_even_as_torch_does(interpreted):
 
 
 @pytest.mark.parametrize("per_row", [True, False])
-@pytest.mark.parametrize("m,n,k", [(70, 200, 4), (33, 17, 40), (128, 256, 64), (130, 129, 1)])
-def test_float8_kernel_matches_torchaos_requantization(interpreted, per_row, m, n, k):
+@pytest.mark.parametrize("m,n,k", [(70, 200, 4), (33, 17, 40), (128, 256, 64), (130, 129, 1), (20, 300, 270)])
+def test_float8_kernel_matches_torchaos_requantization(float8, per_row, m, n, k):
     """The kernel's W = float8(dequantize(P) + alpha * B @ A) against torchao's own
     `Float8Tensor.from_hp` of the same sum in fp32, on weights of widely spread magnitude."""
     from torchao.quantization import Float8Tensor, PerRow, PerTensor
@@ -155,7 +164,7 @@ def test_float8_kernel_matches_torchaos_requantization(interpreted, per_row, m, 
     expected = Float8Tensor.from_hp(high, float8_dtype=FLOAT8, granularity=granularity)
 
     qdata, new_scale = torch.empty_like(pristine), torch.full_like(scale, float("nan"))
-    interpreted.requantize_into(qdata, new_scale, pristine, scale, up, down, 0.3)
+    float8.requantize_into(qdata, new_scale, pristine, scale, up, down, 0.3)
     torch.testing.assert_close(new_scale, expected.scale.reshape(scale.shape), rtol=1e-6, atol=0)
     expected_q = expected.qdata
     # fp32 sums in another order can move a value across a rounding boundary, by one step
@@ -167,7 +176,7 @@ def test_float8_kernel_matches_torchaos_requantization(interpreted, per_row, m, 
 
 
 @pytest.mark.parametrize("per_row", [True, False])
-def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(interpreted, per_row):
+def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, per_row):
     """A blend of three LoRAs of ranks 5, 40 and 32 (padded to 32, 64 and 32 ranks) in one
     call, each weighted by its own blend weight, against torchao's quantization of the fp32
     sum the eager path makes."""
@@ -192,7 +201,7 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(interpret
     assert up.shape == (m, 128) and down.shape == (128, n) and alphas.tolist() == pytest.approx(
         [0.35, -0.12, -0.12, 0.3])
     qdata, new_scale = torch.empty_like(pristine), torch.full_like(scale, float("nan"))
-    interpreted.requantize_into(qdata, new_scale, pristine, scale, up, down, alpha, alphas)
+    float8.requantize_into(qdata, new_scale, pristine, scale, up, down, alpha, alphas)
     torch.testing.assert_close(new_scale, expected.scale.reshape(scale.shape), rtol=1e-6, atol=0)
     differs = qdata.view(torch.uint8) != expected.qdata.view(torch.uint8)
     assert differs.float().mean() < 1e-3  # fp32 sums in another order, one step at most
@@ -201,7 +210,7 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(interpret
 
 
 @pytest.mark.slow  # Triton's interpreter
-def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(interpreted, adapter_factory, tmp_path):
+def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(float8, adapter_factory, tmp_path):
     pytest.importorskip("torchao", reason="the test extra pins torchao")
     from loraswap.engine.config import EngineConfig
     from loraswap.engine.engine import Engine
@@ -215,7 +224,7 @@ def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(interpre
                        for n, m in e.denoiser.named_modules() if hasattr(getattr(m, "weight", None), "qdata")}
     base = state(engines[0])
     calls = []
-    real = interpreted.requantize_into
+    real = float8.requantize_into
     with pytest.MonkeyPatch.context() as patch:
         from loraswap.engine import float8_weights
 

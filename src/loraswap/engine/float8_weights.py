@@ -6,7 +6,8 @@ import functools
 import torch
 
 from ..adapters import kinds
-from .kernels import BLOCK_K, float8_kernel_available, requantize_into, triton_cdiv
+from .float8_kernels import float8_kernel_available, requantize_into
+from .kernels import BLOCK_K, triton_cdiv
 
 
 class Fp8Weight:
@@ -48,8 +49,8 @@ class Fp8Weight:
         self.scale.copy_(self.pristine_scale, non_blocking=True)
 
     def write(self, changes: list[tuple[kinds.Layer, float]], kernel: bool = False) -> None:
-        """Plain LoRAs (one, or a blend side by side) through `kernels.requantize_into` where
-        it runs (and `kernel`), two passes reading the float8 copy; other kinds, or elsewhere,
+        """Plain LoRAs (one, or a blend side by side) through `float8_kernels.requantize_into` where
+        it runs (and `kernel`), reading the float8 copy twice; other kinds, or elsewhere,
         through eager fp32 ops (`changes`: (layer, the request's weight) in order)."""
         from torchao.quantization import Float8Tensor
 

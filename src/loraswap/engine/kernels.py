@@ -16,55 +16,71 @@ from functools import cache
 
 import torch
 
-from .float8_rounding import float8_rounding, float8_runs_on, interpreting
+from .float8_rounding import interpreting
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 32
 NUM_WARPS = 4
 
 
 @cache
-def _kernel():
-    """The compiled Triton kernel, or None without Triton (built once, on first use)."""
-    global _lora_tile, _blended_tile  # Triton looks the functions a kernel calls up in its module's globals
+def tile_functions() -> bool:
+    """Define the Triton functions the swap kernels share (tiles of B @ A) as this module's
+    globals, where Triton looks the functions a kernel calls up; False without Triton."""
+    global _lora_tile, _blended_tile, _block_product, tl
     try:
         import triton
         import triton.language as tl
     except ImportError:
-        return None
+        return False
+
+    @triton.jit
+    def _block_product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, k0, BLOCK_K: tl.constexpr,
+                       IEEE: tl.constexpr, BLENDED: tl.constexpr):
+        # ranks k0 to k0 + BLOCK_K of the tile (rows, rn) of B @ A, in fp32; BLENDED: times the
+        # block's own weight (`alphas_ptr`: a blend's adapters side by side, a block each)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        b = tl.load(b_ptr + rows[:, None] * K + ks[None, :], mask=in_m[:, None] & (ks[None, :] < K), other=0.0)
+        a = tl.load(a_ptr + ks[:, None].to(tl.int64) * N + rn[None, :], mask=(ks[:, None] < K) & in_n[None, :],
+                    other=0.0)
+        if IEEE:  # fp32 weights (and the CPU interpreter, whose bf16 dot is wrong): fp32 products
+            part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(b, a)
+        if BLENDED:
+            part = part * tl.load(alphas_ptr + k0 // BLOCK_K)
+        return part
 
     @triton.jit
     def _blended_tile(b_ptr, a_ptr, alphas_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, IEEE: tl.constexpr, BLENDED: tl.constexpr):
-        # this program's tile of B @ A in fp32 (one tile of an M x N weight per program), with
-        # its rows (int64), row mask, offsets into the weight and mask; BLENDED: each block of
-        # BLOCK_K ranks times its own weight (`alphas_ptr`), the adapters of a blend side by side
+        # this program's tile of B @ A (one tile of an M x N weight per program), with its rows
+        # (int64), row mask, offsets into the weight and mask
         tiles_n = (N + BLOCK_N - 1) // BLOCK_N
         pid = tl.program_id(0)
         rm = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         rn = tl.max_contiguous(tl.multiple_of(rn, BLOCK_N), BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
         in_m, in_n = rm < M, rn < N
         rows = rm.to(tl.int64)
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            ks = k0 + rk
-            b = tl.load(b_ptr + rows[:, None] * K + ks[None, :], mask=in_m[:, None] & (ks[None, :] < K), other=0.0)
-            a = tl.load(a_ptr + ks[:, None].to(tl.int64) * N + rn[None, :],
-                        mask=(ks[:, None] < K) & in_n[None, :], other=0.0)
-            if IEEE:  # fp32 weights (and the CPU interpreter, whose bf16 dot is wrong): fp32 products
-                part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-            else:
-                part = tl.dot(b, a)
-            if BLENDED:
-                part = part * tl.load(alphas_ptr + k0 // BLOCK_K)
-            acc += part
+            acc += _block_product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, k0, BLOCK_K, IEEE, BLENDED)
         return acc, rows, in_m, rows[:, None] * N + rn[None, :], in_m[:, None] & in_n[None, :]
 
     @triton.jit
     def _lora_tile(b_ptr, a_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    IEEE: tl.constexpr):
         return _blended_tile(b_ptr, a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, False)
+
+    return True
+
+
+@cache
+def _kernel():
+    """The compiled Triton kernel, or None without Triton (built once, on first use)."""
+    if not tile_functions():
+        return None
+    import triton
 
     # Weights, their copies and packed factors are 16-byte aligned, and row lengths and ranks
     # mostly multiples of 16: specialized on those (vectorized loads), the kernel has up to six
@@ -86,12 +102,9 @@ def _loha_kernel():
     """The LoHa kernel, or None without Triton: W = P + alpha * (B1 @ A1) * (B2 @ A2), both
     rank-r products computed per tile in fp32, so P is read and W written once, as for a LoRA
     (materializing the two products takes six passes over the weight)."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+    if not tile_functions():
         return None
-    _kernel()  # defines `_lora_tile`
+    import triton
 
     @triton.jit(do_not_specialize=["M", "alpha"])
     def fused_loha(w_ptr, p_ptr, b1_ptr, a1_ptr, b2_ptr, a2_ptr, M, N, K, alpha,
@@ -125,12 +138,9 @@ def _dora_kernel():
     + 1) and writes the tile scaled: P read twice and W written once, where writing V,
     reading it for the norms and rescaling it in place costs five passes and more launches."""
     global _sum  # (as `_lora_tile`)
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+    if not tile_functions():
         return None
-    _kernel()
+    import triton
 
     @triton.jit
     def _sum(a, b):  # tl.sum is a jit function of Triton's own, which its interpreter cannot call
@@ -179,90 +189,6 @@ def fuse_dora_into(weight: torch.Tensor, pristine: torch.Tensor, up: torch.Tenso
                              float(blend), PASS=step, BY_ROW=by_row, PEFT=peft, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                              BLOCK_K=BLOCK_K, IEEE=weight.dtype == torch.float32 or not weight.is_cuda,
                              num_warps=NUM_WARPS)
-
-
-FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-
-
-@cache
-def _float8_kernel():
-    """The float8 re-quantization kernel, or None without Triton (built once, on first use).
-
-    One program per tile of W = dequantize(P) + alpha * B @ A, with P float8 and one fp32
-    scale per row or per tensor. Pass 0 takes each row's (or the tensor's) largest |W|
-    into `stats` (atomic max over the row's tiles); torch turns that into the new scale,
-    amax / 448, as torchao does, written into the weight's scale; pass 1 computes the tile
-    again (W is never stored in fp32) and writes it as float8 by torchao's rule: divide by
-    the new scale, clamp to +-448, round to nearest even; NaN stays NaN. P is read twice and
-    W written once, 3 bytes a weight against some 40 through eager ops; on an H200 the
-    rank-r product computed twice and the IEEE division cost more than that traffic
-    (bench/results/runs/2026-12-05-float8-h200.md).
-    """
-    global _larger, round_to_float8  # (as `_lora_tile`)
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    _kernel()  # defines `_blended_tile`, the tile of B @ A the kernels compute
-    round_to_float8 = float8_rounding()
-
-    @triton.jit
-    def _larger(a, b):  # tl.max is a jit function of Triton's own, which its interpreter cannot call
-        return tl.maximum(a, b)
-
-    @triton.jit(do_not_specialize=["M", "alpha"])
-    def requantize(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, alphas_ptr, stats_ptr, M, N, K, alpha, PASS: tl.constexpr,
-                   PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IEEE: tl.constexpr, EMULATE: tl.constexpr, BLENDED: tl.constexpr):
-        acc, rows, in_m, offsets, mask = _blended_tile(b_ptr, a_ptr, alphas_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                       IEEE, BLENDED)
-        if PER_ROW:
-            scale = tl.load(s_ptr + rows, mask=in_m, other=1.0)[:, None]
-        else:
-            scale = tl.load(s_ptr)
-        w = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * scale + acc * alpha
-        if PASS == 0:
-            row_max = tl.reduce(tl.where(mask, tl.abs(w), 0.0), 1, _larger)
-            if PER_ROW:
-                tl.atomic_max(stats_ptr + rows, row_max, mask=in_m)
-            else:
-                tl.atomic_max(stats_ptr, tl.reduce(row_max, 0, _larger))
-        else:
-            if PER_ROW:
-                new_scale = tl.load(stats_ptr + rows, mask=in_m, other=1.0)[:, None]
-            else:
-                new_scale = tl.load(stats_ptr)
-            q = round_to_float8(tl.math.div_rn(w, new_scale), EMULATE)  # IEEE division, as torch's tensor / tensor
-            tl.store(out_ptr + offsets, q.to(out_ptr.dtype.element_ty), mask=mask)
-
-    return requantize
-
-
-def float8_kernel_available(qdata: torch.Tensor) -> bool:
-    """Whether `requantize_into` runs the kernel for these float8 data (else eager torch)."""
-    return float8_runs_on(qdata.device) and qdata.dtype == torch.float8_e4m3fn and _float8_kernel() is not None
-
-
-def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
-                    pristine_scale: torch.Tensor, up: torch.Tensor, down: torch.Tensor, alpha: float,
-                    alphas: torch.Tensor | None = None) -> None:
-    """qdata, scale = float8(pristine_qdata * pristine_scale + alpha * up @ down), in place,
-    with a scale per row (`scale` of shape [rows, 1]) or per tensor ([1, 1]); all on one device.
-    With `alphas` (fp32, one per `BLOCK_K` ranks: a blend's adapters side by side, each
-    padded to a multiple of `BLOCK_K`), each block of ranks is weighted by its own."""
-    m, n = qdata.shape
-    k = down.shape[0]
-    per_row = scale.numel() != 1
-    stats = torch.zeros(m if per_row else 1, device=qdata.device, dtype=torch.float32)
-    grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
-    for step, largest in ((0, stats), (1, scale)):
-        _float8_kernel()[grid](qdata, pristine_qdata, pristine_scale, up, down, stats if alphas is None else alphas,
-                               largest, m, n, k, float(alpha), PASS=step, PER_ROW=per_row, BLOCK_M=BLOCK_M,
-                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=up.dtype == torch.float32 or not qdata.is_cuda,
-                               EMULATE=not qdata.is_cuda, BLENDED=alphas is not None, num_warps=NUM_WARPS)
-        if step == 0:  # the largest |W| -> the new scale, by torchao's own op (CUDA divides by 448 as a
-            torch.div(stats, FLOAT8_MAX, out=scale.view(-1))  # multiply by its reciprocal), which pass 1 reads
 
 
 def kernel_available(weight: torch.Tensor) -> bool:
@@ -318,19 +244,6 @@ def warm_up(device: torch.device, dtype: torch.dtype, row_lengths: Iterable[int]
             for peft in (True, False):
                 fuse_dora_into(weight, weight.clone(), up, down, 1.0, torch.ones(n, device=device, dtype=dtype), 1.0,
                                peft, by_row)
-
-
-def warm_up_float8(device: torch.device, per_tensor: bool, row_lengths: Iterable[int],
-                   dtype: torch.dtype = torch.bfloat16) -> None:
-    """Compile `requantize_into`'s variants (both passes) for float8 weights with these row
-    lengths and `dtype` factors, as `warm_up` does, and for blends where the ranks divide by
-    16 (a blend's are padded to multiples of `BLOCK_K`)."""
-    for n, k in variants(row_lengths):
-        pristine = torch.zeros(2, n, device=device, dtype=torch.float8_e4m3fn)
-        scale = torch.ones(1 if per_tensor else 2, 1, device=device)
-        up, down = torch.ones(2, k, device=device, dtype=dtype), torch.ones(k, n, device=device, dtype=dtype)
-        for alphas in [None] + ([torch.ones(triton_cdiv(k, BLOCK_K), device=device)] if k % 16 == 0 else []):
-            requantize_into(torch.empty_like(pristine), torch.empty_like(scale), pristine, scale, up, down, 1.0, alphas)
 
 
 def triton_cdiv(a: int, b: int) -> int:

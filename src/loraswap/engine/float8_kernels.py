@@ -1,0 +1,232 @@
+"""The float8 swap kernels: W = float8(dequantize(P) + alpha * B @ A), written by Triton.
+
+P is the weight's pristine float8 copy with one fp32 scale per row or per tensor (torchao's
+`Float8Tensor`); W and its new scale are written in place, by torchao's rule: the scale is
+the largest |W| / 448 (of the row, or the tensor), the values W / scale clamped to +-448 and
+rounded to nearest even. W is never stored in fp32: the rank-r product is computed again
+where it is needed, from the factors (a few MB) rather than from a copy of the weight.
+
+- Per row (`--quantize fp8`), one launch: a program holds whole rows, finds their largest
+  |W| in a first loop over the row's tiles, writes their scales, and writes the float8 rows
+  in a second loop, reading P again, mostly from the L2 cache. On an H200 it is 1.9 times
+  faster than two launches with atomics between them at FLUX.2's weights
+  (bench/results/float8-h200/kernel-rows.json).
+- Per tensor (`fp8-tensorwise`, `fp8-weight-only`), two launches: the first takes the
+  tensor's largest |W| by atomics, torch turns it into the scale, the second writes W.
+
+Dividing by the new scale as torch does (IEEE division) cost a third of the kernel; on a GPU
+it is a multiply by the row's reciprocal corrected once by the exact remainder (Markstein's
+sequence), bitwise equal to IEEE division on 3.2 billion random pairs on an H200 at a
+quarter of its cost.
+"""
+
+from collections.abc import Iterable
+from functools import cache
+
+import torch
+
+from . import kernels
+from .float8_rounding import float8_rounding, float8_runs_on
+from .kernels import BLOCK_K, triton_cdiv, variants
+
+FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# CUDA's `stats / 448` multiplies by the fp32 reciprocal of 448: the per-row kernel does the same
+RECIPROCAL_FLOAT8_MAX = float(torch.tensor(1 / FLOAT8_MAX, dtype=torch.float32))
+ROWS_BLOCK_M, ROWS_BLOCK_N, ROWS_STAGES, ROWS_NUM_WARPS = 16, 256, 3, 4  # best or near it on an H200 (FLUX.2)
+MAX_K_BLOCKS = 8  # the per-row kernel unrolls up to 256 ranks (blocks of BLOCK_K); beyond, it loops
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # no Triton: the kernels are never launched
+    OutOfResources = RuntimeError
+
+
+@cache
+def _float8_functions() -> bool:
+    """Define the Triton functions both kernels call as this module's globals (where Triton
+    looks them up; the tiles of B @ A are `kernels.py`'s); False without Triton."""
+    global _blended_tile, _block_product, _product, _larger, _divide, _row_tile, round_to_float8, tl
+    if not kernels.tile_functions():
+        return False
+    import triton
+    import triton.language as tl
+
+    _blended_tile, _block_product = kernels._blended_tile, kernels._block_product
+    round_to_float8 = float8_rounding()
+
+    @triton.jit
+    def _larger(a, b):  # tl.max is a jit function of Triton's own, which its interpreter cannot call
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _divide(w, new_scale, EMULATE: tl.constexpr):
+        # w / new_scale ([rows, 1]) as IEEE division (torch's tensor / tensor): under the
+        # interpreter by it (its fma is not fused), on a GPU by Markstein's sequence on the
+        # reciprocal rounded to nearest
+        if EMULATE:
+            return tl.math.div_rn(w, new_scale)
+        reciprocal = tl.math.div_rn(tl.full(new_scale.shape, 1.0, tl.float32), new_scale)
+        q = w * reciprocal
+        return tl.fma(tl.fma(-q, new_scale, w), reciprocal, q)
+
+    @triton.jit
+    def _product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, BLENDED: tl.constexpr,
+                 K_BLOCKS: tl.constexpr):
+        # the tile (rows, rn) of B @ A in fp32. K_BLOCKS > 0: that many blocks of ranks unrolled
+        # (covering K), no loop, so that the loop over the row's tiles can be pipelined
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        if K_BLOCKS > 0:
+            for block in tl.static_range(K_BLOCKS):
+                acc += _block_product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, block * BLOCK_K,
+                                      BLOCK_K, IEEE, BLENDED)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                acc += _block_product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, k0, BLOCK_K, IEEE,
+                                      BLENDED)
+        return acc
+
+    @triton.jit
+    def _row_tile(p_ptr, b_ptr, a_ptr, alphas_ptr, rows, in_m, scale, n0, N, K, alpha, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, BLENDED: tl.constexpr,
+                  K_BLOCKS: tl.constexpr):
+        # the tile of W at columns n0.. of these rows in fp32, its offsets and mask
+        rn = n0 + tl.arange(0, BLOCK_N)
+        rn = tl.max_contiguous(tl.multiple_of(rn, BLOCK_N), BLOCK_N)
+        in_n = rn < N
+        offsets, mask = rows[:, None] * N + rn[None, :], in_m[:, None] & in_n[None, :]
+        acc = _product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+                       BLENDED, K_BLOCKS)
+        return tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * scale + acc * alpha, offsets, mask
+
+    return True
+
+
+@cache
+def _float8_kernels():
+    """The two Triton kernels (per tensor, per row), or None without Triton (built once)."""
+    if not _float8_functions():
+        return None
+    import triton
+
+    @triton.jit(do_not_specialize=["M", "alpha"])
+    def requantize(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, alphas_ptr, stats_ptr, M, N, K, alpha,
+                   PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   IEEE: tl.constexpr, EMULATE: tl.constexpr, BLENDED: tl.constexpr):
+        # per tensor: pass 0 the largest |W| into stats[0], pass 1 W / stats[0] as float8
+        acc, rows, in_m, offsets, mask = _blended_tile(b_ptr, a_ptr, alphas_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                       IEEE, BLENDED)
+        w = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * tl.load(s_ptr) + acc * alpha
+        if PASS == 0:
+            row_max = tl.reduce(tl.where(mask, tl.abs(w), 0.0), 1, _larger)
+            tl.atomic_max(stats_ptr, tl.reduce(row_max, 0, _larger))
+        else:
+            new_scale = tl.load(stats_ptr + rows * 0)[:, None]  # [rows, 1], as `_divide` takes it
+            q = round_to_float8(_divide(w, new_scale, EMULATE), EMULATE)
+            tl.store(out_ptr + offsets, q.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit(do_not_specialize=["M", "alpha"])
+    def requantize_rows(out_ptr, scale_out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, alphas_ptr, M, N, K, alpha,
+                        RECIPROCAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
+                        EMULATE: tl.constexpr, BLENDED: tl.constexpr):
+        # per row: BLOCK_M whole rows, their largest |W| in registers, then the rows as float8
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        in_m = rm < M
+        rows = rm.to(tl.int64)
+        scale = tl.load(s_ptr + rows, mask=in_m, other=1.0)[:, None]
+        largest = tl.full((BLOCK_M,), 0.0, tl.float32)
+        for n0 in tl.range(0, N, BLOCK_N, num_stages=STAGES):
+            w, offsets, mask = _row_tile(p_ptr, b_ptr, a_ptr, alphas_ptr, rows, in_m, scale, n0, N, K, alpha,
+                                         BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, K_BLOCKS)
+            largest = tl.maximum(largest, tl.reduce(tl.where(mask, tl.abs(w), 0.0), 1, _larger))
+        # the scale as torch computes largest / 448 where the kernel runs: divided on CPU, times
+        # the reciprocal on CUDA
+        if EMULATE:
+            new_scale = tl.math.div_rn(largest, tl.full(largest.shape, 448.0, tl.float32))
+        else:
+            new_scale = largest * RECIPROCAL
+        tl.store(scale_out_ptr + rows, new_scale, mask=in_m)
+        new_scale = new_scale[:, None]
+        for n0 in tl.range(0, N, BLOCK_N, num_stages=STAGES):
+            w, offsets, mask = _row_tile(p_ptr, b_ptr, a_ptr, alphas_ptr, rows, in_m, scale, n0, N, K, alpha,
+                                         BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, K_BLOCKS)
+            q = round_to_float8(_divide(w, new_scale, EMULATE), EMULATE)
+            tl.store(out_ptr + offsets, q.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return requantize, requantize_rows
+
+
+def float8_kernel_available(qdata: torch.Tensor) -> bool:
+    """Whether `requantize_into` runs the kernel for these float8 data (else eager torch)."""
+    return float8_runs_on(qdata.device) and qdata.dtype == torch.float8_e4m3fn and _float8_kernels() is not None
+
+
+def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
+                    pristine_scale: torch.Tensor, up: torch.Tensor, down: torch.Tensor, alpha: float,
+                    alphas: torch.Tensor | None = None) -> None:
+    """qdata, scale = float8(pristine_qdata * pristine_scale + alpha * up @ down), in place,
+    with a scale per row (`scale` of shape [rows, 1]) or per tensor ([1, 1]); all on one device.
+    With `alphas` (fp32, one per `BLOCK_K` ranks: a blend's adapters side by side, each
+    padded to a multiple of `BLOCK_K`), each block of ranks is weighted by its own."""
+    m, n = qdata.shape
+    k = down.shape[0]
+    flags = dict(BLOCK_K=BLOCK_K, IEEE=up.dtype == torch.float32 or not qdata.is_cuda, EMULATE=not qdata.is_cuda,
+                 BLENDED=alphas is not None)
+    per_tensor, per_row = _float8_kernels()
+    if scale.numel() != 1:
+        launch = lambda k_blocks, stages: per_row[(triton_cdiv(m, ROWS_BLOCK_M),)](  # noqa: E731
+            qdata, scale, pristine_qdata, pristine_scale, up, down, up if alphas is None else alphas, m, n, k,
+            float(alpha), RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=ROWS_BLOCK_M, BLOCK_N=ROWS_BLOCK_N,
+            K_BLOCKS=k_blocks, STAGES=stages, num_warps=ROWS_NUM_WARPS, **flags)
+        try:
+            launch(*row_plan(k, up.element_size(), qdata.device))
+        except OutOfResources:  # the plan's estimate of shared memory was short (nothing ran): loop
+            launch(0, 1)
+        return
+    stats = torch.zeros(1, device=qdata.device, dtype=torch.float32)
+    grid = (triton_cdiv(m, kernels.BLOCK_M) * triton_cdiv(n, kernels.BLOCK_N),)
+    for step, largest in ((0, stats), (1, scale)):
+        per_tensor[grid](qdata, pristine_qdata, pristine_scale, up, down, stats if alphas is None else alphas,
+                         largest, m, n, k, float(alpha), PASS=step, BLOCK_M=kernels.BLOCK_M,
+                         BLOCK_N=kernels.BLOCK_N, num_warps=kernels.NUM_WARPS, **flags)
+        if step == 0:  # the largest |W| -> the new scale, by torchao's own op, which pass 1 reads
+            torch.div(stats, FLOAT8_MAX, out=scale.view(-1))
+
+
+def row_plan(rank: int, itemsize: int, device: torch.device) -> tuple[int, int]:
+    """(blocks of `BLOCK_K` ranks unrolled, pipelining stages) of the per-row kernel for this
+    rank and size of the factors' values: a power of two of blocks (fewer variants to compile),
+    as many stages (up to `ROWS_STAGES`) as fit the GPU's shared memory (the factors' tiles
+    and the weight's, with room for what Triton adds: 1.3 times this estimate where a plan
+    ran out), or (0, 1) beyond that: a loop over the ranks, not pipelined."""
+    blocks = 1 << max(triton_cdiv(rank, BLOCK_K) - 1, 0).bit_length()
+    per_stage = blocks * BLOCK_K * (ROWS_BLOCK_M + ROWS_BLOCK_N) * itemsize + ROWS_BLOCK_M * ROWS_BLOCK_N
+    stages = min(ROWS_STAGES, int(0.7 * shared_memory(device)) // per_stage)
+    return (blocks, stages) if blocks <= MAX_K_BLOCKS and stages >= 1 else (0, 1)
+
+
+@cache
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory a program may use on `device` (an H100's under the interpreter)."""
+    if device.type != "cuda":
+        return 232448
+    properties = torch.cuda.get_device_properties(device)
+    return getattr(properties, "shared_memory_per_block_optin", properties.shared_memory_per_block)
+
+
+def warm_up_float8(device: torch.device, per_tensor: bool, row_lengths: Iterable[int],
+                   dtype: torch.dtype = torch.bfloat16) -> None:
+    """Compile `requantize_into`'s variants for float8 weights with these row lengths and
+    `dtype` factors, as `kernels.warm_up` does: each class of rank (`kernels.RANKS`; per row
+    also 64 and 128, unrolled in 2 and 4 blocks), alone and as a blend (padded to
+    multiples of `BLOCK_K`)."""
+    classes = variants(row_lengths)
+    for n in sorted({n for n, _ in classes}):
+        for k in sorted({k for _, k in classes} | (set() if per_tensor else {64, 128})):
+            pristine = torch.zeros(2, n, device=device, dtype=torch.float8_e4m3fn)
+            scale = torch.ones(1 if per_tensor else 2, 1, device=device)
+            up, down = torch.ones(2, k, device=device, dtype=dtype), torch.ones(k, n, device=device, dtype=dtype)
+            for alphas in [None] + ([torch.ones(triton_cdiv(k, BLOCK_K), device=device)] if k % 16 == 0 else []):
+                requantize_into(torch.empty_like(pristine), torch.empty_like(scale), pristine, scale, up, down, 1.0,
+                                alphas)
