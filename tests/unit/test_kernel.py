@@ -209,6 +209,36 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, p
     assert (steps[differs] <= 2**-3 + 1e-6).all()
 
 
+def test_float8_row_kernel_unrolls_the_ranks_its_shared_memory_can_pipeline():
+    """Per row, the rank unrolled in a power of two of 32-rank blocks, with as many pipelining
+    stages (up to 3) as the factors' and weight's tiles fit in 70% of an H100's shared memory,
+    else a loop over the ranks, not pipelined."""
+    from loraswap.engine.float8_kernels import row_plan
+
+    cpu = torch.device("cpu")
+    assert [row_plan(rank, 2, cpu) for rank in (1, 32, 33, 64, 96, 128, 256, 257)] == [
+        (1, 3), (1, 3), (2, 3), (2, 3), (4, 2), (4, 2), (8, 1), (0, 1)]
+    assert row_plan(128, 4, cpu) == (4, 1) and row_plan(256, 4, cpu) == (0, 1)  # fp32 factors
+
+
+def test_float8_row_kernel_loops_over_the_ranks_where_its_plan_runs_out_of_shared_memory(float8, monkeypatch):
+    launches = []
+
+    class Kernel:  # Triton's launch of the compiled kernel, short of shared memory when unrolled
+        def __getitem__(self, grid):
+            def launch(*args, K_BLOCKS, STAGES, **flags):
+                launches.append((K_BLOCKS, STAGES))
+                if K_BLOCKS:
+                    raise float8.OutOfResources(290936, 232448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(float8, "_float8_kernels", lambda: (None, Kernel()))
+    qdata, scale = torch.zeros(4, 64, dtype=FLOAT8), torch.ones(4, 1)
+    up, down = torch.ones(4, 128, dtype=torch.bfloat16), torch.ones(128, 64, dtype=torch.bfloat16)
+    float8.requantize_into(qdata, scale, qdata.clone(), scale.clone(), up, down, 1.0)
+    assert launches == [(4, 2), (0, 1)]
+
+
 @pytest.mark.slow  # Triton's interpreter
 def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(float8, adapter_factory, tmp_path):
     pytest.importorskip("torchao", reason="the test extra pins torchao")
