@@ -20,7 +20,8 @@ def interpreted():
     from loraswap.engine.float8_rounding import float8_rounding
 
     built = (kernels.tile_functions, kernels._kernel, kernels._loha_kernel, kernels._dora_kernel, float8_rounding,
-             float8_kernels._float8_functions, float8_kernels._float8_kernels)
+             float8_kernels._float8_functions, float8_kernels._row_functions, float8_kernels._per_tensor_kernel,
+             float8_kernels._per_row_kernel)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
         for kernel in built:
@@ -209,6 +210,47 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, p
     assert (steps[differs] <= 2**-3 + 1e-6).all()
 
 
+@pytest.mark.slow  # Triton's interpreter
+@pytest.mark.parametrize("change", ["loha", "dora-peft", "dora-lycoris-out", "dora-lycoris-in"])
+def test_float8_row_kernel_writes_loha_and_dora_as_torchao_quantizes_the_eager_sum(float8, change):
+    """One LoHa (W += (B1 @ A1) * (B2 @ A2)), or DoRA over a LoRA (each output row of the sum
+    rescaled by PEFT's or LyCORIS's factor), re-quantized by the per-row kernel in one call,
+    against torchao's quantization of the fp32 sum `kinds.write` makes (the eager path);
+    DoRA rescaling input columns stays on the eager path."""
+    from torchao.quantization import Float8Tensor, PerRow
+
+    from loraswap.adapters.kinds import LOHA, LORA, Layer
+    from loraswap.engine.float8_weights import Fp8Weight
+
+    g = torch.Generator().manual_seed(11)
+    m, n, r = 37, 300, 12
+    weight = torch.randn(m, n, generator=g) * torch.exp(torch.randn(m, n, generator=g))
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    if change == "loha":
+        layer = Layer(LOHA, {"w1a": rand(m, r), "w1b": rand(r, n), "w2a": rand(m, r), "w2b": rand(r, n)}, 0.05)
+    else:
+        convention = change.removeprefix("dora-")
+        magnitude = rand(n) if convention == "lycoris-in" else rand(m).abs() * 30 + 1
+        layer = Layer(LORA, {"up": rand(m, r), "down": rand(r, n), "magnitude": magnitude}, 0.4, dora=convention)
+    fp8 = [Fp8Weight(Float8Tensor.from_hp(weight.clone(), float8_dtype=FLOAT8, granularity=PerRow()))
+           for _ in range(2)]
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        from loraswap.engine import float8_weights
+
+        patch.setattr(float8_weights, "requantize_into", lambda *a, **k: calls.append(k) or float8.requantize_into(
+            *a, **k))
+        fp8[0].write([(layer, 0.8)], kernel=True)
+    fp8[1].write([(layer, 0.8)], kernel=False)
+    assert len(calls) == (0 if change == "dora-lycoris-in" else 1)
+    torch.testing.assert_close(fp8[0].scale, fp8[1].scale, rtol=2e-6, atol=0)
+    differs = fp8[0].qdata.view(torch.uint8) != fp8[1].qdata.view(torch.uint8)
+    assert differs.float().mean() < 1e-3  # fp32 sums in another order, one step at most
+    steps = (fp8[0].qdata.float() - fp8[1].qdata.float()).abs() / fp8[1].qdata.float().abs().clamp(min=2**-9)
+    assert (steps[differs] <= 2**-3 + 1e-6).all()
+    assert not torch.equal(fp8[0].qdata, fp8[0].pristine_qdata)
+
+
 def test_float8_row_kernel_unrolls_the_ranks_its_shared_memory_can_pipeline():
     """Per row, the rank unrolled in a power of two of 32-rank blocks, with as many pipelining
     stages (up to 3) as the factors' and weight's tiles fit in 70% of an H100's shared memory,
@@ -218,7 +260,7 @@ def test_float8_row_kernel_unrolls_the_ranks_its_shared_memory_can_pipeline():
     cpu = torch.device("cpu")
     assert [row_plan(rank, 2, cpu) for rank in (1, 32, 33, 64, 96, 128, 256, 257)] == [
         (1, 3), (1, 3), (2, 3), (2, 3), (4, 2), (4, 2), (8, 1), (0, 1)]
-    assert row_plan(128, 4, cpu) == (4, 1) and row_plan(256, 4, cpu) == (0, 1)  # fp32 factors
+    assert row_plan(128, 4, cpu) == (4, 1) and row_plan(256, 4, cpu) == (0, 1)  # fp32 factors, or LoHa's pairs
 
 
 def test_float8_row_kernel_loops_over_the_ranks_where_its_plan_runs_out_of_shared_memory(float8, monkeypatch):

@@ -21,6 +21,7 @@ quarter of its cost.
 """
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -45,7 +46,7 @@ except ImportError:  # no Triton: the kernels are never launched
 def _float8_functions() -> bool:
     """Define the Triton functions both kernels call as this module's globals (where Triton
     looks them up; the tiles of B @ A are `kernels.py`'s); False without Triton."""
-    global _blended_tile, _block_product, _product, _larger, _divide, _row_tile, round_to_float8, tl
+    global _blended_tile, _block_product, _larger, _add, _divide, _dora_factor, round_to_float8, tl
     if not kernels.tile_functions():
         return False
     import triton
@@ -70,6 +71,31 @@ def _float8_functions() -> bool:
         return tl.fma(tl.fma(-q, new_scale, w), reciprocal, q)
 
     @triton.jit
+    def _add(a, b):  # (as `_larger`)
+        return a + b
+
+    @triton.jit
+    def _dora_factor(squares, m_ptr, rows, in_m, blend, DORA: tl.constexpr):
+        # each row's DoRA factor from its sum of squares (`kinds.dora_factors`): PEFT m / norm;
+        # LyCORIS blend (m / (norm + eps) - 1) + 1
+        norm = tl.math.sqrt_rn(squares)
+        magnitude = tl.load(m_ptr + rows, mask=in_m, other=1.0).to(tl.float32)
+        if DORA == 1:
+            return tl.math.div_rn(magnitude, norm)
+        return blend * (tl.math.div_rn(magnitude, norm + 1.1920928955078125e-07) - 1.0) + 1.0  # fp32 eps
+
+    return True
+
+
+@cache
+def _row_functions() -> bool:
+    """The per-row kernel's tiles (as `_float8_functions`), with the rank unrolled."""
+    global _product, _row_tile
+    if not _float8_functions():
+        return False
+    import triton
+
+    @triton.jit
     def _product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, BLENDED: tl.constexpr,
                  K_BLOCKS: tl.constexpr):
@@ -87,24 +113,34 @@ def _float8_functions() -> bool:
         return acc
 
     @triton.jit
-    def _row_tile(p_ptr, b_ptr, a_ptr, alphas_ptr, rows, in_m, scale, n0, N, K, alpha, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, BLENDED: tl.constexpr,
-                  K_BLOCKS: tl.constexpr):
-        # the tile of W at columns n0.. of these rows in fp32, its offsets and mask
+    def _row_tile(p_ptr, b_ptr, a_ptr, b2_ptr, a2_ptr, alphas_ptr, rows, in_m, scale, n0, N, K, alpha,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                  BLENDED: tl.constexpr, HADAMARD: tl.constexpr, K_BLOCKS: tl.constexpr):
+        # the tile of W at columns n0.. of these rows in fp32, its offsets and mask; HADAMARD
+        # (LoHa): the change is (B @ A) * (B2 @ A2)
         rn = n0 + tl.arange(0, BLOCK_N)
         rn = tl.max_contiguous(tl.multiple_of(rn, BLOCK_N), BLOCK_N)
         in_n = rn < N
         offsets, mask = rows[:, None] * N + rn[None, :], in_m[:, None] & in_n[None, :]
         acc = _product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
                        BLENDED, K_BLOCKS)
+        if HADAMARD:
+            acc = acc * _product(b2_ptr, a2_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                 IEEE, False, K_BLOCKS)
         return tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * scale + acc * alpha, offsets, mask
 
     return True
 
 
-@cache
 def _float8_kernels():
     """The two Triton kernels (per tensor, per row), or None without Triton (built once)."""
+    per_tensor, per_row = _per_tensor_kernel(), _per_row_kernel()
+    return None if per_tensor is None else (per_tensor, per_row)
+
+
+@cache
+def _per_tensor_kernel():
+    """Two launches: the tensor's largest |W| by atomics, then W / its scale."""
     if not _float8_functions():
         return None
     import triton
@@ -125,21 +161,39 @@ def _float8_kernels():
             q = round_to_float8(_divide(w, new_scale, EMULATE), EMULATE)
             tl.store(out_ptr + offsets, q.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit(do_not_specialize=["M", "alpha"])
-    def requantize_rows(out_ptr, scale_out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, alphas_ptr, M, N, K, alpha,
-                        RECIPROCAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    return requantize
+
+
+@cache
+def _per_row_kernel():
+    """One launch: whole rows per program, their largest |W| kept, then W / their scales."""
+    if not _row_functions():
+        return None
+    import triton
+
+    @triton.jit(do_not_specialize=["M", "alpha", "blend"])
+    def requantize_rows(out_ptr, scale_out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, b2_ptr, a2_ptr, alphas_ptr, m_ptr, M, N,
+                        K, alpha, blend, RECIPROCAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
-                        EMULATE: tl.constexpr, BLENDED: tl.constexpr):
-        # per row: BLOCK_M whole rows, their largest |W| in registers, then the rows as float8
+                        EMULATE: tl.constexpr, BLENDED: tl.constexpr, HADAMARD: tl.constexpr, DORA: tl.constexpr):
+        # per row: BLOCK_M whole rows, their largest |W| (and DoRA's sums of squares: 1 PEFT,
+        # 2 LyCORIS, per output row) in registers, then the rows as float8
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         in_m = rm < M
         rows = rm.to(tl.int64)
         scale = tl.load(s_ptr + rows, mask=in_m, other=1.0)[:, None]
         largest = tl.full((BLOCK_M,), 0.0, tl.float32)
+        squares = tl.full((BLOCK_M,), 0.0, tl.float32)
         for n0 in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            w, offsets, mask = _row_tile(p_ptr, b_ptr, a_ptr, alphas_ptr, rows, in_m, scale, n0, N, K, alpha,
-                                         BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, K_BLOCKS)
-            largest = tl.maximum(largest, tl.reduce(tl.where(mask, tl.abs(w), 0.0), 1, _larger))
+            w, offsets, mask = _row_tile(p_ptr, b_ptr, a_ptr, b2_ptr, a2_ptr, alphas_ptr, rows, in_m, scale, n0, N, K,
+                                         alpha, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, HADAMARD, K_BLOCKS)
+            w = tl.where(mask, w, 0.0)
+            largest = tl.maximum(largest, tl.reduce(tl.abs(w), 1, _larger))
+            if DORA > 0:
+                squares += tl.reduce(w * w, 1, _add)
+        if DORA > 0:  # |V f| rounds monotonically: the largest |W| is the largest |V| times |f|
+            factor = _dora_factor(squares, m_ptr, rows, in_m, blend, DORA)
+            largest = largest * tl.abs(factor)
         # the scale as torch computes largest / 448 where the kernel runs: divided on CPU, times
         # the reciprocal on CUDA
         if EMULATE:
@@ -149,12 +203,14 @@ def _float8_kernels():
         tl.store(scale_out_ptr + rows, new_scale, mask=in_m)
         new_scale = new_scale[:, None]
         for n0 in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            w, offsets, mask = _row_tile(p_ptr, b_ptr, a_ptr, alphas_ptr, rows, in_m, scale, n0, N, K, alpha,
-                                         BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, K_BLOCKS)
+            w, offsets, mask = _row_tile(p_ptr, b_ptr, a_ptr, b2_ptr, a2_ptr, alphas_ptr, rows, in_m, scale, n0, N, K,
+                                         alpha, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, HADAMARD, K_BLOCKS)
+            if DORA > 0:
+                w = w * factor[:, None]
             q = round_to_float8(_divide(w, new_scale, EMULATE), EMULATE)
             tl.store(out_ptr + offsets, q.to(out_ptr.dtype.element_ty), mask=mask)
 
-    return requantize, requantize_rows
+    return requantize_rows
 
 
 def float8_kernel_available(qdata: torch.Tensor) -> bool:
@@ -162,28 +218,46 @@ def float8_kernel_available(qdata: torch.Tensor) -> bool:
     return float8_runs_on(qdata.device) and qdata.dtype == torch.float8_e4m3fn and _float8_kernels() is not None
 
 
+@dataclass(frozen=True)
+class DoraRows:
+    """DoRA's rescaling of each output row after the change (`kinds.rescale_dora`): the
+    magnitude (one per row), the request's weight, and whose convention (PEFT or LyCORIS)."""
+
+    magnitude: torch.Tensor
+    blend: float
+    peft: bool
+
+
 def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
                     pristine_scale: torch.Tensor, up: torch.Tensor, down: torch.Tensor, alpha: float,
-                    alphas: torch.Tensor | None = None) -> None:
+                    alphas: torch.Tensor | None = None, second: tuple | None = None,
+                    dora: DoraRows | None = None) -> None:
     """qdata, scale = float8(pristine_qdata * pristine_scale + alpha * up @ down), in place,
     with a scale per row (`scale` of shape [rows, 1]) or per tensor ([1, 1]); all on one device.
     With `alphas` (fp32, one per `BLOCK_K` ranks: a blend's adapters side by side, each
-    padded to a multiple of `BLOCK_K`), each block of ranks is weighted by its own."""
+    padded to a multiple of `BLOCK_K`), each block of ranks is weighted by its own. Per row
+    only: `second`, LoHa's second pair (up2, down2) of the same rank, makes the change
+    (up @ down) * (up2 @ down2); `dora` rescales each row of the sum before it is quantized."""
     m, n = qdata.shape
     k = down.shape[0]
     flags = dict(BLOCK_K=BLOCK_K, IEEE=up.dtype == torch.float32 or not qdata.is_cuda, EMULATE=not qdata.is_cuda,
                  BLENDED=alphas is not None)
     per_tensor, per_row = _float8_kernels()
     if scale.numel() != 1:
+        up2, down2 = second or (up, down)
         launch = lambda k_blocks, stages: per_row[(triton_cdiv(m, ROWS_BLOCK_M),)](  # noqa: E731
-            qdata, scale, pristine_qdata, pristine_scale, up, down, up if alphas is None else alphas, m, n, k,
-            float(alpha), RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=ROWS_BLOCK_M, BLOCK_N=ROWS_BLOCK_N,
-            K_BLOCKS=k_blocks, STAGES=stages, num_warps=ROWS_NUM_WARPS, **flags)
+            qdata, scale, pristine_qdata, pristine_scale, up, down, up2, down2, up if alphas is None else alphas,
+            up if dora is None else dora.magnitude, m, n, k, float(alpha), float(dora.blend) if dora else 1.0,
+            RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=ROWS_BLOCK_M, BLOCK_N=ROWS_BLOCK_N, K_BLOCKS=k_blocks,
+            STAGES=stages, HADAMARD=second is not None, DORA=0 if dora is None else 1 if dora.peft else 2,
+            num_warps=ROWS_NUM_WARPS, **flags)
         try:
-            launch(*row_plan(k, up.element_size(), qdata.device))
+            launch(*row_plan(k, up.element_size() * (2 if second else 1), qdata.device))
         except OutOfResources:  # the plan's estimate of shared memory was short (nothing ran): loop
             launch(0, 1)
         return
+    if second is not None or dora is not None:
+        raise ValueError("LoHa and DoRA re-quantize in the kernel with a scale per row only")
     stats = torch.zeros(1, device=qdata.device, dtype=torch.float32)
     grid = (triton_cdiv(m, kernels.BLOCK_M) * triton_cdiv(n, kernels.BLOCK_N),)
     for step, largest in ((0, stats), (1, scale)):
@@ -196,7 +270,8 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
 
 def row_plan(rank: int, itemsize: int, device: torch.device) -> tuple[int, int]:
     """(blocks of `BLOCK_K` ranks unrolled, pipelining stages) of the per-row kernel for this
-    rank and size of the factors' values: a power of two of blocks (fewer variants to compile),
+    rank and bytes of the factors per rank and value (twice the values' size for LoHa's two
+    pairs): a power of two of blocks (fewer variants to compile),
     as many stages (up to `ROWS_STAGES`) as fit the GPU's shared memory (the factors' tiles
     and the weight's, with room for what Triton adds: 1.3 times this estimate where a plan
     ran out), or (0, 1) beyond that: a loop over the ranks, not pipelined."""

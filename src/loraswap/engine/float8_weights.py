@@ -6,7 +6,7 @@ import functools
 import torch
 
 from ..adapters import kinds
-from .float8_kernels import float8_kernel_available, requantize_into
+from .float8_kernels import DoraRows, float8_kernel_available, requantize_into
 from .kernels import BLOCK_K, triton_cdiv
 
 
@@ -49,21 +49,18 @@ class Fp8Weight:
         self.scale.copy_(self.pristine_scale, non_blocking=True)
 
     def write(self, changes: list[tuple[kinds.Layer, float]], kernel: bool = False) -> None:
-        """Plain LoRAs (one, or a blend side by side) through `float8_kernels.requantize_into` where
-        it runs (and `kernel`), reading the float8 copy twice; other kinds, or elsewhere,
-        through eager fp32 ops (`changes`: (layer, the request's weight) in order)."""
+        """Through `float8_kernels.requantize_into` where it runs (and `kernel`) and takes the
+        changes (`kernel_call`), reading the float8 copy twice; else through eager fp32 ops
+        (`changes`: (layer, the request's weight) in order)."""
         from torchao.quantization import Float8Tensor
 
         device = self.qdata.device
         qdata = self.pristine_qdata.to(device, non_blocking=True)
         scale = self.pristine_scale.to(device, non_blocking=True)
-        if kernel and all(layer.plain for layer, _ in changes) and float8_kernel_available(self.qdata) \
-                and self.qdata.is_contiguous():
-            if len(changes) == 1:
-                layer, blend = changes[0]
-                requantize_into(self.qdata, self.scale, qdata, scale, layer.up, layer.down, blend * layer.scale)
-            else:
-                requantize_into(self.qdata, self.scale, qdata, scale, *side_by_side(changes, device))
+        call = kernel_call(changes, self.scale.numel() != 1, device) if kernel and self.qdata.is_contiguous() \
+            and float8_kernel_available(self.qdata) else None
+        if call is not None:
+            requantize_into(self.qdata, self.scale, qdata, scale, *call[0], **call[1])
             return
         high = qdata.to(torch.float32) * scale.to(torch.float32)  # [rows, 1] or [1, 1]: broadcast
         for layer, blend in changes:
@@ -74,6 +71,30 @@ class Fp8Weight:
         fresh = Float8Tensor.from_hp(high, float8_dtype=self.qdata.dtype, granularity=self.granularity)
         self.qdata.copy_(fresh.qdata)
         self.scale.copy_(fresh.scale.reshape(self.scale.shape))
+
+
+def kernel_call(changes: list[tuple[kinds.Layer, float]], per_row: bool, device: torch.device) -> tuple | None:
+    """`requantize_into`'s operands (positional, keywords) for these changes, or None where
+    eager ops write them: plain LoRAs, one or a blend; with a scale per row also one LoHa
+    (both pairs of one rank), or one DoRA over a plain LoRA rescaling output rows."""
+    if all(layer.plain for layer, _ in changes):
+        layer, blend = changes[0]
+        return ((layer.up, layer.down, blend * layer.scale) if len(changes) == 1
+                else side_by_side(changes, device)), {}
+    if len(changes) != 1 or not per_row:
+        return None
+    layer, blend = changes[0]
+    if layer.dora is None:
+        fast = layer.kind.fast_write(layer.factors)
+        if fast is None or fast.kernel != "hadamard" or fast.operands[0].shape[1] != fast.operands[2].shape[1]:
+            return None
+        up, down, up2, down2 = fast.operands
+        return (up, down, blend * layer.scale), {"second": (up2, down2)}
+    change = layer.without_dora()
+    if not change.plain or layer.dora == "lycoris-in":
+        return None
+    rows = DoraRows(layer.factors["magnitude"].reshape(-1), blend, layer.dora == "peft")
+    return (change.up, change.down, kinds.dora_change_weight(layer, blend) * layer.scale), {"dora": rows}
 
 
 def side_by_side(changes: list[tuple[kinds.Layer, float]], device: torch.device) -> tuple:
