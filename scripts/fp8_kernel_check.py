@@ -1,6 +1,7 @@
 """The float8 re-quantization kernel on a GPU, against the eager path it replaces, on
 FLUX.1-sized weights: agreement (scales, float8 values) and time per swap of one layer, for
-one LoRA and for a blend of two (the second of half the rank, weight -0.5).
+one LoRA and for a blend of two (the second of half the rank, weight -0.5), and with a scale
+per row for one LoHa and DoRA over a LoRA (PEFT's and LyCORIS's rescaling of output rows).
 
     PYTHONPATH=src python scripts/fp8_kernel_check.py [OUT.json]
 """
@@ -13,7 +14,7 @@ import sys
 import torch
 from torchao.quantization import Float8Tensor, PerRow, PerTensor
 
-from loraswap.adapters.kinds import LORA, Layer
+from loraswap.adapters.kinds import LOHA, LORA, Layer
 from loraswap.engine.float8_weights import Fp8Weight
 
 
@@ -35,14 +36,31 @@ def lora(rows: int, cols: int, rank: int) -> Layer:
                         "down": torch.randn(rank, cols, device="cuda", dtype=torch.bfloat16) * 0.01})
 
 
+def changes(kind: str, rows: int, cols: int, rank: int) -> list:
+    """A swap's (layer, weight) pairs of this kind."""
+    rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 0.01  # noqa: E731
+    if kind == "blend":
+        return [(lora(rows, cols, rank), 0.8), (lora(rows, cols, rank // 2), -0.5)]
+    if kind == "loha":
+        return [(Layer(LOHA, {"w1a": rand(rows, rank), "w1b": rand(rank, cols), "w2a": rand(rows, rank) * 100,
+                              "w2b": rand(rank, cols) * 100}), 0.8)]
+    if kind.startswith("dora"):
+        factors = lora(rows, cols, rank).factors | {"magnitude": torch.rand(rows, device="cuda") + 0.5}
+        return [(Layer(LORA, factors, dora=kind.removeprefix("dora-")), 0.8)]
+    return [(lora(rows, cols, rank), 0.8)]
+
+
+KINDS = {"PerRow": ("lora", "blend", "loha", "dora-peft", "dora-lycoris-out"), "PerTensor": ("lora", "blend")}
+
+
 def main(out: str | None) -> None:
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
     for granularity in (PerRow(), PerTensor()):
-        for (rows, cols, rank), blend in itertools.product(((3072, 12288, 64), (12288, 3072, 16),
-                                                            (3072, 3072, 128)), (False, True)):
+        for (rows, cols, rank), kind in itertools.product(((3072, 12288, 64), (12288, 3072, 16), (3072, 3072, 128)),
+                                                          KINDS[type(granularity).__name__]):
             hp = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 0.02
-            change = [(lora(rows, cols, rank), 0.8)] + ([(lora(rows, cols, rank // 2), -0.5)] if blend else [])
+            change = changes(kind, rows, cols, rank)
             results = {}
             for kernel in (True, False):
                 weight = Float8Tensor.from_hp(hp, float8_dtype=torch.float8_e4m3fn, granularity=granularity)
@@ -53,7 +71,7 @@ def main(out: str | None) -> None:
             (q, s, ms), (q_eager, s_eager, ms_eager) = results[True], results[False]
             differs = q.view(torch.uint8) != q_eager.view(torch.uint8)
             steps = (q.float() - q_eager.float()).abs() / q_eager.float().abs().clamp(min=2**-9)
-            case = {"granularity": type(granularity).__name__, "shape": [rows, cols], "rank": rank, "blend": blend,
+            case = {"granularity": type(granularity).__name__, "shape": [rows, cols], "rank": rank, "kind": kind,
                     "scale_max_rel_diff": float(((s - s_eager).abs() / s_eager).max()),
                     "qdata_differ_fraction": float(differs.float().mean()),
                     "max_relative_step_where_differ": float(steps[differs].max()) if differs.any() else 0.0,
