@@ -18,8 +18,8 @@ run() {
 
 for step in $steps; do
   case $step in
-    tiles)  # the re-quantization kernel's tiles, and against a copy with the division switchable
-      run tiles 170 python scripts/float8_kernel_variants.py --runs tiles,rows --out "$out/kernel-tiles.json" ;;
+    tiles)  # the re-quantization kernel's tiles, and against a copy without its masks and reloads
+      run tiles 170 python scripts/float8_kernel_variants.py --runs tiles,served --out "$out/kernel-tiles.json" ;;
     loops)  # the two-launch kernel's loop orders
       run loops 150 python scripts/float8_kernel_variants.py --runs loops --out "$out/kernel-loops.json" ;;
     check)  # the re-quantization kernel against eager torchao, one LoRA and a blend

@@ -18,11 +18,13 @@ times, `triton.testing.do_bench`):
 - `rows`: one launch per weight, each program a block of whole rows: the rows' largest |W|
   kept in registers, their new scales written, then the rows written as float8 (P read
   again, mostly from L2), a copy of the kernel with the division switchable, against it,
-  with its output compared.
+  with its output compared;
+- `served`: the served kernel against that copy, with the served kernel's masks and its
+  loads of the up rows in every tile put back one at a time (what makes it slower).
 
-The copies are for measuring only: the swap runs `kernels.py`.
+The copies are for measuring only: the swap runs `float8_kernels.py`.
 
-    PYTHONPATH=src python scripts/float8_kernel_variants.py [--runs tiles,parts,loops,division,rows] [--out OUT.json]
+    PYTHONPATH=src python scripts/float8_kernel_variants.py [--runs tiles,served,...] [--out OUT.json]
 """
 
 import argparse
@@ -69,29 +71,45 @@ def _finish(w, stats_ptr, out_ptr, rows, offsets, PASS: tl.constexpr, DIV: tl.co
 
 
 @triton.jit
+def _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, RELOAD: tl.constexpr, MASKED: tl.constexpr):
+    cols = n0 + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    offsets = rows[:, None] * N + cols[None, :]
+    if RELOAD:  # the up rows loaded again for every tile, with a mask on the ranks (as served)
+        up = tl.load(b_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+    if MASKED:  # rows, columns and ranks masked (as served)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        down = tl.load(a_ptr + ks[:, None].to(tl.int64) * N + cols[None, :],
+                       mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+        w = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * scale + tl.dot(up, down) * alpha
+        return tl.where(mask, w, 0.0), offsets, mask
+    acc = tl.dot(up, tl.load(a_ptr + ks[:, None].to(tl.int64) * N + cols[None, :]))
+    return tl.load(p_ptr + offsets).to(tl.float32) * scale + acc * alpha, offsets, None
+
+
+@triton.jit
 def rows_kernel(out_ptr, p_ptr, s_ptr, new_s_ptr, b_ptr, a_ptr, M, N, K, alpha, RECIPROCAL: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, DIV: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, DIV: tl.constexpr,
+                RELOAD: tl.constexpr = False, MASKED: tl.constexpr = False):
     rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     ks = tl.arange(0, BK)
     up = tl.load(b_ptr + rows[:, None] * K + ks[None, :])
     scale = tl.load(s_ptr + rows)[:, None]
     largest = tl.full((BM,), 0.0, tl.float32)
     for n0 in tl.range(0, N, BN, num_stages=STAGES):
-        cols = n0 + tl.arange(0, BN)
-        acc = tl.dot(up, tl.load(a_ptr + ks[:, None].to(tl.int64) * N + cols[None, :]))
-        w = tl.load(p_ptr + rows[:, None] * N + cols[None, :]).to(tl.float32) * scale + acc * alpha
+        w, offsets, mask = _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM, BN, BK, RELOAD,
+                                      MASKED)
         largest = tl.maximum(largest, tl.max(tl.abs(w), 1))
     new_scale = largest * RECIPROCAL
     tl.store(new_s_ptr + rows, new_scale)
     new_scale = new_scale[:, None]
     reciprocal = tl.math.div_rn(tl.full(new_scale.shape, 1.0, tl.float32), new_scale)
     for n0 in tl.range(0, N, BN, num_stages=STAGES):
-        cols = n0 + tl.arange(0, BN)
-        offsets = rows[:, None] * N + cols[None, :]
-        acc = tl.dot(up, tl.load(a_ptr + ks[:, None].to(tl.int64) * N + cols[None, :]))
-        w = tl.load(p_ptr + offsets).to(tl.float32) * scale + acc * alpha
+        w, offsets, mask = _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM, BN, BK, RELOAD,
+                                      MASKED)
         q = _divide(w, new_scale, reciprocal, DIV)
-        tl.store(out_ptr + offsets, tl.minimum(tl.maximum(q, -448.0), 448.0).to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + offsets, tl.minimum(tl.maximum(q, -448.0), 448.0).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -247,6 +265,23 @@ def division(rows: list) -> None:
                                                      num_warps=4))
 
 
+def served_parts(rows: list) -> None:
+    """The served kernel against the copy, with the served kernel's masks and its loads of
+    the up rows in every tile put back one at a time (16 x 256 tiles, 3 stages)."""
+    for name, (m, n) in SHAPES.items():
+        qdata, pristine, scale, up, down, _ = weight(m, n)
+        pristine_scale = scale.clone()
+        timed(rows, f"served {name} requantize_into",
+              lambda: float8_kernels.requantize_into(qdata, scale, pristine, pristine_scale, up, down, 0.8),
+              3 * m * n)
+        out, new_scale = torch.empty_like(qdata), torch.empty_like(scale)
+        for reload, masked in ((False, False), (True, False), (False, True), (True, True)):
+            timed(rows, f"served {name} copy reload={reload} masked={masked}",
+                  lambda: rows_kernel[(m // 16,)](out, pristine, pristine_scale, new_scale, up, down, m, n, RANK, 0.8,
+                                                 RECIPROCAL=RECIPROCAL_448, BM=16, BN=256, BK=RANK, STAGES=3, DIV=2,
+                                                 RELOAD=reload, MASKED=masked, num_warps=4), 3 * m * n)
+
+
 def whole_rows(rows: list) -> None:
     for name, (m, n) in SHAPES.items():
         qdata, pristine, scale, up, down, _ = weight(m, n)
@@ -270,7 +305,8 @@ def whole_rows(rows: list) -> None:
                       f"{rows[-1]['scales_differ']} scales", flush=True)
 
 
-RUNS = {"tiles": tile_sizes, "parts": parts, "loops": loops, "division": division, "rows": whole_rows}
+RUNS = {"tiles": tile_sizes, "parts": parts, "loops": loops, "division": division, "rows": whole_rows,
+        "served": served_parts}
 
 
 def main() -> None:

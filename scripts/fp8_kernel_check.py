@@ -1,7 +1,7 @@
 """The float8 re-quantization kernel on a GPU, against the eager path it replaces, on
 FLUX.1-sized weights: agreement (scales, float8 values) and time per swap of one layer, for
 one LoRA and for a blend of two (the second of half the rank, weight -0.5), and with a scale
-per row for one LoHa and DoRA over a LoRA (PEFT's and LyCORIS's rescaling of output rows).
+per row for one LoHa, one LoKr and DoRA over a LoRA (PEFT's and LyCORIS's rescaling of output rows).
 
     PYTHONPATH=src python scripts/fp8_kernel_check.py [OUT.json]
 """
@@ -14,7 +14,7 @@ import sys
 import torch
 from torchao.quantization import Float8Tensor, PerRow, PerTensor
 
-from loraswap.adapters.kinds import LOHA, LORA, Layer
+from loraswap.adapters.kinds import LOHA, LOKR, LORA, Layer
 from loraswap.engine.float8_weights import Fp8Weight
 
 
@@ -44,13 +44,16 @@ def changes(kind: str, rows: int, cols: int, rank: int) -> list:
     if kind == "loha":
         return [(Layer(LOHA, {"w1a": rand(rows, rank), "w1b": rand(rank, cols), "w2a": rand(rows, rank) * 100,
                               "w2b": rand(rank, cols) * 100}), 0.8)]
+    if kind == "lokr":  # kron(w1 of 8 x 16, w2 of rows / 8 x cols / 16 at this rank)
+        factors = {"w1": rand(8, 16) * 100, "w2a": rand(rows // 8, rank), "w2b": rand(rank, cols // 16)}
+        return [(Layer(LOKR, factors), 0.8)]
     if kind.startswith("dora"):
         factors = lora(rows, cols, rank).factors | {"magnitude": torch.rand(rows, device="cuda") + 0.5}
         return [(Layer(LORA, factors, dora=kind.removeprefix("dora-")), 0.8)]
     return [(lora(rows, cols, rank), 0.8)]
 
 
-KINDS = {"PerRow": ("lora", "blend", "loha", "dora-peft", "dora-lycoris-out"), "PerTensor": ("lora", "blend")}
+KINDS = {"PerRow": ("lora", "blend", "loha", "lokr", "dora-peft", "dora-lycoris-out"), "PerTensor": ("lora", "blend")}
 
 
 def main(out: str | None) -> None:

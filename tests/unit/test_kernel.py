@@ -211,23 +211,25 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, p
 
 
 @pytest.mark.slow  # Triton's interpreter
-@pytest.mark.parametrize("change", ["loha", "dora-peft", "dora-lycoris-out", "dora-lycoris-in"])
-def test_float8_row_kernel_writes_loha_and_dora_as_torchao_quantizes_the_eager_sum(float8, change):
-    """One LoHa (W += (B1 @ A1) * (B2 @ A2)), or DoRA over a LoRA (each output row of the sum
-    rescaled by PEFT's or LyCORIS's factor), re-quantized by the per-row kernel in one call,
-    against torchao's quantization of the fp32 sum `kinds.write` makes (the eager path);
-    DoRA rescaling input columns stays on the eager path."""
+@pytest.mark.parametrize("change", ["loha", "lokr", "dora-peft", "dora-lycoris-out", "dora-lycoris-in"])
+def test_float8_row_kernel_writes_loha_lokr_and_dora_as_torchao_quantizes_the_eager_sum(float8, change):
+    """One LoHa (W += (B1 @ A1) * (B2 @ A2)), one LoKr (kron(w1, w2a @ w2b)), or DoRA over a
+    LoRA (each output row of the sum rescaled by PEFT's or LyCORIS's factor), re-quantized by
+    the per-row kernel in one call, against torchao's quantization of the fp32 sum
+    `kinds.write` makes (the eager path); DoRA rescaling input columns stays eager."""
     from torchao.quantization import Float8Tensor, PerRow
 
-    from loraswap.adapters.kinds import LOHA, LORA, Layer
+    from loraswap.adapters.kinds import LOHA, LOKR, LORA, Layer
     from loraswap.engine.float8_weights import Fp8Weight
 
     g = torch.Generator().manual_seed(11)
-    m, n, r = 37, 300, 12
+    m, n, r = 36, 300, 12
     weight = torch.randn(m, n, generator=g) * torch.exp(torch.randn(m, n, generator=g))
     rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     if change == "loha":
         layer = Layer(LOHA, {"w1a": rand(m, r), "w1b": rand(r, n), "w2a": rand(m, r), "w2b": rand(r, n)}, 0.05)
+    elif change == "lokr":  # kron of [4, 10] and [9, 30]
+        layer = Layer(LOKR, {"w1": rand(4, 10), "w2a": rand(9, 3), "w2b": rand(3, 30)}, 0.3)
     else:
         convention = change.removeprefix("dora-")
         magnitude = rand(n) if convention == "lycoris-in" else rand(m).abs() * 30 + 1
@@ -339,7 +341,7 @@ def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(float8, 
 
 
 @pytest.mark.slow  # Triton's interpreter
-def test_warm_up_compiles_the_variants_the_models_row_lengths_need(interpreted, monkeypatch):
+def test_warm_up_compiles_the_variants_the_models_row_lengths_need(interpreted, float8, monkeypatch):
     """Triton specializes row lengths that are multiples of 16 (and 1): a model whose rows
     all are (every real one) warms three variants, one per class of rank, not six; a model
     with other row lengths (a 3x3 conv over 3 channels: 27) gets those variants too."""
@@ -370,6 +372,7 @@ def test_warm_up_compiles_the_variants_the_models_row_lengths_need(interpreted, 
     quantize_module(quantized[:2], "fp8-weight-only")
     swap.FusedSwapper({"transformer": quantized}).warm_up_kernel()
     assert float8_calls == [(False, torch.bfloat16, [32, 48])]  # one scale per row
+    float8.warm_up_float8(torch.device("cpu"), False, [32])  # the real one runs every kind's variants
     assert calls == [(torch.bfloat16, [16])]  # the layer left in bf16
 
 

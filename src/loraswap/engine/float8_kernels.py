@@ -11,7 +11,7 @@ where it is needed, from the factors (a few MB) rather than from a copy of the w
   in a second loop, reading P again, mostly from the L2 cache. On an H200 it took FLUX.2's
   largest weight from 0.94 ms (two launches, atomics between them) to 0.58 ms, and a FLUX.2
   rank-32 swap from 89.5 to 55.7 ms (bench/results/float8-h200/). It also takes one LoHa,
-  and DoRA rescaling output rows (each row's norm summed in the first loop).
+  one LoKr, and DoRA rescaling output rows (each row's norm summed in the first loop).
 - Per tensor (`fp8-tensorwise`), two launches: the first takes the tensor's largest |W| by
   atomics, torch turns it into the scale, the second writes W.
 
@@ -91,7 +91,7 @@ def _float8_functions() -> bool:
 @cache
 def _row_functions() -> bool:
     """The per-row kernel's tiles (as `_float8_functions`), with the rank unrolled."""
-    global _product, _row_tile
+    global _product, _kron, _row_tile
     if not _float8_functions():
         return False
     import triton
@@ -114,18 +114,27 @@ def _row_functions() -> bool:
         return acc
 
     @triton.jit
-    def _row_tile(p_ptr, b_ptr, a_ptr, b2_ptr, a2_ptr, alphas_ptr, rows, in_m, scale, n0, N, K, alpha,
+    def _kron(w1_ptr, w2_ptr, rows, rn, mask, N, P, Q):
+        # LoKr: kron(w1, w2) at (rows, rn), w1 [a, N / Q] and w2 [P, Q] whole, in fp32
+        first = tl.load(w1_ptr + (rows // P)[:, None] * (N // Q) + (rn // Q)[None, :], mask=mask, other=0.0)
+        return first * tl.load(w2_ptr + (rows % P)[:, None] * Q + (rn % Q)[None, :], mask=mask, other=0.0)
+
+    @triton.jit
+    def _row_tile(p_ptr, b_ptr, a_ptr, b2_ptr, a2_ptr, alphas_ptr, rows, in_m, scale, n0, N, K, P, Q, alpha,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                  BLENDED: tl.constexpr, HADAMARD: tl.constexpr, K_BLOCKS: tl.constexpr):
-        # the tile of W at columns n0.. of these rows in fp32, its offsets and mask; HADAMARD
-        # (LoHa): the change is (B @ A) * (B2 @ A2)
+                  BLENDED: tl.constexpr, KIND: tl.constexpr, K_BLOCKS: tl.constexpr):
+        # the tile of W at columns n0.. of these rows in fp32, its offsets and mask. The change:
+        # KIND 0 B @ A; 1 (LoHa) (B @ A) * (B2 @ A2); 2 (LoKr) kron(B, A), A of P x Q
         rn = n0 + tl.arange(0, BLOCK_N)
         rn = tl.max_contiguous(tl.multiple_of(rn, BLOCK_N), BLOCK_N)
         in_n = rn < N
         offsets, mask = rows[:, None] * N + rn[None, :], in_m[:, None] & in_n[None, :]
-        acc = _product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
-                       BLENDED, K_BLOCKS)
-        if HADAMARD:
+        if KIND == 2:
+            acc = _kron(b_ptr, a_ptr, rows, rn, mask, N, P, Q)
+        else:
+            acc = _product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+                           BLENDED, K_BLOCKS)
+        if KIND == 1:
             acc = acc * _product(b2_ptr, a2_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
                                  IEEE, False, K_BLOCKS)
         return tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * scale + acc * alpha, offsets, mask
@@ -172,11 +181,12 @@ def _per_row_kernel():
         return None
     import triton
 
-    @triton.jit(do_not_specialize=["M", "alpha", "blend"])
+    @triton.jit(do_not_specialize=["M", "P", "Q", "alpha", "blend"])
     def requantize_rows(out_ptr, scale_out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, b2_ptr, a2_ptr, alphas_ptr, m_ptr, M, N,
-                        K, alpha, blend, RECIPROCAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
-                        EMULATE: tl.constexpr, BLENDED: tl.constexpr, HADAMARD: tl.constexpr, DORA: tl.constexpr):
+                        K, P, Q, alpha, blend, RECIPROCAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr, STAGES: tl.constexpr,
+                        IEEE: tl.constexpr, EMULATE: tl.constexpr, BLENDED: tl.constexpr, KIND: tl.constexpr,
+                        DORA: tl.constexpr):
         # per row: BLOCK_M whole rows, their largest |W| (and DoRA's sums of squares: 1 PEFT,
         # 2 LyCORIS, per output row) in registers, then the rows as float8
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -187,7 +197,7 @@ def _per_row_kernel():
         squares = tl.full((BLOCK_M,), 0.0, tl.float32)
         for n0 in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             w, offsets, mask = _row_tile(p_ptr, b_ptr, a_ptr, b2_ptr, a2_ptr, alphas_ptr, rows, in_m, scale, n0, N, K,
-                                         alpha, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, HADAMARD, K_BLOCKS)
+                                         P, Q, alpha, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, KIND, K_BLOCKS)
             w = tl.where(mask, w, 0.0)
             largest = tl.maximum(largest, tl.reduce(tl.abs(w), 1, _larger))
             if DORA > 0:
@@ -205,7 +215,7 @@ def _per_row_kernel():
         new_scale = new_scale[:, None]
         for n0 in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             w, offsets, mask = _row_tile(p_ptr, b_ptr, a_ptr, b2_ptr, a2_ptr, alphas_ptr, rows, in_m, scale, n0, N, K,
-                                         alpha, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, HADAMARD, K_BLOCKS)
+                                         P, Q, alpha, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, KIND, K_BLOCKS)
             if DORA > 0:
                 w = w * factor[:, None]
             q = round_to_float8(_divide(w, new_scale, EMULATE), EMULATE)
@@ -229,36 +239,32 @@ class DoraRows:
     peft: bool
 
 
+KINDS = ("low_rank", "hadamard", "kronecker")  # the per-row kernel's changes, by its KIND
+
+
 def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
                     pristine_scale: torch.Tensor, up: torch.Tensor, down: torch.Tensor, alpha: float,
-                    alphas: torch.Tensor | None = None, second: tuple | None = None,
+                    alphas: torch.Tensor | None = None, kind: str = "low_rank", second: tuple | None = None,
                     dora: DoraRows | None = None) -> None:
     """qdata, scale = float8(pristine_qdata * pristine_scale + alpha * up @ down), in place,
     with a scale per row (`scale` of shape [rows, 1]) or per tensor ([1, 1]); all on one device.
     With `alphas` (fp32, one per `BLOCK_K` ranks: a blend's adapters side by side, each
-    padded to a multiple of `BLOCK_K`), each block of ranks is weighted by its own. Per row
-    only: `second`, LoHa's second pair (up2, down2) of the same rank, makes the change
-    (up @ down) * (up2 @ down2); `dora` rescales each row of the sum before it is quantized."""
+    padded to a multiple of `BLOCK_K`), each block of ranks is weighted by its own.
+
+    Per row only, other changes (`kind`): "hadamard" (LoHa) (up @ down) * (up2 @ down2), with
+    `second` = (up2, down2) of the same rank; "kronecker" (LoKr) kron(up, down), both whole
+    matrices. `dora` rescales each row of the sum before it is quantized."""
     m, n = qdata.shape
-    k = down.shape[0]
     flags = dict(BLOCK_K=BLOCK_K, IEEE=up.dtype == torch.float32 or not qdata.is_cuda, EMULATE=not qdata.is_cuda,
                  BLENDED=alphas is not None)
     per_tensor, per_row = _float8_kernels()
     if scale.numel() != 1:
-        up2, down2 = second or (up, down)
-        launch = lambda k_blocks, stages: per_row[(triton_cdiv(m, ROWS_BLOCK_M),)](  # noqa: E731
-            qdata, scale, pristine_qdata, pristine_scale, up, down, up2, down2, up if alphas is None else alphas,
-            up if dora is None else dora.magnitude, m, n, k, float(alpha), float(dora.blend) if dora else 1.0,
-            RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=ROWS_BLOCK_M, BLOCK_N=ROWS_BLOCK_N, K_BLOCKS=k_blocks,
-            STAGES=stages, HADAMARD=second is not None, DORA=0 if dora is None else 1 if dora.peft else 2,
-            num_warps=ROWS_NUM_WARPS, **flags)
-        try:
-            launch(*row_plan(k, up.element_size() * (2 if second else 1), qdata.device))
-        except OutOfResources:  # the plan's estimate of shared memory was short (nothing ran): loop
-            launch(0, 1)
+        _requantize_rows(per_row, qdata, scale, pristine_qdata, pristine_scale, up, down, alpha, alphas, kind,
+                         second or (up, down), dora, flags)
         return
-    if second is not None or dora is not None:
-        raise ValueError("LoHa and DoRA re-quantize in the kernel with a scale per row only")
+    if kind != "low_rank" or dora is not None:
+        raise ValueError("LoHa, LoKr and DoRA re-quantize in the kernel with a scale per row only")
+    k = down.shape[0]
     stats = torch.zeros(1, device=qdata.device, dtype=torch.float32)
     grid = (triton_cdiv(m, kernels.BLOCK_M) * triton_cdiv(n, kernels.BLOCK_N),)
     for step, largest in ((0, stats), (1, scale)):
@@ -267,6 +273,24 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
                          BLOCK_N=kernels.BLOCK_N, num_warps=kernels.NUM_WARPS, **flags)
         if step == 0:  # the largest |W| -> the new scale, by torchao's own op, which pass 1 reads
             torch.div(stats, FLOAT8_MAX, out=scale.view(-1))
+
+
+def _requantize_rows(kernel, qdata, scale, pristine_qdata, pristine_scale, up, down, alpha, alphas, kind,
+                     second, dora, flags) -> None:
+    """`requantize_into` with a scale per row: one launch, its plan from the rank."""
+    (m, n), k = qdata.shape, down.shape[0] if kind != "kronecker" else 1  # (the ranks: none)
+    kron = down.shape if kind == "kronecker" else (1, 1)  # P, Q: the second Kronecker factor's shape
+    launch = lambda k_blocks, stages: kernel[(triton_cdiv(m, ROWS_BLOCK_M),)](  # noqa: E731
+        qdata, scale, pristine_qdata, pristine_scale, up, down, *second, up if alphas is None else alphas,
+        up if dora is None else dora.magnitude, m, n, k, *kron, float(alpha), float(dora.blend) if dora else 1.0,
+        RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=ROWS_BLOCK_M, BLOCK_N=ROWS_BLOCK_N, K_BLOCKS=k_blocks,
+        STAGES=stages, KIND=KINDS.index(kind), DORA=0 if dora is None else 1 if dora.peft else 2,
+        num_warps=ROWS_NUM_WARPS, **flags)
+    try:
+        launch(*((1, ROWS_STAGES) if kind == "kronecker" else
+                 row_plan(k, up.element_size() * (2 if kind == "hadamard" else 1), qdata.device)))
+    except OutOfResources:  # the plan's estimate of shared memory was short (nothing ran): loop
+        launch(0, 1)
 
 
 def row_plan(rank: int, itemsize: int, device: torch.device) -> tuple[int, int]:
@@ -296,13 +320,20 @@ def warm_up_float8(device: torch.device, per_tensor: bool, row_lengths: Iterable
     """Compile `requantize_into`'s variants for float8 weights with these row lengths and
     `dtype` factors, as `kernels.warm_up` does: each class of rank (`kernels.RANKS`; per row
     also 64 and 128, unrolled in 2 and 4 blocks), alone and as a blend (padded to
-    multiples of `BLOCK_K`)."""
+    multiples of `BLOCK_K`); per row also LoHa and DoRA at each class of rank, and LoKr."""
     classes = variants(row_lengths)
     for n in sorted({n for n, _ in classes}):
+        weight = torch.zeros(2, n, device=device, dtype=torch.float8_e4m3fn)
+        scale = torch.ones(1 if per_tensor else 2, 1, device=device)
+        write = lambda *operands, **options: requantize_into(  # noqa: E731
+            torch.empty_like(weight), torch.empty_like(scale), weight, scale, *operands, **options)
         for k in sorted({k for _, k in classes} | (set() if per_tensor else {64, 128})):
-            pristine = torch.zeros(2, n, device=device, dtype=torch.float8_e4m3fn)
-            scale = torch.ones(1 if per_tensor else 2, 1, device=device)
             up, down = torch.ones(2, k, device=device, dtype=dtype), torch.ones(k, n, device=device, dtype=dtype)
             for alphas in [None] + ([torch.ones(triton_cdiv(k, BLOCK_K), device=device)] if k % 16 == 0 else []):
-                requantize_into(torch.empty_like(pristine), torch.empty_like(scale), pristine, scale, up, down, 1.0,
-                                alphas)
+                write(up, down, 1.0, alphas)
+            if not per_tensor and k <= BLOCK_K:
+                write(up, down, 1.0, kind="hadamard", second=(up, down))
+                for peft in (True, False):
+                    write(up, down, 1.0, dora=DoraRows(torch.ones(2, device=device), 1.0, peft))
+        if not per_tensor:
+            write(torch.ones(1, 1, device=device), torch.ones(2, n, device=device), 1.0, kind="kronecker")

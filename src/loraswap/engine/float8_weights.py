@@ -76,7 +76,7 @@ class Fp8Weight:
 def kernel_call(changes: list[tuple[kinds.Layer, float]], per_row: bool, device: torch.device) -> tuple | None:
     """`requantize_into`'s operands (positional, keywords) for these changes, or None where
     eager ops write them: plain LoRAs, one or a blend; with a scale per row also one LoHa
-    (both pairs of one rank), or one DoRA over a plain LoRA rescaling output rows."""
+    (both pairs of one rank), one LoKr, or one DoRA over a plain LoRA rescaling output rows."""
     if all(layer.plain for layer, _ in changes):
         layer, blend = changes[0]
         return ((layer.up, layer.down, blend * layer.scale) if len(changes) == 1
@@ -84,12 +84,14 @@ def kernel_call(changes: list[tuple[kinds.Layer, float]], per_row: bool, device:
     if len(changes) != 1 or not per_row:
         return None
     layer, blend = changes[0]
+    if layer.dora is None and layer.kind is kinds.LOKR:  # the Kronecker factors whole, in fp32 as eager ops take them
+        return (*layer.kind.kron_matrices(layer.factors, torch.float32), blend * layer.scale), {"kind": "kronecker"}
     if layer.dora is None:
         fast = layer.kind.fast_write(layer.factors)
         if fast is None or fast.kernel != "hadamard" or fast.operands[0].shape[1] != fast.operands[2].shape[1]:
             return None
         up, down, up2, down2 = fast.operands
-        return (up, down, blend * layer.scale), {"second": (up2, down2)}
+        return (up, down, blend * layer.scale), {"kind": "hadamard", "second": (up2, down2)}
     change = layer.without_dora()
     if not change.plain or layer.dora == "lycoris-in":
         return None

@@ -58,13 +58,17 @@ class LoKr(AdapterKind):
             out["magnitude"] = f["magnitude"]
         return LOKR_ROWS, out
 
+    def kron_matrices(self, factors: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """w1 [a, b] and w2 [p, q] whole, in `dtype` (the change is kron(w1, w2), [a p, b q])."""
+        f = {k: v.to(dtype) for k, v in factors.items() if k != "magnitude"}
+        return matrix(_side(f, "1")).contiguous(), matrix(_side(f, "2")).contiguous()
+
     def write_in_place(self, target: torch.Tensor, source: torch.Tensor, layer: Layer, blend: float) -> bool:
         """kron(w1, w2) added without materializing it: the weight viewed as [a, p, b, q] takes
         w1[a, 1, b, 1] * w2[1, p, 1, q] in one broadcast pass (conv kernels ride in q)."""
         if not (target.is_contiguous() and source.is_contiguous()):
             return False
-        f = {k: v.to(target.dtype) for k, v in layer.factors.items() if k != "magnitude"}
-        w1, w2 = matrix(_side(f, "1")), matrix(_side(f, "2"))
+        w1, w2 = self.kron_matrices(layer.factors, target.dtype)
         (a, b), (p, q) = w1.shape, w2.shape
         return add_product_in_place(target, source, (a, p, b, q), w1.view(a, 1, b, 1), w2.view(1, p, 1, q),
                                     blend * layer.scale)
