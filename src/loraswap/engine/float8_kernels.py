@@ -28,7 +28,7 @@ from functools import cache
 import torch
 
 from . import kernels
-from .float8_rounding import float8_rounding, float8_runs_on
+from .float8_rounding import float8_rounding, float8_runs_on, interpreting
 from .kernels import BLOCK_K, triton_cdiv, variants
 
 FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -280,10 +280,12 @@ def _requantize_rows(kernel, qdata, scale, pristine_qdata, pristine_scale, up, d
     """`requantize_into` with a scale per row: one launch, its plan from the rank."""
     (m, n), k = qdata.shape, down.shape[0] if kind != "kronecker" else 1  # (the ranks: none)
     kron = down.shape if kind == "kronecker" else (1, 1)  # P, Q: the second Kronecker factor's shape
-    launch = lambda k_blocks, stages: kernel[(triton_cdiv(m, ROWS_BLOCK_M),)](  # noqa: E731
+    # under the interpreter a tile's cost is its size: small ones for the tests' small weights
+    block_m, block_n = (16, 64) if interpreting() else (ROWS_BLOCK_M, ROWS_BLOCK_N)
+    launch = lambda k_blocks, stages: kernel[(triton_cdiv(m, block_m),)](  # noqa: E731
         qdata, scale, pristine_qdata, pristine_scale, up, down, *second, up if alphas is None else alphas,
         up if dora is None else dora.magnitude, m, n, k, *kron, float(alpha), float(dora.blend) if dora else 1.0,
-        RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=ROWS_BLOCK_M, BLOCK_N=ROWS_BLOCK_N, K_BLOCKS=k_blocks,
+        RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=block_m, BLOCK_N=block_n, K_BLOCKS=k_blocks,
         STAGES=stages, KIND=KINDS.index(kind), DORA=0 if dora is None else 1 if dora.peft else 2,
         num_warps=ROWS_NUM_WARPS, **flags)
     try:
