@@ -29,7 +29,9 @@ for step in $steps; do
         --out "$out/flux-steps.json" ;;
     swap-flux2 | swap-wan | swap-flux)  # a float8 swap's time by kernel
       architecture=$(case $step in swap-flux2) echo flux2-dev ;; swap-wan) echo wan-14b ;; *) echo flux-dev ;; esac)
-      run "$step" 300 python scripts/float8_swap_profile.py --architecture "$architecture" --rounds 8 \
+      memory=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+      on_host=$([ "$step" = swap-flux2 ] && [ "${memory:-0}" -lt 100000 ] && echo --on-host)  # FLUX.2 on 80 GB
+      run "$step" 300 python scripts/float8_swap_profile.py --architecture "$architecture" --rounds 8 $on_host \
         --out "$out/swap-profile-$architecture.json" ;;
     *) echo "unknown step $step" ;;
   esac

@@ -55,16 +55,18 @@ def kernel_profile(swap, swaps: int) -> dict:
             "kernels": [{"name": name[:120], "ms": ms, "calls": n} for name, (ms, n) in top[:20]]}
 
 
-def build_denoisers(architecture: str, device, dtype, quantize: str) -> tuple[dict, str, type]:
-    """The denoiser(s) as served, each quantized as built: Wan 2.2's two experts, else one."""
-    model, prefix, pipeline_cls = build_denoiser(architecture, device, dtype)
-    quantize_module(model, quantize, device)
-    models = {prefix: model}
+def build_denoisers(architecture: str, device, dtype, quantize: str, on_host: bool) -> tuple[dict, str, type]:
+    """The denoiser(s) as served, each quantized as built: Wan 2.2's two experts, else one.
+    `on_host`: built in host RAM and quantized layer by layer onto `device` (FLUX.2 [dev] in
+    bf16 does not fit an 80 GB GPU beside its float8 copy)."""
+    build = torch.device("cpu") if on_host else device
+    quantized = lambda module: quantize_module(module, quantize, device) or module.to(device)  # noqa: E731
+    model, prefix, pipeline_cls = build_denoiser(architecture, build, dtype)
+    models = {prefix: quantized(model)}  # (`.to`: what quantizing left in host RAM, norms and embeddings)
     if "transformer_2" in lora_components(architecture)[1]:
-        models["transformer_2"] = (build_preset(architecture).transformer_2.to(device, dtype) if architecture in PRESETS
-                                   else build_architecture_component(architecture, "transformer_2", device=device,
-                                                                     dtype=dtype))
-        quantize_module(models["transformer_2"], quantize, device)
+        models["transformer_2"] = quantized(
+            build_preset(architecture).transformer_2.to(build, dtype) if architecture in PRESETS
+            else build_architecture_component(architecture, "transformer_2", device=build, dtype=dtype))
     return models, prefix, pipeline_cls
 
 
@@ -74,12 +76,13 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--quantize", default="fp8", help="fp8-weight-only for a dry run on a CPU")
+    parser.add_argument("--on-host", action="store_true", help="build in host RAM (FLUX.2 on an 80 GB GPU)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
-    models, prefix, pipeline_cls = build_denoisers(args.architecture, device, dtype, args.quantize)
+    models, prefix, pipeline_cls = build_denoisers(args.architecture, device, dtype, args.quantize, args.on_host)
     model = models[prefix]
     swapper = FusedSwapper(models)
     swapper.warm_up_kernel()
