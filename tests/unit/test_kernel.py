@@ -277,10 +277,43 @@ def test_float8_row_kernel_loops_over_the_ranks_where_its_plan_runs_out_of_share
             return launch
 
     monkeypatch.setattr(float8, "_float8_kernels", lambda: (None, Kernel()))
+    monkeypatch.setattr(float8, "_SHORT_OF_MEMORY", set())
     qdata, scale = torch.zeros(4, 64, dtype=FLOAT8), torch.ones(4, 1)
     up, down = torch.ones(4, 128, dtype=torch.bfloat16), torch.ones(128, 64, dtype=torch.bfloat16)
-    float8.requantize_into(qdata, scale, qdata.clone(), scale.clone(), up, down, 1.0)
-    assert launches == [(4, 2), (0, 1)]
+    for _ in range(2):
+        float8.requantize_into(qdata, scale, qdata.clone(), scale.clone(), up, down, 1.0)
+    assert launches == [(4, 2), (0, 1), (0, 1)]  # the plan that ran short is not tried again
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+def test_a_blend_unrolled_past_its_ranks_reads_no_weight_beyond_its_blocks(float8, per_row):
+    """Ranks 32 + 64 are three blocks, unrolled as four: the fourth reads no blend weight
+    (here a NaN just past the three), so the result equals the one with a zero there."""
+    g = torch.Generator().manual_seed(3)
+    m, n = 20, 70
+    pristine = (torch.randn(m, n, generator=g) * 50).to(FLOAT8)
+    scale = torch.rand(m if per_row else 1, 1, generator=g) * 1e-2
+    up, down = torch.randn(m, 96, generator=g), torch.randn(96, n, generator=g)
+    results = []
+    for past in (float("nan"), 0.0):
+        alphas = torch.tensor([0.3, -0.1, 0.2, past])[:3]
+        qdata, new_scale = torch.empty_like(pristine), torch.empty_like(scale)
+        float8.requantize_into(qdata, new_scale, pristine, scale, up, down, 1.0, alphas)
+        results.append((qdata.view(torch.uint8), new_scale))
+    assert results[0][1].isfinite().all() and torch.equal(results[0][1], results[1][1])
+    assert torch.equal(results[0][0], results[1][0])
+
+
+def test_the_row_kernel_refuses_changes_it_cannot_write(float8):
+    qdata, scale = torch.zeros(6, 8, dtype=FLOAT8), torch.ones(6, 1)
+    refused = {"needs its second pair": dict(kind="hadamard"), "is not 6 x 8": dict(kind="kronecker"),
+               "unknown change": dict(kind="tucker")}
+    for message, options in refused.items():
+        with pytest.raises(ValueError, match=message):
+            float8.requantize_into(qdata, scale, qdata.clone(), scale.clone(), torch.ones(2, 2), torch.ones(3, 5), 1.0,
+                                   **options)
+    with pytest.raises(ValueError, match="contiguous"):
+        float8.requantize_into(qdata, scale, qdata.clone(), scale.clone(), torch.ones(2, 6).T, torch.ones(2, 8), 1.0)
 
 
 @pytest.mark.slow  # Triton's interpreter

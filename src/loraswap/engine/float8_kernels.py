@@ -239,7 +239,7 @@ class DoraRows:
     peft: bool
 
 
-KINDS = ("low_rank", "hadamard", "kronecker")  # the per-row kernel's changes, by its KIND
+ROW_CHANGES = ("low_rank", "hadamard", "kronecker")  # the per-row kernel's changes, by its KIND
 
 
 def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
@@ -260,7 +260,7 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
     per_tensor, per_row = _float8_kernels()
     if scale.numel() != 1:
         _requantize_rows(per_row, qdata, scale, pristine_qdata, pristine_scale, up, down, alpha, alphas, kind,
-                         second or (up, down), dora, flags)
+                         second, dora, flags)
         return
     if kind != "low_rank" or dora is not None:
         raise ValueError("LoHa, LoKr and DoRA re-quantize in the kernel with a scale per row only")
@@ -278,30 +278,58 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
 def _requantize_rows(kernel, qdata, scale, pristine_qdata, pristine_scale, up, down, alpha, alphas, kind,
                      second, dora, flags) -> None:
     """`requantize_into` with a scale per row: one launch, its plan from the rank."""
-    (m, n), k = qdata.shape, down.shape[0] if kind != "kronecker" else 1  # (the ranks: none)
+    m, n = qdata.shape
+    _check_row_change(m, n, kind, (up, down, *(second or ())))
+    rank = 1 if kind == "kronecker" else down.shape[0]  # (LoKr has none)
     kron = down.shape if kind == "kronecker" else (1, 1)  # P, Q: the second Kronecker factor's shape
+    second = second or (up, down)  # (read only by LoHa)
     # under the interpreter a tile's cost is its size: small ones for the tests' small weights
     block_m, block_n = (16, 64) if interpreting() else (ROWS_BLOCK_M, ROWS_BLOCK_N)
-    launch = lambda k_blocks, stages: kernel[(triton_cdiv(m, block_m),)](  # noqa: E731
-        qdata, scale, pristine_qdata, pristine_scale, up, down, *second, up if alphas is None else alphas,
-        up if dora is None else dora.magnitude, m, n, k, *kron, float(alpha), float(dora.blend) if dora else 1.0,
-        RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=block_m, BLOCK_N=block_n, K_BLOCKS=k_blocks,
-        STAGES=stages, KIND=KINDS.index(kind), DORA=0 if dora is None else 1 if dora.peft else 2,
-        num_warps=ROWS_NUM_WARPS, **flags)
-    try:
-        launch(*((1, ROWS_STAGES) if kind == "kronecker" else
-                 row_plan(k, up.element_size() * (2 if kind == "hadamard" else 1), qdata.device)))
-    except OutOfResources:  # the plan's estimate of shared memory was short (nothing ran): loop
+
+    def launch(k_blocks: int, stages: int) -> None:
+        kernel[(triton_cdiv(m, block_m),)](
+            qdata, scale, pristine_qdata, pristine_scale, up, down, *second, up if alphas is None else alphas,
+            up if dora is None else dora.magnitude, m, n, rank, *kron, float(alpha),
+            float(dora.blend) if dora else 1.0, RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=block_m, BLOCK_N=block_n,
+            K_BLOCKS=k_blocks, STAGES=stages, KIND=ROW_CHANGES.index(kind),
+            DORA=0 if dora is None else 1 if dora.peft else 2, num_warps=ROWS_NUM_WARPS, **flags)
+
+    plan = (1, ROWS_STAGES) if kind == "kronecker" else row_plan(
+        rank, up.element_size() * (2 if kind == "hadamard" else 1), qdata.device)
+    short = (qdata.device, kind, plan, up.dtype, alphas is not None, dora is not None)
+    if short in _SHORT_OF_MEMORY:
         launch(0, 1)
+        return
+    try:
+        launch(*plan)
+    except OutOfResources:  # the plan's estimate of shared memory was short (nothing ran): loop, from now on
+        _SHORT_OF_MEMORY.add(short)
+        launch(0, 1)
+
+
+_SHORT_OF_MEMORY: set[tuple] = set()  # the per-row kernel's plans that ran out of shared memory
+
+
+def _check_row_change(m: int, n: int, kind: str, operands: tuple) -> None:
+    """A ValueError unless the per-row kernel can write this change into an m x n weight."""
+    if kind not in ROW_CHANGES:
+        raise ValueError(f"unknown change '{kind}'; the per-row kernel writes {', '.join(ROW_CHANGES)}")
+    if kind == "hadamard" and len(operands) != 4:
+        raise ValueError("a LoHa change needs its second pair (up2, down2)")
+    if kind == "kronecker" and (operands[0].shape[0] * operands[1].shape[0], operands[0].shape[1] *
+                                operands[1].shape[1]) != (m, n):
+        raise ValueError(f"kron of {tuple(operands[0].shape)} and {tuple(operands[1].shape)} is not {m} x {n}")
+    if not all(x.is_contiguous() for x in operands):
+        raise ValueError("the per-row kernel reads contiguous factors; pass .contiguous() ones")
 
 
 def row_plan(rank: int, itemsize: int, device: torch.device) -> tuple[int, int]:
     """(blocks of `BLOCK_K` ranks unrolled, pipelining stages) of the per-row kernel for this
     rank and bytes of the factors per rank and value (twice the values' size for LoHa's two
-    pairs): a power of two of blocks (fewer variants to compile),
-    as many stages (up to `ROWS_STAGES`) as fit the GPU's shared memory (the factors' tiles
-    and the weight's, with room for what Triton adds: 1.3 times this estimate where a plan
-    ran out), or (0, 1) beyond that: a loop over the ranks, not pipelined."""
+    pairs): a power of two of blocks (fewer variants to compile), as many stages (up to
+    `ROWS_STAGES`) as the factors' and the weight's tiles fit in 70% of the GPU's shared
+    memory (the rest for Triton's own buffers), or (0, 1) beyond that: a loop over the
+    ranks, not pipelined."""
     blocks = 1 << max(triton_cdiv(rank, BLOCK_K) - 1, 0).bit_length()
     per_stage = blocks * BLOCK_K * (ROWS_BLOCK_M + ROWS_BLOCK_N) * itemsize + ROWS_BLOCK_M * ROWS_BLOCK_N
     stages = min(ROWS_STAGES, int(0.7 * shared_memory(device)) // per_stage)
@@ -322,7 +350,7 @@ def warm_up_float8(device: torch.device, per_tensor: bool, row_lengths: Iterable
     """Compile `requantize_into`'s variants for float8 weights with these row lengths and
     `dtype` factors, as `kernels.warm_up` does: each class of rank (`kernels.RANKS`; per row
     also 64 and 128, unrolled in 2 and 4 blocks), alone and as a blend (padded to
-    multiples of `BLOCK_K`); per row also LoHa and DoRA at each class of rank, and LoKr."""
+    multiples of `BLOCK_K`); per row also LoHa and DoRA at each of those ranks, and LoKr."""
     classes = variants(row_lengths)
     for n in sorted({n for n, _ in classes}):
         weight = torch.zeros(2, n, device=device, dtype=torch.float8_e4m3fn)
@@ -333,7 +361,7 @@ def warm_up_float8(device: torch.device, per_tensor: bool, row_lengths: Iterable
             up, down = torch.ones(2, k, device=device, dtype=dtype), torch.ones(k, n, device=device, dtype=dtype)
             for alphas in [None] + ([torch.ones(triton_cdiv(k, BLOCK_K), device=device)] if k % 16 == 0 else []):
                 write(up, down, 1.0, alphas)
-            if not per_tensor and k <= BLOCK_K:
+            if not per_tensor:
                 write(up, down, 1.0, kind="hadamard", second=(up, down))
                 for peft in (True, False):
                     write(up, down, 1.0, dora=DoraRows(torch.ones(2, device=device), 1.0, peft))

@@ -46,8 +46,8 @@ def tile_functions() -> bool:
             part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(b, a)
-        if BLENDED:
-            part = part * tl.load(alphas_ptr + k0 // BLOCK_K)
+        if BLENDED:  # (blocks unrolled past K, all zeros, read no weight: past the end may be NaN)
+            part = part * tl.load(alphas_ptr + k0 // BLOCK_K, mask=k0 < K, other=0.0)
         return part
 
     @triton.jit
