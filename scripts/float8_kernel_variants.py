@@ -71,6 +71,16 @@ def _finish(w, stats_ptr, out_ptr, rows, offsets, PASS: tl.constexpr, DIV: tl.co
 
 
 @triton.jit
+def _row_block(b_ptr, s_ptr, K, BM: tl.constexpr, BK: tl.constexpr):
+    """A program's block of whole rows: their indices, the ranks, their up rows, their
+    pristine scales and a running largest |W| per row."""
+    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    ks = tl.arange(0, BK)
+    up = tl.load(b_ptr + rows[:, None] * K + ks[None, :])
+    return rows, ks, up, tl.load(s_ptr + rows)[:, None], tl.full((BM,), 0.0, tl.float32)
+
+
+@triton.jit
 def _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr, RELOAD: tl.constexpr, MASKED: tl.constexpr):
     cols = n0 + tl.arange(0, BN)
@@ -92,11 +102,7 @@ def _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM: tl.
 def rows_kernel(out_ptr, p_ptr, s_ptr, new_s_ptr, b_ptr, a_ptr, M, N, K, alpha, RECIPROCAL: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, DIV: tl.constexpr,
                 RELOAD: tl.constexpr = False, MASKED: tl.constexpr = False):
-    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
-    ks = tl.arange(0, BK)
-    up = tl.load(b_ptr + rows[:, None] * K + ks[None, :])
-    scale = tl.load(s_ptr + rows)[:, None]
-    largest = tl.full((BM,), 0.0, tl.float32)
+    rows, ks, up, scale, largest = _row_block(b_ptr, s_ptr, K, BM, BK)
     for n0 in tl.range(0, N, BN, num_stages=STAGES):
         w, offsets, mask = _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM, BN, BK, RELOAD,
                                       MASKED)
@@ -141,11 +147,7 @@ def tiles(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, stats_ptr, M, N, K, alpha, PASS: 
 @triton.jit
 def nloop(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, stats_ptr, M, N, K, alpha, PASS: tl.constexpr, BM: tl.constexpr,
           BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
-    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
-    ks = tl.arange(0, BK)
-    up = tl.load(b_ptr + rows[:, None] * K + ks[None, :])
-    scale = tl.load(s_ptr + rows)[:, None]
-    largest = tl.full((BM,), 0.0, tl.float32)
+    rows, ks, up, scale, largest = _row_block(b_ptr, s_ptr, K, BM, BK)
     for n0 in tl.range(0, N, BN, num_stages=STAGES):
         cols = n0 + tl.arange(0, BN)
         offsets = rows[:, None] * N + cols[None, :]

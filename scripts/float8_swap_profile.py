@@ -60,9 +60,13 @@ def build_denoisers(architecture: str, device, dtype, quantize: str, on_host: bo
     `on_host`: built in host RAM and quantized layer by layer onto `device` (FLUX.2 [dev] in
     bf16 does not fit an 80 GB GPU beside its float8 copy)."""
     build = torch.device("cpu") if on_host else device
-    quantized = lambda module: quantize_module(module, quantize, device) or module.to(device)  # noqa: E731
+
+    def quantized(module: torch.nn.Module) -> torch.nn.Module:
+        quantize_module(module, quantize, device)
+        return module.to(device)  # what quantizing left in host RAM: norms, embeddings
+
     model, prefix, pipeline_cls = build_denoiser(architecture, build, dtype)
-    models = {prefix: quantized(model)}  # (`.to`: what quantizing left in host RAM, norms and embeddings)
+    models = {prefix: quantized(model)}
     if "transformer_2" in lora_components(architecture)[1]:
         models["transformer_2"] = quantized(
             build_preset(architecture).transformer_2.to(build, dtype) if architecture in PRESETS

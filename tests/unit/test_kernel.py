@@ -39,6 +39,24 @@ def float8(interpreted):
     return float8_kernels
 
 
+@pytest.fixture
+def float8_launches(float8, monkeypatch) -> list:
+    """Which float8 kernel ("per tensor", "per row") each launch from now on ran."""
+    launched, built = [], float8._float8_kernels
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(float8, "_float8_kernels", lambda: tuple(
+        Counted(name, kernel) for name, kernel in zip(("per tensor", "per row"), built())))
+    return launched
+
+
 @pytest.mark.parametrize("dtype,ulps", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
 @pytest.mark.parametrize("m,n,k", [(70, 200, 4), (33, 17, 40), (130, 129, 33)])
 def test_loha_kernel_matches_the_products_within_one_rounding(interpreted, dtype, ulps, m, n, k):
@@ -150,9 +168,10 @@ def test_float8_kernel_rounds_to_nearest_even_as_torch_does(float8):
 
 @pytest.mark.parametrize("per_row", [True, False])
 @pytest.mark.parametrize("m,n,k", [(70, 200, 4), (33, 17, 40), (128, 256, 64), (130, 129, 1), (20, 300, 270)])
-def test_float8_kernel_matches_torchaos_requantization(float8, per_row, m, n, k):
+def test_float8_kernel_matches_torchaos_requantization(float8, float8_launches, per_row, m, n, k):
     """The kernel's W = float8(dequantize(P) + alpha * B @ A) against torchao's own
-    `Float8Tensor.from_hp` of the same sum in fp32, on weights of widely spread magnitude."""
+    `Float8Tensor.from_hp` of the same sum in fp32, on weights of widely spread magnitude;
+    with a scale per row in one launch, per tensor in two."""
     from torchao.quantization import Float8Tensor, PerRow, PerTensor
 
     granularity = PerRow() if per_row else PerTensor()
@@ -166,6 +185,7 @@ def test_float8_kernel_matches_torchaos_requantization(float8, per_row, m, n, k)
 
     qdata, new_scale = torch.empty_like(pristine), torch.full_like(scale, float("nan"))
     float8.requantize_into(qdata, new_scale, pristine, scale, up, down, 0.3)
+    assert float8_launches == (["per row"] if per_row else ["per tensor"] * 2)  # one launch a weight per row
     torch.testing.assert_close(new_scale, expected.scale.reshape(scale.shape), rtol=1e-6, atol=0)
     expected_q = expected.qdata
     # fp32 sums in another order can move a value across a rounding boundary, by one step

@@ -47,7 +47,7 @@ except ImportError:  # no Triton: the kernels are never launched
 def _float8_functions() -> bool:
     """Define the Triton functions both kernels call as this module's globals (where Triton
     looks them up; the tiles of B @ A are `kernels.py`'s); False without Triton."""
-    global _blended_tile, _block_product, _larger, _add, _divide, _dora_factor, round_to_float8, tl
+    global _blended_tile, _block_product, _larger, _add, _reciprocal, _divide, _dora_factor, round_to_float8, tl
     if not kernels.tile_functions():
         return False
     import triton
@@ -61,13 +61,17 @@ def _float8_functions() -> bool:
         return tl.maximum(a, b)
 
     @triton.jit
-    def _divide(w, new_scale, EMULATE: tl.constexpr):
+    def _reciprocal(new_scale):
+        # 1 / new_scale rounded to nearest, as Markstein's sequence needs it
+        return tl.math.div_rn(tl.full(new_scale.shape, 1.0, tl.float32), new_scale)
+
+    @triton.jit
+    def _divide(w, new_scale, reciprocal, EMULATE: tl.constexpr):
         # w / new_scale ([rows, 1]) as IEEE division (torch's tensor / tensor): under the
         # interpreter by it (its fma is not fused), on a GPU by Markstein's sequence on the
-        # reciprocal rounded to nearest
+        # reciprocal (`_reciprocal`)
         if EMULATE:
             return tl.math.div_rn(w, new_scale)
-        reciprocal = tl.math.div_rn(tl.full(new_scale.shape, 1.0, tl.float32), new_scale)
         q = w * reciprocal
         return tl.fma(tl.fma(-q, new_scale, w), reciprocal, q)
 
@@ -168,7 +172,7 @@ def _per_tensor_kernel():
             tl.atomic_max(stats_ptr, tl.reduce(row_max, 0, _larger))
         else:
             new_scale = tl.load(stats_ptr + rows * 0)[:, None]  # [rows, 1], as `_divide` takes it
-            q = round_to_float8(_divide(w, new_scale, EMULATE), EMULATE)
+            q = round_to_float8(_divide(w, new_scale, _reciprocal(new_scale), EMULATE), EMULATE)
             tl.store(out_ptr + offsets, q.to(out_ptr.dtype.element_ty), mask=mask)
 
     return requantize
@@ -213,12 +217,13 @@ def _per_row_kernel():
             new_scale = largest * RECIPROCAL
         tl.store(scale_out_ptr + rows, new_scale, mask=in_m)
         new_scale = new_scale[:, None]
+        reciprocal = _reciprocal(new_scale)
         for n0 in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             w, offsets, mask = _row_tile(p_ptr, b_ptr, a_ptr, b2_ptr, a2_ptr, alphas_ptr, rows, in_m, scale, n0, N, K,
                                          P, Q, alpha, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, KIND, K_BLOCKS)
             if DORA > 0:
                 w = w * factor[:, None]
-            q = round_to_float8(_divide(w, new_scale, EMULATE), EMULATE)
+            q = round_to_float8(_divide(w, new_scale, reciprocal, EMULATE), EMULATE)
             tl.store(out_ptr + offsets, q.to(out_ptr.dtype.element_ty), mask=mask)
 
     return requantize_rows
