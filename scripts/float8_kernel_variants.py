@@ -40,9 +40,11 @@ from loraswap.engine import float8_kernels
 
 SHAPES = {"single block to_qkv_mlp_proj": (55296, 6144), "single block to_out": (6144, 24576),
           "double block ff in": (36864, 6144)}
+# and for the tiles only: Wan 2.2 A14B's feed-forward in and FLUX.1's single-block projection
+OTHER_SHAPES = {"wan ffn in": (13824, 5120), "flux.1 single block proj": (21504, 3072), "square": (5120, 5120)}
 RANK = 32
-TILE_CONFIGS = [(16, 256, 3, 4), (32, 256, 3, 4), (16, 128, 3, 4), (16, 512, 2, 4), (32, 128, 4, 4),
-                (64, 128, 2, 4), (16, 256, 4, 4), (16, 256, 3, 8)]  # rows, columns, stages, warps
+TILE_CONFIGS = [(16, 256, 3, 4), (16, 256, 4, 4), (32, 128, 4, 4), (32, 128, 3, 4), (16, 128, 3, 4),
+                (32, 256, 3, 4)]  # rows, columns, stages, warps
 
 
 RECIPROCAL_448 = float(torch.tensor(1 / 448, dtype=torch.float32))  # CUDA's `stats / 448`: times fp32 1/448
@@ -93,9 +95,11 @@ def _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM: tl.
         down = tl.load(a_ptr + ks[:, None].to(tl.int64) * N + cols[None, :],
                        mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
         w = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * scale + tl.dot(up, down) * alpha
-        return tl.where(mask, w, 0.0), offsets, mask
-    acc = tl.dot(up, tl.load(a_ptr + ks[:, None].to(tl.int64) * N + cols[None, :]))
-    return tl.load(p_ptr + offsets).to(tl.float32) * scale + acc * alpha, offsets, None
+        w = tl.where(mask, w, 0.0)
+    else:
+        w = tl.load(p_ptr + offsets).to(tl.float32) * scale + tl.dot(up, tl.load(a_ptr + ks[:, None].to(tl.int64) * N
+                                                                                 + cols[None, :])) * alpha
+    return w, offsets
 
 
 @triton.jit
@@ -104,18 +108,19 @@ def rows_kernel(out_ptr, p_ptr, s_ptr, new_s_ptr, b_ptr, a_ptr, M, N, K, alpha, 
                 RELOAD: tl.constexpr = False, MASKED: tl.constexpr = False):
     rows, ks, up, scale, largest = _row_block(b_ptr, s_ptr, K, BM, BK)
     for n0 in tl.range(0, N, BN, num_stages=STAGES):
-        w, offsets, mask = _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM, BN, BK, RELOAD,
-                                      MASKED)
+        w, offsets = _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM, BN, BK, RELOAD, MASKED)
         largest = tl.maximum(largest, tl.max(tl.abs(w), 1))
     new_scale = largest * RECIPROCAL
     tl.store(new_s_ptr + rows, new_scale)
     new_scale = new_scale[:, None]
     reciprocal = tl.math.div_rn(tl.full(new_scale.shape, 1.0, tl.float32), new_scale)
     for n0 in tl.range(0, N, BN, num_stages=STAGES):
-        w, offsets, mask = _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM, BN, BK, RELOAD,
-                                      MASKED)
-        q = _divide(w, new_scale, reciprocal, DIV)
-        tl.store(out_ptr + offsets, tl.minimum(tl.maximum(q, -448.0), 448.0).to(out_ptr.dtype.element_ty), mask=mask)
+        w, offsets = _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM, BN, BK, RELOAD, MASKED)
+        q = tl.minimum(tl.maximum(_divide(w, new_scale, reciprocal, DIV), -448.0), 448.0).to(out_ptr.dtype.element_ty)
+        if MASKED:
+            tl.store(out_ptr + offsets, q, mask=(rows[:, None] < M) & (n0 + tl.arange(0, BN)[None, :] < N))
+        else:
+            tl.store(out_ptr + offsets, q)
 
 
 @triton.jit
@@ -194,19 +199,22 @@ def timed(rows: list, name: str, run, moved: int | None = None) -> None:
 
 
 def tile_sizes(rows: list) -> None:
-    for name, (m, n) in SHAPES.items():
+    for name, (m, n) in {**SHAPES, **OTHER_SHAPES}.items():
         qdata, pristine, scale, up, down, _ = weight(m, n)
         pristine_scale = scale.clone()
-        served = (float8_kernels.ROWS_BLOCK_M, float8_kernels.ROWS_BLOCK_N, float8_kernels.ROWS_STAGES,
-                  float8_kernels.ROWS_NUM_WARPS)
+        chosen = float8_kernels.row_tiles(m, n)
         for config in TILE_CONFIGS:
-            (float8_kernels.ROWS_BLOCK_M, float8_kernels.ROWS_BLOCK_N, float8_kernels.ROWS_STAGES,
-             float8_kernels.ROWS_NUM_WARPS) = config
-            timed(rows, f"{name} {m}x{n} {config}",
-                  lambda: float8_kernels.requantize_into(qdata, scale, pristine, pristine_scale, up, down, 0.8),
-                  3 * m * n)
-        (float8_kernels.ROWS_BLOCK_M, float8_kernels.ROWS_BLOCK_N, float8_kernels.ROWS_STAGES,
-         float8_kernels.ROWS_NUM_WARPS) = served
+            float8_kernels.ROWS_NUM_WARPS = config[3]
+            timed(rows, f"{name} {m}x{n} {config}{' (chosen)' if config[:3] == chosen else ''}",
+                  lambda: float8_kernels.requantize_into(qdata, scale, pristine, pristine_scale, up, down, 0.8,
+                                                         tiles=config[:3]), 3 * m * n)
+            if config[:3] == chosen:  # masked: the weight less a row; the rank less one
+                for case, (q, s, p, ps, u, d) in {
+                        "rows": (qdata[:-1], scale[:-1], pristine[:-1], pristine_scale[:-1], up[:-1], down),
+                        "ranks": (qdata, scale, pristine, pristine_scale, up[:, :-1].contiguous(), down[:-1])}.items():
+                    timed(rows, f"{name} {m}x{n} {config} masked {case}",
+                          lambda: float8_kernels.requantize_into(q, s, p, ps, u, d, 0.8, tiles=config[:3]), 3 * m * n)
+        float8_kernels.ROWS_NUM_WARPS = 4
 
 
 def parts(rows: list) -> None:

@@ -53,6 +53,9 @@ def changes(kind: str, rows: int, cols: int, rank: int) -> list:
     return [(lora(rows, cols, rank), 0.8)]
 
 
+# (rows, columns, rank): whole tiles and rank blocks (no masks); rank 16 (masked ranks); 32 x
+# 128 tiles (a tall weight, FLUX.2's fused projection's shape); a row short of whole tiles
+SHAPES = ((3072, 12288, 64), (12288, 3072, 16), (3072, 3072, 128), (36864, 6144, 32), (3071, 3072, 32))
 KINDS = {"PerRow": ("lora", "blend", "loha", "lokr", "dora-peft", "dora-lycoris-out"), "PerTensor": ("lora", "blend")}
 
 
@@ -60,8 +63,7 @@ def main(out: str | None) -> None:
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
     for granularity in (PerRow(), PerTensor()):
-        for (rows, cols, rank), kind in itertools.product(((3072, 12288, 64), (12288, 3072, 16), (3072, 3072, 128)),
-                                                          KINDS[type(granularity).__name__]):
+        for (rows, cols, rank), kind in itertools.product(SHAPES, KINDS[type(granularity).__name__]):
             hp = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 0.02
             change = changes(kind, rows, cols, rank)
             results = {}

@@ -39,10 +39,18 @@ def float8(interpreted):
     return float8_kernels
 
 
+class Launches(list):
+    """Which float8 kernel ("per tensor", "per row") each launch ran; `unmasked`: whether
+    each per-row launch ran without masks (whole tiles and rank blocks)."""
+
+    unmasked: list
+
+
 @pytest.fixture
-def float8_launches(float8, monkeypatch) -> list:
-    """Which float8 kernel ("per tensor", "per row") each launch from now on ran."""
-    launched, built = [], float8._float8_kernels
+def float8_launches(float8, monkeypatch) -> Launches:
+    """The float8 kernels' launches from now on (`Launches`)."""
+    launched, built = Launches(), float8._float8_kernels
+    launched.unmasked = []
 
     class Counted:
         def __init__(self, name, kernel):
@@ -50,7 +58,12 @@ def float8_launches(float8, monkeypatch) -> list:
 
         def __getitem__(self, grid):
             launched.append(self.name)
-            return self.kernel[grid]
+
+            def launch(*args, **options):
+                if "EVEN" in options:
+                    launched.unmasked.append(options["EVEN"])
+                return self.kernel[grid](*args, **options)
+            return launch
 
     monkeypatch.setattr(float8, "_float8_kernels", lambda: tuple(
         Counted(name, kernel) for name, kernel in zip(("per tensor", "per row"), built())))
@@ -186,6 +199,8 @@ def test_float8_kernel_matches_torchaos_requantization(float8, float8_launches, 
     qdata, new_scale = torch.empty_like(pristine), torch.full_like(scale, float("nan"))
     float8.requantize_into(qdata, new_scale, pristine, scale, up, down, 0.3)
     assert float8_launches == (["per row"] if per_row else ["per tensor"] * 2)  # one launch a weight per row
+    # 128 x 256 of rank 64: whole 16 x 64 tiles and two whole 32-rank blocks, no masks
+    assert float8_launches.unmasked == ([(m, n, k) == (128, 256, 64)] if per_row else [])
     torch.testing.assert_close(new_scale, expected.scale.reshape(scale.shape), rtol=1e-6, atol=0)
     expected_q = expected.qdata
     # fp32 sums in another order can move a value across a rounding boundary, by one step
@@ -197,7 +212,8 @@ def test_float8_kernel_matches_torchaos_requantization(float8, float8_launches, 
 
 
 @pytest.mark.parametrize("per_row", [True, False])
-def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, per_row):
+@pytest.mark.parametrize("m,n", [(70, 130), (64, 128)])  # 64 x 128: whole tiles and rank blocks, no masks
+def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, float8_launches, per_row, m, n):
     """A blend of three LoRAs of ranks 5, 40 and 32 (padded to 32, 64 and 32 ranks) in one
     call, each weighted by its own blend weight, against torchao's quantization of the fp32
     sum the eager path makes."""
@@ -208,7 +224,6 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, p
 
     granularity = PerRow() if per_row else PerTensor()
     g = torch.Generator().manual_seed(7)
-    m, n = 70, 130
     weight = torch.randn(m, n, generator=g) * torch.exp(torch.randn(m, n, generator=g) * 2)
     base = Float8Tensor.from_hp(weight, float8_dtype=FLOAT8, granularity=granularity)
     pristine, scale = base.qdata.clone(), base.scale.clone()
@@ -223,6 +238,7 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, p
         [0.35, -0.12, -0.12, 0.3])
     qdata, new_scale = torch.empty_like(pristine), torch.full_like(scale, float("nan"))
     float8.requantize_into(qdata, new_scale, pristine, scale, up, down, alpha, alphas)
+    assert float8_launches.unmasked == ([m == 64] if per_row else [])
     torch.testing.assert_close(new_scale, expected.scale.reshape(scale.shape), rtol=1e-6, atol=0)
     differs = qdata.view(torch.uint8) != expected.qdata.view(torch.uint8)
     assert differs.float().mean() < 1e-3  # fp32 sums in another order, one step at most
@@ -232,7 +248,9 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, p
 
 @pytest.mark.slow  # Triton's interpreter
 @pytest.mark.parametrize("change", ["loha", "lokr", "dora-peft", "dora-lycoris-out", "dora-lycoris-in"])
-def test_float8_row_kernel_writes_loha_lokr_and_dora_as_torchao_quantizes_the_eager_sum(float8, change):
+@pytest.mark.parametrize("even", [False, True])  # True: whole tiles and rank blocks, no masks
+def test_float8_row_kernel_writes_loha_lokr_and_dora_as_torchao_quantizes_the_eager_sum(float8, float8_launches,
+                                                                                        change, even):
     """One LoHa (W += (B1 @ A1) * (B2 @ A2)), one LoKr (kron(w1, w2a @ w2b)), or DoRA over a
     LoRA (each output row of the sum rescaled by PEFT's or LyCORIS's factor), re-quantized by
     the per-row kernel in one call, against torchao's quantization of the fp32 sum
@@ -243,13 +261,14 @@ def test_float8_row_kernel_writes_loha_lokr_and_dora_as_torchao_quantizes_the_ea
     from loraswap.engine.float8_weights import Fp8Weight
 
     g = torch.Generator().manual_seed(11)
-    m, n, r = 36, 300, 12
+    m, n, r = (32, 128, 32) if even else (36, 300, 12)
     weight = torch.randn(m, n, generator=g) * torch.exp(torch.randn(m, n, generator=g))
     rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     if change == "loha":
         layer = Layer(LOHA, {"w1a": rand(m, r), "w1b": rand(r, n), "w2a": rand(m, r), "w2b": rand(r, n)}, 0.05)
-    elif change == "lokr":  # kron of [4, 10] and [9, 30]
-        layer = Layer(LOKR, {"w1": rand(4, 10), "w2a": rand(9, 3), "w2b": rand(3, 30)}, 0.3)
+    elif change == "lokr":  # kron of [4, 10] and [9, 30] (even: [4, 8] and [8, 16])
+        p, q = (m // 4, n // 8) if even else (9, 30)
+        layer = Layer(LOKR, {"w1": rand(4, n // q), "w2a": rand(p, 3), "w2b": rand(3, q)}, 0.3)
     else:
         convention = change.removeprefix("dora-")
         magnitude = rand(n) if convention == "lycoris-in" else rand(m).abs() * 30 + 1
@@ -265,6 +284,7 @@ def test_float8_row_kernel_writes_loha_lokr_and_dora_as_torchao_quantizes_the_ea
         fp8[0].write([(layer, 0.8)], kernel=True)
     fp8[1].write([(layer, 0.8)], kernel=False)
     assert len(calls) == (0 if change == "dora-lycoris-in" else 1)
+    assert float8_launches.unmasked == ([] if change == "dora-lycoris-in" else [even])
     torch.testing.assert_close(fp8[0].scale, fp8[1].scale, rtol=2e-6, atol=0)
     differs = fp8[0].qdata.view(torch.uint8) != fp8[1].qdata.view(torch.uint8)
     assert differs.float().mean() < 1e-3  # fp32 sums in another order, one step at most
@@ -273,16 +293,22 @@ def test_float8_row_kernel_writes_loha_lokr_and_dora_as_torchao_quantizes_the_ea
     assert not torch.equal(fp8[0].qdata, fp8[0].pristine_qdata)
 
 
-def test_float8_row_kernel_unrolls_the_ranks_its_shared_memory_can_pipeline():
+def test_float8_row_kernel_unrolls_the_ranks_its_shared_memory_can_pipeline(monkeypatch):
     """Per row, the rank unrolled in a power of two of 32-rank blocks, with as many pipelining
     stages (up to 3) as the factors' and weight's tiles fit in 70% of an H100's shared memory,
-    else a loop over the ranks, not pipelined."""
-    from loraswap.engine.float8_kernels import row_plan
+    else a loop over the ranks, not pipelined. Tall weights of short rows take 32 x 128 tiles."""
+    from loraswap.engine.float8_kernels import row_plan, row_tiles
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the interpreter takes small tiles)
+    assert row_tiles(55296, 6144) == row_tiles(36864, 6144) == (32, 128, 4)  # FLUX.2's fused projections
+    assert row_tiles(6144, 24576) == row_tiles(3072, 3072) == row_tiles(55296, 12288) == (16, 256, 3)
 
     cpu = torch.device("cpu")
     assert [row_plan(rank, 2, cpu) for rank in (1, 32, 33, 64, 96, 128, 256, 257)] == [
         (1, 3), (1, 3), (2, 3), (2, 3), (4, 2), (4, 2), (8, 1), (0, 1)]
     assert row_plan(128, 4, cpu) == (4, 1) and row_plan(256, 4, cpu) == (0, 1)  # fp32 factors, or LoHa's pairs
+    # the 32 x 128 tiles of tall weights: up to 4 stages
+    assert [row_plan(rank, 2, cpu, (32, 128, 4)) for rank in (32, 128, 256)] == [(1, 4), (4, 3), (8, 1)]
 
 
 def test_float8_row_kernel_loops_over_the_ranks_where_its_plan_runs_out_of_shared_memory(float8, monkeypatch):
@@ -302,7 +328,8 @@ def test_float8_row_kernel_loops_over_the_ranks_where_its_plan_runs_out_of_share
     up, down = torch.ones(4, 128, dtype=torch.bfloat16), torch.ones(128, 64, dtype=torch.bfloat16)
     for _ in range(2):
         float8.requantize_into(qdata, scale, qdata.clone(), scale.clone(), up, down, 1.0)
-    assert launches == [(4, 2), (0, 1), (0, 1)]  # the plan that ran short is not tried again
+    # (16 x 64 tiles under the interpreter: 3 stages fit) the plan that ran short is not tried again
+    assert launches == [(4, 3), (0, 1), (0, 1)]
 
 
 @pytest.mark.parametrize("per_row", [True, False])
@@ -418,14 +445,15 @@ def test_warm_up_compiles_the_variants_the_models_row_lengths_need(interpreted, 
     from loraswap.engine.quantize import quantize_module
 
     float8_calls = []
-    monkeypatch.setattr(swap, "warm_up_float8", lambda device, per_tensor, lengths, dtype:
-                        float8_calls.append((per_tensor, dtype, sorted(lengths))))
+    monkeypatch.setattr(swap, "warm_up_float8", lambda device, per_tensor, shapes, dtype:
+                        float8_calls.append((per_tensor, dtype, sorted(shapes))))
     calls.clear()
     quantized = nn.Sequential(nn.Linear(48, 32), nn.Linear(32, 16), nn.Linear(16, 8)).to(torch.bfloat16)
     quantize_module(quantized[:2], "fp8-weight-only")
     swap.FusedSwapper({"transformer": quantized}).warm_up_kernel()
-    assert float8_calls == [(False, torch.bfloat16, [32, 48])]  # one scale per row
-    float8.warm_up_float8(torch.device("cpu"), False, [32])  # the real one runs every kind's variants
+    assert float8_calls == [(False, torch.bfloat16, [(16, 32), (32, 48)])]  # one scale per row
+    # the real one runs every kind's variants, masked and (32 x 64: whole 16 x 64 tiles) not
+    float8.warm_up_float8(torch.device("cpu"), False, [(32, 64)])
     assert calls == [(torch.bfloat16, [16])]  # the layer left in bf16
 
 

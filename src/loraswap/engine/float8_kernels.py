@@ -23,7 +23,7 @@ the second pass over FLUX.2's largest weight from 0.49 to 0.42 ms.
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 
 import torch
 
@@ -34,7 +34,12 @@ from .kernels import BLOCK_K, triton_cdiv, variants
 FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # CUDA's `stats / 448` multiplies by the fp32 reciprocal of 448: the per-row kernel does the same
 RECIPROCAL_FLOAT8_MAX = float(torch.tensor(1 / FLOAT8_MAX, dtype=torch.float32))
-ROWS_BLOCK_M, ROWS_BLOCK_N, ROWS_STAGES, ROWS_NUM_WARPS = 16, 256, 3, 4  # best or near it on an H200 (FLUX.2)
+# the per-row kernel's tiles (rows, columns, most pipelining stages): 16 x 256 in general; 32 x
+# 128 on weights of many short rows, where it is about 10% faster on an H100 (FLUX.2's fused
+# projections, 36864 and 55296 x 6144) yet leaves too few programs on fewer rows
+WIDE_TILES, TALL_TILES = (16, 256, 3), (32, 128, 4)
+TALL_ROWS, TALL_MAX_COLUMNS = 16384, 8192
+ROWS_NUM_WARPS = 4
 MAX_K_BLOCKS = 8  # the per-row kernel unrolls up to 256 ranks (blocks of BLOCK_K); beyond, it loops
 
 try:
@@ -47,13 +52,14 @@ except ImportError:  # no Triton: the kernels are never launched
 def _float8_functions() -> bool:
     """Define the Triton functions both kernels call as this module's globals (where Triton
     looks them up; the tiles of B @ A are `kernels.py`'s); False without Triton."""
-    global _blended_tile, _block_product, _larger, _add, _reciprocal, _divide, _dora_factor, round_to_float8, tl
+    global _blended_tile, _block_product, _larger, _add, _reciprocal, _divide, _dora_factor, _inside
+    global round_to_float8, tl
     if not kernels.tile_functions():
         return False
     import triton
     import triton.language as tl
 
-    _blended_tile, _block_product = kernels._blended_tile, kernels._block_product
+    _blended_tile, _block_product, _inside = kernels._blended_tile, kernels._block_product, kernels._inside
     round_to_float8 = float8_rounding()
 
     @triton.jit
@@ -103,18 +109,18 @@ def _row_functions() -> bool:
     @triton.jit
     def _product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, BLENDED: tl.constexpr,
-                 K_BLOCKS: tl.constexpr):
+                 K_BLOCKS: tl.constexpr, EVEN: tl.constexpr):
         # the tile (rows, rn) of B @ A in fp32. K_BLOCKS > 0: that many blocks of ranks unrolled
         # (covering K), no loop, so that the loop over the row's tiles can be pipelined
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         if K_BLOCKS > 0:
             for block in tl.static_range(K_BLOCKS):
                 acc += _block_product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, block * BLOCK_K,
-                                      BLOCK_K, IEEE, BLENDED)
+                                      BLOCK_K, IEEE, BLENDED, EVEN)
         else:
             for k0 in range(0, K, BLOCK_K):
                 acc += _block_product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, k0, BLOCK_K, IEEE,
-                                      BLENDED)
+                                      BLENDED, EVEN)
         return acc
 
     @triton.jit
@@ -126,21 +132,21 @@ def _row_functions() -> bool:
     @triton.jit
     def _row_tile(p_ptr, b_ptr, a_ptr, b2_ptr, a2_ptr, alphas_ptr, rows, in_m, scale, n0, N, K, P, Q, alpha,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                  BLENDED: tl.constexpr, KIND: tl.constexpr, K_BLOCKS: tl.constexpr):
+                  BLENDED: tl.constexpr, KIND: tl.constexpr, K_BLOCKS: tl.constexpr, EVEN: tl.constexpr):
         # the tile of W at columns n0.. of these rows in fp32, its offsets and mask. The change:
         # KIND 0 B @ A; 1 (LoHa) (B @ A) * (B2 @ A2); 2 (LoKr) kron(B, A), A of P x Q
         rn = n0 + tl.arange(0, BLOCK_N)
         rn = tl.max_contiguous(tl.multiple_of(rn, BLOCK_N), BLOCK_N)
-        in_n = rn < N
+        in_n = _inside(rn, N, EVEN)
         offsets, mask = rows[:, None] * N + rn[None, :], in_m[:, None] & in_n[None, :]
         if KIND == 2:
             acc = _kron(b_ptr, a_ptr, rows, rn, mask, N, P, Q)
         else:
             acc = _product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
-                           BLENDED, K_BLOCKS)
+                           BLENDED, K_BLOCKS, EVEN)
         if KIND == 1:
             acc = acc * _product(b2_ptr, a2_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                 IEEE, False, K_BLOCKS)
+                                 IEEE, False, K_BLOCKS, EVEN)
         return tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * scale + acc * alpha, offsets, mask
 
     return True
@@ -190,18 +196,20 @@ def _per_row_kernel():
                         K, P, Q, alpha, blend, RECIPROCAL: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr, STAGES: tl.constexpr,
                         IEEE: tl.constexpr, EMULATE: tl.constexpr, BLENDED: tl.constexpr, KIND: tl.constexpr,
-                        DORA: tl.constexpr):
+                        DORA: tl.constexpr, EVEN: tl.constexpr):
         # per row: BLOCK_M whole rows, their largest |W| (and DoRA's sums of squares: 1 PEFT,
-        # 2 LyCORIS, per output row) in registers, then the rows as float8
+        # 2 LyCORIS, per output row) in registers, then the rows as float8. EVEN: the tiles
+        # and rank blocks cover the weight and the rank exactly, so no load or store is masked
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        in_m = rm < M
+        in_m = _inside(rm, M, EVEN)
         rows = rm.to(tl.int64)
         scale = tl.load(s_ptr + rows, mask=in_m, other=1.0)[:, None]
         largest = tl.full((BLOCK_M,), 0.0, tl.float32)
         squares = tl.full((BLOCK_M,), 0.0, tl.float32)
         for n0 in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             w, offsets, mask = _row_tile(p_ptr, b_ptr, a_ptr, b2_ptr, a2_ptr, alphas_ptr, rows, in_m, scale, n0, N, K,
-                                         P, Q, alpha, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, KIND, K_BLOCKS)
+                                         P, Q, alpha, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, KIND, K_BLOCKS,
+                                         EVEN)
             w = tl.where(mask, w, 0.0)
             largest = tl.maximum(largest, tl.reduce(tl.abs(w), 1, _larger))
             if DORA > 0:
@@ -220,7 +228,8 @@ def _per_row_kernel():
         reciprocal = _reciprocal(new_scale)
         for n0 in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             w, offsets, mask = _row_tile(p_ptr, b_ptr, a_ptr, b2_ptr, a2_ptr, alphas_ptr, rows, in_m, scale, n0, N, K,
-                                         P, Q, alpha, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, KIND, K_BLOCKS)
+                                         P, Q, alpha, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, KIND, K_BLOCKS,
+                                         EVEN)
             if DORA > 0:
                 w = w * factor[:, None]
             q = round_to_float8(_divide(w, new_scale, reciprocal, EMULATE), EMULATE)
@@ -250,7 +259,7 @@ ROW_CHANGES = ("low_rank", "hadamard", "kronecker")  # the per-row kernel's chan
 def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
                     pristine_scale: torch.Tensor, up: torch.Tensor, down: torch.Tensor, alpha: float,
                     alphas: torch.Tensor | None = None, kind: str = "low_rank", second: tuple | None = None,
-                    dora: DoraRows | None = None) -> None:
+                    dora: DoraRows | None = None, tiles: tuple[int, int, int] | None = None) -> None:
     """qdata, scale = float8(pristine_qdata * pristine_scale + alpha * up @ down), in place,
     with a scale per row (`scale` of shape [rows, 1]) or per tensor ([1, 1]); all on one device.
     With `alphas` (fp32, one per `BLOCK_K` ranks: a blend's adapters side by side, each
@@ -258,14 +267,15 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
 
     Per row only, other changes (`kind`): "hadamard" (LoHa) (up @ down) * (up2 @ down2), with
     `second` = (up2, down2) of the same rank; "kronecker" (LoKr) kron(up, down), both whole
-    matrices. `dora` rescales each row of the sum before it is quantized."""
+    matrices. `dora` rescales each row of the sum before it is quantized. `tiles`: the per-row
+    kernel's (rows, columns, most pipelining stages); by default `row_tiles`'."""
     m, n = qdata.shape
     flags = dict(BLOCK_K=BLOCK_K, IEEE=up.dtype == torch.float32 or not qdata.is_cuda, EMULATE=not qdata.is_cuda,
                  BLENDED=alphas is not None)
     per_tensor, per_row = _float8_kernels()
     if scale.numel() != 1:
         _requantize_rows(per_row, qdata, scale, pristine_qdata, pristine_scale, up, down, alpha, alphas, kind,
-                         second, dora, flags)
+                         second, dora, flags, tiles or row_tiles(m, n))
         return
     if kind != "low_rank" or dora is not None:
         raise ValueError("LoHa, LoKr and DoRA re-quantize in the kernel with a scale per row only")
@@ -281,27 +291,29 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
 
 
 def _requantize_rows(kernel, qdata, scale, pristine_qdata, pristine_scale, up, down, alpha, alphas, kind,
-                     second, dora, flags) -> None:
-    """`requantize_into` with a scale per row: one launch, its plan from the rank."""
+                     second, dora, flags, tiles) -> None:
+    """`requantize_into` with a scale per row: one launch, its plan from the rank and tiles."""
     m, n = qdata.shape
     _check_row_change(m, n, kind, (up, down, *(second or ())))
     rank = 1 if kind == "kronecker" else down.shape[0]  # (LoKr has none)
     kron = down.shape if kind == "kronecker" else (1, 1)  # P, Q: the second Kronecker factor's shape
     second = second or (up, down)  # (read only by LoHa)
-    # under the interpreter a tile's cost is its size: small ones for the tests' small weights
-    block_m, block_n = (16, 64) if interpreting() else (ROWS_BLOCK_M, ROWS_BLOCK_N)
+    block_m, block_n, _ = tiles
 
     def launch(k_blocks: int, stages: int) -> None:
+        # no masks where the tiles cover the weight and the rank blocks the rank (or no rank: LoKr)
+        even = m % block_m == 0 and n % block_n == 0 and (
+            kind == "kronecker" or rank % BLOCK_K == 0 and k_blocks * BLOCK_K in (0, rank))
         kernel[(triton_cdiv(m, block_m),)](
             qdata, scale, pristine_qdata, pristine_scale, up, down, *second, up if alphas is None else alphas,
             up if dora is None else dora.magnitude, m, n, rank, *kron, float(alpha),
             float(dora.blend) if dora else 1.0, RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=block_m, BLOCK_N=block_n,
             K_BLOCKS=k_blocks, STAGES=stages, KIND=ROW_CHANGES.index(kind),
-            DORA=0 if dora is None else 1 if dora.peft else 2, num_warps=ROWS_NUM_WARPS, **flags)
+            DORA=0 if dora is None else 1 if dora.peft else 2, EVEN=even, num_warps=ROWS_NUM_WARPS, **flags)
 
-    plan = (1, ROWS_STAGES) if kind == "kronecker" else row_plan(
-        rank, up.element_size() * (2 if kind == "hadamard" else 1), qdata.device)
-    short = (qdata.device, kind, plan, up.dtype, alphas is not None, dora is not None)
+    plan = (1, tiles[2]) if kind == "kronecker" else row_plan(
+        rank, up.element_size() * (2 if kind == "hadamard" else 1), qdata.device, tiles)
+    short = (qdata.device, kind, plan, tiles, up.dtype, alphas is not None, dora is not None)
     if short in _SHORT_OF_MEMORY:
         launch(0, 1)
         return
@@ -328,16 +340,25 @@ def _check_row_change(m: int, n: int, kind: str, operands: tuple) -> None:
         raise ValueError("the per-row kernel reads contiguous factors; pass .contiguous() ones")
 
 
-def row_plan(rank: int, itemsize: int, device: torch.device) -> tuple[int, int]:
+def row_tiles(m: int, n: int) -> tuple[int, int, int]:
+    """The per-row kernel's tiles for an m x n weight: (rows, columns, most pipelining stages)."""
+    if interpreting():  # a tile's cost is its size there: small ones for the tests' small weights
+        return 16, 64, WIDE_TILES[2]
+    return TALL_TILES if m >= TALL_ROWS and n <= TALL_MAX_COLUMNS else WIDE_TILES
+
+
+def row_plan(rank: int, itemsize: int, device: torch.device,
+             tiles: tuple[int, int, int] = WIDE_TILES) -> tuple[int, int]:
     """(blocks of `BLOCK_K` ranks unrolled, pipelining stages) of the per-row kernel for this
-    rank and bytes of the factors per rank and value (twice the values' size for LoHa's two
-    pairs): a power of two of blocks (fewer variants to compile), as many stages (up to
-    `ROWS_STAGES`) as the factors' and the weight's tiles fit in 70% of the GPU's shared
-    memory (the rest for Triton's own buffers), or (0, 1) beyond that: a loop over the
-    ranks, not pipelined."""
+    rank, bytes of the factors per rank and value (twice the values' size for LoHa's two
+    pairs) and tiles: a power of two of blocks (fewer variants to compile), as many stages
+    (up to the tiles' most) as the factors' and the weight's tiles fit in 70% of the GPU's
+    shared memory (the rest for Triton's own buffers), or (0, 1) beyond that: a loop over
+    the ranks, not pipelined."""
+    block_m, block_n, most = tiles
     blocks = 1 << max(triton_cdiv(rank, BLOCK_K) - 1, 0).bit_length()
-    per_stage = blocks * BLOCK_K * (ROWS_BLOCK_M + ROWS_BLOCK_N) * itemsize + ROWS_BLOCK_M * ROWS_BLOCK_N
-    stages = min(ROWS_STAGES, int(0.7 * shared_memory(device)) // per_stage)
+    per_stage = blocks * BLOCK_K * (block_m + block_n) * itemsize + block_m * block_n
+    stages = min(most, int(0.7 * shared_memory(device)) // per_stage)
     return (blocks, stages) if blocks <= MAX_K_BLOCKS and stages >= 1 else (0, 1)
 
 
@@ -350,25 +371,38 @@ def shared_memory(device: torch.device) -> int:
     return getattr(properties, "shared_memory_per_block_optin", properties.shared_memory_per_block)
 
 
-def warm_up_float8(device: torch.device, per_tensor: bool, row_lengths: Iterable[int],
+def warm_up_float8(device: torch.device, per_tensor: bool, shapes: Iterable[tuple[int, int]],
                    dtype: torch.dtype = torch.bfloat16) -> None:
-    """Compile `requantize_into`'s variants for float8 weights with these row lengths and
-    `dtype` factors, as `kernels.warm_up` does: each class of rank (`kernels.RANKS`; per row
-    also 64 and 128, unrolled in 2 and 4 blocks), alone and as a blend (padded to
-    multiples of `BLOCK_K`); per row also LoHa and DoRA at each of those ranks, and LoKr."""
-    classes = variants(row_lengths)
-    for n in sorted({n for n, _ in classes}):
-        weight = torch.zeros(2, n, device=device, dtype=torch.float8_e4m3fn)
-        scale = torch.ones(1 if per_tensor else 2, 1, device=device)
-        write = lambda *operands, **options: requantize_into(  # noqa: E731
-            torch.empty_like(weight), torch.empty_like(scale), weight, scale, *operands, **options)
-        for k in sorted({k for _, k in classes} | (set() if per_tensor else {64, 128})):
-            up, down = torch.ones(2, k, device=device, dtype=dtype), torch.ones(k, n, device=device, dtype=dtype)
-            for alphas in [None] + ([torch.ones(triton_cdiv(k, BLOCK_K), device=device)] if k % 16 == 0 else []):
-                write(up, down, 1.0, alphas)
-            if not per_tensor:
-                write(up, down, 1.0, kind="hadamard", second=(up, down))
-                for peft in (True, False):
-                    write(up, down, 1.0, dora=DoraRows(torch.ones(2, device=device), 1.0, peft))
+    """Compile `requantize_into`'s variants for float8 weights of these shapes and `dtype`
+    factors, as `kernels.warm_up` does: each class of rank (`kernels.RANKS`; per row also 64
+    and 128, unrolled in 2 and 4 blocks), alone and as a blend (padded to multiples of
+    `BLOCK_K`); per row also LoHa and DoRA at each of those ranks and LoKr, in each tiles
+    the shapes take (`row_tiles`), and unmasked at ranks of whole blocks where tiles fit."""
+    shapes = list(shapes)
+    classes = variants(n for _, n in shapes)
+    ranks = sorted({k for _, k in classes} | (set() if per_tensor else {64, 128}))
+    for tiles in {None} if per_tensor else {row_tiles(m, n) for m, n in shapes}:
+        for n in sorted({n for n, _ in classes}):
+            _warm_up_writes(device, per_tensor, (2, n), ranks, dtype, tiles)
+        if tiles and any(m % tiles[0] == 0 and n % tiles[1] == 0 for m, n in shapes if row_tiles(m, n) == tiles):
+            _warm_up_writes(device, per_tensor, tiles[:2], (BLOCK_K, 2 * BLOCK_K, 4 * BLOCK_K), dtype, tiles)
+
+
+def _warm_up_writes(device: torch.device, per_tensor: bool, shape: tuple[int, int], ranks: Iterable[int],
+                    dtype: torch.dtype, tiles: tuple[int, int, int] | None) -> None:
+    """`warm_up_float8`'s writes into one small weight of `shape`."""
+    (m, n), ones = shape, partial(torch.ones, device=device)
+    weight = torch.zeros(m, n, device=device, dtype=torch.float8_e4m3fn)
+    scale = ones(1 if per_tensor else m, 1)
+    write = lambda *operands, **options: requantize_into(  # noqa: E731
+        torch.empty_like(weight), torch.empty_like(scale), weight, scale, *operands, tiles=tiles, **options)
+    for k in ranks:
+        up, down = ones(m, k, dtype=dtype), ones(k, n, dtype=dtype)
+        for alphas in [None] + ([ones(triton_cdiv(k, BLOCK_K))] if k % 16 == 0 else []):
+            write(up, down, 1.0, alphas)
         if not per_tensor:
-            write(torch.ones(1, 1, device=device), torch.ones(2, n, device=device), 1.0, kind="kronecker")
+            write(up, down, 1.0, kind="hadamard", second=(up, down))
+            for peft in (True, False):
+                write(up, down, 1.0, dora=DoraRows(ones(m), 1.0, peft))
+    if not per_tensor:
+        write(ones(1, 1), ones(m, n), 1.0, kind="kronecker")

@@ -26,7 +26,7 @@ NUM_WARPS = 4
 def tile_functions() -> bool:
     """Define the Triton functions the swap kernels share (tiles of B @ A) as this module's
     globals, where Triton looks the functions a kernel calls up; False without Triton."""
-    global _lora_tile, _blended_tile, _block_product, tl
+    global _lora_tile, _blended_tile, _block_product, _inside, tl
     try:
         import triton
         import triton.language as tl
@@ -34,13 +34,25 @@ def tile_functions() -> bool:
         return False
 
     @triton.jit
+    def _inside(indices, length, ALL: tl.constexpr):
+        # which indices are below length; ALL: all, as a constant the compiler takes the
+        # masks that use it out of the loads and stores for
+        if ALL:
+            inside = tl.full(indices.shape, 1, tl.int1)
+        else:
+            inside = indices < length
+        return inside
+
+    @triton.jit
     def _block_product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, k0, BLOCK_K: tl.constexpr,
-                       IEEE: tl.constexpr, BLENDED: tl.constexpr):
+                       IEEE: tl.constexpr, BLENDED: tl.constexpr, WHOLE_BLOCKS: tl.constexpr):
         # ranks k0 to k0 + BLOCK_K of the tile (rows, rn) of B @ A, in fp32; BLENDED: times the
-        # block's own weight (`alphas_ptr`: a blend's adapters side by side, a block each)
+        # block's own weight (`alphas_ptr`: a blend's adapters side by side, a block each);
+        # WHOLE_BLOCKS: every rank of the block is below K (no mask on the ranks)
         ks = k0 + tl.arange(0, BLOCK_K)
-        b = tl.load(b_ptr + rows[:, None] * K + ks[None, :], mask=in_m[:, None] & (ks[None, :] < K), other=0.0)
-        a = tl.load(a_ptr + ks[:, None].to(tl.int64) * N + rn[None, :], mask=(ks[:, None] < K) & in_n[None, :],
+        in_k = _inside(ks, K, WHOLE_BLOCKS)
+        b = tl.load(b_ptr + rows[:, None] * K + ks[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
+        a = tl.load(a_ptr + ks[:, None].to(tl.int64) * N + rn[None, :], mask=in_k[:, None] & in_n[None, :],
                     other=0.0)
         if IEEE:  # fp32 weights (and the CPU interpreter, whose bf16 dot is wrong): fp32 products
             part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
@@ -64,7 +76,8 @@ def tile_functions() -> bool:
         rows = rm.to(tl.int64)
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            acc += _block_product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, k0, BLOCK_K, IEEE, BLENDED)
+            acc += _block_product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, k0, BLOCK_K, IEEE, BLENDED,
+                                  False)
         return acc, rows, in_m, rows[:, None] * N + rn[None, :], in_m[:, None] & in_n[None, :]
 
     @triton.jit

@@ -227,23 +227,23 @@ class FusedSwapper:
             logger.warning("the swap kernel does not compile here; swapping with addmm", exc_info=True)
             self.kernel = False
         try:
-            for (device, per_tensor, dtype), lengths in float8.items():
+            for (device, per_tensor, dtype), shapes in float8.items():
                 if float8_kernel_available(torch.empty(0, device=device, dtype=torch.float8_e4m3fn)):
-                    warm_up_float8(device, per_tensor, lengths, dtype)
+                    warm_up_float8(device, per_tensor, shapes, dtype)
         except Exception:
             logger.warning("the float8 swap kernel does not compile here; re-quantizing eagerly", exc_info=True)
             self.float8_kernel = False
 
     def _row_lengths(self) -> tuple[dict[tuple, set[int]], dict[tuple, set[int]]]:
-        """The row lengths of the weights the kernels write: plain ones by (device, dtype),
-        float8 ones by (device, per tensor, factors' dtype)."""
+        """The row lengths of the plain weights the kernels write by (device, dtype), and the
+        shapes of the float8 ones by (device, per tensor, factors' dtype)."""
         plain: dict[tuple, set[int]] = {}
         float8: dict[tuple, set[int]] = {}
         for w in self._params.values():
             if w.ndim < 2:  # biases and norms: written by `kinds.write`, not the kernel
                 continue
             if Fp8Weight.holds(w):  # a Float8Tensor's dtype is its factors'
-                float8.setdefault((w.qdata.device, w.scale.numel() == 1, w.dtype), set()).add(w.qdata.shape[1])
+                float8.setdefault((w.qdata.device, w.scale.numel() == 1, w.dtype), set()).add(tuple(w.qdata.shape))
             else:
                 plain.setdefault((w.device, w.dtype), set()).add(w[0].numel())
         return plain, float8
