@@ -24,8 +24,8 @@ for step in $steps; do
       run loops 150 python scripts/float8_kernel_variants.py --runs loops --out "$out/kernel-loops.json" ;;
     check)  # the re-quantization kernel against eager torchao, one LoRA and a blend
       run check 120 python scripts/fp8_kernel_check.py "$out/fp8-kernel-check.json" ;;
-    steps)  # a FLUX.1 step: torchao's scaling, the kernel with the GELU apart, as served
-      run steps 330 python scripts/flux_step_profile.py --variants torchao,one-pass-apart,one-pass --rounds 3 \
+    steps)  # a FLUX.1 step: torchao's scaling, the served kernel, the kernel with the GELU
+      run steps 330 python scripts/flux_step_profile.py --variants torchao,one-pass,one-pass-gelu --rounds 3 \
         --out "$out/flux-steps.json" ;;
     swap-flux2 | swap-wan | swap-flux)  # a float8 swap's time by kernel
       architecture=$(case $step in swap-flux2) echo flux2-dev ;; swap-wan) echo wan-14b ;; *) echo flux-dev ;; esac)

@@ -6,10 +6,10 @@ variant, each compiled as the engine would (regional compile):
 - `bf16`: the transformer as built, unquantized (the reference the others are compared with);
 - `torchao`: quantized (`--quantize`), torchao's own activation scaling, fused by Inductor;
 - `one-pass`: quantized, the output projections' activations scaled by loraswap's kernel
-  (`float8_activations`), the feed-forwards' GELU applied by the kernel of their second
-  layer, as the engine serves `--quantize fp8`;
-- `one-pass-apart`: as `one-pass`, the GELU a kernel of its own;
+  (`float8_activations`), as the engine serves `--quantize fp8`;
 - `one-pass-all`: the kernel on every float8 linear layer;
+- `one-pass-gelu`: as `one-pass`, with the feed-forwards' GELU applied by the kernel of
+  their second layer (`use_float8_gelu_rows`);
 - `fused-qkv`: as `one-pass`, with diffusers' `fuse_qkv_projections` (one q/k/v matmul per
   stream instead of three, the separate projections dropped).
 Times `--steps` denoiser calls per image in interleaved rounds, compares one call's output
@@ -30,17 +30,16 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from diffusers.models.activations import GELU
 
 from loraswap.bench.common import environment, gpu_kernel_times, timed
 from loraswap.bench.swap import Denoise
 from loraswap.bench.swap_setup import denoiser_inputs
 from loraswap.engine.compile import compile_denoiser
-from loraswap.engine.float8_activations import Float8GeluRowsLinear, Float8RowsLinear, use_float8_rows
+from loraswap.engine.float8_activations import Float8RowsLinear, use_float8_gelu_rows, use_float8_rows
 from loraswap.engine.quantize import quantize_module
 from loraswap.models.architectures import build_architecture_component
 
-VARIANTS = ("bf16", "torchao", "one-pass", "one-pass-apart", "one-pass-all", "fused-qkv")
+VARIANTS = ("bf16", "torchao", "one-pass", "one-pass-all", "one-pass-gelu", "fused-qkv")
 SEPARATE_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 CATEGORIES = (  # first match wins; Inductor names its kernels after the ops they fuse (`_scaled_mm` for
     # an activation's float8 scaling), so its own come first; then cuDNN/FlashAttention, cuBLAS/CUTLASS
@@ -72,13 +71,12 @@ def build(base: torch.nn.Module, variant: str, quantize: str, device) -> torch.n
     quantize_module(model, quantize, device)
     if variant == "one-pass-all":
         use_float8_rows(model, names=None)
-    for module in model.modules():  # GELU back in its own module; torchao's linear layers
-        if variant in ("torchao", "one-pass-apart") and isinstance(module, GELU):
-            module.__class__ = GELU
-        if variant in ("torchao", "one-pass-apart") and isinstance(module, Float8GeluRowsLinear):
-            module.__class__ = Float8RowsLinear
-        if variant == "torchao" and isinstance(module, Float8RowsLinear):
-            module.__class__ = torch.nn.Linear
+    if variant == "one-pass-gelu":
+        use_float8_gelu_rows(model)
+    if variant == "torchao":
+        for module in model.modules():
+            if isinstance(module, Float8RowsLinear):
+                module.__class__ = torch.nn.Linear
     compile_denoiser(model, "default")
     return model
 

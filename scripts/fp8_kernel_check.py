@@ -44,8 +44,9 @@ def changes(kind: str, rows: int, cols: int, rank: int) -> list:
     if kind == "loha":
         return [(Layer(LOHA, {"w1a": rand(rows, rank), "w1b": rand(rank, cols), "w2a": rand(rows, rank) * 100,
                               "w2b": rand(rank, cols) * 100}), 0.8)]
-    if kind == "lokr":  # kron(w1 of 8 x 16, w2 of rows / 8 x cols / 16 at this rank)
-        factors = {"w1": rand(8, 16) * 100, "w2a": rand(rows // 8, rank), "w2b": rand(rank, cols // 16)}
+    if kind == "lokr":  # kron(w1 of 8 x 16, w2 of rows / 8 x cols / 16 at this rank; 1 x 16 where 8 does not divide)
+        a = 8 if rows % 8 == 0 else 1
+        factors = {"w1": rand(a, 16) * 100, "w2a": rand(rows // a, rank), "w2b": rand(rank, cols // 16)}
         return [(Layer(LOKR, factors), 0.8)]
     if kind.startswith("dora"):
         factors = lora(rows, cols, rank).factors | {"magnitude": torch.rand(rows, device="cuda") + 0.5}

@@ -247,11 +247,11 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, f
 
 
 @pytest.mark.slow  # Triton's interpreter
-@pytest.mark.parametrize("change", ["loha", "lokr", "dora-peft", "dora-lycoris-out", "dora-lycoris-in"])
+@pytest.mark.parametrize("change", ["lora", "loha", "lokr", "dora-peft", "dora-lycoris-out", "dora-lycoris-in"])
 @pytest.mark.parametrize("even", [False, True])  # True: whole tiles and rank blocks, no masks
-def test_float8_row_kernel_writes_loha_lokr_and_dora_as_torchao_quantizes_the_eager_sum(float8, float8_launches,
-                                                                                        change, even):
-    """One LoHa (W += (B1 @ A1) * (B2 @ A2)), one LoKr (kron(w1, w2a @ w2b)), or DoRA over a
+def test_float8_row_kernel_writes_each_kind_as_torchao_quantizes_the_eager_sum(float8, float8_launches, change,
+                                                                               even):
+    """One LoRA, one LoHa (W += (B1 @ A1) * (B2 @ A2)), one LoKr (kron(w1, w2a @ w2b)), or DoRA over a
     LoRA (each output row of the sum rescaled by PEFT's or LyCORIS's factor), re-quantized by
     the per-row kernel in one call, against torchao's quantization of the fp32 sum
     `kinds.write` makes (the eager path); DoRA rescaling input columns stays eager."""
@@ -261,11 +261,14 @@ def test_float8_row_kernel_writes_loha_lokr_and_dora_as_torchao_quantizes_the_ea
     from loraswap.engine.float8_weights import Fp8Weight
 
     g = torch.Generator().manual_seed(11)
-    m, n, r = (32, 128, 32) if even else (36, 300, 12)
+    # (a plain LoRA of rank 12 is padded to a whole block of 32 ranks, read without masks)
+    m, n, r = (32, 128, 12 if change == "lora" else 32) if even else (36, 300, 12)
     weight = torch.randn(m, n, generator=g) * torch.exp(torch.randn(m, n, generator=g))
     rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     if change == "loha":
         layer = Layer(LOHA, {"w1a": rand(m, r), "w1b": rand(r, n), "w2a": rand(m, r), "w2b": rand(r, n)}, 0.05)
+    elif change == "lora":
+        layer = Layer(LORA, {"up": rand(m, r), "down": rand(r, n)}, 0.4)
     elif change == "lokr":  # kron of [4, 10] and [9, 30] (even: [4, 8] and [8, 16])
         p, q = (m // 4, n // 8) if even else (9, 30)
         layer = Layer(LOKR, {"w1": rand(4, n // q), "w2a": rand(p, 3), "w2b": rand(3, q)}, 0.3)

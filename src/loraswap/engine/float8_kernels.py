@@ -35,10 +35,11 @@ FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # CUDA's `stats / 448` multiplies by the fp32 reciprocal of 448: the per-row kernel does the same
 RECIPROCAL_FLOAT8_MAX = float(torch.tensor(1 / FLOAT8_MAX, dtype=torch.float32))
 # the per-row kernel's tiles (rows, columns, most pipelining stages): 16 x 256 in general; 32 x
-# 128 on weights of many short rows, where it is about 10% faster on an H100 (FLUX.2's fused
-# projections, 36864 and 55296 x 6144) yet leaves too few programs on fewer rows
+# 128 on weights of many short rows, 5-10% faster there on an H100 (13824 x 5120, 21504 x
+# 3072, 36864 and 55296 x 6144), 10-40% slower on fewer or longer rows (5120 x 5120, 6144 x
+# 24576), where it leaves too few programs (bench/results/float8-h100/kernel-tiles.json)
 WIDE_TILES, TALL_TILES = (16, 256, 3), (32, 128, 4)
-TALL_ROWS, TALL_MAX_COLUMNS = 16384, 8192
+TALL_ROWS, TALL_MAX_COLUMNS = 12288, 8192
 ROWS_NUM_WARPS = 4
 MAX_K_BLOCKS = 8  # the per-row kernel unrolls up to 256 ranks (blocks of BLOCK_K); beyond, it loops
 
