@@ -3,8 +3,9 @@ variants of it, on a GPU, at FLUX.2 [dev]'s largest weights with a rank-32 LoRA 
 times, `triton.testing.do_bench`):
 
 - `tiles`: the kernel itself at several row blocks, column tiles, pipelining depths and
-  warp counts, at three weights, with the rate at its own traffic (the float8 weight read
-  twice and written once: 3 bytes a weight);
+  warp counts, at those three weights and three more (Wan's, FLUX.1's), with the rate at
+  its own traffic (the float8 weight read twice and written once: 3 bytes a weight); at
+  the tiles `row_tiles` chooses, also masked: a row fewer, a rank fewer;
 - `parts`: a copy of the two-launch kernel it replaced, with the rank-r tile product (`DOT`)
   and the IEEE division (`DIV`) each switchable, at three tile shapes, on the largest weight;
 - `loops`: that copy against programs that loop over a row block's column tiles (`nloop`:
