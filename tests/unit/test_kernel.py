@@ -180,7 +180,8 @@ def test_float8_kernel_rounds_to_nearest_even_as_torch_does(float8):
 
 
 @pytest.mark.parametrize("per_row", [True, False])
-@pytest.mark.parametrize("m,n,k", [(70, 200, 4), (33, 17, 40), (128, 256, 64), (130, 129, 1), (20, 300, 270)])
+@pytest.mark.parametrize("m,n,k", [(70, 200, 4), (33, 17, 40), (128, 256, 64), (64, 128, 16), (130, 129, 1),
+                                   (20, 300, 270)])
 def test_float8_kernel_matches_torchaos_requantization(float8, float8_launches, per_row, m, n, k):
     """The kernel's W = float8(dequantize(P) + alpha * B @ A) against torchao's own
     `Float8Tensor.from_hp` of the same sum in fp32, on weights of widely spread magnitude;
@@ -199,8 +200,8 @@ def test_float8_kernel_matches_torchaos_requantization(float8, float8_launches, 
     qdata, new_scale = torch.empty_like(pristine), torch.full_like(scale, float("nan"))
     float8.requantize_into(qdata, new_scale, pristine, scale, up, down, 0.3)
     assert float8_launches == (["per row"] if per_row else ["per tensor"] * 2)  # one launch a weight per row
-    # 128 x 256 of rank 64: whole 16 x 64 tiles and two whole 32-rank blocks, no masks
-    assert float8_launches.unmasked == ([(m, n, k) == (128, 256, 64)] if per_row else [])
+    # whole 16 x 64 tiles, and rank 64 two whole 32-rank blocks, rank 16 one 16-rank block: no masks
+    assert float8_launches.unmasked == ([(m, n, k) in ((128, 256, 64), (64, 128, 16))] if per_row else [])
     torch.testing.assert_close(new_scale, expected.scale.reshape(scale.shape), rtol=1e-6, atol=0)
     expected_q = expected.qdata
     # fp32 sums in another order can move a value across a rounding boundary, by one step
@@ -261,7 +262,8 @@ def test_float8_row_kernel_writes_each_kind_as_torchao_quantizes_the_eager_sum(f
     from loraswap.engine.float8_weights import Fp8Weight
 
     g = torch.Generator().manual_seed(11)
-    m, n, r = (32, 128, 32) if even else (36, 300, 12)
+    # (even: a LoRA and a LoHa of rank 16, one whole block of 16 ranks)
+    m, n, r = (32, 128, 16 if change in ("lora", "loha") else 32) if even else (36, 300, 12)
     weight = torch.randn(m, n, generator=g) * torch.exp(torch.randn(m, n, generator=g))
     rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     if change == "loha":
@@ -299,7 +301,7 @@ def test_float8_row_kernel_unrolls_the_ranks_its_shared_memory_can_pipeline(monk
     """Per row, the rank unrolled in a power of two of 32-rank blocks, with as many pipelining
     stages (up to 3) as the factors' and weight's tiles fit in 70% of an H100's shared memory,
     else a loop over the ranks, not pipelined. Tall weights of short rows take 32 x 128 tiles."""
-    from loraswap.engine.float8_kernels import row_plan, row_tiles
+    from loraswap.engine.float8_kernels import rank_block, row_plan, row_tiles
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the interpreter takes small tiles)
     assert row_tiles(55296, 6144) == row_tiles(36864, 6144) == (32, 128, 4)  # FLUX.2's fused projections
@@ -309,6 +311,10 @@ def test_float8_row_kernel_unrolls_the_ranks_its_shared_memory_can_pipeline(monk
     assert [row_plan(rank, 2, cpu) for rank in (1, 32, 33, 64, 96, 128, 256, 257)] == [
         (1, 3), (1, 3), (2, 3), (2, 3), (4, 2), (4, 2), (8, 1), (0, 1)]
     assert row_plan(128, 4, cpu) == (4, 1) and row_plan(256, 4, cpu) == (0, 1)  # fp32 factors, or LoHa's pairs
+    # ranks of whole 16-rank blocks but not 32-rank ones in blocks of 16 (not a blend's)
+    assert [rank_block(rank, False) for rank in (16, 48, 8, 1, 32, 64)] == [16, 16, 32, 32, 32, 32]
+    assert rank_block(16, True) == 32 and row_plan(16, 2, cpu, block_k=16) == (1, 3)
+    assert row_plan(48, 2, cpu, block_k=16) == (4, 3)
     # the 32 x 128 tiles of tall weights: up to 4 stages
     assert [row_plan(rank, 2, cpu, (32, 128, 4)) for rank in (32, 128, 256)] == [(1, 4), (4, 3), (8, 1)]
 
@@ -443,7 +449,7 @@ def test_warm_up_compiles_the_variants_the_models_row_lengths_need(interpreted, 
 
     interpreted.warm_up(torch.device("cpu"), torch.float32, [27, 64])  # the real one runs its variants
 
-    # float8 weights warm the re-quantization kernel with their own row lengths
+    # float8 weights warm the re-quantization kernel with their own shapes
     from loraswap.engine.quantize import quantize_module
 
     float8_calls = []
@@ -455,7 +461,9 @@ def test_warm_up_compiles_the_variants_the_models_row_lengths_need(interpreted, 
     swap.FusedSwapper({"transformer": quantized}).warm_up_kernel()
     assert float8_calls == [(False, torch.bfloat16, [(16, 32), (32, 48)])]  # one scale per row
     # the real one runs every kind's variants, masked and (32 x 64: whole 16 x 64 tiles) not
-    float8.warm_up_float8(torch.device("cpu"), False, [(32, 64)])
+    from loraswap.engine.float8_warm_up import warm_up_float8
+
+    warm_up_float8(torch.device("cpu"), False, [(32, 64)])
     assert calls == [(torch.bfloat16, [16])]  # the layer left in bf16
 
 

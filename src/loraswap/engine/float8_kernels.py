@@ -21,15 +21,14 @@ sequence), bitwise equal to IEEE division on 3.2 billion random pairs on an H200
 the second pass over FLUX.2's largest weight from 0.49 to 0.42 ms.
 """
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import cache
 
 import torch
 
 from . import kernels
 from .float8_rounding import float8_rounding, float8_runs_on, interpreting
-from .kernels import BLOCK_K, triton_cdiv, variants
+from .kernels import BLOCK_K, triton_cdiv
 
 FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # CUDA's `stats / 448` multiplies by the fp32 reciprocal of 448: the per-row kernel does the same
@@ -41,7 +40,7 @@ RECIPROCAL_FLOAT8_MAX = float(torch.tensor(1 / FLOAT8_MAX, dtype=torch.float32))
 WIDE_TILES, TALL_TILES = (16, 256, 3), (32, 128, 4)
 TALL_ROWS, TALL_MAX_COLUMNS = 12288, 8192
 ROWS_NUM_WARPS = 4
-MAX_K_BLOCKS = 8  # the per-row kernel unrolls up to 256 ranks (blocks of BLOCK_K); beyond, it loops
+MAX_K_BLOCKS = 8  # the per-row kernel unrolls up to 8 blocks of ranks (`rank_block`); beyond, it loops
 
 try:
     from triton.runtime.errors import OutOfResources
@@ -300,11 +299,13 @@ def _requantize_rows(kernel, qdata, scale, pristine_qdata, pristine_scale, up, d
     kron = down.shape if kind == "kronecker" else (1, 1)  # P, Q: the second Kronecker factor's shape
     second = second or (up, down)  # (read only by LoHa)
     block_m, block_n, _ = tiles
+    block_k = rank_block(rank, alphas is not None)
+    flags = {**flags, "BLOCK_K": block_k}
 
     def launch(k_blocks: int, stages: int) -> None:
         # no masks where the tiles cover the weight and the rank blocks the rank (or no rank: LoKr)
         even = m % block_m == 0 and n % block_n == 0 and (
-            kind == "kronecker" or rank % BLOCK_K == 0 and k_blocks * BLOCK_K in (0, rank))
+            kind == "kronecker" or rank % block_k == 0 and k_blocks * block_k in (0, rank))
         kernel[(triton_cdiv(m, block_m),)](
             qdata, scale, pristine_qdata, pristine_scale, up, down, *second, up if alphas is None else alphas,
             up if dora is None else dora.magnitude, m, n, rank, *kron, float(alpha),
@@ -313,8 +314,8 @@ def _requantize_rows(kernel, qdata, scale, pristine_qdata, pristine_scale, up, d
             DORA=0 if dora is None else 1 if dora.peft else 2, EVEN=even, num_warps=ROWS_NUM_WARPS, **flags)
 
     plan = (1, tiles[2]) if kind == "kronecker" else row_plan(
-        rank, up.element_size() * (2 if kind == "hadamard" else 1), qdata.device, tiles)
-    short = (qdata.device, kind, plan, tiles, up.dtype, alphas is not None, dora is not None)
+        rank, up.element_size() * (2 if kind == "hadamard" else 1), qdata.device, tiles, block_k)
+    short = (qdata.device, kind, plan, tiles, block_k, up.dtype, alphas is not None, dora is not None)
     if short in _SHORT_OF_MEMORY:
         launch(0, 1)
         return
@@ -348,17 +349,24 @@ def row_tiles(m: int, n: int) -> tuple[int, int, int]:
     return TALL_TILES if m >= TALL_ROWS and n <= TALL_MAX_COLUMNS else WIDE_TILES
 
 
-def row_plan(rank: int, itemsize: int, device: torch.device,
-             tiles: tuple[int, int, int] = WIDE_TILES) -> tuple[int, int]:
-    """(blocks of `BLOCK_K` ranks unrolled, pipelining stages) of the per-row kernel for this
+def rank_block(rank: int, blended: bool) -> int:
+    """How many ranks a block of the per-row kernel holds: `BLOCK_K`, or 16 for a rank of
+    whole 16-rank blocks but not whole `BLOCK_K` ones (rank 16: one block, read without
+    masks, where a masked block of 32 cost 13-25%). A blend's weights are per `BLOCK_K` ranks."""
+    return 16 if not blended and rank % BLOCK_K and rank % 16 == 0 else BLOCK_K
+
+
+def row_plan(rank: int, itemsize: int, device: torch.device, tiles: tuple[int, int, int] = WIDE_TILES,
+             block_k: int = BLOCK_K) -> tuple[int, int]:
+    """(blocks of `block_k` ranks unrolled, pipelining stages) of the per-row kernel for this
     rank, bytes of the factors per rank and value (twice the values' size for LoHa's two
     pairs) and tiles: a power of two of blocks (fewer variants to compile), as many stages
     (up to the tiles' most) as the factors' and the weight's tiles fit in 70% of the GPU's
     shared memory (the rest for Triton's own buffers), or (0, 1) beyond that: a loop over
     the ranks, not pipelined."""
     block_m, block_n, most = tiles
-    blocks = 1 << max(triton_cdiv(rank, BLOCK_K) - 1, 0).bit_length()
-    per_stage = blocks * BLOCK_K * (block_m + block_n) * itemsize + block_m * block_n
+    blocks = 1 << max(triton_cdiv(rank, block_k) - 1, 0).bit_length()
+    per_stage = blocks * block_k * (block_m + block_n) * itemsize + block_m * block_n
     stages = min(most, int(0.7 * shared_memory(device)) // per_stage)
     return (blocks, stages) if blocks <= MAX_K_BLOCKS and stages >= 1 else (0, 1)
 
@@ -370,40 +378,3 @@ def shared_memory(device: torch.device) -> int:
         return 232448
     properties = torch.cuda.get_device_properties(device)
     return getattr(properties, "shared_memory_per_block_optin", properties.shared_memory_per_block)
-
-
-def warm_up_float8(device: torch.device, per_tensor: bool, shapes: Iterable[tuple[int, int]],
-                   dtype: torch.dtype = torch.bfloat16) -> None:
-    """Compile `requantize_into`'s variants for float8 weights of these shapes and `dtype`
-    factors, as `kernels.warm_up` does: each class of rank (`kernels.RANKS`; per row also 64
-    and 128, unrolled in 2 and 4 blocks), alone and as a blend (padded to multiples of
-    `BLOCK_K`); per row also LoHa and DoRA at each of those ranks and LoKr, in each tiles
-    the shapes take (`row_tiles`), and unmasked at ranks of whole blocks where tiles fit."""
-    shapes = list(shapes)
-    classes = variants(n for _, n in shapes)
-    ranks = sorted({k for _, k in classes} | (set() if per_tensor else {64, 128}))
-    for tiles in {None} if per_tensor else {row_tiles(m, n) for m, n in shapes}:
-        for n in sorted({n for n, _ in classes}):
-            _warm_up_writes(device, per_tensor, (2, n), ranks, dtype, tiles)
-        if tiles and any(m % tiles[0] == 0 and n % tiles[1] == 0 for m, n in shapes if row_tiles(m, n) == tiles):
-            _warm_up_writes(device, per_tensor, tiles[:2], (BLOCK_K, 2 * BLOCK_K, 4 * BLOCK_K), dtype, tiles)
-
-
-def _warm_up_writes(device: torch.device, per_tensor: bool, shape: tuple[int, int], ranks: Iterable[int],
-                    dtype: torch.dtype, tiles: tuple[int, int, int] | None) -> None:
-    """`warm_up_float8`'s writes into one small weight of `shape`."""
-    (m, n), ones = shape, partial(torch.ones, device=device)
-    weight = torch.zeros(m, n, device=device, dtype=torch.float8_e4m3fn)
-    scale = ones(1 if per_tensor else m, 1)
-    write = lambda *operands, **options: requantize_into(  # noqa: E731
-        torch.empty_like(weight), torch.empty_like(scale), weight, scale, *operands, tiles=tiles, **options)
-    for k in ranks:
-        up, down = ones(m, k, dtype=dtype), ones(k, n, dtype=dtype)
-        for alphas in [None] + ([ones(triton_cdiv(k, BLOCK_K))] if k % 16 == 0 else []):
-            write(up, down, 1.0, alphas)
-        if not per_tensor:
-            write(up, down, 1.0, kind="hadamard", second=(up, down))
-            for peft in (True, False):
-                write(up, down, 1.0, dora=DoraRows(ones(m), 1.0, peft))
-    if not per_tensor:
-        write(ones(1, 1), ones(m, n), 1.0, kind="kronecker")

@@ -26,7 +26,8 @@ from ..adapters import kinds
 from ..adapters.bound import BoundAdapter, LayerKey, ModelLayers, packed_spans, with_buffer
 from ..adapters.cache import CacheEntry
 from ..adapters.store import AdapterStore
-from .float8_kernels import float8_kernel_available, warm_up_float8
+from .float8_kernels import float8_kernel_available
+from .float8_warm_up import warm_up_float8
 from .float8_weights import Fp8Weight
 from .kernels import fuse_dora_into, kernel_available, warm_up
 from .kind_kernels import KIND_KERNELS

@@ -68,12 +68,30 @@ async def read_body(request: Request, max_bytes: int, limit_words: str) -> bytes
     return b"".join(chunks)
 
 
+MAX_JSON_NESTING = 64  # arrays and objects in one another; a real body nests 4 or 5
+
+
+def _nesting(value: Any) -> int:
+    """How deeply arrays and objects nest in a parsed JSON value (0 for a scalar), without
+    recursion: one pass over its containers."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
 def parse_json(body: bytes, api: type[ApiBody], max_bytes: int):
     """The body as JSON; a body over `max_bytes` that is not JSON is refused for its size, as
     it would be without images."""
     try:
-        return json.loads(body)
-    except RecursionError:
+        value = json.loads(body)
+        if _nesting(value) > MAX_JSON_NESTING:
+            raise RecursionError
+        return value
+    except RecursionError:  # (json's own limit is the interpreter's, which torch.compile raises)
         raise BadRequest(f"the body's JSON is nested too deep: {api.example}") from None
     except ValueError:  # not JSON, not UTF-8, or an integer of thousands of digits
         if api.takes_images and looks_like_image(body):
