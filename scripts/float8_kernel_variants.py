@@ -203,7 +203,7 @@ def tile_sizes(rows: list) -> None:
     for name, (m, n) in {**SHAPES, **OTHER_SHAPES}.items():
         qdata, pristine, scale, up, down, _ = weight(m, n)
         pristine_scale = scale.clone()
-        chosen = float8_kernels.row_tiles(m, n)
+        chosen, warps = float8_kernels.row_tiles(m, n), float8_kernels.ROWS_NUM_WARPS
         for config in TILE_CONFIGS:
             float8_kernels.ROWS_NUM_WARPS = config[3]
             timed(rows, f"{name} {m}x{n} {config}{' (chosen)' if config[:3] == chosen else ''}",
@@ -215,7 +215,7 @@ def tile_sizes(rows: list) -> None:
                         "ranks": (qdata, scale, pristine, pristine_scale, up[:, :-1].contiguous(), down[:-1])}.items():
                     timed(rows, f"{name} {m}x{n} {config} masked {case}",
                           lambda: float8_kernels.requantize_into(q, s, p, ps, u, d, 0.8, tiles=config[:3]), 3 * m * n)
-        float8_kernels.ROWS_NUM_WARPS = 4
+        float8_kernels.ROWS_NUM_WARPS = warps
 
 
 def parts(rows: list) -> None:

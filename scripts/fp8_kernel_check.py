@@ -54,9 +54,11 @@ def changes(kind: str, rows: int, cols: int, rank: int) -> list:
     return [(lora(rows, cols, rank), 0.8)]
 
 
-# (rows, columns, rank): whole tiles and rank blocks (no masks); rank 16 (masked ranks); 32 x
-# 128 tiles (a tall weight, FLUX.2's fused projection's shape); a row short of whole tiles
-SHAPES = ((3072, 12288, 64), (12288, 3072, 16), (3072, 3072, 128), (36864, 6144, 32), (3071, 3072, 32))
+# (rows, columns, rank): whole tiles and rank blocks (no masks); rank 16 (a block of 16 ranks,
+# 32 x 128 tiles); rank 128; a tall weight (32 x 128, FLUX.2's fused projection); a row short of
+# whole tiles; rank 8 (masked ranks)
+SHAPES = ((3072, 12288, 64), (12288, 3072, 16), (3072, 3072, 128), (36864, 6144, 32), (3071, 3072, 32),
+          (3072, 3072, 8))
 KINDS = {"PerRow": ("lora", "blend", "loha", "lokr", "dora-peft", "dora-lycoris-out"), "PerTensor": ("lora", "blend")}
 
 

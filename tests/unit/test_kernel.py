@@ -299,7 +299,7 @@ def test_float8_row_kernel_writes_each_kind_as_torchao_quantizes_the_eager_sum(f
 
 def test_float8_row_kernel_unrolls_the_ranks_its_shared_memory_can_pipeline(monkeypatch):
     """Per row, the rank unrolled in a power of two of 32-rank blocks, with as many pipelining
-    stages (up to 3) as the factors' and weight's tiles fit in 70% of an H100's shared memory,
+    stages (up to the tiles' most) as the factors' and weight's tiles fit in 70% of an H100's shared memory,
     else a loop over the ranks, not pipelined. Tall weights of short rows take 32 x 128 tiles."""
     from loraswap.engine.float8_kernels import rank_block, row_plan, row_tiles
 
@@ -311,12 +311,50 @@ def test_float8_row_kernel_unrolls_the_ranks_its_shared_memory_can_pipeline(monk
     assert [row_plan(rank, 2, cpu) for rank in (1, 32, 33, 64, 96, 128, 256, 257)] == [
         (1, 3), (1, 3), (2, 3), (2, 3), (4, 2), (4, 2), (8, 1), (0, 1)]
     assert row_plan(128, 4, cpu) == (4, 1) and row_plan(256, 4, cpu) == (0, 1)  # fp32 factors, or LoHa's pairs
-    # ranks of whole 16-rank blocks but not 32-rank ones in blocks of 16 (not a blend's)
-    assert [rank_block(rank, False) for rank in (16, 48, 8, 1, 32, 64)] == [16, 16, 32, 32, 32, 32]
+    # rank 16 in one block of 16 (not in a blend, whose weights are per 32 ranks)
+    assert [rank_block(rank, False) for rank in (16, 48, 8, 1, 32, 64)] == [16, 32, 32, 32, 32, 32]
     assert rank_block(16, True) == 32 and row_plan(16, 2, cpu, block_k=16) == (1, 3)
-    assert row_plan(48, 2, cpu, block_k=16) == (4, 3)
     # the 32 x 128 tiles of tall weights: up to 4 stages
     assert [row_plan(rank, 2, cpu, (32, 128, 4)) for rank in (32, 128, 256)] == [(1, 4), (4, 3), (8, 1)]
+
+
+def test_the_float8_warm_up_compiles_every_variant_real_swaps_launch(float8, monkeypatch):
+    """What Triton compiles a per-row launch for (its constants, and which integers are
+    multiples of 16 or 1, and the tensors' dtypes), at FLUX.1-dev's shapes: every variant a
+    swap launches (LoRA at common ranks, a blend, LoHa, DoRA both ways, LoKr) is one the
+    warm-up launched. Nothing runs: the kernel is a recorder."""
+    from loraswap.engine.float8_warm_up import warm_up_float8
+
+    launched: set = set()
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **options):
+                # N and K specialized (M, P, Q, alpha and blend are not)
+                integers = tuple(16 if x % 16 == 0 else 1 if x == 1 else 0 for x in args[11:13])
+                dtypes = tuple(x.dtype for x in args if isinstance(x, torch.Tensor))
+                launched.add((tuple(sorted(options.items())), integers, dtypes))
+            return launch
+
+    monkeypatch.setattr(float8, "_float8_kernels", lambda: (None, Recorder()))
+    monkeypatch.setattr(float8, "interpreting", lambda: False)  # the GPU's tiles
+    shapes = [(3072, 64), (3072, 3072), (9216, 3072), (12288, 3072), (21504, 3072), (3072, 12288), (3072, 15360)]
+    warm_up_float8(torch.device("cpu"), False, shapes)
+    warmed, launched = launched, set()
+    bf16 = dict(dtype=torch.bfloat16)
+    for m, n in shapes:
+        qdata, scale = torch.empty(m, n, dtype=FLOAT8), torch.ones(m, 1)
+        write = lambda *operands, **options: float8.requantize_into(  # noqa: E731
+            qdata, scale, qdata, scale, *operands, **options)
+        for rank in (4, 8, 16, 32, 48, 64, 96, 128):
+            up, down = torch.empty(m, rank, **bf16), torch.empty(rank, n, **bf16)
+            write(up, down, 1.0)
+            write(up, down, 1.0, kind="hadamard", second=(up, down))
+            for peft in (True, False):
+                write(up, down, 1.0, dora=float8.DoraRows(torch.ones(m, **bf16), 1.0, peft))
+        write(torch.empty(m, 96, **bf16), torch.empty(96, n, **bf16), 1.0, torch.ones(3))  # a blend: 16 + 32 ranks
+        write(torch.empty(4, 8), torch.empty(m // 4, n // 8), 1.0, kind="kronecker")
+    assert launched <= warmed, sorted(launched - warmed)[:3]
 
 
 def test_float8_row_kernel_loops_over_the_ranks_where_its_plan_runs_out_of_shared_memory(float8, monkeypatch):

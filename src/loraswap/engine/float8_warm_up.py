@@ -14,13 +14,14 @@ from .kernels import BLOCK_K, triton_cdiv, variants
 def warm_up_float8(device: torch.device, per_tensor: bool, shapes: Iterable[tuple[int, int]],
                    dtype: torch.dtype = torch.bfloat16) -> None:
     """Compile `requantize_into`'s variants for float8 weights of these shapes and `dtype`
-    factors, as `kernels.warm_up` does: each class of rank (`kernels.RANKS`; per row also 64
-    and 128, unrolled in 2 and 4 blocks), alone and as a blend (padded to multiples of
+    factors, as `kernels.warm_up` does: each class of rank (`kernels.RANKS`; per row also 32,
+    64 and 128, one, two and four blocks), alone and as a blend (padded to multiples of
     `BLOCK_K`); per row also LoHa and DoRA at each of those ranks and LoKr, in each tiles
-    the shapes take (`row_tiles`), and unmasked at ranks of whole blocks where tiles fit."""
+    the shapes take (`row_tiles`), and unmasked at ranks of whole blocks where tiles fit.
+    (Ranks past 128 compile in their first swap.)"""
     shapes = list(shapes)
     classes = variants(n for _, n in shapes)
-    ranks = sorted({k for _, k in classes} | (set() if per_tensor else {64, 128}))
+    ranks = sorted({k for _, k in classes} | (set() if per_tensor else {BLOCK_K, 2 * BLOCK_K, 4 * BLOCK_K}))
     for tiles in {None} if per_tensor else {row_tiles(m, n) for m, n in shapes}:
         for n in sorted({n for n, _ in classes}):
             _warm_up_writes(device, per_tensor, (2, n), ranks, dtype, tiles)
@@ -43,6 +44,6 @@ def _warm_up_writes(device: torch.device, per_tensor: bool, shape: tuple[int, in
         if not per_tensor:
             write(up, down, 1.0, kind="hadamard", second=(up, down))
             for peft in (True, False):
-                write(up, down, 1.0, dora=DoraRows(ones(m), 1.0, peft))
+                write(up, down, 1.0, dora=DoraRows(ones(m, dtype=dtype), 1.0, peft))  # (in the factors' dtype)
     if not per_tensor:
         write(ones(1, 1), ones(m, n), 1.0, kind="kronecker")

@@ -235,11 +235,11 @@ class FusedSwapper:
             logger.warning("the float8 swap kernel does not compile here; re-quantizing eagerly", exc_info=True)
             self.float8_kernel = False
 
-    def _row_lengths(self) -> tuple[dict[tuple, set[int]], dict[tuple, set[int]]]:
+    def _row_lengths(self) -> tuple[dict[tuple, set[int]], dict[tuple, set[tuple[int, int]]]]:
         """The row lengths of the plain weights the kernels write by (device, dtype), and the
         shapes of the float8 ones by (device, per tensor, factors' dtype)."""
         plain: dict[tuple, set[int]] = {}
-        float8: dict[tuple, set[int]] = {}
+        float8: dict[tuple, set[tuple[int, int]]] = {}
         for w in self._params.values():
             if w.ndim < 2:  # biases and norms: written by `kinds.write`, not the kernel
                 continue

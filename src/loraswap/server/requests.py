@@ -74,31 +74,34 @@ MAX_JSON_NESTING = 64  # arrays and objects in one another; a real body nests 4 
 def _nesting(value: Any) -> int:
     """How deeply arrays and objects nest in a parsed JSON value (0 for a scalar), without
     recursion: one pass over its containers."""
-    deepest, stack = 0, [(value, 1)]
+    if not isinstance(value, dict | list):
+        return 0
+    deepest, stack = 1, [(value, 1)]  # containers only: a body of a million numbers stacks none
     while stack:
         value, depth = stack.pop()
-        if isinstance(value, dict | list):
-            deepest = max(deepest, depth)
-            stack.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+        deepest = max(deepest, depth)
+        items = value.values() if isinstance(value, dict) else value
+        stack.extend((item, depth + 1) for item in items if isinstance(item, dict | list))
     return deepest
 
 
 def parse_json(body: bytes, api: type[ApiBody], max_bytes: int):
     """The body as JSON; a body over `max_bytes` that is not JSON is refused for its size, as
     it would be without images."""
+    nested_too_deep = BadRequest(f"the body's JSON is nested too deep: {api.example}")
     try:
         value = json.loads(body)
-        if _nesting(value) > MAX_JSON_NESTING:
-            raise RecursionError
-        return value
-    except RecursionError:  # (json's own limit is the interpreter's, which torch.compile raises)
-        raise BadRequest(f"the body's JSON is nested too deep: {api.example}") from None
+    except RecursionError:  # json's own limit: the interpreter's, which torch.compile raises
+        raise nested_too_deep from None
     except ValueError:  # not JSON, not UTF-8, or an integer of thousands of digits
         if api.takes_images and looks_like_image(body):
             raise BadRequest(f"the body is a bare image file, with no prompt: send JSON: {api.example}") from None
         if len(body) > max_bytes:
             raise BadRequest(f"the body is {len(body)} bytes; the limit is {max_bytes}") from None
         raise BadRequest(f"the body must be JSON: {api.example}") from None
+    if _nesting(value) > MAX_JSON_NESTING:  # (under the recursion limit torch.compile raised)
+        raise nested_too_deep
+    return value
 
 
 async def parse_form(headers, body: bytes, max_bytes: int, example: str) -> dict[str, Any]:
