@@ -36,7 +36,7 @@ RECIPROCAL_FLOAT8_MAX = float(torch.tensor(1 / FLOAT8_MAX, dtype=torch.float32))
 # the per-row kernel's tiles (rows, columns, most pipelining stages): 16 x 256 in general; 32 x
 # 128 on weights of many short rows, 5-10% faster there on an H100 (13824 x 5120, 21504 x
 # 3072, 36864 and 55296 x 6144), 10-40% slower on fewer or longer rows (5120 x 5120, 6144 x
-# 24576), where it leaves too few programs (bench/results/float8-h100/kernel-tiles.json)
+# 24576), where it leaves too few programs (bench/results/float8-h100-2026-12-05/kernel-tiles.json)
 WIDE_TILES, TALL_TILES = (16, 256, 3), (32, 128, 4)
 TALL_ROWS, TALL_MAX_COLUMNS = 12288, 8192
 ROWS_NUM_WARPS = 4
@@ -268,7 +268,7 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
     Per row only, other changes (`kind`): "hadamard" (LoHa) (up @ down) * (up2 @ down2), with
     `second` = (up2, down2) of the same rank; "kronecker" (LoKr) kron(up, down), both whole
     matrices. `dora` rescales each row of the sum before it is quantized. `tiles`: the per-row
-    kernel's (rows, columns, most pipelining stages); by default `row_tiles`'."""
+    kernel's (rows, columns, most pipelining stages), by default `row_tiles`' choice."""
     m, n = qdata.shape
     flags = dict(BLOCK_K=BLOCK_K, IEEE=up.dtype == torch.float32 or not qdata.is_cuda, EMULATE=not qdata.is_cuda,
                  BLENDED=alphas is not None)

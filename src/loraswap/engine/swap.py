@@ -219,7 +219,7 @@ class FusedSwapper:
         do not run)."""
         if not self.kernel:
             return
-        plain, float8 = self._row_lengths()
+        plain, float8 = self._kernel_weight_sizes()
         try:
             for (device, dtype), lengths in plain.items():
                 if kernel_available(torch.empty(0, device=device, dtype=dtype)):
@@ -235,7 +235,7 @@ class FusedSwapper:
             logger.warning("the float8 swap kernel does not compile here; re-quantizing eagerly", exc_info=True)
             self.float8_kernel = False
 
-    def _row_lengths(self) -> tuple[dict[tuple, set[int]], dict[tuple, set[tuple[int, int]]]]:
+    def _kernel_weight_sizes(self) -> tuple[dict[tuple, set[int]], dict[tuple, set[tuple[int, int]]]]:
         """The row lengths of the plain weights the kernels write by (device, dtype), and the
         shapes of the float8 ones by (device, per tensor, factors' dtype)."""
         plain: dict[tuple, set[int]] = {}
