@@ -221,6 +221,24 @@ def test_flux_single_blocks_proj_out_reads_attention_and_the_mlp_where_they_lie(
         assert got.shape == want.shape and relative(got, want) < 0.01
 
 
+def test_regional_compile_still_finds_fluxs_single_blocks(interpreted):
+    """diffusers' regional compile finds blocks by class name: the single blocks, now
+    `Float8SingleBlock`, are compiled as before."""
+    from diffusers import FluxTransformer2DModel
+
+    from loraswap.engine.compile import compile_denoiser
+
+    torch.manual_seed(3)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                   pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)).to(torch.bfloat16)
+    quantize_module(model, "fp8")
+    assert {type(block) for block in model.single_transformer_blocks} == {Float8SingleBlock}
+    compile_denoiser(model, "default")
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    assert all(block._compiled_call_impl is not None for block in blocks)
+
+
 def test_other_modes_and_dtypes_keep_torchaos_path(interpreted):
     model = nn.Sequential(nn.Linear(32, 32)).to(torch.bfloat16)
     quantize_module(model, "fp8-weight-only")

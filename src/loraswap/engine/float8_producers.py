@@ -79,6 +79,11 @@ def use_float8_producers(module: nn.Module) -> int:
     blocks = [layer for layer in module.modules() if _takes_single_block(layer)]
     for block in blocks:
         block.__class__ = Float8SingleBlock
+    for layer in module.modules():  # regional compile finds its blocks by class name
+        repeated = getattr(layer, "_repeated_blocks", None)
+        if blocks and repeated and FluxSingleTransformerBlock.__name__ in repeated \
+                and Float8SingleBlock.__name__ not in repeated:
+            layer._repeated_blocks = [*repeated, Float8SingleBlock.__name__]
     changed = len(blocks) + use_float8_gelu_rows(module)
     if changed:
         logger.info("%s: %d float8 layers apply their input's GELU in the activation kernel",
