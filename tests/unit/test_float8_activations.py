@@ -21,8 +21,8 @@ from torchao.quantization import Float8Tensor, PerRow  # noqa: E402
 from loraswap.engine import float8_activations  # noqa: E402
 from loraswap.engine.config import EngineConfig, GenerateRequest  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
-from loraswap.engine.float8_activations import Float8GeluRowsLinear, Float8RowsLinear, use_float8_rows  # noqa: E402
-from loraswap.engine.float8_producers import Float8SingleBlock, restore_producers  # noqa: E402
+from loraswap.engine.float8_activations import Float8RowsLinear, use_float8_rows  # noqa: E402
+from loraswap.engine.float8_producers import Float8FeedForward, Float8SingleBlock, restore_producers  # noqa: E402
 from loraswap.engine.float8_rounding import float8_rounding  # noqa: E402
 from loraswap.engine.quantize import quantize_module  # noqa: E402
 
@@ -162,14 +162,13 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_a_feed_forwards_gelu_moves_into_its_second_layers_kernel(launches):
     """diffusers' FeedForward (tanh-GELU) with the GELU applied by the kernel as it reads the
     first layer's output: torchao's scaling of torch's GELU output, within a float8 step."""
-    from diffusers.models.activations import GELU
     from diffusers.models.attention import FeedForward
 
     torch.manual_seed(1)
     model = nn.Module()
     model.ff = FeedForward(96, dim_out=80, activation_fn="gelu-approximate").to(torch.bfloat16)
     quantize_module(model, "fp8")  # `fp8` moves it
-    assert type(model.ff.net[2]) is Float8GeluRowsLinear and type(model.ff.net[0]) is not GELU
+    assert type(model.ff) is Float8FeedForward and type(model.ff.net[2]) is Float8RowsLinear
     x = rows(40, 96, seed=6) / 100
     with torch.no_grad():
         hidden = model.ff.net[0](x)  # the first layer's output, before the GELU
@@ -179,7 +178,7 @@ def test_a_feed_forwards_gelu_moves_into_its_second_layers_kernel(launches):
         out = model.ff(x)
         assert len(launches) == launched + 1
         restore_producers(model)
-        assert type(model.ff.net[0]) is GELU and type(model.ff.net[2]) is Float8RowsLinear
+        assert type(model.ff) is FeedForward
         expected = model.ff(x)
     assert_one_float8_step_at_most(ours[0], reference.qdata)
     assert relative(out, expected) < 0.01
@@ -221,6 +220,39 @@ def test_flux_single_blocks_proj_out_reads_attention_and_the_mlp_where_they_lie(
         assert got.shape == want.shape and relative(got, want) < 0.01
 
 
+class Wrapped(nn.Module):
+    """A layer wrapped as PEFT wraps one (its LoRA branch reads the same input)."""
+
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        self.base_layer = layer
+
+    def forward(self, x):
+        return self.base_layer(x) + x[..., : self.base_layer.out_features] * 0.5
+
+
+def test_producers_whose_layer_is_wrapped_run_diffusers_own_forward(launches):
+    """PEFT's baselines wrap the float8 layers: the single block and the feed-forward then
+    give the wrapper the GELU'd input diffusers' own forward gives it."""
+    from diffusers.models.attention import FeedForward
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    torch.manual_seed(4)
+    model = nn.Module()
+    model.ff = FeedForward(64, dim_out=32, activation_fn="gelu-approximate").to(torch.bfloat16)
+    model.block = FluxSingleTransformerBlock(64, num_attention_heads=2, attention_head_dim=32).to(torch.bfloat16)
+    quantize_module(model, "fp8")
+    model.ff.net[2], model.block.proj_out = Wrapped(model.ff.net[2]), Wrapped(model.block.proj_out)
+    x, text = rows(2 * 8, 64, seed=13).reshape(2, 8, 64) / 100, rows(2 * 3, 64, seed=14).reshape(2, 3, 64) / 100
+    temb = rows(2, 64, seed=15)
+    with torch.no_grad():
+        ours = (model.ff(x), *model.block(x, text, temb))
+        restore_producers(model)
+        expected = (model.ff(x), *model.block(x, text, temb))
+    for got, want in zip(ours, expected, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_regional_compile_still_finds_fluxs_single_blocks(interpreted):
     """diffusers' regional compile finds blocks by class name: the single blocks, now
     `Float8SingleBlock`, are compiled as before."""
@@ -259,7 +291,8 @@ def test_an_fp8_engine_swaps_per_request_with_torchaos_images(launches, adapter_
     engine = Engine(EngineConfig(model="tiny-flux", adapters=tmp_path, compile=False, warmup=False, quantize="fp8",
                                  dtype="bfloat16"))
     switched = [m for m in engine.denoiser.modules() if isinstance(m, Float8RowsLinear)]
-    assert {type(m) for m in switched} == {Float8RowsLinear, Float8GeluRowsLinear}  # feed-forwards take their GELU
+    assert {type(m) for m in switched} == {Float8RowsLinear}
+    assert any(type(m) is Float8FeedForward for m in engine.denoiser.modules())  # feed-forwards' GELU in the kernel
     assert {name.rsplit(".", 1)[-1] for name, m in engine.denoiser.named_modules()
             if isinstance(m, Float8RowsLinear)} >= {"proj_out", "0", "to_add_out", "2"}
     assert any(type(m) is Float8SingleBlock for m in engine.denoiser.modules())

@@ -223,27 +223,18 @@ class Float8RowsLinear(nn.Linear):
     quantized by `float8_rows` and multiplied as torchao does (`torch._scaled_mm`, the
     weight's own fast-accumulation setting). Other activation dtypes take torchao's path."""
 
-    gelu_input = False  # the input is a GELU's (`Float8GeluRowsLinear`)
-
-    def forward(self, x: torch.Tensor, gelu_tail: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer of x; with `gelu_tail`, of x's rows continued by tanh-GELU(gelu_tail)'s."""
+    def forward(self, x: torch.Tensor, gelu: bool = False, gelu_tail: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer of x (of tanh-GELU(x) with `gelu`); with `gelu_tail`, of x's rows
+        continued by tanh-GELU(gelu_tail)'s (`float8_producers` passes these)."""
         if x.dtype != torch.bfloat16:
-            x = _gelu_if(x, self.gelu_input)
+            x = _gelu_if(x, gelu)
             return super().forward(x if gelu_tail is None else torch.cat([x, _gelu_if(gelu_tail, True)], dim=-1))
         weight = self.weight
         tail = None if gelu_tail is None else gelu_tail.reshape(-1, gelu_tail.shape[-1])
-        quantized, scale = torch.ops.loraswap.float8_rows(x.reshape(-1, x.shape[-1]), self.gelu_input, tail,
-                                                          tail is not None)
+        quantized, scale = torch.ops.loraswap.float8_rows(x.reshape(-1, x.shape[-1]), gelu, tail, tail is not None)
         out = torch._scaled_mm(quantized, weight.qdata.t(), scale_a=scale, scale_b=weight.scale.t(), bias=self.bias,
                                out_dtype=x.dtype, use_fast_accum=weight.mm_config.use_fast_accum)
         return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-class Float8GeluRowsLinear(Float8RowsLinear):
-    """A feed-forward's second layer whose input is the first layer's output before its
-    tanh-GELU: the kernel applies the GELU as it reads (`use_float8_gelu_rows`)."""
-
-    gelu_input = True
 
 
 def _takes_float8_rows(module: nn.Module) -> bool:

@@ -7,6 +7,8 @@ single block's concatenation of its attention output and its MLP's GELU, read by
 Both apply to layers `use_float8_rows` switched (`--quantize fp8`). The float8 values are
 torchao's scaling of torch's GELU output, but where the kernel's GELU rounds to another bf16
 value than Inductor's (libdevice's tanh on both sides, so rarely), one float8 step apart.
+Each checks as it runs that its layer is still a `Float8RowsLinear`: one wrapped by PEFT
+(the load-and-fuse and hotswap baselines) gets diffusers' own forward.
 """
 
 import logging
@@ -18,43 +20,43 @@ from diffusers.models.attention import FeedForward
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
 from torch import nn
 
-from .float8_activations import Float8GeluRowsLinear, Float8RowsLinear
+from .float8_activations import Float8RowsLinear
 
 logger = logging.getLogger(__name__)
 
 
-class _WithoutGelu(GELU):
-    """diffusers' GELU module (a linear layer, then GELU) without the GELU: the next layer
-    applies it."""
+class Float8FeedForward(FeedForward):
+    """diffusers' feed-forward (tanh-GELU module, dropout, linear) whose second layer, a
+    `Float8RowsLinear`, applies the GELU to the first layer's output as its kernel reads it.
+    Where that layer is something else (wrapped by PEFT for a baseline, say) or dropout
+    drops, it is diffusers' own."""
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.proj(hidden_states)
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        first, dropout, second = self.net
+        if type(second) is not Float8RowsLinear or (self.training and dropout.p):
+            return super().forward(hidden_states, *args, **kwargs)
+        return second(first.proj(hidden_states), gelu=True)
 
 
 def _takes_gelu_into_next(layer: nn.Module) -> bool:
     """diffusers' `FeedForward` as tanh-GELU module, dropout, a `Float8RowsLinear`."""
     net = getattr(layer, "net", None)
-    return (isinstance(layer, FeedForward) and len(net) == 3 and type(net[0]) is GELU
-            and net[0].approximate == "tanh" and isinstance(net[1], nn.Dropout) and type(net[2]) is Float8RowsLinear)
-
-
-def use_float8_gelu_rows(module: nn.Module) -> int:
-    """In every feed-forward of `module` that `_takes_gelu_into_next`, the GELU moved into
-    the second layer's kernel; returns how many were changed."""
-    changed = [layer for layer in module.modules() if _takes_gelu_into_next(layer)]
-    for layer in changed:
-        layer.net[0].__class__, layer.net[2].__class__ = _WithoutGelu, Float8GeluRowsLinear
-    return len(changed)
+    return (type(layer) is FeedForward and len(net) == 3 and type(net[0]) is GELU and net[0].approximate == "tanh"
+            and isinstance(net[1], nn.Dropout) and type(net[2]) is Float8RowsLinear)
 
 
 class Float8SingleBlock(FluxSingleTransformerBlock):
-    """FLUX.1's single block (diffusers' forward, line for line) whose `proj_out` reads the
-    attention output and the MLP's output before its GELU where they lie: its kernel applies
-    the GELU and writes the float8 concatenation."""
+    """FLUX.1's single block (diffusers' forward, line for line) whose `proj_out`, a
+    `Float8RowsLinear`, reads the attention output and the MLP's output before its GELU
+    where they lie: its kernel applies the GELU and writes the float8 concatenation. Where
+    `proj_out` is something else, it is diffusers' own."""
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
                 joint_attention_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if type(self.proj_out) is not Float8RowsLinear:
+            return super().forward(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                   joint_attention_kwargs)
         text_seq_len = encoder_hidden_states.shape[1]
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         residual = hidden_states
@@ -79,12 +81,15 @@ def use_float8_producers(module: nn.Module) -> int:
     blocks = [layer for layer in module.modules() if _takes_single_block(layer)]
     for block in blocks:
         block.__class__ = Float8SingleBlock
+    feed_forwards = [layer for layer in module.modules() if _takes_gelu_into_next(layer)]
+    for layer in feed_forwards:
+        layer.__class__ = Float8FeedForward
     for layer in module.modules():  # regional compile finds its blocks by class name
         repeated = getattr(layer, "_repeated_blocks", None)
         if blocks and repeated and FluxSingleTransformerBlock.__name__ in repeated \
                 and Float8SingleBlock.__name__ not in repeated:
             layer._repeated_blocks = [*repeated, Float8SingleBlock.__name__]
-    changed = len(blocks) + use_float8_gelu_rows(module)
+    changed = len(blocks) + len(feed_forwards)
     if changed:
         logger.info("%s: %d float8 layers apply their input's GELU in the activation kernel",
                     type(module).__name__, changed)
@@ -96,7 +101,5 @@ def restore_producers(module: nn.Module) -> None:
     for layer in module.modules():
         if type(layer) is Float8SingleBlock:
             layer.__class__ = FluxSingleTransformerBlock
-        elif type(layer) is _WithoutGelu:
-            layer.__class__ = GELU
-        elif type(layer) is Float8GeluRowsLinear:
-            layer.__class__ = Float8RowsLinear
+        elif type(layer) is Float8FeedForward:
+            layer.__class__ = FeedForward
