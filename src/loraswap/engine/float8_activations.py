@@ -167,8 +167,8 @@ def _power_of_two(n: int) -> int:
 
 
 def whole_row_warps(values: int) -> int:
-    """Warps for a program holding `values` values: at most 64 a thread, at least 4 warps."""
-    return min(max(values // (32 * 64), 4), 16)
+    """Warps (a power of two, 4 to 16) for a program holding `values` values: 64 or fewer a thread."""
+    return min(max(1 << max(values // (32 * 64), 1).bit_length() - 1, 4), 16)
 
 
 def _gelu_if(x: torch.Tensor, gelu: bool) -> torch.Tensor:
