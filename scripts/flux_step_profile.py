@@ -6,11 +6,11 @@ variant, each compiled as the engine would (regional compile):
 - `bf16`: the transformer as built, unquantized (the reference the others are compared with);
 - `torchao`: quantized (`--quantize`), torchao's own activation scaling, fused by Inductor;
 - `one-pass`: quantized, the output projections' activations scaled by loraswap's kernel
-  (`float8_activations`), the GELUs and the single blocks' concatenation apart;
-- `fused`: as `one-pass`, with the GELUs and the single blocks' concatenation done by the
-  kernel (`float8_producers`), as the engine serves `--quantize fp8`;
+  (`float8_activations`), as the engine serves `--quantize fp8`;
 - `one-pass-all`: the kernel on every float8 linear layer;
-- `fused-qkv`: as `fused`, with diffusers' `fuse_qkv_projections` (one q/k/v matmul per
+- `one-pass-gelu`: as `one-pass`, with the feed-forwards' GELU applied by the kernel of
+  their second layer (`use_float8_gelu_rows`);
+- `fused-qkv`: as `one-pass`, with diffusers' `fuse_qkv_projections` (one q/k/v matmul per
   stream instead of three, the separate projections dropped).
 Times `--steps` denoiser calls per image in interleaved rounds, compares one call's output
 with the first variant's, and profiles `--profile-steps` calls of each variant with
@@ -35,12 +35,11 @@ from loraswap.bench.common import environment, gpu_kernel_times, timed
 from loraswap.bench.swap import Denoise
 from loraswap.bench.swap_setup import denoiser_inputs
 from loraswap.engine.compile import compile_denoiser
-from loraswap.engine.float8_activations import Float8RowsLinear, use_float8_rows
-from loraswap.engine.float8_producers import restore_producers
+from loraswap.engine.float8_activations import Float8RowsLinear, use_float8_gelu_rows, use_float8_rows
 from loraswap.engine.quantize import quantize_module
 from loraswap.models.architectures import build_architecture_component
 
-VARIANTS = ("bf16", "torchao", "one-pass", "fused", "one-pass-all", "fused-qkv")
+VARIANTS = ("bf16", "torchao", "one-pass", "one-pass-all", "one-pass-gelu", "fused-qkv")
 SEPARATE_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 CATEGORIES = (  # first match wins; Inductor names its kernels after the ops they fuse (`_scaled_mm` for
     # an activation's float8 scaling), so its own come first; then cuDNN/FlashAttention, cuBLAS/CUTLASS
@@ -70,10 +69,10 @@ def build(base: torch.nn.Module, variant: str, quantize: str, device) -> torch.n
     elif variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant}; choose from {', '.join(VARIANTS)}")
     quantize_module(model, quantize, device)
-    if variant in ("torchao", "one-pass", "one-pass-all"):
-        restore_producers(model)
     if variant == "one-pass-all":
         use_float8_rows(model, names=None)
+    if variant == "one-pass-gelu":
+        use_float8_gelu_rows(model)
     if variant == "torchao":
         for module in model.modules():
             if isinstance(module, Float8RowsLinear):
@@ -101,7 +100,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=2)
-    parser.add_argument("--variants", default="bf16,torchao,fused")
+    parser.add_argument("--variants", default="bf16,torchao,one-pass")
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

@@ -6,16 +6,12 @@ in the activation's dtype), through ops that Inductor fuses into the kernel prod
 activation: one pass reads it for the largest value, another reads it again to scale it,
 well under the GPU's bandwidth at FLUX's rows of 3,072 to 15,360 values. torchao's own
 one-pass kernel (`mslk`'s `quantize_fp8_row`) is not published on PyPI for this CUDA. Here
-one program scales a row: it holds the whole row in registers (up to `WHOLE_ROW_VALUES`),
-finds its largest value, scales, rounds and stores it, reading it once; a longer row is
-read twice in blocks, the second time from the L2 cache. Its output is torchao's bitwise
-(same scale, same rounding), but for an all-zero row: torchao divides 0 by 0 there and
-writes NaN, the kernel writes zeros. The looping kernel alone scaled FLUX.1's activations
-3.5 to 13 times faster than Inductor's fused torchao ops on an H200
+one program scales a row: the first loop finds the largest value, the second reads the row
+again from the L2 cache (at most 30 KB), scales, rounds and stores it. Its output is
+torchao's bitwise (same scale, same rounding), but for an all-zero row: torchao divides 0 by
+0 there and writes NaN, the kernel writes zeros. On an H200 it scales FLUX.1's activations
+3.5 to 13 times faster than Inductor's fused torchao ops
 (bench/results/float8-h200/activation-kernel.json).
-
-The kernel can also apply a tanh-GELU as it reads, and read a row's end from a second
-tensor: `float8_producers` uses both to take over the op that produced the activation.
 
 It is an opaque op to compiled graphs, so it pays only where Inductor cannot fuse better:
 the output projections (`OUTPUT_PROJECTIONS`: attention outputs and the feed-forward's
@@ -35,6 +31,8 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.activations import GELU
+from diffusers.models.attention import FeedForward
 from torch import nn
 
 from .float8_rounding import float8_rounding, float8_runs_on
@@ -42,102 +40,43 @@ from .kernels import triton_cdiv
 
 logger = logging.getLogger(__name__)
 
-BLOCK = 1024  # values of a row the looping kernel loads at a time (best at every FLUX.1 shape on an H200)
+BLOCK = 1024  # values of a row a program loads at a time (best at every FLUX.1 shape on an H200)
+ROWS = 1  # rows a program scales (more under Triton's interpreter, where each program costs)
 NUM_WARPS = 8
-WHOLE_ROW_VALUES = 32768  # the most values (a row, its tail, each padded to a power of two) one program holds
-INTERPRETED_ROWS = 64  # rows a program scales under Triton's interpreter, where each program costs
 
 
 @cache
-def _kernels() -> dict | None:
-    """The Triton kernels (built once, on first use), or None without Triton: `whole` holds a
-    row (and its tail) in registers and reads it once; `loop` reads a longer row twice, in
-    blocks, the second time from the L2 cache."""
-    triton = _helpers()
-    return None if triton is None else {"whole": _whole_row_kernel(triton), "loop": _loop_kernel(triton)}
-
-
-def _helpers():
-    """Triton (None without it), with the functions the kernels call made module globals,
-    where Triton looks them up."""
-    global round_to_float8, _row_max, _scale_of, _scaled, _to_bfloat16, _activation, libdevice, tl
+def _rows_kernel():
+    """The Triton kernel, or None without Triton (built once, on first use)."""
+    global round_to_float8, _largest, _to_bfloat16, _activation, tl  # Triton looks these up in the kernel's module
     try:
         import triton
         import triton.language as tl
-        from triton.language.extra import libdevice
     except ImportError:
         return None
     round_to_float8 = float8_rounding()
 
     @triton.jit
-    def _to_bfloat16(value):
-        """fp32 values rounded to bf16's precision (nearest, ties to even), kept in fp32."""
-        bits = value.to(tl.int32, bitcast=True)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+    def _largest(a, b):  # NaN wins, as in torch's amax
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
-    def _activation(value, GELU: tl.constexpr, EMULATE: tl.constexpr):
-        """The loaded bf16 values in fp32; with GELU, tanh-GELU's bf16 output, computed op for
-        op as Inductor compiles torch's (libdevice's tanh; the interpreter has none)."""
+    def _to_bfloat16(value):
+        """fp32 values rounded to bf16's precision (nearest, ties to even), kept in fp32; NaN
+        stays NaN (the GPU's NaN, 0x7FFFFFFF, would carry into the sign bit: -0.0)."""
+        bits = value.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+        return tl.where(value != value, value, rounded)
+
+    @triton.jit
+    def _activation(value, GELU: tl.constexpr):
+        """The loaded bf16 values in fp32; with GELU, tanh-GELU's bf16 output (as torch's)."""
         value = value.to(tl.float32)
         if GELU:
-            inner = 0.7978845608028654 * (value + 0.044715 * (value * value * value))
-            if EMULATE:
-                tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
-            else:
-                tanh = libdevice.tanh(inner)
-            value = _to_bfloat16(0.5 * value * (1.0 + tanh))
+            inner = 0.7978845608028654 * (value + 0.044715 * value * value * value)
+            value = _to_bfloat16(0.5 * value * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0)))
         return value
 
-    @triton.jit
-    def _row_max(magnitudes):
-        """Each row's largest value, NaN where the row has one (as torch's amax). Triton's own
-        max, then NaN put back: the interpreter runs it in numpy, which may drop NaN."""
-        amax = tl.reduce(magnitudes, 1, tl.standard._elementwise_max)
-        nan_seen = tl.reduce((magnitudes != magnitudes).to(tl.float32), 1, tl.standard._elementwise_max)
-        return tl.where(nan_seen > 0, float("nan"), amax)
-
-    @triton.jit
-    def _scale_of(amax):
-        return _to_bfloat16(tl.math.div_rn(amax, 448.0))  # torchao divides in the activation's dtype, bf16
-
-    @triton.jit
-    def _scaled(value, divisor, EMULATE: tl.constexpr):
-        return round_to_float8(tl.math.div_rn(value, divisor), EMULATE)
-
-    return triton
-
-
-def _whole_row_kernel(triton):
-    @triton.jit(do_not_specialize=["M", "stride", "tail_stride"])
-    def quantize_rows_whole(x_ptr, t_ptr, q_ptr, s_ptr, M, K, stride, T, tail_stride, ROWS: tl.constexpr,
-                            BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, GELU: tl.constexpr,
-                            TAIL_GELU: tl.constexpr, EMULATE: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        in_m = rows[:, None] < M
-        cols = tl.arange(0, BLOCK)[None, :]
-        head_mask = in_m & (cols < K)
-        head = _activation(tl.load(x_ptr + rows[:, None] * stride + cols, mask=head_mask, other=0.0), GELU, EMULATE)
-        amax = _row_max(tl.abs(head))
-        if TAIL_BLOCK > 0:  # the row goes on in another tensor (FLUX.1's single block: the MLP after attention)
-            tail_cols = tl.arange(0, TAIL_BLOCK)[None, :]
-            tail_mask = in_m & (tail_cols < T)
-            tail = _activation(tl.load(t_ptr + rows[:, None] * tail_stride + tail_cols, mask=tail_mask, other=0.0),
-                               TAIL_GELU, EMULATE)
-            amax = tl.maximum(amax, _row_max(tl.abs(tail)), propagate_nan=tl.PropagateNan.ALL)
-        scale = _scale_of(amax)
-        tl.store(s_ptr + rows, scale, mask=rows < M)
-        divisor = tl.where(scale == 0.0, 1.0, scale)[:, None]  # an all-zero row: zeros, not 0 / 0
-        target = q_ptr + rows[:, None] * (K + T)
-        tl.store(target + cols, _scaled(head, divisor, EMULATE).to(q_ptr.dtype.element_ty), mask=head_mask)
-        if TAIL_BLOCK > 0:
-            tl.store(target + K + tail_cols, _scaled(tail, divisor, EMULATE).to(q_ptr.dtype.element_ty),
-                     mask=tail_mask)
-
-    return quantize_rows_whole
-
-
-def _loop_kernel(triton):
     @triton.jit(do_not_specialize=["M", "stride"])
     def quantize_rows(x_ptr, q_ptr, s_ptr, M, K, stride, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                       EMULATE: tl.constexpr, GELU: tl.constexpr):
@@ -148,73 +87,49 @@ def _loop_kernel(triton):
         largest = tl.full([ROWS, BLOCK], 0.0, tl.float32)  # (tl.zeros: a jit function the interpreter cannot call)
         for start in range(0, K, BLOCK):
             at = start + cols[None, :]
-            value = _activation(tl.load(source + at, mask=in_m[:, None] & (at < K), other=0.0), GELU, EMULATE)
-            largest = tl.maximum(largest, tl.abs(value), propagate_nan=tl.PropagateNan.ALL)
-        scale = _scale_of(_row_max(largest))
+            value = _activation(tl.load(source + at, mask=in_m[:, None] & (at < K), other=0.0), GELU)
+            largest = _largest(largest, tl.abs(value))
+        # Triton's own max (the interpreter runs it in numpy; it may drop NaN), then NaN put
+        # back in the rows that had one
+        amax = tl.reduce(largest, 1, tl.standard._elementwise_max)
+        nan_seen = tl.reduce((largest != largest).to(tl.float32), 1, tl.standard._elementwise_max)
+        # torchao divides in the activation's dtype, bf16
+        scale = _to_bfloat16(tl.math.div_rn(tl.where(nan_seen > 0, float("nan"), amax), 448.0))
         tl.store(s_ptr + rows, scale, mask=in_m)
-        divisor = tl.where(scale == 0.0, 1.0, scale)[:, None]
+        divisor = tl.where(scale == 0.0, 1.0, scale)[:, None]  # an all-zero row: zeros, not 0 / 0
         for start in range(0, K, BLOCK):
             at = start + cols[None, :]
             mask = in_m[:, None] & (at < K)
-            value = _activation(tl.load(source + at, mask=mask, other=0.0), GELU, EMULATE)
-            tl.store(target + at, _scaled(value, divisor, EMULATE).to(q_ptr.dtype.element_ty), mask=mask)
+            value = _activation(tl.load(source + at, mask=mask, other=0.0), GELU)
+            quantized = round_to_float8(tl.math.div_rn(value, divisor), EMULATE)
+            tl.store(target + at, quantized.to(q_ptr.dtype.element_ty), mask=mask)
 
     return quantize_rows
-
-
-def _power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def whole_row_warps(values: int) -> int:
-    """Warps (a power of two, 4 to 16) for a program holding `values` values: 64 or fewer a thread."""
-    return min(max(1 << max(values // (32 * 64), 1).bit_length() - 1, 4), 16)
-
-
-def _gelu_if(x: torch.Tensor, gelu: bool) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh") if gelu else x
 
 
 # an opaque custom op: compiled graphs call it as it is (Inductor's own launch of a user's
 # Triton kernel, `torch.library.triton_op`, failed on torch 2.11 with Triton 3.6)
 @torch.library.custom_op("loraswap::float8_rows", mutates_args=())
-def float8_rows(x: torch.Tensor, gelu: bool = False, tail: torch.Tensor | None = None,
-                tail_gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 2-D bf16 activation with rows of unit stride as float8 e4m3 values and one fp32
-    scale per row ([rows, 1]), as torchao's `Float8Tensor.from_hp(x, PerRow())`; with `gelu`,
-    of tanh-GELU(x) (rounded to bf16 first, as torch's GELU returns it). With `tail`, each
-    row of x goes on with the same row of `tail` (GELU'd with `tail_gelu`), as if the two
-    were concatenated: the concatenation is never written in bf16."""
+def float8_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-D bf16 activation with rows of unit stride as float8 e4m3 values and
+    one fp32 scale per row ([rows, 1]), as torchao's `Float8Tensor.from_hp(x, PerRow())`;
+    with `gelu`, of tanh-GELU(x) (rounded to bf16 first, as torch's GELU returns it)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    tail = tail if tail is None or tail.stride(-1) == 1 else tail.contiguous()
     rows, k = x.shape
-    t = 0 if tail is None else tail.shape[1]
-    quantized = torch.empty((rows, k + t), dtype=torch.float8_e4m3fn, device=x.device)
+    quantized = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    if not rows:
-        return quantized, scale
-    kernels, emulate = _kernels(), not x.is_cuda  # CPU tensors: Triton's interpreter
-    per_program = INTERPRETED_ROWS if emulate else 1
-    block, tail_block = _power_of_two(k), _power_of_two(t) if t else 0
-    if block + tail_block <= WHOLE_ROW_VALUES:
-        kernels["whole"][(triton_cdiv(rows, per_program),)](
-            x, x if tail is None else tail, quantized, scale, rows, k, x.stride(0), t, 0 if tail is None else
-            tail.stride(0), ROWS=per_program, BLOCK=block, TAIL_BLOCK=tail_block, GELU=gelu, TAIL_GELU=tail_gelu,
-            EMULATE=emulate, num_warps=whole_row_warps(block + tail_block))
-        return quantized, scale
-    if tail is not None:  # too long to hold: written out, and read twice
-        x, gelu = torch.cat([_gelu_if(x, gelu), _gelu_if(tail, tail_gelu)], dim=1), False
-    kernels["loop"][(triton_cdiv(rows, per_program),)](
-        x, quantized, scale, rows, k + t, x.stride(0), ROWS=per_program, BLOCK=min(BLOCK, _power_of_two(k + t)),
-        EMULATE=emulate, GELU=gelu, num_warps=NUM_WARPS)
+    if rows:
+        block = min(BLOCK, 1 << (k - 1).bit_length())
+        per_program = ROWS if x.is_cuda else 64  # the interpreter (CPU tensors) pays per program
+        _rows_kernel()[(triton_cdiv(rows, per_program),)](
+            x, quantized, scale, rows, k, x.stride(0), ROWS=per_program, BLOCK=block, EMULATE=not x.is_cuda, GELU=gelu,
+            num_warps=NUM_WARPS)
     return quantized, scale
 
 
 @float8_rows.register_fake
-def _(x: torch.Tensor, gelu: bool = False, tail: torch.Tensor | None = None,
-      tail_gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    columns = x.shape[1] + (0 if tail is None else tail.shape[1])
-    return (torch.empty((x.shape[0], columns), dtype=torch.float8_e4m3fn, device=x.device),
+def _(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
             torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device))
 
 
@@ -223,18 +138,46 @@ class Float8RowsLinear(nn.Linear):
     quantized by `float8_rows` and multiplied as torchao does (`torch._scaled_mm`, the
     weight's own fast-accumulation setting). Other activation dtypes take torchao's path."""
 
-    def forward(self, x: torch.Tensor, gelu: bool = False, gelu_tail: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer of x (of tanh-GELU(x) with `gelu`); with `gelu_tail`, of x's rows
-        continued by tanh-GELU(gelu_tail)'s (`float8_producers` passes these)."""
+    gelu_input = False  # the input is a GELU's (`Float8GeluRowsLinear`)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
-            x = _gelu_if(x, gelu)
-            return super().forward(x if gelu_tail is None else torch.cat([x, _gelu_if(gelu_tail, True)], dim=-1))
+            return super().forward(F.gelu(x, approximate="tanh") if self.gelu_input else x)
         weight = self.weight
-        tail = None if gelu_tail is None else gelu_tail.reshape(-1, gelu_tail.shape[-1])
-        quantized, scale = torch.ops.loraswap.float8_rows(x.reshape(-1, x.shape[-1]), gelu, tail, tail is not None)
+        quantized, scale = torch.ops.loraswap.float8_rows(x.reshape(-1, x.shape[-1]), self.gelu_input)
         out = torch._scaled_mm(quantized, weight.qdata.t(), scale_a=scale, scale_b=weight.scale.t(), bias=self.bias,
                                out_dtype=x.dtype, use_fast_accum=weight.mm_config.use_fast_accum)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Float8GeluRowsLinear(Float8RowsLinear):
+    """A feed-forward's second layer whose input is the first layer's output before its
+    tanh-GELU: the kernel applies the GELU as it reads (`use_float8_gelu_rows`)."""
+
+    gelu_input = True
+
+
+class _WithoutGelu(GELU):
+    """diffusers' GELU module (a linear layer, then GELU) without the GELU: the next layer
+    applies it."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.proj(hidden_states)
+
+
+def use_float8_gelu_rows(module: nn.Module) -> int:
+    """In every feed-forward of `module` (diffusers' `FeedForward`: tanh-GELU module, dropout,
+    a `Float8RowsLinear`), the GELU moved into the second layer's kernel, so that its output
+    is never written in bf16; returns how many were changed."""
+    changed = 0
+    for layer in module.modules():
+        net = getattr(layer, "net", None)
+        if isinstance(layer, FeedForward) and len(net) == 3 and type(net[0]) is GELU \
+                and net[0].approximate == "tanh" and isinstance(net[1], nn.Dropout) \
+                and type(net[2]) is Float8RowsLinear:
+            net[0].__class__, net[2].__class__ = _WithoutGelu, Float8GeluRowsLinear
+            changed += 1
+    return changed
 
 
 def _takes_float8_rows(module: nn.Module) -> bool:
@@ -262,7 +205,7 @@ def use_float8_rows(module: nn.Module, names: tuple[str, ...] | None = OUTPUT_PR
     switched = 0
     for name, layer in module.named_modules():
         if (names is None or name.endswith(names)) and _takes_float8_rows(layer) \
-                and float8_runs_on(layer.weight.qdata.device) and _kernels() is not None:
+                and float8_runs_on(layer.weight.qdata.device) and _rows_kernel() is not None:
             layer.__class__ = Float8RowsLinear
             switched += 1
     if switched:

@@ -14,7 +14,6 @@ from typing import Literal, get_args
 from torch import nn
 
 from .float8_activations import use_float8_rows
-from .float8_producers import use_float8_producers
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +76,6 @@ def quantize_module(module: nn.Module, mode: str, device=None) -> None:
         quantize_(module, config, device=device)
     except AssertionError as e:  # torchao's hardware check
         raise ValueError(f"--quantize {mode} cannot run here ({e}); use fp8-weight-only") from None
-    if mode == "fp8" and use_float8_rows(module):
-        use_float8_producers(module)
+    if mode == "fp8":
+        use_float8_rows(module)
     logger.info("%s quantized: %s", type(module).__name__, mode)
