@@ -314,6 +314,7 @@ def test_float8_row_kernel_unrolls_the_ranks_its_shared_memory_can_pipeline(monk
     # rank 16 in one block of 16 (not in a blend, whose weights are per 32 ranks)
     assert [rank_block(rank, False) for rank in (16, 48, 8, 1, 32, 64)] == [16, 32, 32, 32, 32, 32]
     assert rank_block(16, True) == 32 and row_plan(16, 2, cpu, block_k=16) == (1, 3)
+    assert row_plan(48, 2, cpu, block_k=16) == (4, 3)  # blocks of 16 unrolled in a power of two, too
     # the 32 x 128 tiles of tall weights: up to 4 stages
     assert [row_plan(rank, 2, cpu, (32, 128, 4)) for rank in (32, 128, 256)] == [(1, 4), (4, 3), (8, 1)]
 

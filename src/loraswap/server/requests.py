@@ -88,11 +88,10 @@ def _nesting(value: Any) -> int:
 def parse_json(body: bytes, api: type[ApiBody], max_bytes: int):
     """The body as JSON; a body over `max_bytes` that is not JSON is refused for its size, as
     it would be without images."""
-    nested_too_deep = BadRequest(f"the body's JSON is nested too deep: {api.example}")
     try:
         value = json.loads(body)
     except RecursionError:  # json's own limit: the interpreter's, which torch.compile raises
-        raise nested_too_deep from None
+        raise _nested_too_deep(api) from None
     except ValueError:  # not JSON, not UTF-8, or an integer of thousands of digits
         if api.takes_images and looks_like_image(body):
             raise BadRequest(f"the body is a bare image file, with no prompt: send JSON: {api.example}") from None
@@ -100,8 +99,12 @@ def parse_json(body: bytes, api: type[ApiBody], max_bytes: int):
             raise BadRequest(f"the body is {len(body)} bytes; the limit is {max_bytes}") from None
         raise BadRequest(f"the body must be JSON: {api.example}") from None
     if _nesting(value) > MAX_JSON_NESTING:  # (under the recursion limit torch.compile raised)
-        raise nested_too_deep
+        raise _nested_too_deep(api)
     return value
+
+
+def _nested_too_deep(api: type[ApiBody]) -> BadRequest:
+    return BadRequest(f"the body's JSON is nested too deep: {api.example}")
 
 
 async def parse_form(headers, body: bytes, max_bytes: int, example: str) -> dict[str, Any]:
