@@ -85,7 +85,7 @@ def _row_block(b_ptr, s_ptr, K, BM: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr, RELOAD: tl.constexpr, MASKED: tl.constexpr):
+               BK: tl.constexpr, RELOAD: tl.constexpr, MASKED: tl.constexpr, PRODUCT: tl.constexpr = True):
     cols = n0 + tl.arange(0, BN)
     ks = tl.arange(0, BK)
     offsets = rows[:, None] * N + cols[None, :]
@@ -97,26 +97,30 @@ def _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM: tl.
                        mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
         w = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * scale + tl.dot(up, down) * alpha
         w = tl.where(mask, w, 0.0)
-    else:
+    elif PRODUCT:
         w = tl.load(p_ptr + offsets).to(tl.float32) * scale + tl.dot(up, tl.load(a_ptr + ks[:, None].to(tl.int64) * N
                                                                                  + cols[None, :])) * alpha
+    else:  # (measuring only: the weight re-quantized without the change)
+        w = tl.load(p_ptr + offsets).to(tl.float32) * scale
     return w, offsets
 
 
 @triton.jit
 def rows_kernel(out_ptr, p_ptr, s_ptr, new_s_ptr, b_ptr, a_ptr, M, N, K, alpha, RECIPROCAL: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, DIV: tl.constexpr,
-                RELOAD: tl.constexpr = False, MASKED: tl.constexpr = False):
+                RELOAD: tl.constexpr = False, MASKED: tl.constexpr = False, PRODUCT: tl.constexpr = True):
     rows, ks, up, scale, largest = _row_block(b_ptr, s_ptr, K, BM, BK)
     for n0 in tl.range(0, N, BN, num_stages=STAGES):
-        w, offsets = _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM, BN, BK, RELOAD, MASKED)
+        w, offsets = _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM, BN, BK, RELOAD, MASKED,
+                                PRODUCT)
         largest = tl.maximum(largest, tl.max(tl.abs(w), 1))
     new_scale = largest * RECIPROCAL
     tl.store(new_s_ptr + rows, new_scale)
     new_scale = new_scale[:, None]
     reciprocal = tl.math.div_rn(tl.full(new_scale.shape, 1.0, tl.float32), new_scale)
     for n0 in tl.range(0, N, BN, num_stages=STAGES):
-        w, offsets = _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM, BN, BK, RELOAD, MASKED)
+        w, offsets = _rows_tile(p_ptr, b_ptr, a_ptr, up, rows, scale, n0, M, N, K, alpha, BM, BN, BK, RELOAD, MASKED,
+                                PRODUCT)
         q = tl.minimum(tl.maximum(_divide(w, new_scale, reciprocal, DIV), -448.0), 448.0).to(out_ptr.dtype.element_ty)
         if MASKED:
             tl.store(out_ptr + offsets, q, mask=(rows[:, None] < M) & (n0 + tl.arange(0, BN)[None, :] < N))

@@ -16,12 +16,12 @@ pytest.importorskip("triton", reason="the test extra pins triton for the CPU int
 @pytest.fixture(scope="module")
 def interpreted():
     """The kernel built once for Triton's CPU interpreter (and rebuilt normally afterwards)."""
-    from loraswap.engine import float8_kernels, kernels
+    from loraswap.engine import float8_kernels, float8_stripes, float8_tiles, kernels
     from loraswap.engine.float8_rounding import float8_rounding
 
     built = (kernels.tile_functions, kernels._kernel, kernels._loha_kernel, kernels._dora_kernel, float8_rounding,
-             float8_kernels._float8_functions, float8_kernels._row_functions, float8_kernels._per_tensor_kernel,
-             float8_kernels._per_row_kernel)
+             float8_tiles._float8_functions, float8_tiles._row_functions, float8_kernels._per_tensor_kernel,
+             float8_kernels._per_row_kernel, float8_stripes._stripes_kernel)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
         for kernel in built:
@@ -40,8 +40,8 @@ def float8(interpreted):
 
 
 class Launches(list):
-    """Which float8 kernel ("per tensor", "per row") each launch ran; `unmasked`: whether
-    each per-row launch ran without masks (whole tiles and rank blocks)."""
+    """Which float8 kernel ("per tensor", "per row", "stripes") each launch ran; `unmasked`:
+    whether each per-row or stripes launch ran without masks (whole tiles and rank blocks)."""
 
     unmasked: list
 
@@ -49,7 +49,9 @@ class Launches(list):
 @pytest.fixture
 def float8_launches(float8, monkeypatch) -> Launches:
     """The float8 kernels' launches from now on (`Launches`)."""
-    launched, built = Launches(), float8._float8_kernels
+    from loraswap.engine import float8_stripes
+
+    launched, built, stripes = Launches(), float8._float8_kernels, float8_stripes._stripes_kernel
     launched.unmasked = []
 
     class Counted:
@@ -67,6 +69,7 @@ def float8_launches(float8, monkeypatch) -> Launches:
 
     monkeypatch.setattr(float8, "_float8_kernels", lambda: tuple(
         Counted(name, kernel) for name, kernel in zip(("per tensor", "per row"), built())))
+    monkeypatch.setattr(float8_stripes, "_stripes_kernel", lambda: Counted("stripes", stripes()))
     return launched
 
 
@@ -212,15 +215,17 @@ def test_float8_kernel_matches_torchaos_requantization(float8, float8_launches, 
     assert torch.equal(pristine, base.qdata)  # the pristine copy is only read
 
 
-@pytest.mark.parametrize("per_row", [True, False])
+@pytest.mark.parametrize("per_row,stripes", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("m,n", [(70, 130), (64, 128)])  # 64 x 128: whole tiles and rank blocks, no masks
-def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, float8_launches, per_row, m, n):
+def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, float8_launches, monkeypatch,
+                                                                       per_row, stripes, m, n):
     """A blend of three LoRAs of ranks 5, 40 and 32 (padded to 32, 64 and 32 ranks) in one
     call, each weighted by its own blend weight, against torchao's quantization of the fp32
-    sum the eager path makes."""
+    sum the eager path makes; per row also by column stripes."""
     from torchao.quantization import Float8Tensor, PerRow, PerTensor
 
     from loraswap.adapters.kinds import LORA, Layer
+    from loraswap.engine import float8_stripes
     from loraswap.engine.float8_weights import side_by_side
 
     granularity = PerRow() if per_row else PerTensor()
@@ -238,8 +243,10 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, f
     assert up.shape == (m, 128) and down.shape == (128, n) and alphas.tolist() == pytest.approx(
         [0.35, -0.12, -0.12, 0.3])
     qdata, new_scale = torch.empty_like(pristine), torch.full_like(scale, float("nan"))
+    monkeypatch.setattr(float8_stripes, "STRIPES_FROM", 0 if stripes else None)
     float8.requantize_into(qdata, new_scale, pristine, scale, up, down, alpha, alphas)
-    assert float8_launches.unmasked == ([m == 64] if per_row else [])
+    assert float8_launches == (["stripes"] * 2 if stripes else ["per row"] if per_row else ["per tensor"] * 2)
+    assert float8_launches.unmasked == [m == 64] * (2 if stripes else per_row)
     torch.testing.assert_close(new_scale, expected.scale.reshape(scale.shape), rtol=1e-6, atol=0)
     differs = qdata.view(torch.uint8) != expected.qdata.view(torch.uint8)
     assert differs.float().mean() < 1e-3  # fp32 sums in another order, one step at most
@@ -247,15 +254,20 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, f
     assert (steps[differs] <= 2**-3 + 1e-6).all()
 
 
+KINDS = ["lora", "loha", "lokr", "dora-peft", "dora-lycoris-out", "dora-lycoris-in"]
+
+
 @pytest.mark.slow  # Triton's interpreter
-@pytest.mark.parametrize("change", ["lora", "loha", "lokr", "dora-peft", "dora-lycoris-out", "dora-lycoris-in"])
+@pytest.mark.parametrize("change,stripes", [(change, False) for change in KINDS] + [
+    (change, True) for change in ("lora", "loha", "dora-peft", "dora-lycoris-out")])  # (LoKr reads no `down`)
 @pytest.mark.parametrize("even", [False, True])  # True: whole tiles and rank blocks, no masks
 def test_float8_row_kernel_writes_each_kind_as_torchao_quantizes_the_eager_sum(float8, float8_launches, change,
-                                                                               even):
+                                                                               stripes, even):
     """One LoRA, one LoHa (W += (B1 @ A1) * (B2 @ A2)), one LoKr (kron(w1, w2a @ w2b)), or DoRA over a
     LoRA (each output row of the sum rescaled by PEFT's or LyCORIS's factor), re-quantized by
-    the per-row kernel in one call, against torchao's quantization of the fp32 sum
-    `kinds.write` makes (the eager path); DoRA rescaling input columns stays eager."""
+    the per-row kernel in one call, or by column stripes in two, against torchao's
+    quantization of the fp32 sum `kinds.write` makes (the eager path); DoRA rescaling input
+    columns stays eager."""
     from torchao.quantization import Float8Tensor, PerRow
 
     from loraswap.adapters.kinds import LOHA, LOKR, LORA, Layer
@@ -281,14 +293,16 @@ def test_float8_row_kernel_writes_each_kind_as_torchao_quantizes_the_eager_sum(f
            for _ in range(2)]
     calls = []
     with pytest.MonkeyPatch.context() as patch:
-        from loraswap.engine import float8_weights
+        from loraswap.engine import float8_stripes, float8_weights
 
         patch.setattr(float8_weights, "requantize_into", lambda *a, **k: calls.append(k) or float8.requantize_into(
             *a, **k))
+        patch.setattr(float8_stripes, "STRIPES_FROM", 0 if stripes else None)  # every weight by stripes, or none
         fp8[0].write([(layer, 0.8)], kernel=True)
     fp8[1].write([(layer, 0.8)], kernel=False)
     assert len(calls) == (0 if change == "dora-lycoris-in" else 1)
-    assert float8_launches.unmasked == ([] if change == "dora-lycoris-in" else [even])
+    assert float8_launches == ([] if change == "dora-lycoris-in" else ["stripes"] * 2 if stripes else ["per row"])
+    assert float8_launches.unmasked == [even] * len(float8_launches)
     torch.testing.assert_close(fp8[0].scale, fp8[1].scale, rtol=2e-6, atol=0)
     differs = fp8[0].qdata.view(torch.uint8) != fp8[1].qdata.view(torch.uint8)
     assert differs.float().mean() < 1e-3  # fp32 sums in another order, one step at most
