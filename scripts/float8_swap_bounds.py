@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from float8_kernel_variants import OTHER_SHAPES, RECIPROCAL_448, SHAPES, rows_kernel, timed
 
-from loraswap.engine import float8_kernels, float8_stripes
+from loraswap.engine import float8_kernels
 
 
 def weight(m: int, n: int, rank: int) -> tuple:
@@ -77,7 +77,7 @@ def stripes(out, new_scale, stats, pristine, scale, up, down, bm, bn, row_tiles,
 
 def ranks(rows: list) -> None:
     for name, (m, n) in SHAPES.items():
-        for rank in (8, 16, 32, 64):
+        for rank in (4, 8, 16, 32, 64):
             out, pristine, scale, up, down = weight(m, n, rank)
             new_scale = torch.empty_like(scale)
             timed(rows, f"ranks {name} {m}x{n} rank {rank}",
@@ -120,21 +120,7 @@ def stripe_runs(rows: list) -> None:
             rows[-1]["values_differ"] = int((out.view(torch.uint8) != served.view(torch.uint8)).sum())
             rows[-1]["scales_differ"] = int((new_scale != served_scale).sum())
             print(f"  against served: {rows[-1]['values_differ']} values, {rows[-1]['scales_differ']} scales differ")
-        for tiles, warps in DRAFT_CONFIGS:  # the served dispatch, switched to stripes
-            if m % (tiles[0] * tiles[2]) or n % tiles[1]:
-                continue
-            float8_stripes.STRIPES_FROM, float8_stripes.STRIPE_TILES = 0, float8_stripes.StripeTiles(*tiles)
-            float8_stripes.STRIPE_NUM_WARPS = warps
-            timed(rows, f"stripes {name} {m}x{n} served dispatch {tiles} w{warps}",
-                  lambda: float8_kernels.requantize_into(out, new_scale, pristine, scale, up, down, 0.8), 3 * m * n)
-            float8_kernels.requantize_into(out, new_scale, pristine, scale, up, down, 0.8)
-            float8_stripes.STRIPES_FROM = None
-            rows[-1]["values_differ"] = int((out.view(torch.uint8) != served.view(torch.uint8)).sum())
-            rows[-1]["scales_differ"] = int((new_scale != served_scale).sum())
-            print(f"  against served: {rows[-1]['values_differ']} values, {rows[-1]['scales_differ']} scales differ")
 
-
-DRAFT_CONFIGS = [((64, 128, 8, 3), 4), ((32, 128, 16, 3), 4)]
 
 RUNS = {"ranks": ranks, "product": product, "stripes": stripe_runs}
 

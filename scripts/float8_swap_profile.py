@@ -9,10 +9,6 @@ weight written: two bytes per weight) and the rate that gives, and how many laye
 the kernel and how many the eager path (several changes on one weight, kinds other than a
 plain LoRA), with their share of the bytes.
 
-With `--stripes-from` (a comma list: `none`, or a count of values), the swap is timed with
-each threshold of `float8_stripes.STRIPES_FROM` in turn, interleaved round by round (the
-weights of at least that many values re-quantized by column stripes).
-
     PYTHONPATH=src python scripts/float8_swap_profile.py --architecture flux2-dev --out swap-profile.json
 """
 
@@ -28,7 +24,6 @@ import torch
 
 from loraswap.bench.common import environment, gpu_kernel_times, timed, write_random_adapters
 from loraswap.bench.swap_setup import bound_reader, build_denoiser
-from loraswap.engine import float8_stripes
 from loraswap.engine.quantize import quantize_module
 from loraswap.engine.swap import FusedSwapper
 from loraswap.models import lora_components
@@ -86,7 +81,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--quantize", default="fp8", help="fp8-weight-only for a dry run on a CPU")
     parser.add_argument("--on-host", action="store_true", help="build in host RAM (FLUX.2 on an 80 GB GPU)")
-    parser.add_argument("--stripes-from", default=None, help="comma list of thresholds: none, or a count of values")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -106,34 +100,19 @@ def main() -> None:
     touched = sum(r["GiB"] for r in results["routes"].values()) * 2**30
     turn = iter(range(10**9))
     swap = lambda: swapper.apply([(adapters[next(turn) % 2], 1.0)])  # noqa: E731
-    thresholds = {name: None if name == "none" else int(name) for name in (args.stripes_from or "none").split(",")}
-    walls: dict[str, list[float]] = {name: [] for name in thresholds}
-    for name, threshold in thresholds.items():  # each variant compiled before any is timed
-        float8_stripes.STRIPES_FROM = threshold
-        swap(), swap()
-    for _ in range(args.rounds):
-        for name, threshold in thresholds.items():
-            float8_stripes.STRIPES_FROM = threshold
-            walls[name].append(timed(swap)[0] * 1e3)
+    walls = [timed(swap)[0] * 1e3 for _ in range(args.rounds)]
+    results["swap_ms"] = {"p50": statistics.median(walls), "min": min(walls), "all": walls}
+    results["profile"] = profile = kernel_profile(swap, 3)
     results["float8_bytes_GB"] = 2 * touched / 1e9
-    for name, threshold in thresholds.items():
-        float8_stripes.STRIPES_FROM = threshold
-        profile = kernel_profile(swap, 3)
-        p50 = statistics.median(walls[name])
-        row = {"swap_ms": {"p50": p50, "min": min(walls[name]), "all": walls[name]}, "profile": profile,
-               "floor_rate_TBps_at_wall": 2 * touched / 1e12 / (p50 / 1e3)}
-        if len(thresholds) == 1:
-            results.update(row)
-        else:
-            results.setdefault("stripes_from", {})[name] = row
-        print(f"{args.architecture} (stripes from {name}): swap p50 {p50:.1f} ms, "
-              f"GPU busy {profile['gpu_busy_ms']:.1f} ms, "
-              f"{profile['launches']:.0f} launches, {results['float8_bytes_GB']:.1f} GB at least "
-              f"({row['floor_rate_TBps_at_wall']:.2f} TB/s at the wall time); routes {results['routes']}")
-        for kernel in profile["kernels"][:6]:
-            print(f"   {kernel['ms']:7.2f} ms x{kernel['calls']:.0f} {kernel['name'][:100]}")
+    results["floor_rate_TBps_at_wall"] = 2 * touched / 1e12 / (results["swap_ms"]["p50"] / 1e3)
     results["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     args.out.write_text(json.dumps(results, indent=2))
+    print(f"{args.architecture}: swap p50 {results['swap_ms']['p50']:.1f} ms, "
+          f"GPU busy {profile['gpu_busy_ms']:.1f} ms, "
+          f"{profile['launches']:.0f} launches, {results['float8_bytes_GB']:.1f} GB at least "
+          f"({results['floor_rate_TBps_at_wall']:.2f} TB/s at the wall time); routes {results['routes']}")
+    for row in profile["kernels"][:10]:
+        print(f"   {row['ms']:7.2f} ms x{row['calls']:.0f} {row['name'][:100]}")
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ pytest.importorskip("triton", reason="the test extra pins triton for the CPU int
 @pytest.fixture(scope="module")
 def interpreted():
     """The kernel built once for Triton's CPU interpreter (and rebuilt normally afterwards)."""
-    from loraswap.engine import float8_kernels, float8_stripes, float8_tiles, kernels
+    from loraswap.engine import float8_kernels, kernels
     from loraswap.engine.float8_rounding import float8_rounding
 
     built = (kernels.tile_functions, kernels._kernel, kernels._loha_kernel, kernels._dora_kernel, float8_rounding,
-             float8_tiles._float8_functions, float8_tiles._row_functions, float8_kernels._per_tensor_kernel,
-             float8_kernels._per_row_kernel, float8_stripes._stripes_kernel)
+             float8_kernels._float8_functions, float8_kernels._row_functions, float8_kernels._per_tensor_kernel,
+             float8_kernels._per_row_kernel)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
         for kernel in built:
@@ -40,8 +40,8 @@ def float8(interpreted):
 
 
 class Launches(list):
-    """Which float8 kernel ("per tensor", "per row", "stripes") each launch ran; `unmasked`:
-    whether each per-row or stripes launch ran without masks (whole tiles and rank blocks)."""
+    """Which float8 kernel ("per tensor", "per row") each launch ran; `unmasked`: whether
+    each per-row launch ran without masks (whole tiles and rank blocks)."""
 
     unmasked: list
 
@@ -49,9 +49,7 @@ class Launches(list):
 @pytest.fixture
 def float8_launches(float8, monkeypatch) -> Launches:
     """The float8 kernels' launches from now on (`Launches`)."""
-    from loraswap.engine import float8_stripes
-
-    launched, built, stripes = Launches(), float8._float8_kernels, float8_stripes._stripes_kernel
+    launched, built = Launches(), float8._float8_kernels
     launched.unmasked = []
 
     class Counted:
@@ -69,7 +67,6 @@ def float8_launches(float8, monkeypatch) -> Launches:
 
     monkeypatch.setattr(float8, "_float8_kernels", lambda: tuple(
         Counted(name, kernel) for name, kernel in zip(("per tensor", "per row"), built())))
-    monkeypatch.setattr(float8_stripes, "_stripes_kernel", lambda: Counted("stripes", stripes()))
     return launched
 
 
@@ -215,17 +212,15 @@ def test_float8_kernel_matches_torchaos_requantization(float8, float8_launches, 
     assert torch.equal(pristine, base.qdata)  # the pristine copy is only read
 
 
-@pytest.mark.parametrize("per_row,stripes", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("per_row", [True, False])
 @pytest.mark.parametrize("m,n", [(70, 130), (64, 128)])  # 64 x 128: whole tiles and rank blocks, no masks
-def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, float8_launches, monkeypatch,
-                                                                       per_row, stripes, m, n):
+def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, float8_launches, per_row, m, n):
     """A blend of three LoRAs of ranks 5, 40 and 32 (padded to 32, 64 and 32 ranks) in one
     call, each weighted by its own blend weight, against torchao's quantization of the fp32
-    sum the eager path makes; per row also by column stripes."""
+    sum the eager path makes."""
     from torchao.quantization import Float8Tensor, PerRow, PerTensor
 
     from loraswap.adapters.kinds import LORA, Layer
-    from loraswap.engine import float8_stripes
     from loraswap.engine.float8_weights import side_by_side
 
     granularity = PerRow() if per_row else PerTensor()
@@ -243,10 +238,8 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, f
     assert up.shape == (m, 128) and down.shape == (128, n) and alphas.tolist() == pytest.approx(
         [0.35, -0.12, -0.12, 0.3])
     qdata, new_scale = torch.empty_like(pristine), torch.full_like(scale, float("nan"))
-    monkeypatch.setattr(float8_stripes, "STRIPES_FROM", 0 if stripes else None)
     float8.requantize_into(qdata, new_scale, pristine, scale, up, down, alpha, alphas)
-    assert float8_launches == (["stripes"] * 2 if stripes else ["per row"] if per_row else ["per tensor"] * 2)
-    assert float8_launches.unmasked == [m == 64] * (2 if stripes else per_row)
+    assert float8_launches.unmasked == ([m == 64] if per_row else [])
     torch.testing.assert_close(new_scale, expected.scale.reshape(scale.shape), rtol=1e-6, atol=0)
     differs = qdata.view(torch.uint8) != expected.qdata.view(torch.uint8)
     assert differs.float().mean() < 1e-3  # fp32 sums in another order, one step at most
@@ -254,20 +247,15 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, f
     assert (steps[differs] <= 2**-3 + 1e-6).all()
 
 
-KINDS = ["lora", "loha", "lokr", "dora-peft", "dora-lycoris-out", "dora-lycoris-in"]
-
-
 @pytest.mark.slow  # Triton's interpreter
-@pytest.mark.parametrize("change,stripes", [(change, False) for change in KINDS] + [
-    (change, True) for change in ("lora", "loha", "dora-peft", "dora-lycoris-out")])  # (LoKr reads no `down`)
+@pytest.mark.parametrize("change", ["lora", "loha", "lokr", "dora-peft", "dora-lycoris-out", "dora-lycoris-in"])
 @pytest.mark.parametrize("even", [False, True])  # True: whole tiles and rank blocks, no masks
 def test_float8_row_kernel_writes_each_kind_as_torchao_quantizes_the_eager_sum(float8, float8_launches, change,
-                                                                               stripes, even):
+                                                                               even):
     """One LoRA, one LoHa (W += (B1 @ A1) * (B2 @ A2)), one LoKr (kron(w1, w2a @ w2b)), or DoRA over a
     LoRA (each output row of the sum rescaled by PEFT's or LyCORIS's factor), re-quantized by
-    the per-row kernel in one call, or by column stripes in two, against torchao's
-    quantization of the fp32 sum `kinds.write` makes (the eager path); DoRA rescaling input
-    columns stays eager."""
+    the per-row kernel in one call, against torchao's quantization of the fp32 sum
+    `kinds.write` makes (the eager path); DoRA rescaling input columns stays eager."""
     from torchao.quantization import Float8Tensor, PerRow
 
     from loraswap.adapters.kinds import LOHA, LOKR, LORA, Layer
@@ -293,16 +281,14 @@ def test_float8_row_kernel_writes_each_kind_as_torchao_quantizes_the_eager_sum(f
            for _ in range(2)]
     calls = []
     with pytest.MonkeyPatch.context() as patch:
-        from loraswap.engine import float8_stripes, float8_weights
+        from loraswap.engine import float8_weights
 
         patch.setattr(float8_weights, "requantize_into", lambda *a, **k: calls.append(k) or float8.requantize_into(
             *a, **k))
-        patch.setattr(float8_stripes, "STRIPES_FROM", 0 if stripes else None)  # every weight by stripes, or none
         fp8[0].write([(layer, 0.8)], kernel=True)
     fp8[1].write([(layer, 0.8)], kernel=False)
     assert len(calls) == (0 if change == "dora-lycoris-in" else 1)
-    assert float8_launches == ([] if change == "dora-lycoris-in" else ["stripes"] * 2 if stripes else ["per row"])
-    assert float8_launches.unmasked == [even] * len(float8_launches)
+    assert float8_launches.unmasked == ([] if change == "dora-lycoris-in" else [even])
     torch.testing.assert_close(fp8[0].scale, fp8[1].scale, rtol=2e-6, atol=0)
     differs = fp8[0].qdata.view(torch.uint8) != fp8[1].qdata.view(torch.uint8)
     assert differs.float().mean() < 1e-3  # fp32 sums in another order, one step at most
@@ -325,8 +311,8 @@ def test_float8_row_kernel_unrolls_the_ranks_its_shared_memory_can_pipeline(monk
     assert [row_plan(rank, 2, cpu) for rank in (1, 32, 33, 64, 96, 128, 256, 257)] == [
         (1, 3), (1, 3), (2, 3), (2, 3), (4, 2), (4, 2), (8, 1), (0, 1)]
     assert row_plan(128, 4, cpu) == (4, 1) and row_plan(256, 4, cpu) == (0, 1)  # fp32 factors, or LoHa's pairs
-    # rank 16 in one block of 16 (not in a blend, whose weights are per 32 ranks)
-    assert [rank_block(rank, False) for rank in (16, 48, 8, 1, 32, 64)] == [16, 32, 32, 32, 32, 32]
+    # ranks up to 16 in one block of 16 (not in a blend, whose weights are per 32 ranks)
+    assert [rank_block(rank, False) for rank in (16, 48, 8, 1, 24, 32, 64)] == [16, 32, 16, 16, 32, 32, 32]
     assert rank_block(16, True) == 32 and row_plan(16, 2, cpu, block_k=16) == (1, 3)
     assert row_plan(48, 2, cpu, block_k=16) == (4, 3)  # blocks of 16 unrolled in a power of two, too
     # the 32 x 128 tiles of tall weights: up to 4 stages
@@ -361,7 +347,7 @@ def test_the_float8_warm_up_compiles_every_variant_real_swaps_launch(float8, mon
         qdata, scale = torch.empty(m, n, dtype=FLOAT8), torch.ones(m, 1)
         write = lambda *operands, **options: float8.requantize_into(  # noqa: E731
             qdata, scale, qdata, scale, *operands, **options)
-        for rank in (4, 8, 16, 32, 48, 64, 96, 128):
+        for rank in (4, 8, 16, 24, 32, 48, 64, 96, 128):
             up, down = torch.empty(m, rank, **bf16), torch.empty(rank, n, **bf16)
             write(up, down, 1.0)
             write(up, down, 1.0, kind="hadamard", second=(up, down))
@@ -532,3 +518,79 @@ def test_load_and_fuse_mode_does_not_warm_the_swap_kernels(monkeypatch):
     for mode in ("load-and-fuse", "fused"):
         Engine(EngineConfig(model="tiny-sd", compile=False, swap_mode=mode))
         assert len(warmed) == (mode == "fused")
+
+
+class RecordedRunner:
+    """A compiled kernel's launcher that records the arguments of each launch (or refuses them)."""
+
+    def __init__(self, refuse: bool = False):
+        self.launches, self.refuse = [], refuse
+
+    def __call__(self, *arguments):
+        if self.refuse:
+            raise TypeError("function takes exactly 42 arguments (30 given)")
+        self.launches.append(arguments)
+
+
+def test_prepared_launches_pass_what_tritons_own_launch_would(float8, monkeypatch):
+    """After a weight's first swap (Triton's own launch), a plain LoRA of the same rank,
+    dtypes and alignment launches the compiled variant directly, with every argument, the
+    constants included, in the kernel's order, as the per-row launch would pass them for
+    the new factors; another rank takes Triton's launch again and prepares its own."""
+    from loraswap.engine import float8_launch
+
+    runner, warmed = RecordedRunner(), []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            assert len(grid) == 3  # a compiled kernel takes the whole grid
+            return runner
+
+    kernel = float8._per_row_kernel()
+    monkeypatch.setattr(float8_launch, "interpreting", lambda: False)
+    monkeypatch.setattr(kernel, "warmup", lambda *a, grid, **options: warmed.append(options) or Compiled(),
+                        raising=False)
+    m, n = 40, 96
+    qdata, scale = torch.zeros(m, n, dtype=FLOAT8), torch.ones(m, 1)
+    pristine, pristine_scale = torch.randn(m, n).to(FLOAT8), torch.rand(m, 1)
+    factors = [(torch.randn(m, 16), torch.randn(16, n)) for _ in range(3)]
+    prepared = float8_launch.PreparedRows()
+    prepared.write(qdata, scale, pristine, pristine_scale, *factors[0], 0.5)  # launched by Triton, then prepared
+    assert runner.launches == [] and len(warmed) == 1 and not torch.equal(qdata, torch.zeros_like(qdata))
+    prepared.write(qdata, scale, pristine, pristine_scale, *factors[1], 0.25)
+    expected = float8.requantize_into(qdata, scale, pristine, pristine_scale, *factors[1], 0.25)
+    order = list(expected.args) + [expected.options[name] for name in kernel.arg_names[len(expected.args):]]
+    (launched,) = runner.launches
+    assert len(launched) == len(kernel.arg_names) == len(order)
+    for name, got, want in zip(kernel.arg_names, launched, order, strict=True):
+        assert got is want if isinstance(want, torch.Tensor) else (type(got), got) == (type(want), want), name
+    prepared.write(qdata, scale, pristine, pristine_scale, torch.randn(m, 32), torch.randn(32, n), 1.0)
+    assert len(runner.launches) == 1 and len(warmed) == 2  # rank 32: Triton's launch, and a variant of its own
+
+
+def test_prepared_launches_fall_back_to_tritons_launch_where_the_compiled_kernel_refuses(float8, monkeypatch):
+    """A Triton whose compiled kernels take other arguments (refused before anything runs)
+    turns prepared launches off, and the swap is written by Triton's own launch."""
+    from loraswap.engine import float8_launch
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return RecordedRunner(refuse=True)
+
+    kernel = float8._per_row_kernel()
+    monkeypatch.setattr(float8_launch, "interpreting", lambda: False)
+    monkeypatch.setattr(float8_launch.PreparedRows, "enabled", True)
+    monkeypatch.setattr(kernel, "warmup", lambda *a, grid, **options: Compiled(), raising=False)
+    m, n = 32, 64
+    pristine, pristine_scale = torch.randn(m, n).to(FLOAT8), torch.rand(m, 1)
+    up, down = torch.randn(m, 16), torch.randn(16, n)
+    qdata, scale = torch.zeros(m, n, dtype=FLOAT8), torch.ones(m, 1)
+    expected, expected_scale = torch.zeros_like(qdata), torch.ones_like(scale)
+    float8.requantize_into(expected, expected_scale, pristine, pristine_scale, up, down, 0.7)
+    prepared = float8_launch.PreparedRows()
+    for _ in range(2):
+        qdata.zero_()
+        prepared.write(qdata, scale, pristine, pristine_scale, up, down, 0.7)
+        assert torch.equal(qdata.view(torch.uint8), expected.view(torch.uint8))
+        assert torch.equal(scale, expected_scale)
+    assert not float8_launch.PreparedRows.enabled

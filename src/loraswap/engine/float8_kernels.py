@@ -21,16 +21,18 @@ sequence), bitwise equal to IEEE division on 3.2 billion random pairs on an H200
 the second pass over FLUX.2's largest weight from 0.49 to 0.42 ms.
 """
 
+from dataclasses import dataclass
 from functools import cache
 
 import torch
 
 from . import kernels
-from .float8_rounding import float8_runs_on, interpreting
-from .float8_stripes import StripeTiles, requantize_stripes, stripe_tiles
-from .float8_tiles import FLOAT8_MAX, RECIPROCAL_FLOAT8_MAX, ROW_CHANGES, DoraRows, row_functions
+from .float8_rounding import float8_rounding, float8_runs_on, interpreting
 from .kernels import BLOCK_K, triton_cdiv
 
+FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# CUDA's `stats / 448` multiplies by the fp32 reciprocal of 448: the per-row kernel does the same
+RECIPROCAL_FLOAT8_MAX = float(torch.tensor(1 / FLOAT8_MAX, dtype=torch.float32))
 # the per-row kernel's tiles (rows, columns, most pipelining stages): 16 x 256 in general; 32 x
 # 128 on weights of many short rows, 5-10% faster there on an H100 (13824 x 5120, 21504 x
 # 3072, 36864 and 55296 x 6144), 10-40% slower on fewer or longer rows (5120 x 5120, 6144 x
@@ -46,18 +48,108 @@ except ImportError:  # no Triton: the kernels are never launched
     OutOfResources = RuntimeError
 
 
-# the Triton functions the kernels call (and `tl`), set by `_take_functions`
-_row_tile = _inside = _dora_factor = _larger = _add = _reciprocal = _divide = _blended_tile = None
-round_to_float8 = tl = None
+@cache
+def _float8_functions() -> bool:
+    """Define the Triton functions both kernels call as this module's globals (where Triton
+    looks them up; the tiles of B @ A are `kernels.py`'s); False without Triton."""
+    global _blended_tile, _block_product, _larger, _add, _reciprocal, _divide, _dora_factor, _inside
+    global round_to_float8, tl
+    if not kernels.tile_functions():
+        return False
+    import triton
+    import triton.language as tl
+
+    _blended_tile, _block_product, _inside = kernels._blended_tile, kernels._block_product, kernels._inside
+    round_to_float8 = float8_rounding()
+
+    @triton.jit
+    def _larger(a, b):  # tl.max is a jit function of Triton's own, which its interpreter cannot call
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _reciprocal(new_scale):
+        # 1 / new_scale rounded to nearest, as Markstein's sequence needs it
+        return tl.math.div_rn(tl.full(new_scale.shape, 1.0, tl.float32), new_scale)
+
+    @triton.jit
+    def _divide(w, new_scale, reciprocal, EMULATE: tl.constexpr):
+        # w / new_scale ([rows, 1]) as IEEE division (torch's tensor / tensor): under the
+        # interpreter by it (its fma is not fused), on a GPU by Markstein's sequence on the
+        # reciprocal (`_reciprocal`)
+        if EMULATE:
+            return tl.math.div_rn(w, new_scale)
+        q = w * reciprocal
+        return tl.fma(tl.fma(-q, new_scale, w), reciprocal, q)
+
+    @triton.jit
+    def _add(a, b):  # (as `_larger`)
+        return a + b
+
+    @triton.jit
+    def _dora_factor(squares, m_ptr, rows, in_m, blend, DORA: tl.constexpr):
+        # each row's DoRA factor from its sum of squares (`kinds.dora_factors`): PEFT m / norm;
+        # LyCORIS blend (m / (norm + eps) - 1) + 1
+        norm = tl.math.sqrt_rn(squares)
+        magnitude = tl.load(m_ptr + rows, mask=in_m, other=1.0).to(tl.float32)
+        if DORA == 1:
+            return tl.math.div_rn(magnitude, norm)
+        return blend * (tl.math.div_rn(magnitude, norm + 1.1920928955078125e-07) - 1.0) + 1.0  # fp32 eps
+
+    return True
 
 
-def _take_functions() -> bool:
-    """The float8 tiles' Triton functions as this module's globals, where Triton looks up
-    what its kernels call; False without Triton."""
-    functions = row_functions()
-    if functions is not None:
-        globals().update(functions)
-    return functions is not None
+@cache
+def _row_functions() -> bool:
+    """The per-row kernel's tiles (as `_float8_functions`), with the rank unrolled."""
+    global _product, _kron, _row_tile
+    if not _float8_functions():
+        return False
+    import triton
+
+    @triton.jit
+    def _product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, BLENDED: tl.constexpr,
+                 K_BLOCKS: tl.constexpr, EVEN: tl.constexpr):
+        # the tile (rows, rn) of B @ A in fp32. K_BLOCKS > 0: that many blocks of ranks unrolled
+        # (covering K), no loop, so that the loop over the row's tiles can be pipelined
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        if K_BLOCKS > 0:
+            for block in tl.static_range(K_BLOCKS):
+                acc += _block_product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, block * BLOCK_K,
+                                      BLOCK_K, IEEE, BLENDED, EVEN)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                acc += _block_product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, k0, BLOCK_K, IEEE,
+                                      BLENDED, EVEN)
+        return acc
+
+    @triton.jit
+    def _kron(w1_ptr, w2_ptr, rows, rn, mask, N, P, Q):
+        # LoKr: kron(w1, w2) at (rows, rn), w1 [a, N / Q] and w2 [P, Q] whole, in fp32
+        first = tl.load(w1_ptr + (rows // P)[:, None] * (N // Q) + (rn // Q)[None, :], mask=mask, other=0.0)
+        return first * tl.load(w2_ptr + (rows % P)[:, None] * Q + (rn % Q)[None, :], mask=mask, other=0.0)
+
+    @triton.jit
+    def _row_tile(p_ptr, b_ptr, a_ptr, b2_ptr, a2_ptr, alphas_ptr, rows, in_m, scale, n0, N, K, P, Q, alpha,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                  BLENDED: tl.constexpr, KIND: tl.constexpr, K_BLOCKS: tl.constexpr, EVEN: tl.constexpr):
+        # the tile of W at columns n0.. of these rows in fp32, its offsets and mask. The change:
+        # KIND 0 B @ A; 1 (LoHa) (B @ A) * (B2 @ A2); 2 (LoKr) kron(B, A), A of P x Q
+        rn = n0 + tl.arange(0, BLOCK_N)
+        rn = tl.max_contiguous(tl.multiple_of(rn, BLOCK_N), BLOCK_N)
+        in_n = _inside(rn, N, EVEN)
+        offsets, mask = rows[:, None] * N + rn[None, :], in_m[:, None] & in_n[None, :]
+        if KIND == 2:
+            acc = _kron(b_ptr, a_ptr, rows, rn, mask, N, P, Q)
+        else:
+            acc = _product(b_ptr, a_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+                           BLENDED, K_BLOCKS, EVEN)
+        if KIND == 1:
+            acc = acc * _product(b2_ptr, a2_ptr, alphas_ptr, rows, rn, in_m, in_n, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                 IEEE, False, K_BLOCKS, EVEN)
+        return tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * scale + acc * alpha, offsets, mask
+
+    return True
 
 
 def _float8_kernels():
@@ -69,7 +161,7 @@ def _float8_kernels():
 @cache
 def _per_tensor_kernel():
     """Two launches: the tensor's largest |W| by atomics, then W / its scale."""
-    if not _take_functions():
+    if not _float8_functions():
         return None
     import triton
 
@@ -95,7 +187,7 @@ def _per_tensor_kernel():
 @cache
 def _per_row_kernel():
     """One launch: whole rows per program, their largest |W| kept, then W / their scales."""
-    if not _take_functions():
+    if not _row_functions():
         return None
     import triton
 
@@ -151,10 +243,32 @@ def float8_kernel_available(qdata: torch.Tensor) -> bool:
     return float8_runs_on(qdata.device) and qdata.dtype == torch.float8_e4m3fn and _float8_kernels() is not None
 
 
+@dataclass(frozen=True)
+class DoraRows:
+    """DoRA's rescaling of each output row after the change (`kinds.rescale_dora`): the
+    magnitude (one per row), the request's weight, and whose convention (PEFT or LyCORIS)."""
+
+    magnitude: torch.Tensor
+    blend: float
+    peft: bool
+
+
+@dataclass(frozen=True)
+class RowLaunch:
+    """One launch of the per-row kernel: its grid, arguments and options (constants and warps)."""
+
+    grid: tuple[int]
+    args: tuple
+    options: dict
+
+
+ROW_CHANGES = ("low_rank", "hadamard", "kronecker")  # the per-row kernel's changes, by its KIND
+
+
 def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
                     pristine_scale: torch.Tensor, up: torch.Tensor, down: torch.Tensor, alpha: float,
                     alphas: torch.Tensor | None = None, kind: str = "low_rank", second: tuple | None = None,
-                    dora: DoraRows | None = None, tiles: tuple[int, ...] | None = None) -> None:
+                    dora: DoraRows | None = None, tiles: tuple[int, int, int] | None = None) -> RowLaunch | None:
     """qdata, scale = float8(pristine_qdata * pristine_scale + alpha * up @ down), in place,
     with a scale per row (`scale` of shape [rows, 1]) or per tensor ([1, 1]); all on one device.
     With `alphas` (fp32, one per `BLOCK_K` ranks: a blend's adapters side by side, each
@@ -163,16 +277,15 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
     Per row only, other changes (`kind`): "hadamard" (LoHa) (up @ down) * (up2 @ down2), with
     `second` = (up2, down2) of the same rank; "kronecker" (LoKr) kron(up, down), both whole
     matrices. `dora` rescales each row of the sum before it is quantized. `tiles`: the per-row
-    kernel's (rows, columns, most pipelining stages), or the column-stripe kernel's (`float8_stripes.
-    StripeTiles`); by default `stripe_tiles`' choice, else `row_tiles`'."""
+    kernel's (rows, columns, most pipelining stages), by default `row_tiles`' choice. Returns
+    the per-row kernel's launch (`RowLaunch`; None per tensor)."""
     m, n = qdata.shape
     flags = dict(BLOCK_K=BLOCK_K, IEEE=up.dtype == torch.float32 or not qdata.is_cuda, EMULATE=not qdata.is_cuda,
                  BLENDED=alphas is not None)
     per_tensor, per_row = _float8_kernels()
     if scale.numel() != 1:
-        _requantize_rows(per_row, qdata, scale, pristine_qdata, pristine_scale, up, down, alpha, alphas, kind,
-                         second, dora, flags, tiles or stripe_tiles(m, n, kind) or row_tiles(m, n))
-        return
+        return _requantize_rows(per_row, qdata, scale, pristine_qdata, pristine_scale, up, down, alpha, alphas, kind,
+                                second, dora, flags, tiles or row_tiles(m, n))
     if kind != "low_rank" or dora is not None:
         raise ValueError("LoHa, LoKr and DoRA re-quantize in the kernel with a scale per row only")
     k = down.shape[0]
@@ -184,49 +297,46 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
                          BLOCK_N=kernels.BLOCK_N, num_warps=kernels.NUM_WARPS, **flags)
         if step == 0:  # the largest |W| -> the new scale, by torchao's own op, which pass 1 reads
             torch.div(stats, FLOAT8_MAX, out=scale.view(-1))
+    return None
 
 
 def _requantize_rows(kernel, qdata, scale, pristine_qdata, pristine_scale, up, down, alpha, alphas, kind,
-                     second, dora, flags, tiles) -> None:
-    """`requantize_into` with a scale per row: by column stripes (`StripeTiles`) or whole rows
-    (in one launch); the plan from the rank and tiles."""
+                     second, dora, flags, tiles) -> RowLaunch:
+    """`requantize_into` with a scale per row: one launch, its plan from the rank and tiles;
+    returns the launch it made."""
     m, n = qdata.shape
     _check_row_change(m, n, kind, (up, down, *(second or ())))
     rank = 1 if kind == "kronecker" else down.shape[0]  # (LoKr has none)
     kron = down.shape if kind == "kronecker" else (1, 1)  # P, Q: the second Kronecker factor's shape
     second = second or (up, down)  # (read only by LoHa)
+    block_m, block_n, _ = tiles
     block_k = rank_block(rank, alphas is not None)
     flags = {**flags, "BLOCK_K": block_k}
-    stripes = isinstance(tiles, StripeTiles)
-    block_m, block_n = tiles[:2]
 
-    def launch(k_blocks: int, stages: int) -> None:
+    def launch(k_blocks: int, stages: int) -> RowLaunch:
         # no masks where the tiles cover the weight and the rank blocks the rank (or no rank: LoKr)
-        even = m % (block_m * (tiles.row_tiles if stripes else 1)) == 0 and n % block_n == 0 and (
+        even = m % block_m == 0 and n % block_n == 0 and (
             kind == "kronecker" or rank % block_k == 0 and k_blocks * block_k in (0, rank))
-        operands = (pristine_qdata, pristine_scale, up, down, *second, up if alphas is None else alphas,
-                    up if dora is None else dora.magnitude, m, n, rank, *kron, float(alpha),
-                    float(dora.blend) if dora else 1.0)
-        options = dict(RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=block_m, BLOCK_N=block_n, K_BLOCKS=k_blocks,
-                       STAGES=stages, KIND=ROW_CHANGES.index(kind), DORA=0 if dora is None else 1 if dora.peft else 2,
-                       EVEN=even, **flags)
-        if stripes:
-            requantize_stripes(qdata, scale, operands, options, tiles, dora is not None)
-        else:
-            kernel[(triton_cdiv(m, block_m),)](qdata, scale, *operands, num_warps=ROWS_NUM_WARPS, **options)
+        made = RowLaunch((triton_cdiv(m, block_m),), (
+            qdata, scale, pristine_qdata, pristine_scale, up, down, *second, up if alphas is None else alphas,
+            up if dora is None else dora.magnitude, m, n, rank, *kron, float(alpha),
+            float(dora.blend) if dora else 1.0), dict(
+            RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=block_m, BLOCK_N=block_n, K_BLOCKS=k_blocks, STAGES=stages,
+            KIND=ROW_CHANGES.index(kind), DORA=0 if dora is None else 1 if dora.peft else 2, EVEN=even,
+            num_warps=ROWS_NUM_WARPS, **flags))
+        kernel[made.grid](*made.args, **made.options)
+        return made
 
-    plan_tiles = (block_m, block_n, tiles[-1])
-    plan = (1, plan_tiles[2]) if kind == "kronecker" else row_plan(
-        rank, up.element_size() * (2 if kind == "hadamard" else 1), qdata.device, plan_tiles, block_k)
-    short = (qdata.device, kind, plan, plan_tiles, block_k, up.dtype, alphas is not None, dora is not None)
+    plan = (1, tiles[2]) if kind == "kronecker" else row_plan(
+        rank, up.element_size() * (2 if kind == "hadamard" else 1), qdata.device, tiles, block_k)
+    short = (qdata.device, kind, plan, tiles, block_k, up.dtype, alphas is not None, dora is not None)
     if short in _SHORT_OF_MEMORY:
-        launch(0, 1)
-        return
+        return launch(0, 1)
     try:
-        launch(*plan)
+        return launch(*plan)
     except OutOfResources:  # the plan's estimate of shared memory was short (nothing ran): loop, from now on
         _SHORT_OF_MEMORY.add(short)
-        launch(0, 1)
+        return launch(0, 1)
 
 
 _SHORT_OF_MEMORY: set[tuple] = set()  # the per-row kernel's plans that ran out of shared memory
@@ -253,11 +363,12 @@ def row_tiles(m: int, n: int) -> tuple[int, int, int]:
 
 
 def rank_block(rank: int, blended: bool) -> int:
-    """How many ranks a block of the per-row kernel holds: `BLOCK_K`, or 16 for rank 16 (one
-    whole block, read without masks, where a masked block of 32 cost 13-25%). Other ranks
-    gain nothing from smaller blocks: the blocks are unrolled in a power of two (48 ranks in
-    4 x 16, as masked as 2 x 32). A blend's weights are per `BLOCK_K` ranks."""
-    return 16 if not blended and rank == 16 else BLOCK_K
+    """How many ranks a block of the per-row kernel holds: `BLOCK_K`, or 16 for ranks up to 16
+    (one block, read without masks at rank 16, where a masked block of 32 cost 13-25%; rank
+    8 in a block of 32 took 1.4x rank 16's time on an H100). Larger ranks gain nothing from
+    smaller blocks: the blocks are unrolled in a power of two (48 ranks in 4 x 16, as masked
+    as 2 x 32). A blend's weights are per `BLOCK_K` ranks."""
+    return 16 if not blended and rank <= 16 else BLOCK_K
 
 
 def row_plan(rank: int, itemsize: int, device: torch.device, tiles: tuple[int, int, int] = WIDE_TILES,
