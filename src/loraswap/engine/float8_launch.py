@@ -43,6 +43,9 @@ class PreparedRows:
             if PreparedRows.enabled and not interpreting():
                 self._variants[key] = _prepare(made)
             return
+        if variant is False:  # (this Triton could not give the compiled variant)
+            requantize_into(qdata, scale, pristine_qdata, pristine_scale, up, down, alpha)
+            return
         runner, template, ups, downs, alpha_at = variant
         arguments = list(template)
         for i in ups:
@@ -59,13 +62,21 @@ class PreparedRows:
             requantize_into(qdata, scale, pristine_qdata, pristine_scale, up, down, alpha)
 
 
-def _prepare(made) -> tuple:
-    """(runner, argument template, positions of `up`, of `down`, of alpha) for a `RowLaunch`:
-    the compiled variant Triton chose for those arguments, with every argument in its
-    signature's order (the constants after the tensors and numbers)."""
+def _prepare(made) -> tuple | bool:
+    """(runner, argument template, positions of `up`, of `down`, of alpha) for a `RowLaunch`
+    (which has run): the compiled variant Triton chose for those arguments, with every
+    argument in its signature's order (the constants after the tensors and numbers), the
+    factors left out (the cache may free them); False where this Triton cannot give it."""
     kernel = _per_row_kernel()
     names = kernel.arg_names
+    try:
+        runner = kernel.warmup(*made.args, grid=made.grid, **made.options)[(made.grid[0], 1, 1)]
+    except Exception:  # noqa: BLE001 - another Triton's API: its own launch stays (the weight is written)
+        logger.warning("float8 swaps launch through Triton's own binding: no compiled variant", exc_info=True)
+        PreparedRows.enabled = False
+        return False
+    ups, downs = [names.index(n) for n in UP_ARGUMENTS], [names.index(n) for n in DOWN_ARGUMENTS]
     template = list(made.args) + [made.options[name] for name in names[len(made.args):]]
-    runner = kernel.warmup(*made.args, grid=made.grid, **made.options)[(made.grid[0], 1, 1)]
-    return (runner, template, [names.index(n) for n in UP_ARGUMENTS], [names.index(n) for n in DOWN_ARGUMENTS],
-            names.index("alpha"))
+    for i in ups + downs:
+        template[i] = None
+    return runner, template, ups, downs, names.index("alpha")
