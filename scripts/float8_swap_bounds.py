@@ -17,14 +17,17 @@ FLUX.2 [dev]'s largest weights, and a kernel that reads the up-projection's colu
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from float8_kernel_variants import OTHER_SHAPES, RECIPROCAL_448, SHAPES, rows_kernel, timed
 
 from loraswap.engine import float8_kernels
+
+sys.path.insert(0, str(Path(__file__).parent))  # (the kernel's copy is float8_kernel_variants.py's)
+from float8_kernel_variants import OTHER_SHAPES, RECIPROCAL_448, SHAPES, rows_kernel, timed  # noqa: E402
 
 
 def weight(m: int, n: int, rank: int) -> tuple:
