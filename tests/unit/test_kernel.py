@@ -518,3 +518,82 @@ def test_load_and_fuse_mode_does_not_warm_the_swap_kernels(monkeypatch):
     for mode in ("load-and-fuse", "fused"):
         Engine(EngineConfig(model="tiny-sd", compile=False, swap_mode=mode))
         assert len(warmed) == (mode == "fused")
+
+
+class RecordedRunner:
+    """A compiled kernel's launcher that records the arguments of each launch (or refuses them)."""
+
+    def __init__(self, refuse: bool = False):
+        self.launches, self.refuse = [], refuse
+
+    def __call__(self, *arguments):
+        if self.refuse:
+            raise TypeError("function takes exactly 42 arguments (30 given)")
+        self.launches.append(arguments)
+
+
+def test_prepared_launches_pass_what_tritons_own_launch_would(float8, monkeypatch):
+    """After a weight's first swap (Triton's own launch), a plain LoRA of the same rank,
+    dtypes and alignment launches the compiled variant directly, with every argument, the
+    constants included, in the kernel's order, as the per-row launch would pass them for
+    the new factors; another rank takes Triton's launch again and prepares its own."""
+    from loraswap.engine import float8_launch
+
+    runner, warmed = RecordedRunner(), []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            assert len(grid) == 3  # a compiled kernel takes the whole grid
+            return runner
+
+    kernel = float8._per_row_kernel()
+    monkeypatch.setattr(float8_launch, "interpreting", lambda: False)
+    monkeypatch.setattr(float8_launch.PreparedRows, "enabled", True)
+    monkeypatch.setattr(kernel, "warmup", lambda *a, grid, **options: warmed.append(options) or Compiled(),
+                        raising=False)
+    m, n = 40, 96
+    qdata, scale = torch.zeros(m, n, dtype=FLOAT8), torch.ones(m, 1)
+    pristine, pristine_scale = torch.randn(m, n).to(FLOAT8), torch.rand(m, 1)
+    factors = [(torch.randn(m, 16), torch.randn(16, n)) for _ in range(3)]
+    prepared = float8_launch.PreparedRows()
+    prepared.write(qdata, scale, pristine, pristine_scale, *factors[0], 0.5)  # launched by Triton, then prepared
+    assert runner.launches == [] and len(warmed) == 1 and not torch.equal(qdata, torch.zeros_like(qdata))
+    (variant,) = prepared._variants.values()  # the first factors not kept (the adapter cache may free them)
+    assert not any(x is factor for x in variant[1] for factor in factors[0])
+    prepared.write(qdata, scale, pristine, pristine_scale, *factors[1], 0.25)
+    expected = float8.requantize_into(qdata, scale, pristine, pristine_scale, *factors[1], 0.25)
+    order = list(expected.args) + [expected.options[name] for name in kernel.arg_names[len(expected.args):]]
+    (launched,) = runner.launches
+    assert len(launched) == len(kernel.arg_names) == len(order)
+    for name, got, want in zip(kernel.arg_names, launched, order, strict=True):
+        assert got is want if isinstance(want, torch.Tensor) else (type(got), got) == (type(want), want), name
+    prepared.write(qdata, scale, pristine, pristine_scale, torch.randn(m, 32), torch.randn(32, n), 1.0)
+    assert len(runner.launches) == 1 and len(warmed) == 2  # rank 32: Triton's launch, and a variant of its own
+
+
+def test_prepared_launches_fall_back_to_tritons_launch_where_the_compiled_kernel_refuses(float8, monkeypatch):
+    """A Triton whose compiled kernels take other arguments (refused before anything runs)
+    turns prepared launches off, and the swap is written by Triton's own launch."""
+    from loraswap.engine import float8_launch
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return RecordedRunner(refuse=True)
+
+    kernel = float8._per_row_kernel()
+    monkeypatch.setattr(float8_launch, "interpreting", lambda: False)
+    monkeypatch.setattr(float8_launch.PreparedRows, "enabled", True)
+    monkeypatch.setattr(kernel, "warmup", lambda *a, grid, **options: Compiled(), raising=False)
+    m, n = 32, 64
+    pristine, pristine_scale = torch.randn(m, n).to(FLOAT8), torch.rand(m, 1)
+    up, down = torch.randn(m, 16), torch.randn(16, n)
+    qdata, scale = torch.zeros(m, n, dtype=FLOAT8), torch.ones(m, 1)
+    expected, expected_scale = torch.zeros_like(qdata), torch.ones_like(scale)
+    float8.requantize_into(expected, expected_scale, pristine, pristine_scale, up, down, 0.7)
+    prepared = float8_launch.PreparedRows()
+    for _ in range(2):
+        qdata.zero_()
+        prepared.write(qdata, scale, pristine, pristine_scale, up, down, 0.7)
+        assert torch.equal(qdata.view(torch.uint8), expected.view(torch.uint8))
+        assert torch.equal(scale, expected_scale)
+    assert not float8_launch.PreparedRows.enabled

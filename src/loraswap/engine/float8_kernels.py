@@ -253,13 +253,22 @@ class DoraRows:
     peft: bool
 
 
+@dataclass(frozen=True)
+class RowLaunch:
+    """One launch of the per-row kernel: its grid, arguments and options (constants and warps)."""
+
+    grid: tuple[int]
+    args: tuple
+    options: dict
+
+
 ROW_CHANGES = ("low_rank", "hadamard", "kronecker")  # the per-row kernel's changes, by its KIND
 
 
 def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
                     pristine_scale: torch.Tensor, up: torch.Tensor, down: torch.Tensor, alpha: float,
                     alphas: torch.Tensor | None = None, kind: str = "low_rank", second: tuple | None = None,
-                    dora: DoraRows | None = None, tiles: tuple[int, int, int] | None = None) -> None:
+                    dora: DoraRows | None = None, tiles: tuple[int, int, int] | None = None) -> RowLaunch | None:
     """qdata, scale = float8(pristine_qdata * pristine_scale + alpha * up @ down), in place,
     with a scale per row (`scale` of shape [rows, 1]) or per tensor ([1, 1]); all on one device.
     With `alphas` (fp32, one per `BLOCK_K` ranks: a blend's adapters side by side, each
@@ -268,15 +277,15 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
     Per row only, other changes (`kind`): "hadamard" (LoHa) (up @ down) * (up2 @ down2), with
     `second` = (up2, down2) of the same rank; "kronecker" (LoKr) kron(up, down), both whole
     matrices. `dora` rescales each row of the sum before it is quantized. `tiles`: the per-row
-    kernel's (rows, columns, most pipelining stages), by default `row_tiles`' choice."""
+    kernel's (rows, columns, most pipelining stages), by default `row_tiles`' choice. Returns
+    the per-row kernel's launch (`RowLaunch`; None per tensor)."""
     m, n = qdata.shape
     flags = dict(BLOCK_K=BLOCK_K, IEEE=up.dtype == torch.float32 or not qdata.is_cuda, EMULATE=not qdata.is_cuda,
                  BLENDED=alphas is not None)
     per_tensor, per_row = _float8_kernels()
     if scale.numel() != 1:
-        _requantize_rows(per_row, qdata, scale, pristine_qdata, pristine_scale, up, down, alpha, alphas, kind,
-                         second, dora, flags, tiles or row_tiles(m, n))
-        return
+        return _requantize_rows(per_row, qdata, scale, pristine_qdata, pristine_scale, up, down, alpha, alphas, kind,
+                                second, dora, flags, tiles or row_tiles(m, n))
     if kind != "low_rank" or dora is not None:
         raise ValueError("LoHa, LoKr and DoRA re-quantize in the kernel with a scale per row only")
     k = down.shape[0]
@@ -288,11 +297,13 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
                          BLOCK_N=kernels.BLOCK_N, num_warps=kernels.NUM_WARPS, **flags)
         if step == 0:  # the largest |W| -> the new scale, by torchao's own op, which pass 1 reads
             torch.div(stats, FLOAT8_MAX, out=scale.view(-1))
+    return None
 
 
 def _requantize_rows(kernel, qdata, scale, pristine_qdata, pristine_scale, up, down, alpha, alphas, kind,
-                     second, dora, flags, tiles) -> None:
-    """`requantize_into` with a scale per row: one launch, its plan from the rank and tiles."""
+                     second, dora, flags, tiles) -> RowLaunch:
+    """`requantize_into` with a scale per row: one launch, its plan from the rank and tiles;
+    returns the launch it made."""
     m, n = qdata.shape
     _check_row_change(m, n, kind, (up, down, *(second or ())))
     rank = 1 if kind == "kronecker" else down.shape[0]  # (LoKr has none)
@@ -302,28 +313,30 @@ def _requantize_rows(kernel, qdata, scale, pristine_qdata, pristine_scale, up, d
     block_k = rank_block(rank, alphas is not None)
     flags = {**flags, "BLOCK_K": block_k}
 
-    def launch(k_blocks: int, stages: int) -> None:
+    def launch(k_blocks: int, stages: int) -> RowLaunch:
         # no masks where the tiles cover the weight and the rank blocks the rank (or no rank: LoKr)
         even = m % block_m == 0 and n % block_n == 0 and (
             kind == "kronecker" or rank % block_k == 0 and k_blocks * block_k in (0, rank))
-        kernel[(triton_cdiv(m, block_m),)](
+        made = RowLaunch((triton_cdiv(m, block_m),), (
             qdata, scale, pristine_qdata, pristine_scale, up, down, *second, up if alphas is None else alphas,
             up if dora is None else dora.magnitude, m, n, rank, *kron, float(alpha),
-            float(dora.blend) if dora else 1.0, RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=block_m, BLOCK_N=block_n,
-            K_BLOCKS=k_blocks, STAGES=stages, KIND=ROW_CHANGES.index(kind),
-            DORA=0 if dora is None else 1 if dora.peft else 2, EVEN=even, num_warps=ROWS_NUM_WARPS, **flags)
+            float(dora.blend) if dora else 1.0), dict(
+            RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=block_m, BLOCK_N=block_n, K_BLOCKS=k_blocks, STAGES=stages,
+            KIND=ROW_CHANGES.index(kind), DORA=0 if dora is None else 1 if dora.peft else 2, EVEN=even,
+            num_warps=ROWS_NUM_WARPS, **flags))
+        kernel[made.grid](*made.args, **made.options)
+        return made
 
     plan = (1, tiles[2]) if kind == "kronecker" else row_plan(
         rank, up.element_size() * (2 if kind == "hadamard" else 1), qdata.device, tiles, block_k)
     short = (qdata.device, kind, plan, tiles, block_k, up.dtype, alphas is not None, dora is not None)
     if short in _SHORT_OF_MEMORY:
-        launch(0, 1)
-        return
+        return launch(0, 1)
     try:
-        launch(*plan)
+        return launch(*plan)
     except OutOfResources:  # the plan's estimate of shared memory was short (nothing ran): loop, from now on
         _SHORT_OF_MEMORY.add(short)
-        launch(0, 1)
+        return launch(0, 1)
 
 
 _SHORT_OF_MEMORY: set[tuple] = set()  # the per-row kernel's plans that ran out of shared memory

@@ -7,6 +7,7 @@ import torch
 
 from ..adapters import kinds
 from .float8_kernels import DoraRows, float8_kernel_available, requantize_into
+from .float8_launch import PreparedRows
 from .kernels import BLOCK_K, triton_cdiv
 
 
@@ -35,6 +36,16 @@ class Fp8Weight:
             self.granularity = PerTensor()
         else:
             raise ValueError(f"float8 weights with {block} blocks are not supported; quantize per row or tensor")
+        self._prepared: PreparedRows | bool | None = None  # (decided at the first swap through the kernel)
+
+    def _prepared_rows(self) -> bool:
+        """Whether one plain LoRA goes through `PreparedRows`: a CUDA weight with a scale per
+        row, contiguous, its copy on its device, where the kernel runs."""
+        if self._prepared is None:
+            self._prepared = PreparedRows() if (
+                self.qdata.is_cuda and self.qdata.is_contiguous() and self.scale.numel() != 1
+                and self.pristine_qdata.device == self.qdata.device and float8_kernel_available(self.qdata)) else False
+        return bool(self._prepared)
 
     @staticmethod
     def holds(weight: torch.Tensor) -> bool:
@@ -50,10 +61,16 @@ class Fp8Weight:
 
     def write(self, changes: list[tuple[kinds.Layer, float]], kernel: bool = False) -> None:
         """Through `float8_kernels.requantize_into` where it runs (and `kernel`) and takes the
-        changes (`kernel_call`), reading the float8 copy twice; else through eager fp32 ops
-        (`changes`: (layer, the request's weight) in order)."""
+        changes (`kernel_call`; one plain LoRA through this weight's `PreparedRows`), reading
+        the float8 copy twice; else through eager fp32 ops (`changes`: (layer, the request's
+        weight) in order)."""
         from torchao.quantization import Float8Tensor
 
+        if kernel and len(changes) == 1 and changes[0][0].plain and self._prepared_rows():
+            layer, blend = changes[0]
+            self._prepared.write(self.qdata, self.scale, self.pristine_qdata, self.pristine_scale, layer.up,
+                                 layer.down, blend * layer.scale)
+            return
         device = self.qdata.device
         qdata = self.pristine_qdata.to(device, non_blocking=True)
         scale = self.pristine_scale.to(device, non_blocking=True)
