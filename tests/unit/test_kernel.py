@@ -21,7 +21,7 @@ def interpreted():
 
     built = (kernels.tile_functions, kernels._kernel, kernels._loha_kernel, kernels._dora_kernel, float8_rounding,
              float8_kernels._float8_functions, float8_kernels._row_functions, float8_kernels._per_tensor_kernel,
-             float8_kernels._per_row_kernel)
+             float8_kernels.per_row_kernel)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
         for kernel in built:
@@ -546,7 +546,7 @@ def test_prepared_launches_pass_what_tritons_own_launch_would(float8, monkeypatc
             assert len(grid) == 3  # a compiled kernel takes the whole grid
             return runner
 
-    kernel = float8._per_row_kernel()
+    kernel = float8.per_row_kernel()
     monkeypatch.setattr(float8_launch, "interpreting", lambda: False)
     monkeypatch.setattr(float8_launch.PreparedRows, "enabled", True)
     monkeypatch.setattr(kernel, "warmup", lambda *a, grid, **options: warmed.append(options) or Compiled(),
@@ -555,19 +555,19 @@ def test_prepared_launches_pass_what_tritons_own_launch_would(float8, monkeypatc
     qdata, scale = torch.zeros(m, n, dtype=FLOAT8), torch.ones(m, 1)
     pristine, pristine_scale = torch.randn(m, n).to(FLOAT8), torch.rand(m, 1)
     factors = [(torch.randn(m, 16), torch.randn(16, n)) for _ in range(3)]
-    prepared = float8_launch.PreparedRows()
-    prepared.write(qdata, scale, pristine, pristine_scale, *factors[0], 0.5)  # launched by Triton, then prepared
+    prepared = float8_launch.PreparedRows(qdata, scale, pristine, pristine_scale)
+    prepared.write(*factors[0], 0.5)  # launched by Triton, then prepared
     assert runner.launches == [] and len(warmed) == 1 and not torch.equal(qdata, torch.zeros_like(qdata))
     (variant,) = prepared._variants.values()  # the first factors not kept (the adapter cache may free them)
-    assert not any(x is factor for x in variant[1] for factor in factors[0])
-    prepared.write(qdata, scale, pristine, pristine_scale, *factors[1], 0.25)
+    assert not any(x is factor for x in variant.arguments for factor in factors[0])
+    prepared.write(*factors[1], 0.25)
     expected = float8.requantize_into(qdata, scale, pristine, pristine_scale, *factors[1], 0.25)
     order = list(expected.args) + [expected.options[name] for name in kernel.arg_names[len(expected.args):]]
     (launched,) = runner.launches
     assert len(launched) == len(kernel.arg_names) == len(order)
     for name, got, want in zip(kernel.arg_names, launched, order, strict=True):
         assert got is want if isinstance(want, torch.Tensor) else (type(got), got) == (type(want), want), name
-    prepared.write(qdata, scale, pristine, pristine_scale, torch.randn(m, 32), torch.randn(32, n), 1.0)
+    prepared.write(torch.randn(m, 32), torch.randn(32, n), 1.0)
     assert len(runner.launches) == 1 and len(warmed) == 2  # rank 32: Triton's launch, and a variant of its own
 
 
@@ -580,7 +580,7 @@ def test_prepared_launches_fall_back_to_tritons_launch_where_the_compiled_kernel
         def __getitem__(self, grid):
             return RecordedRunner(refuse=True)
 
-    kernel = float8._per_row_kernel()
+    kernel = float8.per_row_kernel()
     monkeypatch.setattr(float8_launch, "interpreting", lambda: False)
     monkeypatch.setattr(float8_launch.PreparedRows, "enabled", True)
     monkeypatch.setattr(kernel, "warmup", lambda *a, grid, **options: Compiled(), raising=False)
@@ -590,10 +590,35 @@ def test_prepared_launches_fall_back_to_tritons_launch_where_the_compiled_kernel
     qdata, scale = torch.zeros(m, n, dtype=FLOAT8), torch.ones(m, 1)
     expected, expected_scale = torch.zeros_like(qdata), torch.ones_like(scale)
     float8.requantize_into(expected, expected_scale, pristine, pristine_scale, up, down, 0.7)
-    prepared = float8_launch.PreparedRows()
+    prepared = float8_launch.PreparedRows(qdata, scale, pristine, pristine_scale)
     for _ in range(2):
         qdata.zero_()
-        prepared.write(qdata, scale, pristine, pristine_scale, up, down, 0.7)
+        prepared.write(up, down, 0.7)
         assert torch.equal(qdata.view(torch.uint8), expected.view(torch.uint8))
         assert torch.equal(scale, expected_scale)
     assert not float8_launch.PreparedRows.enabled
+
+
+def test_only_one_plain_lora_takes_the_prepared_launches(monkeypatch):
+    """`Fp8Weight.write` hands a swap to its `PreparedRows` only for one plain LoRA through
+    the kernel: a blend, DoRA, or the eager path keep their own way."""
+    from torchao.quantization import Float8Tensor, PerRow
+
+    from loraswap.adapters.kinds import LORA, Layer
+    from loraswap.engine.float8_weights import Fp8Weight
+
+    weight = Fp8Weight(Float8Tensor.from_hp(torch.randn(32, 64), float8_dtype=FLOAT8, granularity=PerRow()))
+    taken = []
+
+    class Prepared:
+        def write(self, up, down, alpha):
+            taken.append((up, down, alpha))
+
+    monkeypatch.setattr(weight, "_prepared_rows", lambda: Prepared())
+    lora = Layer(LORA, {"up": torch.randn(32, 4), "down": torch.randn(4, 64)}, 0.5)
+    dora = Layer(LORA, {**lora.factors, "magnitude": torch.rand(32) + 1}, 0.5, dora="peft")
+    weight.write([(lora, 0.8)], kernel=True)
+    assert taken == [(lora.up, lora.down, 0.4)]
+    for changes, kernel in (([(lora, 0.8), (lora, 0.2)], True), ([(dora, 0.8)], True), ([(lora, 0.8)], False)):
+        weight.write(changes, kernel=kernel)
+    assert len(taken) == 1

@@ -154,7 +154,7 @@ def _row_functions() -> bool:
 
 def _float8_kernels():
     """The two Triton kernels (per tensor, per row), or None without Triton (built once)."""
-    per_tensor, per_row = _per_tensor_kernel(), _per_row_kernel()
+    per_tensor, per_row = _per_tensor_kernel(), per_row_kernel()
     return None if per_tensor is None else (per_tensor, per_row)
 
 
@@ -185,7 +185,7 @@ def _per_tensor_kernel():
 
 
 @cache
-def _per_row_kernel():
+def per_row_kernel():
     """One launch: whole rows per program, their largest |W| kept, then W / their scales."""
     if not _row_functions():
         return None

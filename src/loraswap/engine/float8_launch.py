@@ -12,10 +12,11 @@ switched on (`PreparedRows.enabled`).
 """
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from .float8_kernels import _per_row_kernel, requantize_into
+from .float8_kernels import RowLaunch, per_row_kernel, requantize_into
 from .float8_rounding import interpreting
 
 logger = logging.getLogger(__name__)
@@ -24,66 +25,81 @@ UP_ARGUMENTS = ("b_ptr", "b2_ptr", "alphas_ptr", "m_ptr")  # (a plain LoRA passe
 DOWN_ARGUMENTS = ("a_ptr", "a2_ptr")
 
 
+@dataclass(frozen=True)
+class Variant:
+    """A compiled variant's launcher, and every argument of its first launch in the kernel's
+    order (the constants last) with the factors left out (the adapter cache may free them)."""
+
+    runner: object
+    arguments: tuple
+    ups: tuple[int, ...]  # where `up` goes
+    downs: tuple[int, ...]  # where `down` goes
+    alpha_at: int
+
+
 class PreparedRows:
-    """The per-row kernel's compiled variants for one float8 weight (`Fp8Weight`), by rank,
-    factor dtypes and alignments, each with the arguments of its first launch."""
+    """The per-row kernel's compiled variants for one float8 weight (`Fp8Weight`: its data,
+    scale and their pristine copies, all on one CUDA device), by rank, factor dtypes and
+    whether the factors are 16-byte aligned."""
 
     # Off until the served path has run on a GPU (`scripts/float8_launch_check.py`: bitwise
     # against Triton's launch, and the host time); the mechanism itself has (a compiled
-    # variant launched directly wrote Triton's launch's output bitwise on an H100). Turned off
-    # for the process after a Triton whose compiled kernels launch differently.
+    # variant launched directly wrote Triton's launch's output bitwise on an H100, Triton
+    # 3.6, whose launcher refuses a wrong count of arguments; later ones may not). Turned off
+    # for the process after a Triton that gives no compiled variant or refuses its arguments.
     enabled = False
 
-    def __init__(self) -> None:
-        self._variants: dict[tuple, tuple] = {}
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
+                 pristine_scale: torch.Tensor) -> None:
+        self.weight = (qdata, scale, pristine_qdata, pristine_scale)
+        self._variants: dict[tuple, Variant] = {}
 
-    def write(self, qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
-              pristine_scale: torch.Tensor, up: torch.Tensor, down: torch.Tensor, alpha: float) -> None:
-        """`requantize_into` for one plain LoRA, with a scale per row, all on one CUDA device."""
+    def write(self, up: torch.Tensor, down: torch.Tensor, alpha: float) -> None:
+        """`requantize_into` for one plain LoRA."""
         if not PreparedRows.enabled or interpreting():
-            requantize_into(qdata, scale, pristine_qdata, pristine_scale, up, down, alpha)
+            requantize_into(*self.weight, up, down, alpha)
             return
-        key = (down.shape[0], up.dtype, down.dtype, up.data_ptr() % 16, down.data_ptr() % 16, up.is_contiguous(),
-               down.is_contiguous())
+        # what Triton specializes on that can change from one swap of this weight to the next
+        key = (down.shape[0], up.dtype, down.dtype, up.data_ptr() % 16 == 0, down.data_ptr() % 16 == 0)
         variant = self._variants.get(key)
         if variant is None:
-            made = requantize_into(qdata, scale, pristine_qdata, pristine_scale, up, down, alpha)
-            self._variants[key] = _prepare(made)
+            made = requantize_into(*self.weight, up, down, alpha)
+            variant = _prepare(made)
+            if variant is not None:
+                self._variants[key] = variant
             return
-        if variant is False:  # (this Triton could not give the compiled variant)
-            requantize_into(qdata, scale, pristine_qdata, pristine_scale, up, down, alpha)
-            return
-        runner, template, ups, downs, alpha_at = variant
-        arguments = list(template)
-        for i in ups:
+        arguments = list(variant.arguments)
+        for i in variant.ups:
             arguments[i] = up
-        for i in downs:
+        for i in variant.downs:
             arguments[i] = down
-        arguments[alpha_at] = float(alpha)
+        arguments[variant.alpha_at] = float(alpha)
+        if not (up.is_contiguous() and down.is_contiguous()):  # (as `requantize_into` refuses them)
+            requantize_into(*self.weight, up, down, alpha)
+            return
         try:
-            runner(*arguments)
+            variant.runner(*arguments)
         except TypeError:  # the launcher took other arguments (nothing ran): Triton's own launch from now on
             logger.warning("float8 swaps launch through Triton's own binding: this Triton's compiled kernels take "
                            "other arguments")
             PreparedRows.enabled = False
-            requantize_into(qdata, scale, pristine_qdata, pristine_scale, up, down, alpha)
+            requantize_into(*self.weight, up, down, alpha)
 
 
-def _prepare(made) -> tuple | bool:
-    """(runner, argument template, positions of `up`, of `down`, of alpha) for a `RowLaunch`
-    (which has run): the compiled variant Triton chose for those arguments, with every
-    argument in its signature's order (the constants after the tensors and numbers), the
-    factors left out (the cache may free them); False where this Triton cannot give it."""
-    kernel = _per_row_kernel()
+def _prepare(made: RowLaunch) -> Variant | None:
+    """The compiled variant Triton chose for a launch that has run, or None (and prepared
+    launches off) where this Triton cannot give it."""
+    kernel = per_row_kernel()
     names = kernel.arg_names
     try:
         runner = kernel.warmup(*made.args, grid=made.grid, **made.options)[(made.grid[0], 1, 1)]
     except Exception:  # noqa: BLE001 - another Triton's API: its own launch stays (the weight is written)
         logger.warning("float8 swaps launch through Triton's own binding: no compiled variant", exc_info=True)
         PreparedRows.enabled = False
-        return False
-    ups, downs = [names.index(n) for n in UP_ARGUMENTS], [names.index(n) for n in DOWN_ARGUMENTS]
-    template = list(made.args) + [made.options[name] for name in names[len(made.args):]]
+        return None
+    ups = tuple(names.index(n) for n in UP_ARGUMENTS)
+    downs = tuple(names.index(n) for n in DOWN_ARGUMENTS)
+    arguments = list(made.args) + [made.options[name] for name in names[len(made.args):]]
     for i in ups + downs:
-        template[i] = None
-    return runner, template, ups, downs, names.index("alpha")
+        arguments[i] = None
+    return Variant(runner, tuple(arguments), ups, downs, names.index("alpha"))
