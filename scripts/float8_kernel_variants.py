@@ -188,12 +188,12 @@ def mloop(out_ptr, p_ptr, s_ptr, b_ptr, a_ptr, stats_ptr, M, N, K, alpha, PASS: 
         _finish(w, stats_ptr, out_ptr, rows, offsets, PASS, 1)
 
 
-def weight(m: int, n: int) -> tuple:
-    """A float8 weight of m x n, its pristine copy and scale, a rank-32 LoRA's factors, stats."""
+def weight(m: int, n: int, rank: int = RANK) -> tuple:
+    """A float8 weight of m x n, its pristine copy and scale, a rank-r LoRA's factors, stats."""
     qdata = (torch.randn(m, n, device="cuda") * 100).to(torch.float8_e4m3fn)
     scale = torch.rand(m, 1, device="cuda") * 1e-3
-    up = torch.randn(m, RANK, device="cuda", dtype=torch.bfloat16) * 0.01
-    down = torch.randn(RANK, n, device="cuda", dtype=torch.bfloat16) * 0.01
+    up = torch.randn(m, rank, device="cuda", dtype=torch.bfloat16) * 0.01
+    down = torch.randn(rank, n, device="cuda", dtype=torch.bfloat16) * 0.01
     return qdata, qdata.clone(), scale, up, down, torch.rand(m, device="cuda") + 0.5
 
 
@@ -324,15 +324,16 @@ RUNS = {"tiles": tile_sizes, "parts": parts, "loops": loops, "division": divisio
         "served": served_parts}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", default=",".join(RUNS))
+def main(runs: dict = RUNS, description: str = __doc__) -> None:
+    """Run the `--runs` named (all by default), each appending its rows, and write them to `--out`."""
+    parser = argparse.ArgumentParser(description=description.splitlines()[0])
+    parser.add_argument("--runs", default=",".join(runs))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
     rows: list = []
     for run in args.runs.split(","):
-        RUNS[run](rows)
+        runs[run](rows)
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 

@@ -15,8 +15,6 @@ FLUX.2 [dev]'s largest weights, and a kernel that reads the up-projection's colu
     PYTHONPATH=src python scripts/float8_swap_bounds.py [--runs ranks,product,stripes] [--out OUT.json]
 """
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -27,15 +25,13 @@ import triton.language as tl
 from loraswap.engine import float8_kernels
 
 sys.path.insert(0, str(Path(__file__).parent))  # (the kernel's copy is float8_kernel_variants.py's)
+import float8_kernel_variants as variants  # noqa: E402
 from float8_kernel_variants import OTHER_SHAPES, RECIPROCAL_448, SHAPES, rows_kernel, timed  # noqa: E402
 
 
 def weight(m: int, n: int, rank: int) -> tuple:
-    """A float8 weight of m x n (its output buffer, pristine copy and scale) and rank-r factors."""
-    pristine = (torch.randn(m, n, device="cuda") * 100).to(torch.float8_e4m3fn)
-    scale = torch.rand(m, 1, device="cuda") * 1e-3
-    up = torch.randn(m, rank, device="cuda", dtype=torch.bfloat16) * 0.01
-    down = torch.randn(rank, n, device="cuda", dtype=torch.bfloat16) * 0.01
+    """An output buffer for a float8 weight of m x n, its pristine copy and scale, and rank-r factors."""
+    _, pristine, scale, up, down, _ = variants.weight(m, n, rank)
     return torch.empty_like(pristine), pristine, scale, up, down
 
 
@@ -128,18 +124,5 @@ def stripe_runs(rows: list) -> None:
 RUNS = {"ranks": ranks, "product": product, "stripes": stripe_runs}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", default=",".join(RUNS))
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    rows: list = []
-    for run in args.runs.split(","):
-        RUNS[run](rows)
-    if args.out:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-
-
 if __name__ == "__main__":
-    main()
+    variants.main(RUNS, __doc__)

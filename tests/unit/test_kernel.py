@@ -614,7 +614,8 @@ def test_only_one_plain_lora_takes_the_prepared_launches(monkeypatch):
         def write(self, up, down, alpha):
             taken.append((up, down, alpha))
 
-    monkeypatch.setattr(weight, "_prepared_rows", lambda: Prepared())
+    assert weight.prepared is None  # (a CPU weight: none of its own)
+    weight.prepared = Prepared()
     lora = Layer(LORA, {"up": torch.randn(32, 4), "down": torch.randn(4, 64)}, 0.5)
     dora = Layer(LORA, {**lora.factors, "magnitude": torch.rand(32) + 1}, 0.5, dora="peft")
     weight.write([(lora, 0.8)], kernel=True)

@@ -56,8 +56,8 @@ class PreparedRows:
 
     def write(self, up: torch.Tensor, down: torch.Tensor, alpha: float) -> None:
         """`requantize_into` for one plain LoRA."""
-        if not PreparedRows.enabled or interpreting():
-            requantize_into(*self.weight, up, down, alpha)
+        if not PreparedRows.enabled or interpreting() or not (up.is_contiguous() and down.is_contiguous()):
+            requantize_into(*self.weight, up, down, alpha)  # (which refuses factors not contiguous)
             return
         # what Triton specializes on that can change from one swap of this weight to the next
         key = (down.shape[0], up.dtype, down.dtype, up.data_ptr() % 16 == 0, down.data_ptr() % 16 == 0)
@@ -74,9 +74,6 @@ class PreparedRows:
         for i in variant.downs:
             arguments[i] = down
         arguments[variant.alpha_at] = float(alpha)
-        if not (up.is_contiguous() and down.is_contiguous()):  # (as `requantize_into` refuses them)
-            requantize_into(*self.weight, up, down, alpha)
-            return
         try:
             variant.runner(*arguments)
         except TypeError:  # the launcher took other arguments (nothing ran): Triton's own launch from now on

@@ -36,18 +36,11 @@ class Fp8Weight:
             self.granularity = PerTensor()
         else:
             raise ValueError(f"float8 weights with {block} blocks are not supported; quantize per row or tensor")
-        self._prepared: PreparedRows | None = None  # (made at the first swap through the kernel, where it runs)
-        self._prepared_checked = False
-
-    def _prepared_rows(self) -> PreparedRows | None:
-        """This weight's `PreparedRows` where one plain LoRA goes through it: a CUDA weight with
-        a scale per row, contiguous, its copy on its device, where the kernel runs."""
-        if not self._prepared_checked:
-            self._prepared_checked = True
-            if (self.qdata.is_cuda and self.qdata.is_contiguous() and self.scale.numel() != 1
-                    and self.pristine_qdata.device == self.qdata.device and float8_kernel_available(self.qdata)):
-                self._prepared = PreparedRows(self.qdata, self.scale, self.pristine_qdata, self.pristine_scale)
-        return self._prepared
+        # one plain LoRA goes through `PreparedRows` where it can: a CUDA weight with a scale per
+        # row, contiguous, its copy on its device, where the kernel runs
+        self.prepared = PreparedRows(self.qdata, self.scale, self.pristine_qdata, self.pristine_scale) if (
+            self.qdata.is_cuda and self.qdata.is_contiguous() and self.scale.numel() != 1 and not on_host
+            and float8_kernel_available(self.qdata)) else None
 
     @staticmethod
     def holds(weight: torch.Tensor) -> bool:
@@ -68,10 +61,9 @@ class Fp8Weight:
         weight) in order)."""
         from torchao.quantization import Float8Tensor
 
-        prepared = self._prepared_rows() if kernel and len(changes) == 1 and changes[0][0].plain else None
-        if prepared is not None:
+        if kernel and self.prepared is not None and len(changes) == 1 and changes[0][0].plain:
             layer, blend = changes[0]
-            prepared.write(layer.up, layer.down, blend * layer.scale)
+            self.prepared.write(layer.up, layer.down, blend * layer.scale)
             return
         device = self.qdata.device
         qdata = self.pristine_qdata.to(device, non_blocking=True)
