@@ -311,8 +311,8 @@ def test_float8_row_kernel_unrolls_the_ranks_its_shared_memory_can_pipeline(monk
     assert [row_plan(rank, 2, cpu) for rank in (1, 32, 33, 64, 96, 128, 256, 257)] == [
         (1, 3), (1, 3), (2, 3), (2, 3), (4, 2), (4, 2), (8, 1), (0, 1)]
     assert row_plan(128, 4, cpu) == (4, 1) and row_plan(256, 4, cpu) == (0, 1)  # fp32 factors, or LoHa's pairs
-    # rank 16 in one block of 16 (not in a blend, whose weights are per 32 ranks)
-    assert [rank_block(rank, False) for rank in (16, 48, 8, 1, 32, 64)] == [16, 32, 32, 32, 32, 32]
+    # ranks up to 16 in one block of 16 (not in a blend, whose weights are per 32 ranks)
+    assert [rank_block(rank, False) for rank in (16, 48, 8, 1, 24, 32, 64)] == [16, 32, 16, 16, 32, 32, 32]
     assert rank_block(16, True) == 32 and row_plan(16, 2, cpu, block_k=16) == (1, 3)
     assert row_plan(48, 2, cpu, block_k=16) == (4, 3)  # blocks of 16 unrolled in a power of two, too
     # the 32 x 128 tiles of tall weights: up to 4 stages
@@ -347,7 +347,7 @@ def test_the_float8_warm_up_compiles_every_variant_real_swaps_launch(float8, mon
         qdata, scale = torch.empty(m, n, dtype=FLOAT8), torch.ones(m, 1)
         write = lambda *operands, **options: float8.requantize_into(  # noqa: E731
             qdata, scale, qdata, scale, *operands, **options)
-        for rank in (4, 8, 16, 32, 48, 64, 96, 128):
+        for rank in (4, 8, 16, 24, 32, 48, 64, 96, 128):
             up, down = torch.empty(m, rank, **bf16), torch.empty(rank, n, **bf16)
             write(up, down, 1.0)
             write(up, down, 1.0, kind="hadamard", second=(up, down))

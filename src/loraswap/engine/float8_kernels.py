@@ -363,11 +363,12 @@ def row_tiles(m: int, n: int) -> tuple[int, int, int]:
 
 
 def rank_block(rank: int, blended: bool) -> int:
-    """How many ranks a block of the per-row kernel holds: `BLOCK_K`, or 16 for rank 16 (one
-    whole block, read without masks, where a masked block of 32 cost 13-25%). Other ranks
-    gain nothing from smaller blocks: the blocks are unrolled in a power of two (48 ranks in
-    4 x 16, as masked as 2 x 32). A blend's weights are per `BLOCK_K` ranks."""
-    return 16 if not blended and rank == 16 else BLOCK_K
+    """How many ranks a block of the per-row kernel holds: `BLOCK_K`, or 16 for ranks up to 16
+    (one block: rank 16 read without masks, where a masked block of 32 cost 13-25%; rank 8
+    half masked rather than three quarters). Larger ranks gain nothing from smaller blocks:
+    the blocks are unrolled in a power of two (48 ranks in 4 x 16, as masked as 2 x 32). A
+    blend's weights are per `BLOCK_K` ranks."""
+    return 16 if not blended and rank <= 16 else BLOCK_K
 
 
 def row_plan(rank: int, itemsize: int, device: torch.device, tiles: tuple[int, int, int] = WIDE_TILES,
