@@ -1,14 +1,17 @@
 """A float8 weight's swap launched without Triton's per-call work.
 
 `kernel[grid](...)` binds and specializes the per-row kernel's 29 arguments on every call:
-on an H100 machine's host that took about 25 us, against 11 us to launch the compiled
-variant itself, and a swap launches the kernel once per layer (418 times on FLUX.1, whose
-rank-16 swap is 15.5 ms of GPU work in 21.1 ms; bench/results/float8-h100-2026-12-06/).
+on an H100 machine's host a float8 weight's write took about 35 us that way, against 12 us
+launching the compiled variant itself, bitwise the same output
+(bench/results/float8-h100-2026-12-06/launch-check.json). A swap launches the kernel once
+per layer (418 times on FLUX.1). On an H100 that host time hides under the GPU's work
+(15.5 ms for FLUX.1's rank-16 swap, 16.46 ms of wall time through Triton's launch, 16.35
+through this one); on a GPU that does that work faster the host could bound it.
 `PreparedRows` keeps, for one weight, the compiled variant its first launch took for each
 rank, factor dtype and factor alignment (what Triton specializes on that can change from
 one swap of that weight to the next) and launches it with the next factors directly. One
-plain LoRA per swap takes it; blends and other kinds go through `requantize_into`. Not yet
-switched on (`PreparedRows.enabled`).
+plain LoRA per swap takes it; blends and other kinds go through `requantize_into`. Off
+(`PreparedRows.enabled`) until it measures faster on a GPU where the host bounds the swap.
 """
 
 import logging
@@ -42,11 +45,11 @@ class PreparedRows:
     scale and their pristine copies, all on one CUDA device), by rank, factor dtypes and
     whether the factors are 16-byte aligned."""
 
-    # Off until the served path has run on a GPU (`scripts/float8_launch_check.py`: bitwise
-    # against Triton's launch, and the host time); the mechanism itself has (a compiled
-    # variant launched directly wrote Triton's launch's output bitwise on an H100, Triton
-    # 3.6, whose launcher refuses a wrong count of arguments; later ones may not). Turned off
-    # for the process after a Triton that gives no compiled variant or refuses its arguments.
+    # Off: on an H100 (Triton 3.6, whose launcher refuses a wrong count of arguments; later
+    # ones may not) it wrote Triton's launch's output bitwise at every rank, dtype and
+    # alignment `scripts/float8_launch_check.py` tries, but the whole swap was no faster.
+    # Turned off for the process after a Triton that gives no compiled variant or refuses
+    # its arguments.
     enabled = False
 
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: torch.Tensor,
