@@ -1,12 +1,15 @@
-"""Where the FLUX.1 transformer's step time goes on the GPU, by kernel, for the ways of
-running it in float8.
+"""Where a float8 transformer's step time goes on the GPU, by kernel, for the ways of
+running it in float8: FLUX.1-dev by default, or FLUX.2 [dev], Qwen-Image or Wan 2.2
+(`--architecture`; Wan's first expert).
 
-Builds the FLUX.1-dev transformer (real config, random weights) once, then one model per
-variant, each compiled as the engine would (regional compile):
+Builds the transformer (real config, random weights) once, then one model per variant,
+each compiled as the engine would (regional compile):
 - `bf16`: the transformer as built, unquantized (the reference the others are compared with);
 - `torchao`: quantized (`--quantize`), torchao's own activation scaling, fused by Inductor;
 - `one-pass`: quantized, the output projections' activations scaled by loraswap's kernel
   (`float8_activations`), as the engine serves `--quantize fp8`;
+- `one-pass-mlp`: as `one-pass`, and also the feed-forwards' second layers of the families
+  whose names `OUTPUT_PROJECTIONS` lacks (`MLP_OUTPUTS`: Wan, Qwen-Image, FLUX.2);
 - `one-pass-all`: the kernel on every float8 linear layer;
 - `one-pass-gelu`: as `one-pass`, with the feed-forwards' GELU applied by the kernel of
   their second layer (`use_float8_gelu_rows`);
@@ -15,9 +18,13 @@ variant, each compiled as the engine would (regional compile):
 Times `--steps` denoiser calls per image in interleaved rounds, compares one call's output
 with the first variant's, and profiles `--profile-steps` calls of each variant with
 torch.profiler: GPU time per step in matmuls, attention, Inductor's fused (Triton)
-kernels, loraswap's activation kernel and the rest, and the slowest kernels.
+kernels, loraswap's activation kernel and the rest, and the slowest kernels. `--on-host`
+builds in host RAM and quantizes each variant onto the GPU (models whose bf16 copy does not
+fit beside their float8 ones; no `bf16` variant then).
 
     PYTHONPATH=src python scripts/flux_step_profile.py --out flux-steps.json
+    PYTHONPATH=src python scripts/flux_step_profile.py --architecture wan-14b --on-host --size 832 --height 480 \
+        --variants torchao,one-pass,one-pass-mlp --out wan-steps.json
 """
 
 import argparse
@@ -35,11 +42,18 @@ from loraswap.bench.common import environment, gpu_kernel_times, timed
 from loraswap.bench.swap import Denoise
 from loraswap.bench.swap_setup import denoiser_inputs
 from loraswap.engine.compile import compile_denoiser
-from loraswap.engine.float8_activations import Float8RowsLinear, use_float8_gelu_rows, use_float8_rows
+from loraswap.engine.float8_activations import (
+    OUTPUT_PROJECTIONS,
+    Float8RowsLinear,
+    use_float8_gelu_rows,
+    use_float8_rows,
+)
 from loraswap.engine.quantize import quantize_module
 from loraswap.models.architectures import build_architecture_component
 
-VARIANTS = ("bf16", "torchao", "one-pass", "one-pass-all", "one-pass-gelu", "fused-qkv")
+VARIANTS = ("bf16", "torchao", "one-pass", "one-pass-mlp", "one-pass-all", "one-pass-gelu", "fused-qkv")
+# the feed-forwards' second layers (input from GELU or SwiGLU) of Wan, Qwen-Image and FLUX.2
+MLP_OUTPUTS = ("ffn.net.2", "img_mlp.net.2", "txt_mlp.net.2", "ff.linear_out", "ff_context.linear_out")
 SEPARATE_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 CATEGORIES = (  # first match wins; Inductor names its kernels after the ops they fuse (`_scaled_mm` for
     # an activation's float8 scaling), so its own come first; then cuDNN/FlashAttention, cuBLAS/CUTLASS
@@ -54,11 +68,15 @@ def category(kernel: str) -> str:
     return next((name for name, pattern in CATEGORIES if pattern.search(kernel)), "other")
 
 
-def build(base: torch.nn.Module, variant: str, quantize: str, device) -> torch.nn.Module:
+def build(base: torch.nn.Module | None, built, variant: str, quantize: str, device) -> torch.nn.Module:
+    """`variant` of the transformer: the base itself (bf16), else a copy of it or, without a
+    base (`--on-host`), a fresh build of the same weights (`built()`), changed and compiled."""
     if variant == "bf16":  # the base itself: one copy fewer in memory
+        if base is None:
+            raise ValueError("no bf16 variant with --on-host")
         compile_denoiser(base, "default")
         return base
-    model = copy.deepcopy(base)
+    model = copy.deepcopy(base) if base is not None else built()
     if variant == "fused-qkv":
         model.fuse_qkv_projections()
         for module in model.modules():  # the fused copies replace them; keep the memory
@@ -69,6 +87,9 @@ def build(base: torch.nn.Module, variant: str, quantize: str, device) -> torch.n
     elif variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant}; choose from {', '.join(VARIANTS)}")
     quantize_module(model, quantize, device)
+    model.to(device)  # (what quantizing left where it was built: norms, embeddings)
+    if variant == "one-pass-mlp":
+        use_float8_rows(model, names=OUTPUT_PROJECTIONS + MLP_OUTPUTS)
     if variant == "one-pass-all":
         use_float8_rows(model, names=None)
     if variant == "one-pass-gelu":
@@ -101,24 +122,35 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--variants", default="bf16,torchao,one-pass")
-    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--architecture", default="flux-dev", help="flux-dev, flux2-dev, qwen-image, wan-14b")
+    parser.add_argument("--size", type=int, default=1024, help="width (and height, without --height)")
+    parser.add_argument("--height", type=int)
+    parser.add_argument("--frames", type=int, default=33, help="a video model's frames")
+    parser.add_argument("--on-host", action="store_true", help="build in host RAM, quantize onto the GPU")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     device, dtype = torch.device("cuda"), torch.bfloat16
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    results = {"env": environment(), "quantize": args.quantize, "steps": args.steps, "size": args.size,
-               "variants": variants, "rows": []}
+    height = args.height or args.size
+    results = {"env": environment(), "architecture": args.architecture, "quantize": args.quantize,
+               "steps": args.steps, "size": [args.size, height], "frames": args.frames, "variants": variants,
+               "rows": []}
 
     def save():
         args.out.write_text(json.dumps(results, indent=2))
 
-    torch.manual_seed(0)
-    base = build_architecture_component("flux-dev", "transformer", device=device, dtype=dtype)
-    inputs = denoiser_inputs(base, args.size, args.size, device, dtype)
+    def built() -> torch.nn.Module:  # the same random weights on every call (drawn on the GPU)
+        torch.manual_seed(0)
+        return build_architecture_component(args.architecture, "transformer", init_device=device, dtype=dtype,
+                                            device="cpu" if args.on_host else device)
+
+    base = None if args.on_host else built()
+    inputs = denoiser_inputs(base or build_architecture_component(args.architecture, "transformer"), args.size,
+                             height, device, dtype, frames=args.frames)
     models = {}
     for name in sorted(variants, key=lambda v: v == "bf16"):  # bf16 compiles the base itself: copied first
-        models[name] = Denoise(build(base, name, args.quantize, device), inputs, args.steps)
+        models[name] = Denoise(build(base, built, name, args.quantize, device), inputs, args.steps)
         results[f"compile_{name}_s"] = timed(lambda: models[name](2))[0]
         print(f"{name}: built and compiled, warm-up {results[f'compile_{name}_s']:.1f} s", flush=True)
     del base

@@ -28,29 +28,75 @@ def build_denoiser(architecture: str, device: torch.device, dtype: torch.dtype) 
             ARCHITECTURE_FAMILIES[architecture].pipeline_class)
 
 
-def denoiser_inputs(model: torch.nn.Module, width: int, height: int, device, dtype) -> dict:
-    """Fixed inputs of one denoiser call, shaped by the model's config: a FLUX.1 transformer
-    for one image, a UNet for one image with classifier-free guidance (batch 2)."""
+# text tokens a denoiser call gets: FLUX.1's, FLUX.2's and Wan's pipelines pad the prompt to
+# 512; Qwen-Image's passes the prompt's own length (a prompt of about 100 words here)
+TEXT_TOKENS = {"QwenImageTransformer2DModel": 128}
+PADDED_TEXT_TOKENS = 512
+
+
+def denoiser_inputs(model: torch.nn.Module, width: int, height: int, device, dtype, frames: int = 33,
+                    text_tokens: int | None = None) -> dict:
+    """Fixed inputs of one denoiser call for one image (or a video of `frames` frames), as
+    its pipeline passes them: FLUX.1, FLUX.2, Qwen-Image and Wan transformers, else a UNet
+    with classifier-free guidance (batch 2). Random values, shapes from the model's config."""
     g = torch.Generator(device="cpu").manual_seed(0)
     rand = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
-    config = model.config
-    if "joint_attention_dim" in config:
-        tokens, text = (height // 16) * (width // 16), 512
-        guidance = torch.tensor([3.5], device=device, dtype=dtype) if config.get("guidance_embeds") else None
-        return dict(hidden_states=rand(1, tokens, config.in_channels),
-                    encoder_hidden_states=rand(1, text, config.joint_attention_dim),
-                    pooled_projections=rand(1, config.pooled_projection_dim),
-                    timestep=torch.tensor([0.5], device=device, dtype=dtype),
-                    img_ids=torch.zeros(tokens, 3, device=device, dtype=dtype),
-                    txt_ids=torch.zeros(text, 3, device=device, dtype=dtype), guidance=guidance, return_dict=False)
+    family = type(model).__name__
+    make = _INPUTS.get(family, _unet_inputs)
+    text = text_tokens or TEXT_TOKENS.get(family, PADDED_TEXT_TOKENS)
+    return make(model.config, width, height, frames, text, rand, device) | {"return_dict": False}
+
+
+def _flux_inputs(config, width, height, frames, text, rand, device) -> dict:
+    tokens = (height // 16) * (width // 16)  # (2x2 patches of 8x-downsampled latents)
+    dtype = rand(1).dtype
+    guidance = torch.tensor([3.5], device=device, dtype=dtype) if config.get("guidance_embeds") else None
+    return dict(hidden_states=rand(1, tokens, config.in_channels),
+                encoder_hidden_states=rand(1, text, config.joint_attention_dim),
+                pooled_projections=rand(1, config.pooled_projection_dim),
+                timestep=torch.tensor([0.5], device=device, dtype=dtype),
+                img_ids=torch.zeros(tokens, 3, device=device, dtype=dtype),
+                txt_ids=torch.zeros(text, 3, device=device, dtype=dtype), guidance=guidance)
+
+
+def _flux2_inputs(config, width, height, frames, text, rand, device) -> dict:
+    from diffusers import Flux2Pipeline
+
+    prompt = rand(1, text, config.joint_attention_dim)
+    latent_ids = Flux2Pipeline._prepare_latent_ids(torch.empty(1, 1, height // 16, width // 16))
+    return dict(hidden_states=rand(1, (height // 16) * (width // 16), config.in_channels),
+                encoder_hidden_states=prompt, timestep=torch.tensor([0.5], device=device, dtype=prompt.dtype),
+                guidance=torch.tensor([4.0], device=device) if config.get("guidance_embeds") else None,
+                img_ids=latent_ids.to(device), txt_ids=Flux2Pipeline._prepare_text_ids(prompt).to(device))
+
+
+def _qwen_image_inputs(config, width, height, frames, text, rand, device) -> dict:
+    # (no mask: the pipeline drops an all-ones one)
+    return dict(hidden_states=rand(1, (height // 16) * (width // 16), config.in_channels),
+                encoder_hidden_states=rand(1, text, config.joint_attention_dim), encoder_hidden_states_mask=None,
+                timestep=torch.tensor([0.5], device=device, dtype=rand(1).dtype),
+                img_shapes=[[(1, height // 16, width // 16)]])
+
+
+def _wan_inputs(config, width, height, frames, text, rand, device) -> dict:
+    latent_frames = (frames - 1) // 4 + 1  # 4x fewer frames (the first alone), 8x smaller
+    return dict(hidden_states=rand(1, config.in_channels, latent_frames, height // 8, width // 8),
+                timestep=torch.tensor([500], device=device), encoder_hidden_states=rand(1, text, config.text_dim))
+
+
+def _unet_inputs(config, width, height, frames, text, rand, device) -> dict:
     inputs = dict(sample=rand(2, config.in_channels, height // 8, width // 8),
                   timestep=torch.tensor([500.0], device=device),
-                  encoder_hidden_states=rand(2, 77, config.cross_attention_dim), return_dict=False)
+                  encoder_hidden_states=rand(2, 77, config.cross_attention_dim))
     if config.get("addition_embed_type") == "text_time":  # SDXL: pooled text and six time ids
         time_ids = 6 * config.addition_time_embed_dim
         inputs["added_cond_kwargs"] = {"text_embeds": rand(2, config.projection_class_embeddings_input_dim - time_ids),
                                        "time_ids": rand(2, 6)}
     return inputs
+
+
+_INPUTS = {"FluxTransformer2DModel": _flux_inputs, "Flux2Transformer2DModel": _flux2_inputs,
+           "QwenImageTransformer2DModel": _qwen_image_inputs, "WanTransformer3DModel": _wan_inputs}
 
 
 def make_adapters(architecture: str, specs, workdir: Path, kohya_rank: int | None = 64) -> list[Path]:
