@@ -41,7 +41,7 @@ def denoiser_inputs(model: torch.nn.Module, width: int, height: int, device, dty
     with classifier-free guidance (batch 2). Random values, shapes from the model's config."""
     g = torch.Generator(device="cpu").manual_seed(0)
     rand = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
-    family = type(model).__name__
+    family = type(getattr(model, "_orig_mod", model)).__name__  # (under torch.compile's wrapper)
     make = _INPUTS.get(family, _unet_inputs)
     text = text_tokens or TEXT_TOKENS.get(family, PADDED_TEXT_TOKENS)
     return make(model.config, width, height, frames, text, rand, device) | {"return_dict": False}
