@@ -9,7 +9,7 @@ each compiled as the engine would (regional compile):
 - `one-pass`: quantized, the output projections' activations scaled by loraswap's kernel
   (`float8_activations`), as the engine serves `--quantize fp8`;
 - `one-pass-mlp`: as `one-pass`, and also the feed-forwards' second layers of the families
-  whose names `OUTPUT_PROJECTIONS` lacks (`MLP_OUTPUTS`: Wan, Qwen-Image, FLUX.2);
+  whose names `OUTPUT_PROJECTIONS` lacks and FLUX.2's single blocks' output (`MLP_OUTPUTS`);
 - `one-pass-all`: the kernel on every float8 linear layer;
 - `one-pass-gelu`: as `one-pass`, with the feed-forwards' GELU applied by the kernel of
   their second layer (`use_float8_gelu_rows`);
@@ -52,8 +52,10 @@ from loraswap.engine.quantize import quantize_module
 from loraswap.models.architectures import build_architecture_component
 
 VARIANTS = ("bf16", "torchao", "one-pass", "one-pass-mlp", "one-pass-all", "one-pass-gelu", "fused-qkv")
-# the feed-forwards' second layers (input from GELU or SwiGLU) of Wan, Qwen-Image and FLUX.2
-MLP_OUTPUTS = ("ffn.net.2", "img_mlp.net.2", "txt_mlp.net.2", "ff.linear_out", "ff_context.linear_out")
+# the feed-forwards' second layers (input from GELU or SwiGLU) of Wan, Qwen-Image and FLUX.2, and
+# FLUX.2's single blocks' output (attention beside SwiGLU; FLUX.1's `proj_out`)
+MLP_OUTPUTS = ("ffn.net.2", "img_mlp.net.2", "txt_mlp.net.2", "ff.linear_out", "ff_context.linear_out",
+               "attn.to_out")
 SEPARATE_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 CATEGORIES = (  # first match wins; Inductor names its kernels after the ops they fuse (`_scaled_mm` for
     # an activation's float8 scaling), so its own come first; then cuDNN/FlashAttention, cuBLAS/CUTLASS
@@ -142,8 +144,15 @@ def main() -> None:
 
     def built() -> torch.nn.Module:  # the same random weights on every call (drawn on the GPU)
         torch.manual_seed(0)
-        return build_architecture_component(args.architecture, "transformer", init_device=device, dtype=dtype,
-                                            device="cpu" if args.on_host else device)
+        if not args.on_host:
+            return build_architecture_component(args.architecture, "transformer", device=device, dtype=dtype)
+        if any(True for _ in build_architecture_component(args.architecture, "transformer").buffers()):
+            # (a model with buffers, Wan's rotary tables, is drawn on the host, for minutes: built
+            # on the GPU instead, then moved out of its way)
+            model = build_architecture_component(args.architecture, "transformer", device=device, dtype=dtype)
+            return model.to("cpu")
+        return build_architecture_component(args.architecture, "transformer", device="cpu", dtype=dtype,
+                                            init_device=device)
 
     base = None if args.on_host else built()
     inputs = denoiser_inputs(base or build_architecture_component(args.architecture, "transformer"), args.size,
