@@ -3,7 +3,7 @@
 # call or two (about 12 minutes with every step). Run from the repository root on a CUDA machine
 # with PYTHONPATH=src; results go under ${OUT:-out}.
 #   bash scripts/float8_gpu_runs.sh [step ...]
-# steps: tiles check swap-flux2 swap-wan swap-flux steps steps-wan steps-qwen attention loops launch bounds
+# steps: tiles check swap-flux2 swap-wan swap-flux steps steps-wan steps-qwen attention loops bounds
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
@@ -20,12 +20,6 @@ for step in $steps; do
   case $step in
     tiles)  # the re-quantization kernel's tiles, and against a copy without its masks and reloads
       run tiles 170 python scripts/float8_kernel_variants.py --runs tiles,served --out "$out/kernel-tiles.json" ;;
-    launch)  # prepared launches (float8_launch.py) against Triton's: bitwise, host time, FLUX.1's rank-16 swap
-      run launch-check 120 python scripts/float8_launch_check.py --out "$out/launch-check.json"
-      for prepared in "" --prepared-launches; do
-        run "swap-flux-r16$prepared" 120 python scripts/float8_swap_profile.py --architecture flux-dev --rank 16 \
-          --rounds 8 $prepared --out "$out/swap-r16-flux-dev${prepared:+-prepared}.json"
-      done ;;
     bounds)  # what bounds the re-quantization kernel: ranks, the product, column stripes
       run bounds 220 python scripts/float8_swap_bounds.py --out "$out/swap-bounds.json" ;;
     loops)  # the two-launch kernel's loop orders

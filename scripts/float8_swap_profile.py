@@ -24,7 +24,6 @@ import torch
 
 from loraswap.bench.common import environment, gpu_kernel_times, timed, write_random_adapters
 from loraswap.bench.swap_setup import bound_reader, build_denoiser
-from loraswap.engine.float8_launch import PreparedRows
 from loraswap.engine.quantize import quantize_module
 from loraswap.engine.swap import FusedSwapper
 from loraswap.models import lora_components
@@ -82,11 +81,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--quantize", default="fp8", help="fp8-weight-only for a dry run on a CPU")
     parser.add_argument("--on-host", action="store_true", help="build in host RAM (FLUX.2 on an 80 GB GPU)")
-    parser.add_argument("--prepared-launches", action="store_true",
-                        help="one plain LoRA through the compiled variant launched directly (float8_launch.py)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    PreparedRows.enabled = args.prepared_launches
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16

@@ -144,15 +144,8 @@ def main() -> None:
 
     def built() -> torch.nn.Module:  # the same random weights on every call (drawn on the GPU)
         torch.manual_seed(0)
-        if not args.on_host:
-            return build_architecture_component(args.architecture, "transformer", device=device, dtype=dtype)
-        if any(True for _ in build_architecture_component(args.architecture, "transformer").buffers()):
-            # (a model with buffers, Wan's rotary tables, is drawn on the host, for minutes: built
-            # on the GPU instead, then moved out of its way)
-            model = build_architecture_component(args.architecture, "transformer", device=device, dtype=dtype)
-            return model.to("cpu")
-        return build_architecture_component(args.architecture, "transformer", device="cpu", dtype=dtype,
-                                            init_device=device)
+        return build_architecture_component(args.architecture, "transformer", init_device=device, dtype=dtype,
+                                            device="cpu" if args.on_host else device)
 
     base = None if args.on_host else built()
     inputs = denoiser_inputs(base or build_architecture_component(args.architecture, "transformer"), args.size,

@@ -44,12 +44,11 @@ def denoiser_inputs(model: torch.nn.Module, width: int, height: int, device, dty
     family = type(getattr(model, "_orig_mod", model)).__name__  # (under torch.compile's wrapper)
     make = _INPUTS.get(family, _unet_inputs)
     text = text_tokens or TEXT_TOKENS.get(family, PADDED_TEXT_TOKENS)
-    return make(model.config, width, height, frames, text, rand, device) | {"return_dict": False}
+    return make(model.config, width, height, frames, text, rand, device, dtype) | {"return_dict": False}
 
 
-def _flux_inputs(config, width, height, frames, text, rand, device) -> dict:
+def _flux_inputs(config, width, height, frames, text, rand, device, dtype) -> dict:
     tokens = (height // 16) * (width // 16)  # (2x2 patches of 8x-downsampled latents)
-    dtype = rand(1).dtype
     guidance = torch.tensor([3.5], device=device, dtype=dtype) if config.get("guidance_embeds") else None
     return dict(hidden_states=rand(1, tokens, config.in_channels),
                 encoder_hidden_states=rand(1, text, config.joint_attention_dim),
@@ -59,32 +58,32 @@ def _flux_inputs(config, width, height, frames, text, rand, device) -> dict:
                 txt_ids=torch.zeros(text, 3, device=device, dtype=dtype), guidance=guidance)
 
 
-def _flux2_inputs(config, width, height, frames, text, rand, device) -> dict:
+def _flux2_inputs(config, width, height, frames, text, rand, device, dtype) -> dict:
     from diffusers import Flux2Pipeline
 
     prompt = rand(1, text, config.joint_attention_dim)
     latent_ids = Flux2Pipeline._prepare_latent_ids(torch.empty(1, 1, height // 16, width // 16))
     return dict(hidden_states=rand(1, (height // 16) * (width // 16), config.in_channels),
-                encoder_hidden_states=prompt, timestep=torch.tensor([0.5], device=device, dtype=prompt.dtype),
+                encoder_hidden_states=prompt, timestep=torch.tensor([0.5], device=device, dtype=dtype),
                 guidance=torch.tensor([4.0], device=device) if config.get("guidance_embeds") else None,
                 img_ids=latent_ids.to(device), txt_ids=Flux2Pipeline._prepare_text_ids(prompt).to(device))
 
 
-def _qwen_image_inputs(config, width, height, frames, text, rand, device) -> dict:
+def _qwen_image_inputs(config, width, height, frames, text, rand, device, dtype) -> dict:
     # (no mask: the pipeline drops an all-ones one)
     return dict(hidden_states=rand(1, (height // 16) * (width // 16), config.in_channels),
                 encoder_hidden_states=rand(1, text, config.joint_attention_dim), encoder_hidden_states_mask=None,
-                timestep=torch.tensor([0.5], device=device, dtype=rand(1).dtype),
+                timestep=torch.tensor([0.5], device=device, dtype=dtype),
                 img_shapes=[[(1, height // 16, width // 16)]])
 
 
-def _wan_inputs(config, width, height, frames, text, rand, device) -> dict:
+def _wan_inputs(config, width, height, frames, text, rand, device, dtype) -> dict:
     latent_frames = (frames - 1) // 4 + 1  # 4x fewer frames (the first alone), 8x smaller
     return dict(hidden_states=rand(1, config.in_channels, latent_frames, height // 8, width // 8),
                 timestep=torch.tensor([500], device=device), encoder_hidden_states=rand(1, text, config.text_dim))
 
 
-def _unet_inputs(config, width, height, frames, text, rand, device) -> dict:
+def _unet_inputs(config, width, height, frames, text, rand, device, dtype) -> dict:
     inputs = dict(sample=rand(2, config.in_channels, height // 8, width // 8),
                   timestep=torch.tensor([500.0], device=device),
                   encoder_hidden_states=rand(2, 77, config.cross_attention_dim))

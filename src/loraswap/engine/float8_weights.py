@@ -7,7 +7,6 @@ import torch
 
 from ..adapters import kinds
 from .float8_kernels import DoraRows, float8_kernel_available, requantize_into
-from .float8_launch import PreparedRows
 from .kernels import BLOCK_K, triton_cdiv
 
 
@@ -36,11 +35,6 @@ class Fp8Weight:
             self.granularity = PerTensor()
         else:
             raise ValueError(f"float8 weights with {block} blocks are not supported; quantize per row or tensor")
-        # one plain LoRA goes through `PreparedRows` where it can: a CUDA weight with a scale per
-        # row, contiguous, its copy on its device, where the kernel runs
-        self.prepared = PreparedRows(self.qdata, self.scale, self.pristine_qdata, self.pristine_scale) if (
-            self.qdata.is_cuda and self.qdata.is_contiguous() and self.scale.numel() != 1 and not on_host
-            and float8_kernel_available(self.qdata)) else None
 
     @staticmethod
     def holds(weight: torch.Tensor) -> bool:
@@ -56,15 +50,11 @@ class Fp8Weight:
 
     def write(self, changes: list[tuple[kinds.Layer, float]], kernel: bool = False) -> None:
         """Through `float8_kernels.requantize_into` where it runs (and `kernel`) and takes the
-        changes (`kernel_call`; one plain LoRA through this weight's `PreparedRows`), reading
+        changes (`kernel_call`), reading
         the float8 copy twice; else through eager fp32 ops (`changes`: (layer, the request's
         weight) in order)."""
         from torchao.quantization import Float8Tensor
 
-        if kernel and self.prepared is not None and len(changes) == 1 and changes[0][0].plain:
-            layer, blend = changes[0]
-            self.prepared.write(layer.up, layer.down, blend * layer.scale)
-            return
         device = self.qdata.device
         qdata = self.pristine_qdata.to(device, non_blocking=True)
         scale = self.pristine_scale.to(device, non_blocking=True)

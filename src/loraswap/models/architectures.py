@@ -22,13 +22,15 @@ def build_architecture_component(name: str, component: str, device: str | torch.
 
     With `init_device` (a GPU, say, for a component wanted in host RAM) the random values
     are drawn there, one tensor at a time, and copied to `device`: a GPU draws FLUX's
-    transformer orders of magnitude faster than the CPU does.
+    transformer orders of magnitude faster than the CPU does. A component with buffers
+    (Wan's rotary tables, whose values would be lost on meta) is built whole there and moved.
     """
     device, init_device = torch.device(device), torch.device(init_device or device)
     if init_device != device and device.type != "meta":
         module = build_architecture_component(name, component, "meta", dtype)
-        if not any(True for _ in module.buffers()):  # a buffer's values would be lost on meta
-            return materialize_random(module, device, init_device)
+        if any(True for _ in module.buffers()):
+            return build_architecture_component(name, component, init_device, dtype).to(device)
+        return materialize_random(module, device, init_device)
     cls, config = architecture(name).components[component]
     with torch.device(device):
         module = cls(config) if isinstance(config, PretrainedConfig) else cls(**config)
