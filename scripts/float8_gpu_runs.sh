@@ -3,7 +3,7 @@
 # call or two (about 12 minutes with every step). Run from the repository root on a CUDA machine
 # with PYTHONPATH=src; results go under ${OUT:-out}.
 #   bash scripts/float8_gpu_runs.sh [step ...]
-# steps: tiles check swap-flux2 swap-wan swap-flux steps steps-wan steps-qwen attention loops bounds
+# steps: tiles check swap-flux2 swap-wan swap-flux steps steps-flux2 steps-wan steps-qwen attention loops bounds
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
@@ -29,12 +29,15 @@ for step in $steps; do
     steps)  # a FLUX.1 step: torchao's scaling, the served kernel, the kernel with the GELU
       run steps 330 python scripts/flux_step_profile.py --variants torchao,one-pass,one-pass-gelu --rounds 3 \
         --out "$out/flux-steps.json" ;;
-    steps-wan)  # Wan 2.2's first expert at 480p, 33 frames: the activation kernel on its feed-forwards too?
+    steps-flux2)  # FLUX.2 [dev] at 1024 x 1024, two float8 copies from host RAM (fits 80 GB)
+      run steps-flux2 560 python scripts/flux_step_profile.py --architecture flux2-dev --on-host --steps 4 --rounds 2 \
+        --profile-steps 1 --variants torchao,one-pass --out "$out/flux2-steps.json" ;;
+    steps-wan)  # Wan 2.2's first expert at 480p, 33 frames
       run steps-wan 500 python scripts/flux_step_profile.py --architecture wan-14b --on-host --size 832 --height 480 \
-        --steps 4 --rounds 2 --profile-steps 1 --variants torchao,one-pass,one-pass-mlp --out "$out/wan-steps.json" ;;
-    steps-qwen)  # Qwen-Image at 1024 x 1024, the same question
+        --steps 4 --rounds 2 --profile-steps 1 --variants torchao,one-pass --out "$out/wan-steps.json" ;;
+    steps-qwen)  # Qwen-Image at 1024 x 1024
       run steps-qwen 400 python scripts/flux_step_profile.py --architecture qwen-image --on-host --steps 8 --rounds 2 \
-        --variants torchao,one-pass,one-pass-mlp --out "$out/qwen-image-steps.json" ;;
+        --variants torchao,one-pass --out "$out/qwen-image-steps.json" ;;
     attention)  # float8 attention at FLUX.1's, FLUX.2's shapes: cuDNN's, loraswap's Triton kernel, bf16 SDPA
       run attention 400 python scripts/fp8_attention_probe.py --shapes 0,1,2 --out "$out/fp8-attention.json" ;;
     swap-flux2 | swap-wan | swap-flux)  # a float8 swap's time by kernel

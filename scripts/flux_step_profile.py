@@ -8,8 +8,6 @@ each compiled as the engine would (regional compile):
 - `torchao`: quantized (`--quantize`), torchao's own activation scaling, fused by Inductor;
 - `one-pass`: quantized, the output projections' activations scaled by loraswap's kernel
   (`float8_activations`), as the engine serves `--quantize fp8`;
-- `one-pass-mlp`: as `one-pass`, and also the feed-forwards' second layers of the families
-  whose names `OUTPUT_PROJECTIONS` lacks and FLUX.2's single blocks' output (`MLP_OUTPUTS`);
 - `one-pass-all`: the kernel on every float8 linear layer;
 - `one-pass-gelu`: as `one-pass`, with the feed-forwards' GELU applied by the kernel of
   their second layer (`use_float8_gelu_rows`);
@@ -24,7 +22,7 @@ fit beside their float8 ones; no `bf16` variant then).
 
     PYTHONPATH=src python scripts/flux_step_profile.py --out flux-steps.json
     PYTHONPATH=src python scripts/flux_step_profile.py --architecture wan-14b --on-host --size 832 --height 480 \
-        --variants torchao,one-pass,one-pass-mlp --out wan-steps.json
+        --variants torchao,one-pass --out wan-steps.json
 """
 
 import argparse
@@ -43,7 +41,6 @@ from loraswap.bench.swap import Denoise
 from loraswap.bench.swap_setup import denoiser_inputs
 from loraswap.engine.compile import compile_denoiser
 from loraswap.engine.float8_activations import (
-    OUTPUT_PROJECTIONS,
     Float8RowsLinear,
     use_float8_gelu_rows,
     use_float8_rows,
@@ -51,11 +48,7 @@ from loraswap.engine.float8_activations import (
 from loraswap.engine.quantize import quantize_module
 from loraswap.models.architectures import build_architecture_component
 
-VARIANTS = ("bf16", "torchao", "one-pass", "one-pass-mlp", "one-pass-all", "one-pass-gelu", "fused-qkv")
-# the feed-forwards' second layers (input from GELU or SwiGLU) of Wan, Qwen-Image and FLUX.2, and
-# FLUX.2's single blocks' output (attention beside SwiGLU; FLUX.1's `proj_out`)
-MLP_OUTPUTS = ("ffn.net.2", "img_mlp.net.2", "txt_mlp.net.2", "ff.linear_out", "ff_context.linear_out",
-               "attn.to_out")
+VARIANTS = ("bf16", "torchao", "one-pass", "one-pass-all", "one-pass-gelu", "fused-qkv")
 SEPARATE_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 CATEGORIES = (  # first match wins; Inductor names its kernels after the ops they fuse (`_scaled_mm` for
     # an activation's float8 scaling), so its own come first; then cuDNN/FlashAttention, cuBLAS/CUTLASS
@@ -90,8 +83,6 @@ def build(base: torch.nn.Module | None, built, variant: str, quantize: str, devi
         raise ValueError(f"unknown variant {variant}; choose from {', '.join(VARIANTS)}")
     quantize_module(model, quantize, device)
     model.to(device)  # (what quantizing left where it was built: norms, embeddings)
-    if variant == "one-pass-mlp":
-        use_float8_rows(model, names=OUTPUT_PROJECTIONS + MLP_OUTPUTS)
     if variant == "one-pass-all":
         use_float8_rows(model, names=None)
     if variant == "one-pass-gelu":

@@ -28,6 +28,8 @@ from loraswap.engine.float8_activations import (  # noqa: E402
 )
 from loraswap.engine.float8_rounding import float8_rounding  # noqa: E402
 from loraswap.engine.quantize import quantize_module  # noqa: E402
+from loraswap.models import denoiser_name  # noqa: E402
+from loraswap.models.presets import build_preset  # noqa: E402
 
 
 @pytest.fixture
@@ -160,6 +162,24 @@ def test_fp8_output_projections_scale_activations_in_one_pass_with_torchaos_resu
             layer.__class__ = nn.Linear  # torchao's own path through the same weights
         reference = model(x)
     assert ours.shape == (2, 9, 64) and torch.equal(ours, reference)
+
+
+@pytest.mark.parametrize("preset, expected", [
+    ("tiny-flux", {"attn.to_out.0", "attn.to_add_out", "ff.net.2", "ff_context.net.2", "proj_out"}),
+    ("tiny-flux2", {"attn.to_out.0", "attn.to_add_out", "attn.to_out", "ff.linear_out", "ff_context.linear_out",
+                    "proj_out"}),
+    ("tiny-qwen-image", {"attn.to_out.0", "attn.to_add_out", "img_mlp.net.2", "txt_mlp.net.2", "proj_out"}),
+])
+def test_each_familys_attention_outputs_and_feed_forward_second_layers_take_the_kernel(interpreted, preset,
+                                                                                         expected):
+    """The layers whose input comes from attention or the feed-forward's activation, by each
+    family's own names (FLUX.2's single blocks end in `attn.to_out`, its SwiGLU in
+    `linear_out`); the layers fed by a norm (q, k, v, the MLPs' first layers) keep torchao's."""
+    pipeline = build_preset(preset)
+    denoiser = getattr(pipeline, denoiser_name(pipeline)).to(torch.bfloat16)
+    quantize_module(denoiser, "fp8")
+    switched = {name.split(".", 2)[-1] for name, m in denoiser.named_modules() if type(m) is Float8RowsLinear}
+    assert switched == expected
 
 
 def test_every_fp8_layer_can_take_the_kernel(launches):

@@ -75,3 +75,29 @@ def test_random_values_drawn_on_another_device_keep_ties_and_defaults():
     assert torch.isfinite(out).all() and out.abs().max() > 0
     conv = materialize_random(torch.nn.Conv2d(4, 8, 3, device="meta"), torch.device("cpu"), torch.device("cpu"))
     assert conv.weight.abs().max() <= 36 ** -0.5 and torch.equal(conv.bias, torch.zeros(8))
+
+
+@pytest.mark.parametrize("family, cls, computed", [
+    ("wan", "WanTransformer3DModel", ("rope.freqs_cos", "rope.freqs_sin")),  # buffers
+    ("qwen_image", "QwenImageTransformer2DModel", ("pos_embed.pos_freqs", "pos_embed.neg_freqs")),  # attributes
+])
+def test_a_component_drawn_on_another_device_keeps_the_tensors_its_constructor_computes(monkeypatch, family, cls,
+                                                                                         computed):
+    """`build_architecture_component(init_device=...)` starts only the parameters on meta:
+    the rotary tables that Wan keeps as buffers and Qwen-Image as plain attributes come out
+    as a normal build makes them."""
+    import importlib
+    from types import SimpleNamespace
+
+    from loraswap.models import architectures
+
+    module = importlib.import_module(f"loraswap.models.families.{family}")
+    fake = SimpleNamespace(components={"transformer": (getattr(module, cls), module.TINY_TRANSFORMER)})
+    monkeypatch.setattr(architectures, "architecture", lambda name: fake)
+    normal = architectures.build_architecture_component("tiny", "transformer", "cpu")
+    drawn = architectures.build_architecture_component("tiny", "transformer", "cpu", init_device="cpu:0")
+    assert not any(p.is_meta for p in drawn.parameters())
+    for name in computed:
+        owner, _, leaf = name.rpartition(".")
+        ours, reference = (getattr(m.get_submodule(owner), leaf) for m in (drawn, normal))
+        assert not ours.is_meta and torch.equal(ours, reference)

@@ -19,7 +19,10 @@ second layer), whose input comes from attention or an activation function and fe
 other layer. A layer fed by a norm, or sharing its input with others (q, k and v), keeps
 torchao's scaling, which Inductor fuses into the norm's kernel and computes once for all of
 them; the kernel on every layer made a FLUX.1 step slower (96.3 ms against 92.8), on the
-output projections faster (90.0 against 92.4; bench/results/float8-h200/).
+output projections faster (90.0 against 92.4; bench/results/float8-h200/). On an H100 the
+feed-forwards' second layers of the other families gain too: a step of FLUX.2 274.9 against
+281.6 ms, Wan 2.2 636.9 against 642.2, Qwen-Image 98.4 against 99.1
+(bench/results/float8-h100-2026-12-06b/).
 
 `use_float8_rows(module)` switches those layers to this path; their weights stay torchao's
 `Float8Tensor`, so the swap re-quantizes them in place as before, and the matmul is the
@@ -194,8 +197,11 @@ def _takes_float8_rows(module: nn.Module) -> bool:
             and weight.dtype == torch.bfloat16)
 
 
-# diffusers' names for them (FLUX.1, FLUX.2's double blocks, SD3, Qwen-Image, Wan attention)
-OUTPUT_PROJECTIONS = ("proj_out", "to_out.0", "to_add_out", "ff.net.2", "ff_context.net.2")
+# diffusers' names for them: attention outputs (FLUX.1's and FLUX.2's single blocks take attention
+# beside the MLP: `proj_out`, `attn.to_out`), and the feed-forwards' second layers (FLUX.1, SD3,
+# Wan `ffn.net.2`, Qwen-Image `img_mlp`/`txt_mlp`, FLUX.2's SwiGLU `linear_out`)
+OUTPUT_PROJECTIONS = ("proj_out", "to_out.0", "to_add_out", "attn.to_out", "ff.net.2", "ff_context.net.2",
+                      "ffn.net.2", "img_mlp.net.2", "txt_mlp.net.2", "ff.linear_out", "ff_context.linear_out")
 
 
 def use_float8_rows(module: nn.Module, names: tuple[str, ...] | None = OUTPUT_PROJECTIONS) -> int:

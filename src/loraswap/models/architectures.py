@@ -8,6 +8,7 @@ random weights on a real device (for benchmarks: same compute, same memory).
 import contextlib
 
 import torch
+from accelerate import init_empty_weights
 from transformers import PretrainedConfig
 
 from .families import ARCHITECTURE_FAMILIES, architecture
@@ -22,14 +23,14 @@ def build_architecture_component(name: str, component: str, device: str | torch.
 
     With `init_device` (a GPU, say, for a component wanted in host RAM) the random values
     are drawn there, one tensor at a time, and copied to `device`: a GPU draws FLUX's
-    transformer orders of magnitude faster than the CPU does. A component with buffers
-    (Wan's rotary tables, whose values would be lost on meta) is built whole there and moved.
+    transformer orders of magnitude faster than the CPU does. Only the parameters start on
+    meta: the tensors a constructor computes (Wan's rotary buffers, Qwen-Image's rotary
+    tables, a plain attribute) are made on `device` as a normal build makes them.
     """
     device, init_device = torch.device(device), torch.device(init_device or device)
     if init_device != device and device.type != "meta":
-        module = build_architecture_component(name, component, "meta", dtype)
-        if any(True for _ in module.buffers()):
-            return build_architecture_component(name, component, init_device, dtype).to(device)
+        with init_empty_weights(include_buffers=False):
+            module = build_architecture_component(name, component, device, dtype)
         return materialize_random(module, device, init_device)
     cls, config = architecture(name).components[component]
     with torch.device(device):
@@ -39,7 +40,7 @@ def build_architecture_component(name: str, component: str, device: str | torch.
 
 @torch.no_grad()
 def materialize_random(module: torch.nn.Module, device: torch.device, init_device: torch.device) -> torch.nn.Module:
-    """`module` (on meta, no buffers) with random values on `device`, drawn on `init_device`.
+    """`module`'s parameters (on meta) given random values on `device`, drawn on `init_device`.
 
     The values follow PyTorch's defaults for linear and convolution layers (uniform in
     +-1/sqrt(fan_in)); 1-d weights (norm scales) are ones, biases zeros. Tied parameters
