@@ -347,7 +347,7 @@ def test_the_float8_warm_up_compiles_every_variant_real_swaps_launch(float8, mon
         qdata, scale = torch.empty(m, n, dtype=FLOAT8), torch.ones(m, 1)
         write = lambda *operands, **options: float8.requantize_into(  # noqa: E731
             qdata, scale, qdata, scale, *operands, **options)
-        for rank in (4, 8, 16, 24, 32, 48, 64, 96, 128):
+        for rank in (4, 8, 16, 24, 32, 40, 48, 64, 72, 96, 100, 128):
             up, down = torch.empty(m, rank, **bf16), torch.empty(rank, n, **bf16)
             write(up, down, 1.0)
             write(up, down, 1.0, kind="hadamard", second=(up, down))

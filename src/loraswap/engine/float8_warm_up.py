@@ -10,19 +10,24 @@ import torch
 from .float8_kernels import DoraRows, requantize_into, row_tiles
 from .kernels import BLOCK_K, triton_cdiv, variants
 
+# one rank per variant of the per-row kernel past one block of 16 ranks: blocks of 32 unrolled
+# one, two or four times (`row_plan`), a rank that Triton sees as a multiple of 16 and one not
+ROW_RANKS = (24, BLOCK_K, 40, 2 * BLOCK_K, 72, 4 * BLOCK_K)
+
 
 def warm_up_float8(device: torch.device, per_tensor: bool, shapes: Iterable[tuple[int, int]],
                    dtype: torch.dtype = torch.bfloat16) -> None:
     """Compile `requantize_into`'s variants for float8 weights of these shapes and `dtype`
     factors, as `kernels.warm_up` does: each class of rank (`kernels.RANKS`; per row also
-    24, 32, 64 and 128: ranks up to 16 take a block of 16, larger ones one, two and four
-    blocks of 32), alone and as a blend (padded to multiples of `BLOCK_K`); per row also
+    `ROW_RANKS`: ranks up to 16 take a block of 16, larger ones one, two and four blocks of
+    32, each with a rank that is a multiple of 16 and one that is not), alone and as a blend
+    (padded to multiples of `BLOCK_K`); per row also
     LoHa and DoRA at each of those ranks and LoKr, in each tiles the shapes take
     (`row_tiles`), and unmasked at ranks of whole blocks where tiles fit. (Ranks past 128
     compile in their first swap.)"""
     shapes = list(shapes)
     classes = variants(n for _, n in shapes)
-    ranks = sorted({k for _, k in classes} | (set() if per_tensor else {24, BLOCK_K, 2 * BLOCK_K, 4 * BLOCK_K}))
+    ranks = sorted({k for _, k in classes} | (set() if per_tensor else set(ROW_RANKS)))
     for tiles in {None} if per_tensor else {row_tiles(m, n) for m, n in shapes}:
         for n in sorted({n for n, _ in classes}):
             _warm_up_writes(device, per_tensor, (2, n), ranks, dtype, tiles)
