@@ -38,7 +38,7 @@ for step in $steps; do
     steps-qwen)  # Qwen-Image at 1024 x 1024
       run steps-qwen 400 python scripts/flux_step_profile.py --architecture qwen-image --on-host --steps 8 --rounds 2 \
         --variants torchao,one-pass --out "$out/qwen-image-steps.json" ;;
-    attention)  # float8 attention at FLUX.1's, FLUX.2's shapes: cuDNN's, loraswap's Triton kernel, bf16 SDPA
+    attention)  # float8 attention at FLUX.1's, FLUX.2's shapes: cuDNN's against bf16 SDPA
       run attention 400 python scripts/fp8_attention_probe.py --shapes 0,1,2 --out "$out/fp8-attention.json" ;;
     swap-flux2 | swap-wan | swap-flux)  # a float8 swap's time by kernel
       architecture=$(case $step in swap-flux2) echo flux2-dev ;; swap-wan) echo wan-14b ;; *) echo flux-dev ;; esac)

@@ -9,9 +9,9 @@ Rows: bf16 `scaled_dot_product_attention` (PyTorch's choice, forced cuDNN, force
 cudnn-frontend graph API (`pygraph.sdpa_fp8`), with per-tensor e4m3 scales (amax / 448) for q,
 k, v, for two layouts (the diffusers strides and contiguous BHSD), timed as the kernel alone and
 with the quantization of q, k, v and the dequantization of O (eager torch, and torch.compile'd);
-bf16 SDPA on the float8-rounded q, k, v, which separates the input rounding from the rest; and
-loraswap's own Triton kernel (`engine/float8_attention.py`: scales per block of tokens, bf16
-output), with P @ V in bf16 or float8, at a few tile configurations.
+and bf16 SDPA on the float8-rounded q, k, v, which separates the input rounding from the rest.
+(A Triton float8 kernel of loraswap's own, with scales per block of tokens and a bf16 output,
+was measured beside them and not served; it is at commit 7774b7f, `engine/float8_attention.py`.)
 On Hopper cuDNN writes O in float8 only (bf16 O needs Blackwell and cuDNN >= 9.13), so O has its
 own scale (scale_o = 0.5 / descale_v: |O| <= amax(v), with a 2x margin) and is dequantized after.
 P is quantized with scale_s = 448, the bound cudnn-frontend documents for E4M3 without dropout.
@@ -166,40 +166,12 @@ def rounded_inputs_row(q, k, v, scale: float) -> dict:
     return {"bf16 sdpa on fp8-rounded qkv": make}
 
 
-# the Triton kernel's (BLOCK_M, BLOCK_N, warps, stages); the first also timed with its quantization
-TRITON_CONFIGS = [(128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 4, 2), (64, 128, 4, 3)]
-
-
-def triton_fp8_rows(q, k, v, scale: float) -> dict:
-    """loraswap's float8 attention (`engine/float8_attention.py`): q k^T in float8 with P @ V in
-    bf16 ("qk") or float8 ("qk+pv"), per tile configuration; the kernel alone, and with the
-    operands' quantization (eager and torch.compile'd) for the first configuration."""
-    from loraswap.engine.float8_attention import attention_fp8, quantize_qkv
-
-    compiled = torch.compile(quantize_qkv)
-
-    def maker(pv_float8: bool, config: tuple) -> tuple:
-        bm, bn, warps, stages = config
-        operands = quantize_qkv(q, k, v, bm, bn, pv_float8)
-        run = lambda: attention_fp8(operands, scale, warps, stages)  # noqa: E731
-        name = f"triton fp8 {'qk+pv' if pv_float8 else 'qk'} {bm}x{bn} w{warps} s{stages}"
-        calls = {f"{name} kernel only": run}
-        if config == TRITON_CONFIGS[0]:
-            for label, quant in (("eager", quantize_qkv), ("compiled", compiled)):
-                calls[f"{name} + quant ({label})"] = lambda quant=quant: attention_fp8(
-                    quant(q, k, v, bm, bn, pv_float8), scale, warps, stages)
-        return calls, run(), {}
-
-    return {f"triton fp8 {'qk+pv' if pv else 'qk'} {'x'.join(map(str, c))}": (lambda pv=pv, c=c: maker(pv, c))
-            for pv in (False, True) for c in TRITON_CONFIGS}
-
-
 def probe_shape(heads: int, seq: int, dim: int, gain: float, cudnn, handle, quantizers: dict) -> dict:
     q, k, v = (torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     q, k = q * gain, k * gain
     scale = 1 / math.sqrt(dim)
     ref = reference(q, k, v, scale)
-    makers = {**sdpa_rows(q, k, v, scale), **rounded_inputs_row(q, k, v, scale), **triton_fp8_rows(q, k, v, scale)}
+    makers = {**sdpa_rows(q, k, v, scale), **rounded_inputs_row(q, k, v, scale)}
     if cudnn is not None:
         for layout in ("bshd", "bhsd"):
             makers.update(fp8_rows(cudnn, handle, q, k, v, scale, layout, quantizers))
