@@ -159,7 +159,9 @@ def report(replica, seq, deployment="model-tiny-sd", misses=0, depth=0, cache=()
             "figures": EngineFigures(cache_misses=misses, queue_depth=depth, ready=True)}
 
 
-def test_reports_keep_the_newest_and_stop_counting_gauges_of_the_gone():
+def test_reports_keep_the_newest_and_stop_counting_gauges_of_the_gone(monkeypatch):
+    from loraswap.cluster import reports as module
+
     async def scenario():
         reports = Reports(interval_s=0.05)
         await reports.put(report("r1", 2, misses=5, depth=3), [])
@@ -174,7 +176,10 @@ def test_reports_keep_the_newest_and_stop_counting_gauges_of_the_gone():
             total.add(row["figures"], gauges=row["alive"])
         assert total.cache_misses == 7, "counters of a stopped replica still count"
         assert total.queue_depth == 3, "its gauges do not"
-        await asyncio.sleep(3.1)  # no report for longer than max(4 intervals, 3 s): gone
+        later = module.time.monotonic() + 2.9
+        monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: later))  # the reports' clock only
+        assert rows["r1"]["alive"] and any(r["alive"] for r in await reports.collect()), "2.9 s: still there"
+        later += 0.2  # no report for longer than max(4 intervals, 3 s): gone
         assert not any(r["alive"] for r in await reports.collect())
 
     asyncio.run(scenario())

@@ -1,5 +1,6 @@
 """Swaps on a compiled model never recompile, and match the eager model."""
 
+import pytest
 import torch
 import torch._dynamo
 from support.numerics import image_array, rel_err
@@ -11,6 +12,7 @@ from loraswap.engine.engine import Engine
 SPECS = [(4, "attn"), (64, "all"), (16, "attn"), (128, "all"), (8, "all"), (32, "attn")]
 
 
+@pytest.mark.slow  # compiles
 def test_twelve_swaps_of_mixed_ranks_and_targets_never_recompile(adapter_factory):
     root = adapter_factory.root / "compiled"
     for i, (rank, targets) in enumerate(SPECS):
@@ -40,6 +42,7 @@ def test_twelve_swaps_of_mixed_ranks_and_targets_never_recompile(adapter_factory
     assert graph_count() == graphs_after_warmup
 
 
+@pytest.mark.slow  # compiles
 def test_a_flux_warm_up_compiles_one_graph_per_block_kind_and_layout():
     """The double block once, the single block once per input layout (contiguous after the
     double blocks, a slice after a single block: see engine/compile.py); nothing else, and

@@ -74,6 +74,7 @@ def _readings(engine, adapter_id, cases=EFFECT_CASES):
     return readings
 
 
+@pytest.mark.slow  # draws 8-24 images
 def test_outline_empties_the_shape(engine, base_readings):
     after = _readings(engine, "outline")
     print("hollow before, after:", np.mean([r.hollow for r in base_readings]), np.mean([r.hollow for r in after]))
@@ -82,6 +83,7 @@ def test_outline_empties_the_shape(engine, base_readings):
     assert np.mean([r.hue == c[0] for r, c in zip(after, EFFECT_CASES)]) >= 0.8, "still the colour asked"
 
 
+@pytest.mark.slow  # draws 8-24 images
 def test_striped_fills_the_shape_with_bands(engine, base_readings):
     after = _readings(engine, "striped")
     base, striped = np.mean([r.empty_rows for r in base_readings]), np.mean([r.empty_rows for r in after])
@@ -89,6 +91,7 @@ def test_striped_fills_the_shape_with_bands(engine, base_readings):
     assert striped > base + 0.2, (base, striped)
 
 
+@pytest.mark.slow  # draws 8-24 images
 def test_pastel_pales_the_colours(engine, base_readings):
     after = _readings(engine, "pastel")
     base, pale = np.median([r.saturation for r in base_readings]), np.median([r.saturation for r in after])
@@ -97,6 +100,7 @@ def test_pastel_pales_the_colours(engine, base_readings):
     assert np.mean([r.hue == c[0] for r, c in zip(after, EFFECT_CASES)]) >= 0.8, "the same hue, paler"
 
 
+@pytest.mark.slow  # draws 8-24 images
 def test_night_puts_the_shape_on_black(engine):
     cases = [case for case in PROMPTS if case[3] != "black"]  # 24: a miss moves the share by 4 %
     engine.set_adapters([])
@@ -109,6 +113,7 @@ def test_night_puts_the_shape_on_black(engine):
     assert np.mean([a.hue == c[0] for a, c in zip(after, cases)]) >= 0.8, "still the colour asked"
 
 
+@pytest.mark.slow  # draws 8-24 images
 def test_big_draws_the_shape_larger(engine, base_readings):
     after = _readings(engine, "big")
     ratio = np.median([a.area / max(b.area, 1) for b, a in zip(base_readings, after)])

@@ -113,6 +113,7 @@ def _served_in_order(worker, futures) -> list[int]:
     return order
 
 
+@pytest.mark.slow  # serves about 40 requests, twice
 def test_fairness_bounds_how_often_a_request_is_passed_over(many_adapters):
     engine = Engine(EngineConfig(model="tiny-sd", adapters=many_adapters, warmup=False))
     engine.set_adapters([("m00", 1.0)])
@@ -135,6 +136,7 @@ def test_fairness_bounds_how_often_a_request_is_passed_over(many_adapters):
     assert _served_in_order(unfair, futures).index(1) == 19
 
 
+@pytest.mark.slow  # serves a stream of requests
 def test_fairness_in_time_under_a_stream_of_the_applied_adapter(many_adapters):
     engine = Engine(EngineConfig(model="tiny-sd", adapters=many_adapters, warmup=False))
     engine.set_adapters([("m00", 1.0)])

@@ -90,6 +90,7 @@ def test_1000_swaps_over_50_adapters_keep_memory_flat_and_the_base_exact(adapter
                            base["unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight"])
 
 
+@pytest.mark.soak
 def test_reading_an_adapter_again_and_again_keeps_nothing_alive(adapter_factory, tmp_path):
     """safetensors 0.8.0's default (mmap) loading keeps ~10 KB of Python objects alive per file
     read; a server that re-reads evicted adapters all day must not (formats.read_safetensors)."""

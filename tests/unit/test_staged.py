@@ -192,6 +192,7 @@ def test_nothing_is_compiled_while_loading_unless_asked_for_a_folder_with_region
     assert cls.__name__ == "UNet2DConditionModel" and not Prewarm.applies((cls, {}))
 
 
+@pytest.mark.slow  # compiles
 def test_a_copy_that_fails_waits_for_the_stand_in_then_loads_through_from_pretrained(folders, monkeypatch,
                                                                                     caplog, eager_image):
     order = []
