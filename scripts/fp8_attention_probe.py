@@ -10,8 +10,6 @@ cudnn-frontend graph API (`pygraph.sdpa_fp8`), with per-tensor e4m3 scales (amax
 k, v, for two layouts (the diffusers strides and contiguous BHSD), timed as the kernel alone and
 with the quantization of q, k, v and the dequantization of O (eager torch, and torch.compile'd);
 and bf16 SDPA on the float8-rounded q, k, v, which separates the input rounding from the rest.
-(A Triton float8 kernel of loraswap's own, with scales per block of tokens and a bf16 output,
-was measured beside them and not served; it is at commit 7774b7f, `engine/float8_attention.py`.)
 On Hopper cuDNN writes O in float8 only (bf16 O needs Blackwell and cuDNN >= 9.13), so O has its
 own scale (scale_o = 0.5 / descale_v: |O| <= amax(v), with a 2x margin) and is dequantized after.
 P is quantized with scale_s = 448, the bound cudnn-frontend documents for E4M3 without dropout.

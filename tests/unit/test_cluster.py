@@ -176,11 +176,12 @@ def test_reports_keep_the_newest_and_stop_counting_gauges_of_the_gone(monkeypatc
             total.add(row["figures"], gauges=row["alive"])
         assert total.cache_misses == 7, "counters of a stopped replica still count"
         assert total.queue_depth == 3, "its gauges do not"
-        later = module.time.monotonic() + 2.9
+        later = reports._seen["r1"] + 2.9  # since r1's last report
         monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: later))  # the reports' clock only
-        assert rows["r1"]["alive"] and any(r["alive"] for r in await reports.collect()), "2.9 s: still there"
+        alive = lambda rows: {r["replica"]: r["alive"] for r in rows}  # noqa: E731
+        assert alive(await reports.collect()) == {"r1": True, "r2": False}, "2.9 s: still there"
         later += 0.2  # no report for longer than max(4 intervals, 3 s): gone
-        assert not any(r["alive"] for r in await reports.collect())
+        assert alive(await reports.collect()) == {"r1": False, "r2": False}
 
     asyncio.run(scenario())
 

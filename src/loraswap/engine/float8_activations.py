@@ -4,10 +4,10 @@ fp8`) scaled by a Triton kernel of our own instead of torchao's torch ops.
 torchao quantizes each activation row as `x / s` with `s = amax(|row|) / 448` (the division
 in the activation's dtype), through ops that Inductor fuses into the kernel producing the
 activation: one pass reads it for the largest value, another reads it again to scale it,
-well under the GPU's bandwidth at FLUX's rows of 3,072 to 15,360 values. torchao's own
+well under the GPU's bandwidth at rows of 3,072 to 24,576 values (FLUX.1, FLUX.2). torchao's own
 one-pass kernel (`mslk`'s `quantize_fp8_row`) is not published on PyPI for this CUDA. Here
 one program scales a row: the first loop finds the largest value, the second reads the row
-again from the L2 cache (at most 30 KB), scales, rounds and stores it. Its output is
+again from the L2 cache (at most 48 KB), scales, rounds and stores it. Its output is
 torchao's bitwise (same scale, same rounding), but for an all-zero row: torchao divides 0 by
 0 there and writes NaN, the kernel writes zeros. On an H200 it scales FLUX.1's activations
 3.5 to 13 times faster than Inductor's fused torchao ops
@@ -16,12 +16,13 @@ torchao's bitwise (same scale, same rounding), but for an all-zero row: torchao 
 It is an opaque op to compiled graphs, so it pays only where Inductor cannot fuse better:
 the output projections (`OUTPUT_PROJECTIONS`: attention outputs and the feed-forward's
 second layer), whose input comes from attention or an activation function and feeds no
-other layer. A layer fed by a norm, or sharing its input with others (q, k and v), keeps
-torchao's scaling, which Inductor fuses into the norm's kernel and computes once for all of
-them; the kernel on every layer made a FLUX.1 step slower (96.3 ms against 92.8), on the
-output projections faster (90.0 against 92.4; bench/results/float8-h200/). On an H100 the
-feed-forwards' second layers of the other families gain too: a step of FLUX.2 274.9 against
-281.6 ms, Wan 2.2 636.9 against 642.2, Qwen-Image 98.4 against 99.1
+other layer (and the last `proj_out`, fed by the output norm alone). A layer that shares a
+norm's output with others (q, k and v; FLUX.1's MLP beside them) keeps torchao's scaling,
+which Inductor fuses into the norm's kernel and computes once for all of them; the kernel
+on every layer made a FLUX.1 step slower (96.3 ms against 92.8), on the output projections
+faster (90.0 against 92.4; bench/results/float8-h200/). On an H100 the feed-forwards'
+second layers of the other families gain too: a step of FLUX.2 274.9 against 281.6 ms,
+Wan 2.2 636.9 against 642.2, Qwen-Image 98.4 against 99.1
 (bench/results/float8-h100-2026-12-06b/).
 
 `use_float8_rows(module)` switches those layers to this path; their weights stay torchao's
