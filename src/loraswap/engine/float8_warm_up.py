@@ -10,21 +10,20 @@ import torch
 from .float8_kernels import DoraRows, requantize_into, row_tiles
 from .kernels import BLOCK_K, triton_cdiv, variants
 
-# one rank per variant of the per-row kernel past one block of 16 ranks: blocks of 32 unrolled
-# one, two or four times (`row_plan`), a rank that Triton sees as a multiple of 16 and one not
-ROW_RANKS = (24, BLOCK_K, 40, 2 * BLOCK_K, 72, 4 * BLOCK_K)
+# one rank per variant of the per-row kernel past one block of 16 ranks: `BLOCK_K` ranks a block,
+# blocks unrolled one, two or four times (`row_plan`), the rank a multiple of 16 (whole blocks)
+# and 8 short of it (Triton specializes the one and not the other)
+ROW_RANKS = tuple(rank for blocks in (1, 2, 4) for rank in (blocks * BLOCK_K - 8, blocks * BLOCK_K))
 
 
 def warm_up_float8(device: torch.device, per_tensor: bool, shapes: Iterable[tuple[int, int]],
                    dtype: torch.dtype = torch.bfloat16) -> None:
     """Compile `requantize_into`'s variants for float8 weights of these shapes and `dtype`
-    factors, as `kernels.warm_up` does: each class of rank (`kernels.RANKS`; per row also
-    `ROW_RANKS`: ranks up to 16 take a block of 16, larger ones one, two and four blocks of
-    32, each with a rank that is a multiple of 16 and one that is not), alone and as a blend
-    (padded to multiples of `BLOCK_K`); per row also
-    LoHa and DoRA at each of those ranks and LoKr, in each tiles the shapes take
-    (`row_tiles`), and unmasked at ranks of whole blocks where tiles fit. (Ranks past 128
-    compile in their first swap.)"""
+    factors, as `kernels.warm_up` does: each class of rank (`kernels.RANKS`: ranks up to 16
+    take a block of 16; per row also `ROW_RANKS`), alone and as a blend (padded to multiples
+    of `BLOCK_K`); per row also LoHa and DoRA at each of those ranks and LoKr, in each tiles
+    the shapes take (`row_tiles`), and unmasked at ranks of whole blocks where tiles fit.
+    (Ranks past 128 compile in their first swap.)"""
     shapes = list(shapes)
     classes = variants(n for _, n in shapes)
     ranks = sorted({k for _, k in classes} | (set() if per_tensor else set(ROW_RANKS)))
