@@ -29,6 +29,7 @@ import torch
 from . import kernels
 from .float8_rounding import float8_rounding, float8_runs_on, interpreting
 from .kernels import BLOCK_K, triton_cdiv
+from .triton_compile import launch
 
 FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # CUDA's `stats / 448` multiplies by the fp32 reciprocal of 448: the per-row kernel does the same
@@ -292,9 +293,9 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
     stats = torch.zeros(1, device=qdata.device, dtype=torch.float32)
     grid = (triton_cdiv(m, kernels.BLOCK_M) * triton_cdiv(n, kernels.BLOCK_N),)
     for step, largest in ((0, stats), (1, scale)):
-        per_tensor[grid](qdata, pristine_qdata, pristine_scale, up, down, stats if alphas is None else alphas,
-                         largest, m, n, k, float(alpha), PASS=step, BLOCK_M=kernels.BLOCK_M,
-                         BLOCK_N=kernels.BLOCK_N, num_warps=kernels.NUM_WARPS, **flags)
+        launch(per_tensor, grid, qdata, pristine_qdata, pristine_scale, up, down, stats if alphas is None else alphas,
+               largest, m, n, k, float(alpha), PASS=step, BLOCK_M=kernels.BLOCK_M, BLOCK_N=kernels.BLOCK_N,
+               num_warps=kernels.NUM_WARPS, **flags)
         if step == 0:  # the largest |W| -> the new scale, by torchao's own op, which pass 1 reads
             torch.div(stats, FLOAT8_MAX, out=scale.view(-1))
     return None
@@ -313,7 +314,7 @@ def _requantize_rows(kernel, qdata, scale, pristine_qdata, pristine_scale, up, d
     block_k = rank_block(rank, alphas is not None)
     flags = {**flags, "BLOCK_K": block_k}
 
-    def launch(k_blocks: int, stages: int) -> RowLaunch:
+    def launch_plan(k_blocks: int, stages: int) -> RowLaunch:
         # no masks where the tiles cover the weight and the rank blocks the rank (or no rank: LoKr)
         even = m % block_m == 0 and n % block_n == 0 and (
             kind == "kronecker" or rank % block_k == 0 and k_blocks * block_k in (0, rank))
@@ -324,19 +325,19 @@ def _requantize_rows(kernel, qdata, scale, pristine_qdata, pristine_scale, up, d
             RECIPROCAL=RECIPROCAL_FLOAT8_MAX, BLOCK_M=block_m, BLOCK_N=block_n, K_BLOCKS=k_blocks, STAGES=stages,
             KIND=ROW_CHANGES.index(kind), DORA=0 if dora is None else 1 if dora.peft else 2, EVEN=even,
             num_warps=ROWS_NUM_WARPS, **flags))
-        kernel[made.grid](*made.args, **made.options)
+        launch(kernel, made.grid, *made.args, **made.options)
         return made
 
     plan = (1, tiles[2]) if kind == "kronecker" else row_plan(
         rank, up.element_size() * (2 if kind == "hadamard" else 1), qdata.device, tiles, block_k)
     short = (qdata.device, kind, plan, tiles, block_k, up.dtype, alphas is not None, dora is not None)
     if short in _SHORT_OF_MEMORY:
-        return launch(0, 1)
+        return launch_plan(0, 1)
     try:
-        return launch(*plan)
+        return launch_plan(*plan)
     except OutOfResources:  # the plan's estimate of shared memory was short (nothing ran): loop, from now on
         _SHORT_OF_MEMORY.add(short)
-        return launch(0, 1)
+        return launch_plan(0, 1)
 
 
 _SHORT_OF_MEMORY: set[tuple] = set()  # the per-row kernel's plans that ran out of shared memory

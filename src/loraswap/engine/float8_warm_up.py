@@ -9,6 +9,7 @@ import torch
 
 from .float8_kernels import DoraRows, requantize_into, row_tiles
 from .kernels import BLOCK_K, triton_cdiv, variants
+from .triton_compile import compiled_in_parallel
 
 # one rank per variant of the per-row kernel past one block of 16 ranks: `BLOCK_K` ranks a block,
 # blocks unrolled one, two or four times (`row_plan`), the rank a multiple of 16 (whole blocks)
@@ -23,8 +24,14 @@ def warm_up_float8(device: torch.device, per_tensor: bool, shapes: Iterable[tupl
     take a block of 16; per row also `ROW_RANKS`), alone and as a blend (padded to multiples
     of `BLOCK_K`); per row also LoHa and DoRA at each of those ranks and LoKr, in each tiles
     the shapes take (`row_tiles`), and unmasked at ranks of whole blocks where tiles fit.
-    (Ranks past 128 compile in their first swap.)"""
+    (Ranks past 128 compile in their first swap.) The variants compile many at once
+    (`compiled_in_parallel`)."""
     shapes = list(shapes)
+    compiled_in_parallel(device, lambda: _warm_up_tiles(device, per_tensor, shapes, dtype))
+
+
+def _warm_up_tiles(device: torch.device, per_tensor: bool, shapes: list[tuple[int, int]], dtype: torch.dtype) -> None:
+    """`warm_up_float8`'s writes, for each tiles the shapes take."""
     classes = variants(n for _, n in shapes)
     ranks = sorted({k for _, k in classes} | (set() if per_tensor else set(ROW_RANKS)))
     for tiles in {None} if per_tensor else {row_tiles(m, n) for m, n in shapes}:

@@ -17,6 +17,7 @@ from functools import cache
 import torch
 
 from .float8_rounding import interpreting
+from .triton_compile import compiled_in_parallel, launch
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 32
 NUM_WARPS = 4
@@ -137,9 +138,9 @@ def fuse_loha_into(weight: torch.Tensor, pristine: torch.Tensor, up1: torch.Tens
     may be `weight`), where `kernel_available` (elsewhere `kinds.write_change` does it)."""
     m, n = weight.shape
     grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
-    _loha_kernel()[grid](weight, pristine, up1, down1, up2, down2, m, n, down1.shape[0], float(alpha),
-                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                         IEEE=weight.dtype == torch.float32 or not weight.is_cuda, num_warps=NUM_WARPS)
+    launch(_loha_kernel(), grid, weight, pristine, up1, down1, up2, down2, m, n, down1.shape[0], float(alpha),
+           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+           IEEE=weight.dtype == torch.float32 or not weight.is_cuda, num_warps=NUM_WARPS)
 
 
 @cache
@@ -198,10 +199,9 @@ def fuse_dora_into(weight: torch.Tensor, pristine: torch.Tensor, up: torch.Tenso
     stats = torch.zeros(m if by_row else n, device=weight.device, dtype=torch.float32)
     grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
     for step in (0, 1):
-        _dora_kernel()[grid](weight, pristine, up, down, stats, magnitude, m, n, down.shape[0], float(alpha),
-                             float(blend), PASS=step, BY_ROW=by_row, PEFT=peft, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                             BLOCK_K=BLOCK_K, IEEE=weight.dtype == torch.float32 or not weight.is_cuda,
-                             num_warps=NUM_WARPS)
+        launch(_dora_kernel(), grid, weight, pristine, up, down, stats, magnitude, m, n, down.shape[0], float(alpha),
+               float(blend), PASS=step, BY_ROW=by_row, PEFT=peft, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+               BLOCK_K=BLOCK_K, IEEE=weight.dtype == torch.float32 or not weight.is_cuda, num_warps=NUM_WARPS)
 
 
 def kernel_available(weight: torch.Tensor) -> bool:
@@ -227,9 +227,8 @@ def fuse_into(weight: torch.Tensor, pristine: torch.Tensor, up: torch.Tensor, do
     m, n = weight.shape
     k = down.shape[0]
     grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
-    _kernel()[grid](weight, pristine, up, down, m, n, k, float(alpha), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                    BLOCK_K=BLOCK_K, IEEE=weight.dtype == torch.float32 or not weight.is_cuda,
-                    num_warps=NUM_WARPS)
+    launch(_kernel(), grid, weight, pristine, up, down, m, n, k, float(alpha), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+           BLOCK_K=BLOCK_K, IEEE=weight.dtype == torch.float32 or not weight.is_cuda, num_warps=NUM_WARPS)
 
 
 RANKS = (16, 8, 1)  # one rank per variant: a multiple of 16, not one, and 1
@@ -247,7 +246,14 @@ def variants(row_lengths: Iterable[int]) -> list[tuple[int, int]]:
 
 def warm_up(device: torch.device, dtype: torch.dtype, row_lengths: Iterable[int]) -> None:
     """Compile the kernel's variants for `dtype` weights with these row lengths now, rather
-    than in a request's first swap (a second or more each)."""
+    than in a request's first swap (a second or more each), many at once
+    (`compiled_in_parallel`)."""
+    row_lengths = list(row_lengths)
+    compiled_in_parallel(device, lambda: _warm_up_writes(device, dtype, row_lengths))
+
+
+def _warm_up_writes(device: torch.device, dtype: torch.dtype, row_lengths: Iterable[int]) -> None:
+    """`warm_up`'s writes: each kind, into one small weight for each variant."""
     for n, k in variants(row_lengths):
         weight = torch.zeros(2, n, device=device, dtype=dtype)
         up, down = torch.zeros(2, k, device=device, dtype=dtype), torch.zeros(k, n, device=device, dtype=dtype)
