@@ -53,7 +53,7 @@ except ImportError:  # no Triton: the kernels are never launched
 def _float8_functions() -> bool:
     """Define the Triton functions both kernels call as this module's globals (where Triton
     looks them up; the tiles of B @ A are `kernels.py`'s); False without Triton."""
-    global _blended_tile, _block_product, _larger, _add, _reciprocal, _divide, _dora_factor, _inside
+    global _blended_tile, _block_product, _reciprocal, _divide, _dora_factor, _inside
     global round_to_float8, tl
     if not kernels.tile_functions():
         return False
@@ -62,10 +62,6 @@ def _float8_functions() -> bool:
 
     _blended_tile, _block_product, _inside = kernels._blended_tile, kernels._block_product, kernels._inside
     round_to_float8 = float8_rounding()
-
-    @triton.jit
-    def _larger(a, b):  # tl.max is a jit function of Triton's own, which its interpreter cannot call
-        return tl.maximum(a, b)
 
     @triton.jit
     def _reciprocal(new_scale):
@@ -81,10 +77,6 @@ def _float8_functions() -> bool:
             return tl.math.div_rn(w, new_scale)
         q = w * reciprocal
         return tl.fma(tl.fma(-q, new_scale, w), reciprocal, q)
-
-    @triton.jit
-    def _add(a, b):  # (as `_larger`)
-        return a + b
 
     @triton.jit
     def _dora_factor(squares, m_ptr, rows, in_m, blend, DORA: tl.constexpr):
@@ -175,8 +167,9 @@ def _per_tensor_kernel():
                                                        IEEE, BLENDED)
         w = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * tl.load(s_ptr) + acc * alpha
         if PASS == 0:
-            row_max = tl.reduce(tl.where(mask, tl.abs(w), 0.0), 1, _larger)
-            tl.atomic_max(stats_ptr, tl.reduce(row_max, 0, _larger))
+            # Triton's own combines (as `kernels.fused_dora`'s): one numpy op each in its interpreter
+            row_max = tl.reduce(tl.where(mask, tl.abs(w), 0.0), 1, tl.standard._elementwise_max)
+            tl.atomic_max(stats_ptr, tl.reduce(row_max, 0, tl.standard._elementwise_max))
         else:
             new_scale = tl.load(stats_ptr + rows * 0)[:, None]  # [rows, 1], as `_divide` takes it
             q = round_to_float8(_divide(w, new_scale, _reciprocal(new_scale), EMULATE), EMULATE)
@@ -212,9 +205,9 @@ def per_row_kernel():
                                          P, Q, alpha, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BLENDED, KIND, K_BLOCKS,
                                          EVEN)
             w = tl.where(mask, w, 0.0)
-            largest = tl.maximum(largest, tl.reduce(tl.abs(w), 1, _larger))
+            largest = tl.maximum(largest, tl.reduce(tl.abs(w), 1, tl.standard._elementwise_max))
             if DORA > 0:
-                squares += tl.reduce(w * w, 1, _add)
+                squares += tl.reduce(w * w, 1, tl.standard._sum_combine)
         if DORA > 0:  # |V f| rounds monotonically: the largest |W| is the largest |V| times |f|
             factor = _dora_factor(squares, m_ptr, rows, in_m, blend, DORA)
             largest = largest * tl.abs(factor)

@@ -151,14 +151,9 @@ def _dora_kernel():
     and the magnitude into the factor (PEFT: m / norm; LyCORIS: blend (m / (norm + eps) - 1)
     + 1) and writes the tile scaled: P read twice and W written once, where writing V,
     reading it for the norms and rescaling it in place costs five passes and more launches."""
-    global _sum  # (as `_lora_tile`)
     if not tile_functions():
         return None
     import triton
-
-    @triton.jit
-    def _sum(a, b):  # tl.sum is a jit function of Triton's own, which its interpreter cannot call
-        return a + b
 
     @triton.jit(do_not_specialize=["M", "alpha", "blend"])
     def fused_dora(w_ptr, p_ptr, b_ptr, a_ptr, stats_ptr, m_ptr, M, N, K, alpha, blend, PASS: tl.constexpr,
@@ -170,10 +165,12 @@ def _dora_kernel():
         v = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + acc * alpha
         if PASS == 0:
             squares = tl.where(mask, v * v, 0.0)
+            # Triton's own sum combine: the same add compiled, and one numpy sum in its
+            # interpreter, where a combine of our own runs element by element in Python
             if BY_ROW:
-                tl.atomic_add(stats_ptr + rows, tl.reduce(squares, 1, _sum), mask=in_m)
+                tl.atomic_add(stats_ptr + rows, tl.reduce(squares, 1, tl.standard._sum_combine), mask=in_m)
             else:
-                tl.atomic_add(stats_ptr + cols, tl.reduce(squares, 0, _sum), mask=in_n)
+                tl.atomic_add(stats_ptr + cols, tl.reduce(squares, 0, tl.standard._sum_combine), mask=in_n)
         else:
             if BY_ROW:
                 norm = tl.sqrt(tl.load(stats_ptr + rows, mask=in_m, other=1.0))[:, None]
