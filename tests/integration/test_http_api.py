@@ -13,8 +13,18 @@ from huggingface_hub import InferenceClient
 from openai import OpenAI
 from PIL import Image
 
+_CLI_IMAGES: dict[tuple, np.ndarray] = {}  # by arguments: each made once for both servers
+
 
 def cli_image(adapters_dir, tmp_path, lora: str | None, seed: int, *extra: str) -> np.ndarray:
+    """The image `loraswap generate` makes in a process of its own (about 10 s each)."""
+    key = (str(adapters_dir), lora, seed, extra)
+    if key not in _CLI_IMAGES:
+        _CLI_IMAGES[key] = _run_cli(adapters_dir, tmp_path, lora, seed, *extra)
+    return _CLI_IMAGES[key]
+
+
+def _run_cli(adapters_dir, tmp_path, lora: str | None, seed: int, *extra: str) -> np.ndarray:
     out = tmp_path / f"cli-{str(lora).replace('/', '_')}-{seed}.png"
     args = [sys.executable, "-m", "loraswap", "generate", "a red fox", "--model", "tiny-sd", "--adapters",
             str(adapters_dir), "--seed", str(seed), "--steps", "2", "-o", str(out), *extra]
@@ -41,9 +51,6 @@ def right_half_mask(mode: str) -> bytes:
     return buffer.getvalue()
 
 
-_CLI_IMG2IMG = {}  # the CLI's image-to-image reference, made once for both servers
-
-
 @pytest.mark.slow  # against `loraswap generate` in a process of its own
 def test_image_to_image_and_inpainting_through_both_clients_match_the_cli(server, served_adapters, tmp_path,
                                                                           monkeypatch):
@@ -57,12 +64,11 @@ def test_image_to_image_and_inpainting_through_both_clients_match_the_cli(server
     edit = openai.images.edit(image=("in.png", input_png(), "image/png"), prompt="a red fox", model="style",
                               extra_body=asked)
     by_openai = np.asarray(Image.open(io.BytesIO(base64.b64decode(edit.data[0].b64_json))).convert("RGB"))
-    if not _CLI_IMG2IMG:
-        (tmp_path / "in.png").write_bytes(input_png())
-        _CLI_IMG2IMG["style"] = cli_image(served_adapters, tmp_path, "style", 3, "--image", str(tmp_path / "in.png"),
-                                          "--strength", "0.6")
+    given = served_adapters.parent / "image-to-image-input.png"  # one path for both servers: one CLI run
+    given.write_bytes(input_png())
+    expected = cli_image(served_adapters, tmp_path, "style", 3, "--image", str(given), "--strength", "0.6")
     assert by_hf.shape == (48, 64, 3)
-    assert np.array_equal(by_hf, by_openai) and np.array_equal(by_hf, _CLI_IMG2IMG["style"])
+    assert np.array_equal(by_hf, by_openai) and np.array_equal(by_hf, expected)
     # the same mask in either convention (white through HF, transparent through OpenAI) paints the same
     masked_hf = hf.image_to_image(input_png(), prompt="a red fox", mask=base64.b64encode(right_half_mask("L")).decode(),
                                   **asked)
