@@ -27,6 +27,10 @@ from loraswap.models import lora_components
 
 pytestmark = pytest.mark.slow  # two servers, three processes
 
+# the ranks start from one process that imported the engine once (a spawned rank imports it
+# again: about 10 s on two cores)
+mp.set_forkserver_preload(["loraswap.engine.engine"])
+
 PARAMS = {"num_inference_steps": 2, "width": 64, "height": 64}
 
 
@@ -205,7 +209,7 @@ def test_split_images_are_within_1e_5_of_one_process(model_adapters, tmp_path, m
     single = _float_images(engine, model)
     parallelism = dict(ulysses_degree=ulysses, cfg_parallel=cfg)
     mp.start_processes(_rank, args=(model, parallelism, free_port(), folder, tmp_path / "split.pt"),
-                       nprocs=ulysses * (2 if cfg else 1), start_method="spawn")
+                       nprocs=ulysses * (2 if cfg else 1), start_method="forkserver")
     split = torch.load(tmp_path / "split.pt")
     for loras, one, two in zip(LORAS[model], single, split):
         torch.testing.assert_close(two, one, rtol=0, atol=1e-5, msg=str(loras))
