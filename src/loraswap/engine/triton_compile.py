@@ -35,7 +35,8 @@ def launch(kernel, grid: tuple, *args, **options) -> None:
 def compile_threads() -> int:
     """Threads for the compiles: the host's cores this process may use, at most 16 (each
     compile holds a few hundred MB of the host's memory while it runs)."""
-    return min(16, len(os.sched_getaffinity(0)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(16, cores)
 
 
 def compiled_in_parallel(device: torch.device, warm_up: Callable[[], None], threads: int | None = None) -> None:
