@@ -8,8 +8,9 @@ with a fresh cache each time (Triton keeps compiled kernels in memory and on dis
     TRITON_CACHE_DIR=$(mktemp -d) python scripts/float8_warm_up_time.py --architecture flux-dev --threads 1
 
 --threads sets how many variants compile at once (1: one at a time); --row-ranks replaces
-the per-row ranks the warm-up compiles (`ROW_RANKS`), to compare sets. The shapes are the
-denoiser's linear weights (built on the meta device, no memory), as torchao quantizes them.
+the per-row ranks the warm-up compiles (`ROW_RANKS`), to compare sets. The shapes are those
+of every linear layer of the denoiser (built on the meta device, no memory), the float8 ones
+among them.
 The warm-up runs twice: the second time every variant is in memory (launches only).
 --out appends one JSON line.
 """

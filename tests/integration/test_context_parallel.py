@@ -27,10 +27,6 @@ from loraswap.models import lora_components
 
 pytestmark = pytest.mark.slow  # two servers, three processes
 
-# the ranks start from one process that imported the engine once (a spawned rank imports it
-# again: about 10 s on two cores)
-mp.set_forkserver_preload(["loraswap.engine.engine"])
-
 PARAMS = {"num_inference_steps": 2, "width": 64, "height": 64}
 
 
@@ -208,6 +204,9 @@ def test_split_images_are_within_1e_5_of_one_process(model_adapters, tmp_path, m
         assert all(engine.pipeline.encode_prompt(text, device="cpu")[0].shape[1] % 2 for text in (PROMPT, NEGATIVE))
     single = _float_images(engine, model)
     parallelism = dict(ulysses_degree=ulysses, cfg_parallel=cfg)
+    # the ranks fork from one server process that imported the engine once, for every case
+    # (a spawned rank imports it again: about 10 s on two cores); no effect once it runs
+    mp.set_forkserver_preload(["loraswap.engine.engine"])
     mp.start_processes(_rank, args=(model, parallelism, free_port(), folder, tmp_path / "split.pt"),
                        nprocs=ulysses * (2 if cfg else 1), start_method="forkserver")
     split = torch.load(tmp_path / "split.pt")

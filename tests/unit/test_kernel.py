@@ -86,10 +86,9 @@ def test_loha_kernel_matches_the_products_within_one_rounding(interpreted, dtype
     assert ((weight.double() - pristine.double()).abs() <= 2 * tolerance).all()
 
 
-@pytest.mark.parametrize("dtype,ulps,by_row,peft", [  # one in `make test-fast`, all in `make test`
-    pytest.param(dtype, ulps, by_row, peft, marks=() if (dtype, by_row, peft) == (torch.float32, True, True) else
-                 pytest.mark.slow) for dtype, ulps in ((torch.float32, 1e-6), (torch.bfloat16, 2**-7))
-    for by_row in (True, False) for peft in (True, False)])
+@pytest.mark.parametrize("peft", [True, False])
+@pytest.mark.parametrize("by_row", [True, False])
+@pytest.mark.parametrize("dtype,ulps", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
 def test_dora_kernel_matches_the_rescaled_change(interpreted, peft, by_row, dtype, ulps):
     """PEFT's W = V * m / ||V|| and LyCORIS's W = V * (w (m / ||V|| - 1) + 1) (norms per row,
     or per column), V = P + alpha * B @ A, in one pass over W (two over P), against float64."""
@@ -155,7 +154,6 @@ def test_swap_through_the_kernel_matches_addmm_and_returns_to_base(interpreted, 
 FLOAT8 = torch.float8_e4m3fn
 
 
-@pytest.mark.slow  # Triton's interpreter
 def test_float8_kernel_rounds_to_nearest_even_as_torch_does(float8):
     """Per tensor, with P = 0 and the largest |value| 448, the scale stays 1 and the kernel's
     float8 values are its own rounding of `values`: ties, carries into the exponent
@@ -181,9 +179,8 @@ def test_float8_kernel_rounds_to_nearest_even_as_torch_does(float8):
 
 
 @pytest.mark.parametrize("per_row", [True, False])
-@pytest.mark.parametrize("m,n,k", [(33, 17, 40), (64, 128, 16), *(  # the larger ones in `make test` only
-    pytest.param(*shape, marks=pytest.mark.slow) for shape in ((70, 200, 4), (128, 256, 64), (130, 129, 1),
-                                                               (20, 300, 270)))])
+@pytest.mark.parametrize("m,n,k", [(70, 200, 4), (33, 17, 40), (128, 256, 64), (64, 128, 16), (130, 129, 1),
+                                   (20, 300, 270)])
 def test_float8_kernel_matches_torchaos_requantization(float8, float8_launches, per_row, m, n, k):
     """The kernel's W = float8(dequantize(P) + alpha * B @ A) against torchao's own
     `Float8Tensor.from_hp` of the same sum in fp32, on weights of widely spread magnitude;
@@ -215,8 +212,7 @@ def test_float8_kernel_matches_torchaos_requantization(float8, float8_launches, 
 
 
 @pytest.mark.parametrize("per_row", [True, False])
-# 64 x 128: whole tiles and rank blocks, no masks; 70 x 130 (masked) in `make test`
-@pytest.mark.parametrize("m,n", [pytest.param(70, 130, marks=pytest.mark.slow), (64, 128)])
+@pytest.mark.parametrize("m,n", [(70, 130), (64, 128)])  # 64 x 128: whole tiles and rank blocks, no masks
 def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, float8_launches, per_row, m, n):
     """A blend of three LoRAs of ranks 5, 40 and 32 (padded to 32, 64 and 32 ranks) in one
     call, each weighted by its own blend weight, against torchao's quantization of the fp32
@@ -250,7 +246,6 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, f
     assert (steps[differs] <= 2**-3 + 1e-6).all()
 
 
-@pytest.mark.slow  # Triton's interpreter
 @pytest.mark.parametrize("change", ["lora", "loha", "lokr", "dora-peft", "dora-lycoris-out", "dora-lycoris-in"])
 @pytest.mark.parametrize("even", [False, True])  # True: whole tiles and rank blocks, no masks
 def test_float8_row_kernel_writes_each_kind_as_torchao_quantizes_the_eager_sum(float8, float8_launches, change,

@@ -5,7 +5,7 @@ Nothing runs on a GPU here: the kernels are recorders."""
 import pytest
 import torch
 
-from loraswap.engine import float8_kernels, float8_warm_up, triton_compile
+from loraswap.engine import float8_kernels, float8_warm_up, kernels, triton_compile
 
 SHAPES = [(3072, 64), (3072, 3072), (12288, 3072), (3072, 15360)]  # FLUX.1-dev's, a few
 
@@ -59,6 +59,19 @@ def test_on_cuda_the_warm_up_compiles_in_async_mode_exactly_the_variants_it_then
     assert kernel.compiled == kernel.launched
     assert kernel.in_async_mode == {True}
     assert not triton_compile._compile_only.get()  # launches launch again after the warm-up
+
+
+def test_on_cuda_the_plain_kernels_warm_up_compiles_the_variants_it_then_launches(monkeypatch):
+    """LoRA, LoHa and DoRA: each kernel's launches go through `launch` too."""
+    pytest.importorskip("triton.runtime._async_compile")
+    recorded = {name: Recorder() for name in ("_kernel", "_loha_kernel", "_dora_kernel")}
+    for name, recorder in recorded.items():
+        monkeypatch.setattr(kernels, name, lambda recorder=recorder: recorder)
+    writes = lambda: kernels._warm_up_writes(torch.device("cpu"), torch.bfloat16, [3072, 3080])  # noqa: E731
+    triton_compile.compiled_in_parallel(torch.device("cuda"), writes, threads=4)
+    for name, recorder in recorded.items():
+        assert recorder.launched and recorder.compiled == recorder.launched, name
+        assert recorder.in_async_mode == {True}, name
 
 
 def test_off_cuda_or_on_one_thread_the_warm_up_only_launches(recorders):
