@@ -7,8 +7,11 @@ A random kohya adapter (all linear layers) is written once under /tmp and read i
 page cache; then each way runs `--rounds` times, interleaved, and the median ms is printed
 (and written as JSON to `--out`):
 
-- `loraswap read`: the server's cold read (parse, checks, one copy into a packed host
-  buffer), then `to cuda`: that buffer to the GPU (pageable: the driver stages it);
+- `loraswap read`: the cold read packed on the host (parse, checks, one copy into a packed
+  host buffer), then `to cuda`: that buffer to the GPU (pageable: the driver stages it);
+- `loraswap read to cuda`: the server's cold read on a GPU (`adapters/device_read.py`: the
+  file's bytes through pinned staging buffers to the GPU, the factors cut out there),
+  checked bitwise against the host's packing;
 - `pread N threads`: the file's bytes into a fresh huge-page buffer on N threads (the
   host's page-cache copy rate, which bounds the cold read);
 - `pread into pinned + to cuda`: the bytes into a reused pinned buffer, then one DMA;
@@ -85,6 +88,9 @@ def ways(path: Path, target) -> dict:
     def to_cuda():
         held["bound"].packed.to("cuda")
 
+    def read_to_cuda():
+        held["on gpu"] = store.read_adapter(AdapterLocation("cold", path, None), target, device="cuda")
+
     def mapped() -> torch.Tensor:
         with open(path, "rb") as f:
             held["map"] = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
@@ -103,7 +109,7 @@ def ways(path: Path, target) -> dict:
         cudart.cudaHostUnregister(held["mapped"].data_ptr())
 
     result = {
-        "loraswap read": loraswap_read, "to cuda": to_cuda,
+        "loraswap read": loraswap_read, "to cuda": to_cuda, "loraswap read to cuda": read_to_cuda,
         "pread 1 thread": lambda: pread_into(path, host_bytes(size), 1),
         "pread 8 threads": lambda: pread_into(path, host_bytes(size), 8),
         "pread 16 threads": lambda: pread_into(path, host_bytes(size), 16),
@@ -111,7 +117,12 @@ def ways(path: Path, target) -> dict:
         "mmap to cuda": lambda: mapped().to("cuda"),
         "mmap register": register, "+ to cuda": registered_to_cuda,
     }
-    return result
+    return result, held
+
+
+def same_packing(held: dict) -> bool:
+    """Whether the GPU's cold read packed the bytes the host's did."""
+    return torch.equal(held["on gpu"].packed.cpu().view(torch.uint8), held["bound"].packed.view(torch.uint8))
 
 
 def main() -> None:
@@ -124,7 +135,7 @@ def main() -> None:
     cls, components = lora_components(args.architecture)
     target = store.TargetModel(args.architecture, cls, ModelLayers(components), torch.bfloat16, None)
     path = adapter_file(args.architecture, args.rank)
-    steps = ways(path, target)
+    steps, held = ways(path, target)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds + 1):  # the first round warms up and is dropped
         for name, step in steps.items():
@@ -135,11 +146,12 @@ def main() -> None:
                 print(f"{name}: {e}")
     medians = {name: round(statistics.median(t[1:]), 1) for name, t in times.items()}
     size_mib = path.stat().st_size / 2**20
-    print(f"{path.name}: {size_mib:.0f} MiB, median of {args.rounds} rounds, ms")
+    same = same_packing(held)
+    print(f"{path.name}: {size_mib:.0f} MiB, median of {args.rounds} rounds, ms; GPU packing = host's: {same}")
     for name, ms in medians.items():
         print(f"  {name:30s} {ms:8.1f}")
     if args.out:
-        args.out.write_text(json.dumps({"file_mib": size_mib, "medians_ms": medians, "rounds": args.rounds,
+        args.out.write_text(json.dumps({"file_mib": size_mib, "medians_ms": medians, "gpu_packing_equals_host": same, "rounds": args.rounds,
                                         "device": torch.cuda.get_device_name(), "cpus": os.cpu_count()}, indent=1))
 
 

@@ -3,7 +3,10 @@
    streaming in the swap: images from the GPU tier and the host tier agree;
 2. CUDA graphs (`--compile-mode reduce-overhead`): images after swaps equal eager ones
    with the same adapters (the graphs read the swapped weights);
-3. `--quantize fp8` (dynamic float8): images with adapters against bf16 ones.
+3. `--quantize fp8` (dynamic float8): images with adapters against bf16 ones;
+4. a never-seen adapter read straight to the GPU (`adapters/device_read.py`) packs the
+   bytes the host's packing does, for each kind, layout and dtype, whichever factors stand
+   in for the file's bytes.
 
     PYTHONPATH=src python scripts/gpu_smoke.py ADAPTER_DIR
 """
@@ -13,10 +16,15 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 from safetensors.torch import save_file
 
+from loraswap.adapters import file_data
+from loraswap.adapters.bound import ModelLayers
 from loraswap.adapters.cache import CacheConfig
 from loraswap.adapters.random import make_random_adapter
+from loraswap.adapters.source import AdapterLocation
+from loraswap.adapters.store import TargetModel, read_adapter
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 from loraswap.engine.worker import GpuWorker, SchedulerConfig
@@ -41,14 +49,16 @@ def main(folder: Path) -> None:
         images[name] = [np.asarray(f.result(timeout=120).image, dtype=float) for f in futures]
         tiers = {row["id"]: row["tier"] for row in engine.adapters.cache.table()}
         engine.adapters.cache.finish_pinning()  # fresh reads are pinned after their request
-        pinned = all(e.host.packed.is_pinned() for e in (engine.adapters.cache.get(f"g{i}") for i in range(4)))
+        pinned = all(e.host.packed.is_pinned() and not e.host.packed.is_cuda
+                     for e in (engine.adapters.cache.get(f"g{i}") for i in range(4)))
         print(name, "tiers", tiers, "pinned host buffers", pinned, "swap ms",
               [round(f.result().swap_seconds * 1e3, 2) for f in futures], flush=True)
         worker.stop()
     worst = max(float(np.abs(a - b).max()) for a, b in zip(images["gpu-tier"], images["host-tier"]))
     print("max pixel difference gpu-tier vs host-tier:", worst, flush=True)
-    assert worst <= 1.0
+    assert worst <= 1.0 and pinned
     check_modes(folder)
+    check_cold_read(folder)
 
 
 def check_modes(folder: Path) -> None:
@@ -80,6 +90,30 @@ def check_modes(folder: Path) -> None:
     fp8 = images("tiny-flux", compile=False, quantize="fp8")
     print("fp8 vs bf16 relative image difference per request:", [round(rel(a, b), 4) for a, b in zip(fp8, bf16)],
           flush=True)
+
+
+COLD_READ_CASES = [  # preset, layout, kind, file dtype, model dtype (None: the file's)
+    ("tiny-sd", "kohya", "lora", torch.float16, torch.float16), ("tiny-flux", "kohya", "lora", torch.bfloat16, None),
+    ("tiny-flux", "diffusers", "lora", torch.float16, torch.float32), ("tiny-sd", "kohya", "loha", torch.float16, None),
+    ("tiny-flux", "kohya", "lokr", torch.float16, torch.float16), ("tiny-sd", "kohya", "dora", torch.float32,
+                                                                     torch.float16)]
+
+
+def check_cold_read(folder: Path) -> None:
+    for large in (64, 600, 2**20):  # all factors stand in; some read at the parse; all read at the parse
+        file_data.LARGE = large
+        for i, (preset, layout, kind, file_dtype, model_dtype) in enumerate(COLD_READ_CASES):
+            cls, components = lora_components(preset)
+            sd, md = make_random_adapter(components, 4, "all", layout, text_encoder=preset == "tiny-sd",
+                                         dtype=file_dtype, kind=kind)
+            path = folder / f"cold{i}.safetensors"
+            save_file(sd, str(path), metadata=md)
+            target = TargetModel(preset, cls, ModelLayers(components), model_dtype, None)
+            on_host = read_adapter(AdapterLocation("a", path, None), target)
+            on_gpu = read_adapter(AdapterLocation("a", path, None), target, device="cuda")
+            same = torch.equal(on_host.packed.view(torch.uint8), on_gpu.packed.cpu().view(torch.uint8))
+            print("cold read", large, preset, layout, kind, "on", on_gpu.packed.device, "same:", same, flush=True)
+            assert same
 
 
 if __name__ == "__main__":

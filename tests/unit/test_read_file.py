@@ -175,6 +175,53 @@ def test_read_in_place_binds_what_reading_whole_binds(tmp_path, monkeypatch, cap
         assert in_place.layers[key].scale == layer.scale and in_place.layers[key].kind is layer.kind, key
 
 
+@pytest.mark.parametrize("preset, layout, kind, file_dtype, model_dtype", READ_IN_PLACE_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in READ_IN_PLACE_CASES])
+@pytest.mark.parametrize("large", [64, 600], ids=["all-from-file", "some-read-at-parse"])
+def test_factors_cut_out_of_the_file_on_the_device_pack_as_on_the_host(tmp_path, monkeypatch, preset, layout, kind,
+                                                                       file_dtype, model_dtype, large):
+    """The GPU's cold read (the file's bytes to the device, each factor cut out of them there,
+    converted, the small ones the parse read copied up at once) packs the very bytes the
+    host's packing does, padding included; a factor the parse computed from stand-ins raises
+    `NotInFile` (the store then reads the file whole). Run here with the CPU as the device."""
+    from loraswap.adapters import file_data
+    from loraswap.adapters.bound import BoundAdapter, ModelLayers, fitted_layers, packed_spans
+    from loraswap.adapters.device_read import pack_from_files
+    from loraswap.adapters.file_data import NotInFile
+    from loraswap.adapters.parse import load_adapter
+    from loraswap.adapters.random import make_random_adapter
+    from loraswap.adapters.source import AdapterLocation
+    from loraswap.models import lora_components
+
+    cls, components = lora_components(preset)
+    state_dict, metadata = make_random_adapter(components, 4, "all", layout, text_encoder=preset == "tiny-sd",
+                                               dtype=file_dtype, kind=kind)
+    path = tmp_path / "a.safetensors"
+    save_file(state_dict, str(path), metadata=metadata)
+    monkeypatch.setattr(file_data, "LARGE", large)
+    layers = ModelLayers(components)
+    parsed = load_adapter(AdapterLocation("a", path, None), cls, layers.component_modules, 2**30, in_place=True)
+    try:
+        bound = BoundAdapter("a", fitted_layers(parsed, layers))
+        factors = [t for layer in bound.layers.values() for t in layer.factors.values()]
+        starts = [at for at_layer, _ in packed_spans(bound.layers.values()) for at in at_layer]
+        numel = packed_spans(bound.layers.values())[-1][1]
+        if kind == "lokr" and large == 64:  # rows of a product of two stand-ins
+            with pytest.raises(NotInFile):
+                pack_from_files(factors, starts, numel, model_dtype, torch.device("cpu"), parsed.files)
+            return
+        read_at_parse = sum(not t.is_meta for t in factors)
+        assert read_at_parse > 0 if large == 600 else read_at_parse == 0
+        assert read_at_parse < len(factors) or kind == "lokr"  # (a LoKr's small factors are all computed)
+        on_device = pack_from_files(factors, starts, numel, model_dtype, torch.device("cpu"), parsed.files)
+        on_host = bound.to("cpu", model_dtype, files=parsed.files).packed
+    finally:
+        for file in parsed.files:
+            file.close()
+    assert on_device.dtype == on_host.dtype == model_dtype
+    assert torch.equal(on_device.view(torch.uint8), on_host.view(torch.uint8))
+
+
 def test_reads_in_place_leave_no_file_open(tmp_path, monkeypatch):
     """Served or refused (after the file was opened and parsed), every read closes its file."""
     import os
@@ -241,3 +288,22 @@ def test_whether_an_adapter_fits_is_told_from_its_header(tmp_path, monkeypatch):
     assert reads == [], "no factor was read"
     with pytest.raises(AdapterInvalid, match="NaN or infinite"):
         read_adapter(location, target)
+
+
+def test_pinned_host_copies_are_registered_unless_the_user_said_otherwise(monkeypatch):
+    """The cache's pinning asks torch for registered pages (no `cudaHostAlloc`, which stalls
+    the GPU worker's launches), and leaves a choice made in PYTORCH_CUDA_ALLOC_CONF alone."""
+    import torch
+
+    from loraswap.adapters import host_memory
+
+    given = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", given.append)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    host_memory.pin_by_registering()
+    assert given == [f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{host_memory.COPY_THREADS}"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,pinned_use_cuda_host_register:False")
+    host_memory.pin_by_registering()
+    assert len(given) == 1
+    monkeypatch.undo()
+    host_memory.pin_by_registering()  # the setting as torch itself parses it: no error

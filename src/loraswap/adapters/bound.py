@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import AdapterIncompatible, AdapterInvalid
+from .device_read import pack_from_files
 from .file_data import FileData, NotInFile
 from .host_memory import host_empty, in_pieces, run_all
 from .kinds import Layer, delta_shape, dora_magnitude_shape
@@ -79,7 +80,7 @@ class BoundAdapter:
         device = torch.device(device)
         dtype = dtype or _first_factor(self).dtype
         if self.packed is not None and self.packed.dtype == dtype:
-            flat = self.packed.to(device, non_blocking=non_blocking) if not pin_memory else self.packed.pin_memory()
+            flat = self.packed.to(device, non_blocking=non_blocking) if not pin_memory else _pinned(self.packed)
         else:
             flat = self._pack(device, dtype, pin_memory and device.type == "cpu", non_blocking, files)
         return with_buffer(self, flat)
@@ -89,6 +90,9 @@ class BoundAdapter:
         layers = list(self.layers.values())
         spans = packed_spans(layers)
         numel = spans[-1][-1] if spans else 0
+        if device.type != "cpu" and files:  # a new adapter's factors cut out of its file on the device
+            factors = [t for layer in layers for t in layer.factors.values()]
+            return pack_from_files(factors, [at for starts, _ in spans for at in starts], numel, dtype, device, files)
         if device.type == "cpu" and not pin_memory:  # a new adapter's host copy: written once, on huge pages
             flat = host_empty(numel, dtype)
         else:
@@ -113,6 +117,13 @@ class BoundAdapter:
         pieces = in_pieces(flat.nbytes) if device.type == "cpu" else 1
         run_all([functools.partial(fill, first, last) for first, last in _runs(spans, pieces)])
         return flat
+
+
+def _pinned(packed: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of `packed` (from the host or from the GPU)."""
+    if not packed.is_cuda:
+        return packed.pin_memory()
+    return torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True).copy_(packed)
 
 
 def _from_file(tensor: torch.Tensor, out: torch.Tensor, files: Sequence[FileData]) -> None:
@@ -167,12 +178,15 @@ def with_buffer(bound: BoundAdapter, flat: torch.Tensor) -> BoundAdapter:
 
 
 def bind_adapter(parsed: ParsedAdapter, model: ModelLayers, max_rank: int = 1024,
-                 dtype: torch.dtype | None = None) -> BoundAdapter:
+                 dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> BoundAdapter:
     """Check every layer of `parsed` against `model`, raising on the first misfit, and
-    pack its factors into one pageable host buffer of `dtype` (the adapter cache pins it
-    later, off the request's path)."""
+    pack its factors into one buffer of `dtype`: pageable host memory (the adapter cache
+    pins it later, off the request's path), or on `device` when the file was read in place
+    (`device_read`: the bytes go to the GPU once; the cache copies them down later). Read
+    whole, an adapter is packed on the host whatever `device` is."""
     layers = fitted_layers(parsed, model, max_rank)
-    bound = BoundAdapter(parsed.adapter_id, layers, tuple(parsed.base_models)).to("cpu", dtype, files=parsed.files)
+    where = device if parsed.files else "cpu"
+    bound = BoundAdapter(parsed.adapter_id, layers, tuple(parsed.base_models)).to(where, dtype, files=parsed.files)
     _refuse_non_finite(bound, dtype)
     return bound
 

@@ -2,10 +2,10 @@
 
 Adapters ready to fuse (bound, packed factors) live in the host tier; the hottest also
 have a copy in the GPU tier, so a swap needs no host-to-GPU copy. On CUDA a freshly read
-adapter arrives in pageable memory and is pinned afterwards by one background thread,
-off the request's path: pinning costs more than the read
-(bench/results/runs/2026-12-03-request-sdxl-h200.md), and only
-swaps from the host tier need it. The GPU tier is a subset of the host tier,
+adapter arrives on the GPU (`device_read.py`; pageable host memory when it was read whole),
+and its pinned host copy is made afterwards by one background thread, off the request's
+path: pinning costs more than the read (bench/results/runs/2026-12-03-request-sdxl-h200.md),
+and only swaps from the host tier need it. The GPU tier is a subset of the host tier,
 and its budget may not exceed the host budget (checked when the config is built).
 
 Eviction is least-recently-used by bytes and never touches an entry that is kept
@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from ..flags import ADAPTERS, Flag
 from .bound import BoundAdapter
+from .host_memory import pin_by_registering
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class AdapterCache:
         self.peak_bytes: Counter = Counter()  # tier -> the most it ever held
         self._copy_stream = None
         self.pin_host = device.type == "cuda"  # host copies pinned after insertion (`_pin_later`)
+        if self.pin_host:
+            pin_by_registering()
         self._pinner = ThreadPoolExecutor(1, thread_name_prefix="loraswap-pin")
 
     def close(self) -> None:
@@ -147,15 +150,19 @@ class AdapterCache:
 
     def _pin_later(self, ref: "weakref.ref[CacheEntry]") -> None:
         """Replace the entry's pageable host copy by a pinned one, unless it left the cache.
-        For a moment the adapter is in host RAM twice, pageable and pinned."""
+        For a moment the adapter is in host RAM twice, pageable and pinned. A copy read
+        straight to the GPU (`device_read`) is copied down here: until then it is held on the
+        GPU, outside the GPU tier's budget."""
         entry = ref()
         if entry is None or not self.holds(entry):
             return
         try:
             self.replace_host(entry, entry.host.to("cpu", pin_memory=True))
-        except Exception:  # out of pinnable memory, say: the pageable copy still serves
+        except Exception:  # out of pinnable memory, say: a pageable copy serves
             logger.warning("could not pin adapter %s in host RAM; it stays pageable", entry.adapter_id,
                            exc_info=True)
+            if entry.host.device.type != "cpu":
+                self.replace_host(entry, entry.host.to("cpu"))
 
     def maybe_copy_to_gpu(self, entry: CacheEntry) -> None:
         """Give the entry a GPU copy (side stream) when the GPU budget allows; else nothing."""

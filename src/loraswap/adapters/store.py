@@ -21,6 +21,7 @@ import torch
 from ..errors import AdapterError, AdapterNotFound, BadRequest
 from .bound import BoundAdapter, ModelLayers, bind_adapter, fitted_layers
 from .cache import AdapterCache, CacheConfig, CacheEntry
+from .device_read import staging_buffers
 from .file_data import NotInFile
 from .lease import Lease
 from .metadata import refuse_other_base
@@ -76,6 +77,8 @@ class AdapterStore:
         self.cache = AdapterCache(cache, device)
         self._fits: dict[str, tuple[tuple, bool]] = {}  # adapter id -> (file stamp, fits this model)
         self._pool = ThreadPoolExecutor(limits.prefetch_threads, thread_name_prefix="loraswap-prefetch")
+        if device.type == "cuda":  # pinned now, not in the first cold request
+            staging_buffers(device).warm()
 
     # ---------------------------------------------------------------- finding
     def locate(self, adapter_id: str) -> AdapterLocation:
@@ -139,7 +142,8 @@ class AdapterStore:
         return entry
 
     def _read(self, location: AdapterLocation) -> BoundAdapter:
-        return read_adapter(location, self.model, self.limits)
+        """On CUDA, straight to the GPU (`device_read`); the cache copies it down to host RAM later."""
+        return read_adapter(location, self.model, self.limits, self.cache.device)
 
     def fits(self, location: AdapterLocation) -> bool:
         """Whether the adapter's keys and shapes fit this model's layers: read once per file
@@ -209,11 +213,13 @@ class AdapterStore:
         self.cache.close()
 
 
-def read_adapter(location: AdapterLocation, model: TargetModel, limits: StoreLimits = StoreLimits()) -> BoundAdapter:
+def read_adapter(location: AdapterLocation, model: TargetModel, limits: StoreLimits = StoreLimits(),
+                 device: str | torch.device = "cpu") -> BoundAdapter:
     """The adapter at `location` read, converted, checked against `model` (its declared base
-    model too) and bound to its layers: what the store caches, and what the benchmarks use."""
+    model too) and bound to its layers, packed on `device` where it was read in place: what
+    the store caches, and what the benchmarks use."""
     return _parse_and(location, model, limits, lambda parsed: bind_adapter(parsed, model.layers, limits.max_rank,
-                                                                           model.dtype))
+                                                                           model.dtype, device))
 
 
 def check_fit(location: AdapterLocation, model: TargetModel, limits: StoreLimits = StoreLimits()) -> None:

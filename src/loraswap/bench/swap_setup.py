@@ -110,7 +110,8 @@ def bound_reader(pipeline_cls: type, prefix: str, model: torch.nn.Module, layers
     """path -> the adapter read, converted and bound to `model`, as the adapter store does it."""
     # no base model to check against (name ""): the bench's random adapters declare none
     target = TargetModel("", pipeline_cls, layers, None, model.config if prefix == "unet" else None)
-    return lambda path: read_adapter(DenoiserLoRA.location(path), target, StoreLimits(max_adapter_bytes=2**40))
+    device = next(model.parameters()).device
+    return lambda path: read_adapter(DenoiserLoRA.location(path), target, StoreLimits(max_adapter_bytes=2**40), device)
 
 
 class DenoiserLoRA:

@@ -28,6 +28,7 @@ from ..adapters.references import remember_urls
 from ..engine.config import GenerateRequest
 from ..engine.engine import Engine, GenerateResult
 from ..engine.rank_processes import RankProcesses
+from ..engine.startup import freeze_loaded_objects
 from ..engine.worker import GpuWorker, SchedulerConfig
 from ..server.metrics import EngineFigures, gpu_memory
 from .config import ModelDeploymentConfig
@@ -84,6 +85,7 @@ class ModelReplica:
         self.engine = await asyncio.to_thread(self._ranks.engine_factory if self._ranks else Engine, config)
         self.worker = GpuWorker(self.engine, scheduler)
         self.worker.start()
+        freeze_loaded_objects()
         # 2. the adapter budget: Ray Serve multiplexing, sized per deployment
         self._load = serve.multiplexed(max_num_models_per_replica=config.max_adapters)(self._make_loader())
         self._held: dict[str, tuple[str, ...]] = {}  # key -> adapter ids

@@ -111,10 +111,12 @@ def _follower(config_json: dict, rank: int, port: int) -> None:
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
     from .engine import Engine
+    from .startup import freeze_loaded_objects
 
     config = EngineConfig.model_validate(config_json)
     _join(config, rank, config.parallelism.world, port)
     engine = Engine(config)
+    freeze_loaded_objects()
     follow(engine, Ranks(config.rank_wait_s))
     dist.destroy_process_group()
 

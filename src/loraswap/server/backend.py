@@ -20,6 +20,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from ..engine.config import GenerateRequest
 from ..engine.engine import Engine, GenerateResult
+from ..engine.startup import freeze_loaded_objects, unfreeze_objects
 from ..engine.worker import GpuWorker
 from ..errors import Overloaded
 from .config import ServerConfig
@@ -149,6 +150,7 @@ class LocalBackend:
                         hosted.worker.queue_depth)
             await run_in_threadpool(hosted.worker.stop)
             hosted.engine.adapters.close()
+        unfreeze_objects()
 
     def _load(self) -> None:
         """Build and warm every engine, logging progress until all are ready."""
@@ -172,6 +174,7 @@ class LocalBackend:
                 hosted.append(Hosted(engine, worker))
             state.deployment = Deployment(hosted)
             state.engine, state.worker = hosted[0].engine, hosted[0].worker
+            freeze_loaded_objects()
             logger.info("ready: %s in %.1f s", ", ".join(h.engine.model_name for h in hosted),
                         time.perf_counter() - started)
         except Exception as e:
