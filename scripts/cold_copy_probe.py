@@ -151,8 +151,9 @@ def main() -> None:
     for name, ms in medians.items():
         print(f"  {name:30s} {ms:8.1f}")
     if args.out:
-        args.out.write_text(json.dumps({"file_mib": size_mib, "medians_ms": medians, "gpu_packing_equals_host": same, "rounds": args.rounds,
-                                        "device": torch.cuda.get_device_name(), "cpus": os.cpu_count()}, indent=1))
+        args.out.write_text(json.dumps({"file_mib": size_mib, "medians_ms": medians, "gpu_packing_equals_host": same,
+                                        "rounds": args.rounds, "device": torch.cuda.get_device_name(),
+                                        "cpus": os.cpu_count()}, indent=1))
 
 
 if __name__ == "__main__":
