@@ -88,11 +88,11 @@ def pin_by_registering() -> None:
     threads (`cudaHostRegister`), rather than by `cudaHostAlloc`.
 
     The cache pins each new adapter's host copy on a background thread. A `cudaHostAlloc` of
-    a FLUX.1 rank-64 LoRA's 428 MiB held the driver for about 240 ms, and the GPU worker's
-    swap, launching kernels meanwhile, waited out all of it (a cold request's swap took
-    175-260 ms against 15 ms). Registered, the same pinning left the worker's launches
-    unslowed (bench/results/runs/2026-12-06-cold-path-h100.md). A setting the user gave in
-    `PYTORCH_CUDA_ALLOC_CONF` is left as it is."""
+    a FLUX.1 rank-64 LoRA's 428 MiB holds the driver, and the GPU worker's swap, launching
+    kernels meanwhile, waited it out: 187-206 ms for a cold request's swap against 15 ms
+    cached. Registered, the same pinning left the worker's launches unslowed
+    (`scripts/pinning_stall_probe.py`, bench/results/runs/2026-12-06-cold-path-h100.md). A
+    setting the user gave in `PYTORCH_CUDA_ALLOC_CONF` is left as it is."""
     if "pinned_use_cuda_host_register" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         return
     setting = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{COPY_THREADS}"

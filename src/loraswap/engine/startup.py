@@ -233,7 +233,7 @@ def freeze_loaded_objects() -> None:
     """Take every object alive now (the models' modules and parameters, compiled code, the
     libraries) out of the garbage collector's full collections, which otherwise walk them
     all: on a FLUX.1 server a full collection, set off by the objects cold adapters' reads
-    make, took 334 ms in the middle of a request's swap
+    make, took up to 380 ms in the middle of a request's swap
     (bench/results/runs/2026-12-06-cold-path-h100.md). Reference counting still frees them;
     `unfreeze_objects` hands them back. Called once a process has started what it serves."""
     gc.collect()

@@ -172,9 +172,9 @@ class LocalBackend:
                 worker = GpuWorker(engine, config.scheduler)
                 worker.start()
                 hosted.append(Hosted(engine, worker))
+            freeze_loaded_objects()  # before ready: its one full collection is no request's wait
             state.deployment = Deployment(hosted)
             state.engine, state.worker = hosted[0].engine, hosted[0].worker
-            freeze_loaded_objects()
             logger.info("ready: %s in %.1f s", ", ".join(h.engine.model_name for h in hosted),
                         time.perf_counter() - started)
         except Exception as e:
