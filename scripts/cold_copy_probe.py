@@ -122,7 +122,8 @@ def ways(path: Path, target) -> dict:
 
 def same_packing(held: dict) -> bool:
     """Whether the GPU's cold read packed the bytes the host's did."""
-    return torch.equal(held["on gpu"].packed.cpu().view(torch.uint8), held["bound"].packed.view(torch.uint8))
+    on_gpu = held["on gpu"].packed
+    return on_gpu.is_cuda and torch.equal(on_gpu.cpu().view(torch.uint8), held["bound"].packed.view(torch.uint8))
 
 
 def main() -> None:

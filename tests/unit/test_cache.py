@@ -62,3 +62,43 @@ def test_same_adapter_read_twice_at_once_is_cached_once():
     second = cache.insert("a", adapter("a", 4), (1,))
     assert second is first and rows(cache) == [("a", "host", 4, False, 2)]
 
+
+
+def test_a_failed_gpu_read_is_read_on_the_host_and_gives_its_turn_back(tmp_path, monkeypatch, caplog):
+    """The store reads a never-seen adapter straight to the GPU only when the cache gives it a
+    turn (at most two at once, and only what the GPU tier could hold); a read that fails on
+    the GPU (out of memory, say) is read on the host with a warning, its turn given back."""
+    from safetensors.torch import save_file
+
+    from loraswap.adapters import store as store_module
+    from loraswap.adapters.bound import ModelLayers
+    from loraswap.adapters.device_read import DeviceReadFailed
+    from loraswap.adapters.random import make_random_adapter
+    from loraswap.adapters.source import AdapterSources, LocalAdapterSource
+    from loraswap.models import lora_components
+
+    cls, components = lora_components("tiny-sd")
+    state_dict, metadata = make_random_adapter(components, 4, "attn")
+    save_file(state_dict, str(tmp_path / "a.safetensors"), metadata=metadata)
+    target = store_module.TargetModel("tiny-sd", cls, ModelLayers(components), torch.float32)
+    store = store_module.AdapterStore(AdapterSources(LocalAdapterSource(tmp_path), None, None), target,
+                                      CacheConfig(gpu_bytes=MB), torch.device("cpu"))
+    store.cache.pin_host = True  # as on CUDA
+    read = store_module.read_adapter
+    devices = []
+
+    def gpu_fails(location, model, limits, device="cpu"):
+        devices.append(str(device))
+        if str(device) != "cpu":
+            raise DeviceReadFailed("OutOfMemoryError: CUDA out of memory")
+        return read(location, model, limits)
+
+    monkeypatch.setattr(store_module, "read_adapter", gpu_fails)
+    monkeypatch.setattr(store, "_read_device", torch.device("meta"))  # stands for the GPU
+    bound = store._read(store.locate("a"))
+    assert devices == ["meta", "cpu"] and bound.packed.device.type == "cpu"
+    assert "could not be read to the GPU (OutOfMemoryError" in caplog.text
+    assert [store.cache.start_gpu_read(1) for _ in range(3)] == [True, True, False], "both turns back, one taken"
+    store.cache.end_gpu_read(), store.cache.end_gpu_read()
+    assert not store.cache.start_gpu_read(MB + 1), "larger than the GPU tier: read on the host"
+    store.close()

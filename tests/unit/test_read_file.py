@@ -289,21 +289,3 @@ def test_whether_an_adapter_fits_is_told_from_its_header(tmp_path, monkeypatch):
     with pytest.raises(AdapterInvalid, match="NaN or infinite"):
         read_adapter(location, target)
 
-
-def test_pinned_host_copies_are_registered_unless_the_user_said_otherwise(monkeypatch):
-    """The cache's pinning asks torch for registered pages (no `cudaHostAlloc`, which stalls
-    the GPU worker's launches), and leaves a choice made in PYTORCH_CUDA_ALLOC_CONF alone."""
-    import torch
-
-    from loraswap.adapters import host_memory
-
-    given = []
-    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", given.append)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    host_memory.pin_by_registering()
-    assert given == [f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{host_memory.COPY_THREADS}"]
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,pinned_use_cuda_host_register:False")
-    host_memory.pin_by_registering()
-    assert len(given) == 1
-    monkeypatch.undo()
-    host_memory.pin_by_registering()  # the setting as torch itself parses it: no error

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import AdapterIncompatible, AdapterInvalid
-from .device_read import pack_from_files
+from ..errors import AdapterError, AdapterIncompatible, AdapterInvalid
+from .device_read import DeviceReadFailed, pack_from_files, reading_on
 from .file_data import FileData, NotInFile
 from .host_memory import host_empty, in_pieces, run_all
 from .kinds import Layer, delta_shape, dora_magnitude_shape
@@ -91,8 +91,7 @@ class BoundAdapter:
         spans = packed_spans(layers)
         numel = spans[-1][-1] if spans else 0
         if device.type != "cpu" and files:  # a new adapter's factors cut out of its file on the device
-            factors = [t for layer in layers for t in layer.factors.values()]
-            return pack_from_files(factors, [at for starts, _ in spans for at in starts], numel, dtype, device, files)
+            return _pack_on_device(layers, spans, dtype, device, files)
         if device.type == "cpu" and not pin_memory:  # a new adapter's host copy: written once, on huge pages
             flat = host_empty(numel, dtype)
         else:
@@ -117,6 +116,18 @@ class BoundAdapter:
         pieces = in_pieces(flat.nbytes) if device.type == "cpu" else 1
         run_all([functools.partial(fill, first, last) for first, last in _runs(spans, pieces)])
         return flat
+
+
+def _pack_on_device(layers: list[Layer], spans: list[tuple[list[int], int]], dtype: torch.dtype,
+                    device: torch.device, files: Sequence[FileData]) -> torch.Tensor:
+    factors = [t for layer in layers for t in layer.factors.values()]
+    try:
+        return pack_from_files(factors, [at for starts, _ in spans for at in starts], spans[-1][1], dtype, device,
+                               files)
+    except (NotInFile, AdapterError):
+        raise
+    except Exception as e:  # out of GPU memory, say: told apart from the parse's own fallbacks
+        raise DeviceReadFailed(f"{type(e).__name__}: {e}") from e
 
 
 def _pinned(packed: torch.Tensor) -> torch.Tensor:
@@ -185,9 +196,11 @@ def bind_adapter(parsed: ParsedAdapter, model: ModelLayers, max_rank: int = 1024
     (`device_read`: the bytes go to the GPU once; the cache copies them down later). Read
     whole, an adapter is packed on the host whatever `device` is."""
     layers = fitted_layers(parsed, model, max_rank)
-    where = device if parsed.files else "cpu"
-    bound = BoundAdapter(parsed.adapter_id, layers, tuple(parsed.base_models)).to(where, dtype, files=parsed.files)
-    _refuse_non_finite(bound, dtype)
+    where = torch.device(device if parsed.files else "cpu")
+    with reading_on(where):  # on CUDA a side stream: the read waits for none of the GPU worker's kernels
+        bound = BoundAdapter(parsed.adapter_id, layers, tuple(parsed.base_models)).to(where, dtype,
+                                                                                      files=parsed.files)
+        _refuse_non_finite(bound, dtype)
     return bound
 
 

@@ -2,9 +2,9 @@
 
 Adapters ready to fuse (bound, packed factors) live in the host tier; the hottest also
 have a copy in the GPU tier, so a swap needs no host-to-GPU copy. On CUDA a freshly read
-adapter arrives on the GPU (`device_read.py`; pageable host memory when it was read whole),
-and its pinned host copy is made afterwards by one background thread, off the request's
-path: pinning costs more than the read (bench/results/runs/2026-12-03-request-sdxl-h200.md),
+adapter arrives on the GPU (`device_read.py`, when `start_gpu_read` gives it a turn) or in
+pageable host memory, and its pinned host copy is made afterwards by one background
+thread, off the request's path: pinning costs more than the read (bench/results/runs/2026-12-03-request-sdxl-h200.md),
 and only swaps from the host tier need it. The GPU tier is a subset of the host tier,
 and its budget may not exceed the host budget (checked when the config is built).
 
@@ -29,9 +29,9 @@ from pydantic import BaseModel, Field, model_validator
 
 from ..flags import ADAPTERS, Flag
 from .bound import BoundAdapter
-from .host_memory import pin_by_registering
 
 logger = logging.getLogger(__name__)
+GPU_READS = 2  # adapters read straight to the GPU at once, or waiting there for their host copy
 
 
 class Tier(str, enum.Enum):
@@ -95,9 +95,8 @@ class AdapterCache:
         self.peak_bytes: Counter = Counter()  # tier -> the most it ever held
         self._copy_stream = None
         self.pin_host = device.type == "cuda"  # host copies pinned after insertion (`_pin_later`)
-        if self.pin_host:
-            pin_by_registering()
         self._pinner = ThreadPoolExecutor(1, thread_name_prefix="loraswap-pin")
+        self._gpu_reads = threading.BoundedSemaphore(GPU_READS)
 
     def close(self) -> None:
         self._pinner.shutdown(wait=False, cancel_futures=True)
@@ -151,18 +150,49 @@ class AdapterCache:
     def _pin_later(self, ref: "weakref.ref[CacheEntry]") -> None:
         """Replace the entry's pageable host copy by a pinned one, unless it left the cache.
         For a moment the adapter is in host RAM twice, pageable and pinned. A copy read
-        straight to the GPU (`device_read`) is copied down here: until then it is held on the
-        GPU, outside the GPU tier's budget."""
+        straight to the GPU (`start_gpu_read`) is copied down here, on the side stream (the
+        GPU worker's kernels neither wait for it nor it for them)."""
         entry = ref()
         if entry is None or not self.holds(entry):
             return
         try:
-            self.replace_host(entry, entry.host.to("cpu", pin_memory=True))
+            with self._on_side_stream():
+                self.replace_host(entry, entry.host.to("cpu", pin_memory=True))
         except Exception:  # out of pinnable memory, say: a pageable copy serves
             logger.warning("could not pin adapter %s in host RAM; it stays pageable", entry.adapter_id,
                            exc_info=True)
             if entry.host.device.type != "cpu":
+                self._copy_down_or_drop(entry)
+
+    def _copy_down_or_drop(self, entry: CacheEntry) -> None:
+        """A host copy still on the GPU, copied to pageable RAM; failing that, out of the cache
+        (read again when next asked for) rather than held on the GPU for good."""
+        try:
+            with self._on_side_stream():
                 self.replace_host(entry, entry.host.to("cpu"))
+        except Exception:
+            logger.warning("could not copy adapter %s to host RAM; dropped from the cache", entry.adapter_id,
+                           exc_info=True)
+            with self._lock:
+                self._drop(entry)
+                self._lock.notify_all()
+
+    def start_gpu_read(self, nbytes: int) -> bool:
+        """Whether a never-seen adapter of `nbytes` may be read straight to the GPU
+        (`device_read`): on CUDA, when the GPU tier could hold it, and while fewer than
+        `GPU_READS` such copies wait for their host copy (each holds GPU memory outside the
+        budgets until then). True takes a turn, which `end_gpu_read` gives back."""
+        return self.pin_host and nbytes <= self.config.gpu_bytes and self._gpu_reads.acquire(blocking=False)
+
+    def end_gpu_read(self) -> None:
+        self._gpu_reads.release()
+
+    def _on_side_stream(self):
+        """The cache's side stream (made once) as the current stream."""
+        with self._lock:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(self._copy_stream)
 
     def maybe_copy_to_gpu(self, entry: CacheEntry) -> None:
         """Give the entry a GPU copy (side stream) when the GPU budget allows; else nothing."""
@@ -171,9 +201,7 @@ class AdapterCache:
         with self._lock:
             if entry.nbytes > self.config.gpu_bytes or not self._make_room(Tier.GPU, entry.nbytes):
                 return
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(self.device)
-            with torch.cuda.stream(self._copy_stream):
+            with self._on_side_stream():
                 gpu = entry.host.to(self.device, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)

@@ -15,9 +15,10 @@ The cache keeps a host copy of every adapter; it is copied down from the GPU by 
 background thread, off the request's path.
 """
 
+import contextlib
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +37,15 @@ class _Staging:
     copied: torch.cuda.Event | None = None  # after which the GPU has taken what it held
 
 
+class DeviceReadFailed(Exception):
+    """Reading or packing an adapter on the GPU failed (out of memory, say): the caller reads
+    it on the host instead. Not a RuntimeError, which the parse's own fallback catches."""
+
+
 class StagingBuffers:
-    """Pinned host buffers on which a device's cold reads take turns; made once (`warm`).
-    Each is handed to one chunk at a time and reused once the GPU has copied it."""
+    """One device's cold reads: pinned host buffers they take turns on, made once (`warm`),
+    each handed to one chunk at a time and reused once the GPU has copied it; and the read
+    stream, a side stream, so that a read waits for no kernel the GPU worker has queued."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -57,33 +64,40 @@ class StagingBuffers:
                 self._free.put(_Staging(torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)))
             self._made = True
 
-    def copy_file(self, fd: int, offset: int, out: torch.Tensor, adapter_id: str) -> None:
-        """The file's bytes from `offset` into `out` (a uint8 tensor on the GPU, filled whole),
-        chunk by chunk through the staging buffers. On return the copies are ordered before
-        whatever the caller's stream does next."""
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Run a read on the read stream (its allocations, copies and checks), and wait for it
+        at the end: what it made is then complete for any stream."""
         self.warm()
-        caller = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(caller)  # `out` was allocated on the caller's stream
-        out.record_stream(self.stream)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            try:
+                yield
+            finally:
+                self.stream.synchronize()
+
+    def copy_file(self, fd: int, offset: int, nbytes: int, adapter_id: str) -> torch.Tensor:
+        """The file's `nbytes` from `offset` in a new uint8 tensor on the GPU, chunk by chunk
+        through the staging buffers, the copies on the read stream (call inside `reading`)."""
+        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
         def chunk(start: int) -> None:
             staging = self._free.get()
             try:
                 if staging.copied is not None:
                     staging.copied.synchronize()
-                n = min(CHUNK_BYTES, out.numel() - start)
+                n = min(CHUNK_BYTES, nbytes - start)
                 read_range(fd, staging.buffer[:n], offset + start, adapter_id)
-                with torch.cuda.stream(self.stream):
-                    out[start: start + n].copy_(staging.buffer[:n], non_blocking=True)
-                    staging.copied = torch.cuda.Event()
-                    staging.copied.record(self.stream)
+                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                    try:
+                        out[start: start + n].copy_(staging.buffer[:n], non_blocking=True)
+                    finally:  # whatever was queued, the buffer is reused only after it
+                        staging.copied = torch.cuda.Event()
+                        staging.copied.record(self.stream)
             finally:
                 self._free.put(staging)
 
-        try:
-            run_all([lambda s=start: chunk(s) for start in range(0, out.numel(), CHUNK_BYTES)])
-        finally:  # even after an error, nothing the caller frees next may still be in flight
-            caller.wait_stream(self.stream)
+        run_all([lambda s=start: chunk(s) for start in range(0, nbytes, CHUNK_BYTES)])
+        return out
 
 
 _staging: dict[torch.device, StagingBuffers] = {}
@@ -91,10 +105,14 @@ _staging_lock = threading.Lock()
 
 
 def staging_buffers(device: torch.device) -> StagingBuffers:
-    """The process's staging buffers for `device` (one set per GPU)."""
-    device = torch.device(device.type, torch.cuda.current_device() if device.index is None else device.index)
+    """The process's staging buffers for `device` (one set per GPU; `device` with its index)."""
     with _staging_lock:
         return _staging.setdefault(device, StagingBuffers(device))
+
+
+def reading_on(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a read packed on `device` runs in: the device's read stream on CUDA."""
+    return staging_buffers(device).reading() if device.type == "cuda" else contextlib.nullcontext()
 
 
 def pack_from_files(factors: Sequence[torch.Tensor], starts: Sequence[int], numel: int, dtype: torch.dtype,
@@ -102,26 +120,25 @@ def pack_from_files(factors: Sequence[torch.Tensor], starts: Sequence[int], nume
     """A flat `dtype` buffer of `numel` on `device` with factor i at `starts[i]`, zero between.
 
     A factor standing in for bytes of one of `files` is cut out of that file's data on the
-    GPU; any other (a small tensor the parse read) is copied up with the rest of them in one
-    copy. Raises `NotInFile` for a stand-in none of `files` owns."""
-    flat = torch.zeros(numel, dtype=dtype, device=device)
-    data = {id(file): _file_on_device(file, device) for file in files}
-    sources, targets, small = [], [], []
+    device; any other (a small tensor the parse read) is copied up with the rest of them in
+    one copy. Raises `NotInFile` for a stand-in none of `files` owns, before anything is read."""
+    in_files, small = [], []  # (file, byte offset, stand-in, where) and (tensor, where)
     for tensor, at in zip(factors, starts):
-        target = flat[at: at + tensor.numel()]
         if not tensor.is_meta:
-            small.append((tensor, target))
+            small.append((tensor, at))
             continue
         file = next((f for f in files if f.owns(tensor)), None)
         if file is None or not tensor.is_contiguous():
             raise NotInFile("a factor computed from the file's tensors, not cut out of one")
-        begin = tensor.storage_offset() * tensor.element_size()
-        sources.append(data[id(file)][begin: begin + tensor.nbytes].view(tensor.dtype))
-        targets.append(target)
+        in_files.append((file, tensor.storage_offset() * tensor.element_size(), tensor, at))
+    flat = torch.zeros(numel, dtype=dtype, device=device)
+    data = {id(file): _file_on_device(file, device) for file in {id(f): f for f, *_ in in_files}.values()}
+    sources = [data[id(file)][begin: begin + tensor.nbytes].view(tensor.dtype) for file, begin, tensor, _ in in_files]
+    targets = [flat[at: at + tensor.numel()] for _, _, tensor, at in in_files]
     if small:
         up = torch.cat([t.reshape(-1).to(dtype) for t, _ in small]).to(device)
         sources += list(up.split([t.numel() for t, _ in small]))
-        targets += [target for _, target in small]
+        targets += [flat[at: at + t.numel()] for t, at in small]
     if targets:
         torch._foreach_copy_(targets, sources)
     return flat
@@ -129,9 +146,9 @@ def pack_from_files(factors: Sequence[torch.Tensor], starts: Sequence[int], nume
 
 def _file_on_device(file: FileData, device: torch.device) -> torch.Tensor:
     """The file's data section on `device` (read straight into it on the CPU)."""
-    out = torch.empty(file.file.data_len, dtype=torch.uint8, device=device)
     if device.type == "cuda":
-        staging_buffers(device).copy_file(file.file.fd, file.file.data_offset, out, file.adapter_id)
-    else:
-        read_range(file.file.fd, out, file.file.data_offset, file.adapter_id)
+        return staging_buffers(device).copy_file(file.file.fd, file.file.data_offset, file.file.data_len,
+                                                 file.adapter_id)
+    out = torch.empty(file.file.data_len, dtype=torch.uint8)
+    read_range(file.file.fd, out, file.file.data_offset, file.adapter_id)
     return out

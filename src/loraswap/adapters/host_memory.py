@@ -17,7 +17,6 @@ read and packed in pieces on `COPY_THREADS` threads (file reads and torch copies
 GIL), which on a 2-core machine halves both.
 """
 
-import logging
 import mmap
 import os
 import threading
@@ -26,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-logger = logging.getLogger(__name__)
 HUGE_PAGE = 2 * 2**20
 COPY_THREADS = max(1, min(8, os.cpu_count() or 1))
 PARALLEL_FROM = 64 * 2**20  # smaller buffers are filled on the caller's thread
@@ -82,21 +80,3 @@ def run_all(jobs: list[Callable[[], None]]) -> None:
     for future in futures:
         future.result()
 
-
-def pin_by_registering() -> None:
-    """Have torch pin host memory as malloc'd pages registered with the driver on several
-    threads (`cudaHostRegister`), rather than by `cudaHostAlloc`.
-
-    The cache pins each new adapter's host copy on a background thread. A `cudaHostAlloc` of
-    a FLUX.1 rank-64 LoRA's 428 MiB holds the driver, and the GPU worker's swap, launching
-    kernels meanwhile, waited it out: 187-206 ms for a cold request's swap against 15 ms
-    cached. Registered, the same pinning left the worker's launches unslowed
-    (`scripts/pinning_stall_probe.py`, bench/results/runs/2026-12-06-cold-path-h100.md). A
-    setting the user gave in `PYTORCH_CUDA_ALLOC_CONF` is left as it is."""
-    if "pinned_use_cuda_host_register" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        return
-    setting = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{COPY_THREADS}"
-    try:
-        torch._C._accelerator_setAllocatorSettings(setting)
-    except (AttributeError, RuntimeError) as e:  # another torch: pinning still works, by cudaHostAlloc
-        logger.warning("could not set %s (%s): pinning adapters may stall swaps", setting, e)

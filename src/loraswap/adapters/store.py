@@ -10,6 +10,7 @@ holds and never holds adapters itself.
 """
 
 import logging
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 from ..errors import AdapterError, AdapterNotFound, BadRequest
 from .bound import BoundAdapter, ModelLayers, bind_adapter, fitted_layers
 from .cache import AdapterCache, CacheConfig, CacheEntry
-from .device_read import staging_buffers
+from .device_read import DeviceReadFailed, staging_buffers
 from .file_data import NotInFile
 from .lease import Lease
 from .metadata import refuse_other_base
@@ -77,8 +78,12 @@ class AdapterStore:
         self.cache = AdapterCache(cache, device)
         self._fits: dict[str, tuple[tuple, bool]] = {}  # adapter id -> (file stamp, fits this model)
         self._pool = ThreadPoolExecutor(limits.prefetch_threads, thread_name_prefix="loraswap-prefetch")
-        if device.type == "cuda":  # pinned now, not in the first cold request
-            staging_buffers(device).warm()
+        # the GPU cold reads go to (with its index: the store's threads do not share the caller's device)
+        self._read_device = torch.device("cpu")
+        if device.type == "cuda":
+            self._read_device = torch.device("cuda", torch.cuda.current_device() if device.index is None
+                                             else device.index)
+            staging_buffers(self._read_device).warm()  # pinned now, not in the first cold request
 
     # ---------------------------------------------------------------- finding
     def locate(self, adapter_id: str) -> AdapterLocation:
@@ -142,8 +147,25 @@ class AdapterStore:
         return entry
 
     def _read(self, location: AdapterLocation) -> BoundAdapter:
-        """On CUDA, straight to the GPU (`device_read`); the cache copies it down to host RAM later."""
-        return read_adapter(location, self.model, self.limits, self.cache.device)
+        """On CUDA, straight to the GPU when the cache gives it a turn (`start_gpu_read`; the
+        cache copies it down to host RAM later), else on the host."""
+        nbytes = sum(path.stat().st_size for path in (location.weights, location.second_expert) if path)
+        if not self.cache.start_gpu_read(nbytes):
+            return read_adapter(location, self.model, self.limits)
+        try:
+            bound = read_adapter(location, self.model, self.limits, self._read_device)
+        except DeviceReadFailed as e:
+            self.cache.end_gpu_read()
+            logger.warning("adapter %s could not be read to the GPU (%s); read on the host", location.adapter_id, e)
+            return read_adapter(location, self.model, self.limits)
+        except BaseException:
+            self.cache.end_gpu_read()
+            raise
+        if bound.packed is not None and bound.packed.is_cuda:  # its turn ends when this GPU copy is dropped
+            weakref.finalize(bound, self.cache.end_gpu_read)
+        else:  # read whole: packed on the host
+            self.cache.end_gpu_read()
+        return bound
 
     def fits(self, location: AdapterLocation) -> bool:
         """Whether the adapter's keys and shapes fit this model's layers: read once per file

@@ -51,6 +51,8 @@ class Startup:
         self._retried_cold = False
         if config.max_gpu_memory_gb and device.type == "cuda":
             cap_gpu_memory(device, config.max_gpu_memory_gb)
+        if device.type == "cuda":
+            pin_by_registering()
         # set before anything compiles (the denoiser, the swap kernel); the UNets' SDPA kernel
         # choice is made outside the graph, so it goes into the cache key
         if hasattr(torch.compiler.config, "cache_key_tag"):
@@ -214,6 +216,29 @@ def cap_gpu_memory(device: torch.device, gigabytes: float) -> None:
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, gigabytes * 2**30 / total), index)
     logger.info("GPU %d capped at %.1f GiB of %.1f GiB", index, min(gigabytes, total / 2**30), total / 2**30)
+
+
+def pin_by_registering() -> bool:
+    """Have torch pin host memory as malloc'd pages registered with the driver on several
+    threads (`cudaHostRegister`), rather than by `cudaHostAlloc`, unless its settings name
+    it already (the operator's choice stands); whether it was switched.
+
+    The adapter cache pins each new adapter's host copy on a background thread. A
+    `cudaHostAlloc` of a FLUX.1 rank-64 LoRA's 428 MiB holds the driver, and the GPU worker's
+    swap, launching kernels meanwhile, waited it out: 187-206 ms for a cold request's swap
+    against 15 ms cached; registered, 15-26 ms (`scripts/pinning_stall_probe.py`,
+    bench/results/runs/2026-12-06-cold-path-h100.md)."""
+    configured = ",".join(os.environ.get(name, "") for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
+    if "pinned_use_cuda_host_register" in configured:
+        return False
+    threads = 1 << (min(8, os.cpu_count() or 1).bit_length() - 1)  # torch takes a power of two
+    setting = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}"
+    try:
+        torch._C._accelerator_setAllocatorSettings(setting)
+    except (AttributeError, RuntimeError, ValueError) as e:  # another torch: pinning still works, by cudaHostAlloc
+        logger.warning("could not set %s (%s): pinning a new adapter may stall a swap", setting, e)
+        return False
+    return True
 
 
 def use_expandable_segments() -> bool:
