@@ -124,7 +124,7 @@ def check_cold_read(folder: Path) -> None:
 
 def check_staged_reads(folder: Path) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
-    device_read.CHUNK_BYTES, device_read.STAGING_BUFFERS = 64 * 2**10 + 6, 2  # odd chunks, each buffer reused
+    device_read.CHUNK_BYTES, device_read.STAGING_BUFFERS = 2**10 + 6, 2  # odd chunks, each buffer reused
     device_read._staging[device] = staging = device_read.StagingBuffers(device)
     file_data.LARGE = 64
     cls, components = lora_components("tiny-flux")
@@ -132,6 +132,7 @@ def check_staged_reads(folder: Path) -> None:
     path = folder / "staged.safetensors"
     save_file(sd, str(path), metadata=md)
     target = TargetModel("tiny-flux", cls, ModelLayers(components), torch.bfloat16, None)
+    assert chunk_count(path) > 2 * device_read.STAGING_BUFFERS  # on the copy threads, each buffer reused
     on_host = read_adapter(AdapterLocation("a", path, None), target).packed.view(torch.uint8)
     with ThreadPoolExecutor(4) as pool:
         reads = list(pool.map(lambda _: read_adapter(AdapterLocation("a", path, None), target, device=device),

@@ -46,3 +46,13 @@ def test_a_torch_that_refuses_the_setting_leaves_pinning_as_it_was(monkeypatch, 
 def test_the_setting_is_one_torch_parses():
     """This torch's own parser takes the string (on a CPU build it is accepted and unused)."""
     torch._C._accelerator_setAllocatorSettings("pinned_use_cuda_host_register:True,pinned_num_register_threads:4")
+
+
+def test_the_operators_other_settings_are_restated(given, monkeypatch):
+    """torch's parser resets the keys a settings string leaves out: the environment's own
+    (a split size, say) go first in each call, so none is lost."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    monkeypatch.setattr(startup.os, "cpu_count", lambda: 16)
+    assert startup.pin_by_registering() and startup.use_expandable_segments()
+    assert given == ["max_split_size_mb:512,pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
+                     "max_split_size_mb:512,expandable_segments:True"]

@@ -59,9 +59,10 @@ class StagingBuffers:
         with self._lock:
             if self._made:
                 return
+            buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(STAGING_BUFFERS)]
             self.stream = torch.cuda.Stream(self.device)
-            for _ in range(STAGING_BUFFERS):
-                self._free.put(_Staging(torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)))
+            for buffer in buffers:  # all or none: a failed warm-up is tried again whole
+                self._free.put(_Staging(buffer))
             self._made = True
 
     @contextlib.contextmanager
@@ -105,9 +106,14 @@ _staging_lock = threading.Lock()
 
 
 def staging_buffers(device: torch.device) -> StagingBuffers:
-    """The process's staging buffers for `device` (one set per GPU; `device` with its index)."""
+    """The process's staging buffers for `device` (one set per GPU; without an index, the
+    calling thread's current one)."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
     with _staging_lock:
-        return _staging.setdefault(device, StagingBuffers(device))
+        if device not in _staging:
+            _staging[device] = StagingBuffers(device)
+        return _staging[device]
 
 
 def reading_on(device: torch.device) -> contextlib.AbstractContextManager:

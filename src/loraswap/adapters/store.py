@@ -75,15 +75,14 @@ class AdapterStore:
         self.source = source
         self.model = model
         self.limits = limits
+        if device.type == "cuda" and device.index is None:  # the store's threads do not share the caller's
+            device = torch.device("cuda", torch.cuda.current_device())
         self.cache = AdapterCache(cache, device)
         self._fits: dict[str, tuple[tuple, bool]] = {}  # adapter id -> (file stamp, fits this model)
         self._pool = ThreadPoolExecutor(limits.prefetch_threads, thread_name_prefix="loraswap-prefetch")
-        # the GPU cold reads go to (with its index: the store's threads do not share the caller's device)
-        self._read_device = torch.device("cpu")
+        self._read_device = device if device.type == "cuda" else torch.device("cpu")  # where cold reads go
         if device.type == "cuda":
-            self._read_device = torch.device("cuda", torch.cuda.current_device() if device.index is None
-                                             else device.index)
-            staging_buffers(self._read_device).warm()  # pinned now, not in the first cold request
+            staging_buffers(device).warm()  # pinned now, not in the first cold request
 
     # ---------------------------------------------------------------- finding
     def locate(self, adapter_id: str) -> AdapterLocation:

@@ -228,13 +228,12 @@ def pin_by_registering() -> bool:
     swap, launching kernels meanwhile, waited it out: 187-206 ms for a cold request's swap
     against 15 ms cached; registered, 15-26 ms (`scripts/pinning_stall_probe.py`,
     bench/results/runs/2026-12-06-cold-path-h100.md)."""
-    configured = ",".join(os.environ.get(name, "") for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
-    if "pinned_use_cuda_host_register" in configured:
+    if "pinned_use_cuda_host_register" in _operators_settings():
         return False
     threads = 1 << (min(8, os.cpu_count() or 1).bit_length() - 1)  # torch takes a power of two
     setting = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}"
     try:
-        torch._C._accelerator_setAllocatorSettings(setting)
+        torch._C._accelerator_setAllocatorSettings(_with_operators_settings(setting))
     except (AttributeError, RuntimeError, ValueError) as e:  # another torch: pinning still works, by cudaHostAlloc
         logger.warning("could not set %s (%s): pinning a new adapter may stall a swap", setting, e)
         return False
@@ -244,14 +243,24 @@ def pin_by_registering() -> bool:
 def use_expandable_segments() -> bool:
     """Switch torch's CUDA allocator to expandable segments unless its settings name them
     already (the operator's choice stands); whether it was switched."""
-    configured = ",".join(os.environ.get(name, "") for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
-    if "expandable_segments" in configured:
+    if "expandable_segments" in _operators_settings():
         return False
     # torch 2.9+ names it in torch._C; torch.cuda.memory's older name warns that it is deprecated
     set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) \
         or torch.cuda.memory._set_allocator_settings
-    set_settings("expandable_segments:True")
+    set_settings(_with_operators_settings("expandable_segments:True"))
     return True
+
+
+def _operators_settings() -> str:
+    """The allocator settings the environment gives torch (under either of its names)."""
+    return ",".join(filter(None, (os.environ.get(name) for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))))
+
+
+def _with_operators_settings(setting: str) -> str:
+    """`setting` after the environment's own: torch's parser resets the keys a string leaves
+    out (`max_split_size_mb`, say), so each call restates the operator's."""
+    return ",".join(filter(None, (_operators_settings(), setting)))
 
 
 def freeze_loaded_objects() -> None:

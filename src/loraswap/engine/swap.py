@@ -144,8 +144,8 @@ class FusedSwapper:
         except BaseException:
             self._restore(touched)
             raise
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        if torch.cuda.is_available():  # this stream only: not the cold reads' and the cache's side streams
+            torch.cuda.current_stream().synchronize()
         return time.perf_counter() - start
 
     def _restore_stale(self, stale: list[LayerKey]) -> None:
