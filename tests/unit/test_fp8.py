@@ -187,7 +187,8 @@ def test_the_gpu_memory_cap_names_the_gpu_by_index(monkeypatch, device, index):
 
 @pytest.mark.parametrize("env,expected", [
     ({}, ["expandable_segments:True"]),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, ["expandable_segments:True"]),
+    # the operator's other settings restated: torch's parser resets what a string leaves out
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, ["max_split_size_mb:512,expandable_segments:True"]),
     ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, []),  # the operator's choice stands
     ({"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8,expandable_segments:True"}, []),
 ])

@@ -14,6 +14,7 @@ done). When nothing can be evicted, `insert` waits for space instead of overshoo
 an adapter larger than the whole host budget is served without being cached.
 """
 
+import contextlib
 import enum
 import itertools
 import logging
@@ -155,13 +156,14 @@ class AdapterCache:
         entry = ref()
         if entry is None or not self.holds(entry):
             return
+        on_gpu = entry.host.device.type != "cpu"
         try:
-            with self._on_side_stream("down"):
+            with self._on_side_stream("down") if on_gpu else contextlib.nullcontext():
                 self.replace_host(entry, entry.host.to("cpu", pin_memory=True))
         except Exception:  # out of pinnable memory, say: a pageable copy serves
             logger.warning("could not pin adapter %s in host RAM; it stays pageable", entry.adapter_id,
                            exc_info=True)
-            if entry.host.device.type != "cpu":
+            if on_gpu:
                 self._copy_down_or_drop(entry)
 
     def _copy_down_or_drop(self, entry: CacheEntry) -> None:
