@@ -43,11 +43,6 @@ def test_a_torch_that_refuses_the_setting_leaves_pinning_as_it_was(monkeypatch, 
     assert "could not set pinned_use_cuda_host_register" in caplog.text
 
 
-def test_the_setting_is_one_torch_parses():
-    """This torch's own parser takes the string (on a CPU build it is accepted and unused)."""
-    torch._C._accelerator_setAllocatorSettings("pinned_use_cuda_host_register:True,pinned_num_register_threads:4")
-
-
 def test_the_operators_other_settings_are_restated(given, monkeypatch):
     """torch's parser resets the keys a settings string leaves out: the environment's own
     (a split size, say) go first in each call, so none is lost."""

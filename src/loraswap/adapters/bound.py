@@ -121,10 +121,9 @@ class BoundAdapter:
 def _pack_on_device(layers: list[Layer], spans: list[tuple[list[int], int]], dtype: torch.dtype,
                     device: torch.device, files: Sequence[FileData]) -> torch.Tensor:
     factors = [t for layer in layers for t in layer.factors.values()]
-    try:
-        with reading_on(device):  # (already so inside `bind_adapter`: its check runs there too)
-            return pack_from_files(factors, [at for starts, _ in spans for at in starts], spans[-1][1], dtype,
-                                   device, files)
+    try:  # (on the read stream: `files` come only from `bind_adapter`, which reads there)
+        return pack_from_files(factors, [at for starts, _ in spans for at in starts], spans[-1][1], dtype, device,
+                               files)
     except (NotInFile, AdapterError):
         raise
     except Exception as e:  # out of GPU memory, say: told apart from the parse's own fallbacks

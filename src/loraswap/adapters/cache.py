@@ -94,8 +94,12 @@ class AdapterCache:
         self.hits: Counter = Counter()  # tier -> count
         self.misses = 0
         self.peak_bytes: Counter = Counter()  # tier -> the most it ever held
-        self._streams: dict[str, torch.cuda.Stream] = {}  # "up" (GPU tier copies), "down" (host copies)
         self.pin_host = device.type == "cuda"  # host copies pinned after insertion (`_pin_later`)
+        # copies up to the GPU tier and down to host RAM, each on a side stream of its own: neither
+        # waits for the other, nor for the GPU worker's kernels
+        self._up = self._down = None
+        if self.pin_host:
+            self._up, self._down = torch.cuda.Stream(device), torch.cuda.Stream(device)
         self._pinner = ThreadPoolExecutor(1, thread_name_prefix="loraswap-pin")
         self._gpu_reads = threading.BoundedSemaphore(GPU_READS)
 
@@ -158,7 +162,7 @@ class AdapterCache:
             return
         on_gpu = entry.host.device.type != "cpu"
         try:
-            with self._on_side_stream("down") if on_gpu else contextlib.nullcontext():
+            with torch.cuda.stream(self._down) if on_gpu else contextlib.nullcontext():
                 self.replace_host(entry, entry.host.to("cpu", pin_memory=True))
         except Exception:  # out of pinnable memory, say: a pageable copy serves
             logger.warning("could not pin adapter %s in host RAM; it stays pageable", entry.adapter_id,
@@ -170,7 +174,7 @@ class AdapterCache:
         """A host copy still on the GPU, copied to pageable RAM; failing that, out of the cache
         (read again when next asked for) rather than held on the GPU for good."""
         try:
-            with self._on_side_stream("down"):
+            with torch.cuda.stream(self._down):
                 self.replace_host(entry, entry.host.to("cpu"))
         except Exception:
             logger.warning("could not copy adapter %s to host RAM; dropped from the cache", entry.adapter_id,
@@ -189,14 +193,6 @@ class AdapterCache:
     def end_gpu_read(self) -> None:
         self._gpu_reads.release()
 
-    def _on_side_stream(self, direction: str):
-        """One of the cache's side streams (made once) as the current stream: copies up to the
-        GPU tier and copies down to host RAM each have their own, so neither waits for the other."""
-        with self._lock:
-            if direction not in self._streams:
-                self._streams[direction] = torch.cuda.Stream(self.device)
-        return torch.cuda.stream(self._streams[direction])
-
     def maybe_copy_to_gpu(self, entry: CacheEntry) -> None:
         """Give the entry a GPU copy (side stream) when the GPU budget allows; else nothing."""
         if self.device.type != "cuda" or not entry.cached or entry.gpu is not None:
@@ -207,11 +203,11 @@ class AdapterCache:
             if entry.host.packed is not None and entry.host.packed.is_cuda:  # read to the GPU: complete already
                 gpu, event = entry.host.to(self.device), None  # (another object on the same buffer: no copy)
             else:
-                with self._on_side_stream("up"):
+                with torch.cuda.stream(self._up):
                     gpu = entry.host.to(self.device, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record()
-                gpu.packed.record_stream(self._streams["up"])
+                gpu.packed.record_stream(self._up)
             entry.gpu, entry.gpu_ready = gpu, event
             self.peak_bytes[Tier.GPU.value] = max(self.peak_bytes[Tier.GPU.value], self._used(Tier.GPU))
 

@@ -79,4 +79,3 @@ def run_all(jobs: list[Callable[[], None]]) -> None:
     wait(futures)  # all of them, failed or not: none may still write once the caller moves on
     for future in futures:
         future.result()
-

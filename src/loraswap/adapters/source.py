@@ -51,6 +51,11 @@ def file_stamp(location: AdapterLocation) -> tuple:
     return stamp
 
 
+def stamp_bytes(stamp: tuple) -> int:
+    """The size of the file (or pair of files) a `file_stamp` was taken of."""
+    return sum(stamp[0::4])
+
+
 def check_adapter_id(adapter_id: str) -> str:
     if not ADAPTER_ID.match(adapter_id) or adapter_id.endswith("/"):
         raise BadRequest(f"invalid adapter id {adapter_id!r}: ids are names like 'style/anime' (letters, digits, "

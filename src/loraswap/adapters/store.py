@@ -29,7 +29,7 @@ from .metadata import refuse_other_base
 from .parse import ParsedAdapter, load_adapter
 from .references import check_id
 from .remote import RemoteSettings, RemoteSources
-from .source import AdapterLocation, AdapterSources, HubAdapterSource, LocalAdapterSource, file_stamp
+from .source import AdapterLocation, AdapterSources, HubAdapterSource, LocalAdapterSource, file_stamp, stamp_bytes
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,7 +80,6 @@ class AdapterStore:
         self.cache = AdapterCache(cache, device)
         self._fits: dict[str, tuple[tuple, bool]] = {}  # adapter id -> (file stamp, fits this model)
         self._pool = ThreadPoolExecutor(limits.prefetch_threads, thread_name_prefix="loraswap-prefetch")
-        self._read_device = device if device.type == "cuda" else torch.device("cpu")  # where cold reads go
         if device.type == "cuda":
             staging_buffers(device).warm()  # pinned now, not in the first cold request
 
@@ -137,7 +136,7 @@ class AdapterStore:
         stamp = file_stamp(location)
         entry = self.cache.lookup(adapter_id, stamp)
         if entry is None:
-            entry = self.cache.insert(adapter_id, self._read(location), stamp)
+            entry = self.cache.insert(adapter_id, self._read(location, stamp_bytes(stamp)), stamp)
         try:
             self.cache.maybe_copy_to_gpu(entry)
         except BaseException:
@@ -145,14 +144,14 @@ class AdapterStore:
             raise
         return entry
 
-    def _read(self, location: AdapterLocation) -> BoundAdapter:
-        """On CUDA, straight to the GPU when the cache gives it a turn (`start_gpu_read`; the
-        cache copies it down to host RAM later), else on the host."""
-        nbytes = sum(path.stat().st_size for path in (location.weights, location.second_expert) if path)
+    def _read(self, location: AdapterLocation, nbytes: int) -> BoundAdapter:
+        """The adapter's `nbytes` of files read: on CUDA straight to the GPU when the cache
+        gives it a turn (`start_gpu_read`; the cache copies it down to host RAM later), else
+        on the host."""
         if not self.cache.start_gpu_read(nbytes):
             return read_adapter(location, self.model, self.limits)
         try:
-            bound = read_adapter(location, self.model, self.limits, self._read_device)
+            bound = read_adapter(location, self.model, self.limits, self.cache.device)
         except DeviceReadFailed as e:
             self.cache.end_gpu_read()
             logger.warning("adapter %s could not be read to the GPU (%s); read on the host", location.adapter_id, e)
