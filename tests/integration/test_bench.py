@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -45,7 +46,11 @@ def test_bench_serve_runs_both_modes(tmp_path):
         # the first pass meets each adapter first (cold, its read on the path); the second, none
         assert 1 <= sum(runs[0]["cold"]) <= report["distinct_in_stream"] and sum(runs[1]["cold"]) == 0
         data = report["modes"][mode]
-        assert data["cold_requests"] == sum(runs[0]["cold"]) and data["cold_p50_s"] > 0 and data["cached_p50_s"] > 0
+        # cold against cached over the one-client pass only: with two clients a latency holds the queue
+        cold = [t for t, is_cold in zip(runs[0]["latencies"], runs[0]["cold"]) if is_cold]
+        cached = [t for t, is_cold in zip(runs[0]["latencies"], runs[0]["cold"]) if not is_cold]
+        assert data["cold_requests"] == len(cold) and data["cold_p50_s"] == statistics.median(cold)
+        assert data["cached_p50_s"] == (statistics.median(cached) if cached else None)
     assert set(report["speedup_p50"]) == {"1", "2"}
 
 

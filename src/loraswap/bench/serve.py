@@ -183,11 +183,12 @@ def _drive(url: str, stream: list[str], concurrency: int, params: dict, seen: se
 
 
 def _cold_and_cached(runs: list[dict]) -> dict:
-    """Over every pass of one server: the p50 latency of the cold requests (the first for
-    their adapter: its read on the request's path) and of the others, and the cold ones'
-    `read` phase."""
+    """Over the one-client passes of one server: the p50 latency of the cold requests (the
+    first for their adapter: its read on the request's path) and of the others, and the cold
+    ones' `read` phase. With more clients a latency holds the queue too, and the adapters are
+    no longer new, so those passes would mix unlike things."""
     cold, cached, cold_read = [], [], []
-    for run in runs:
+    for run in (r for r in runs if r["concurrency"] == 1):
         for latency, is_cold, timing in zip(run["latencies"], run["cold"], run["server_timing_ms"]):
             (cold if is_cold else cached).append(latency)
             if is_cold and "read" in timing:
