@@ -2,6 +2,7 @@
 the safetensors library reads, the format's layout rules enforced as it enforces them, and
 host buffers that go back to the system when dropped."""
 
+import functools
 import json
 import resource
 import struct
@@ -185,8 +186,7 @@ def test_factors_cut_out_of_the_file_on_the_device_pack_as_on_the_host(tmp_path,
     host's packing does, padding included; a factor the parse computed from stand-ins raises
     `NotInFile` (the store then reads the file whole). Run here with the CPU as the device."""
     from loraswap.adapters import file_data
-    from loraswap.adapters.bound import BoundAdapter, ModelLayers, fitted_layers, packed_spans
-    from loraswap.adapters.device_read import pack_from_files
+    from loraswap.adapters.bound import BoundAdapter, ModelLayers, _pack_on_device, fitted_layers, packed_spans
     from loraswap.adapters.file_data import NotInFile
     from loraswap.adapters.parse import load_adapter
     from loraswap.adapters.random import make_random_adapter
@@ -204,22 +204,44 @@ def test_factors_cut_out_of_the_file_on_the_device_pack_as_on_the_host(tmp_path,
     try:
         bound = BoundAdapter("a", fitted_layers(parsed, layers))
         factors = [t for layer in bound.layers.values() for t in layer.factors.values()]
-        starts = [at for at_layer, _ in packed_spans(bound.layers.values()) for at in at_layer]
-        numel = packed_spans(bound.layers.values())[-1][1]
+        on_the_device = functools.partial(_pack_on_device, list(bound.layers.values()),
+                                          packed_spans(bound.layers.values()), model_dtype, torch.device("cpu"),
+                                          parsed.files)
         if kind == "lokr" and large == 64:  # rows of a product of two stand-ins
             with pytest.raises(NotInFile):
-                pack_from_files(factors, starts, numel, model_dtype, torch.device("cpu"), parsed.files)
+                on_the_device()
             return
         read_at_parse = sum(not t.is_meta for t in factors)
         assert read_at_parse > 0 if large == 600 else read_at_parse == 0
         assert read_at_parse < len(factors) or kind == "lokr"  # (a LoKr's small factors are all computed)
-        on_device = pack_from_files(factors, starts, numel, model_dtype, torch.device("cpu"), parsed.files)
+        on_device = on_the_device()
         on_host = bound.to("cpu", model_dtype, files=parsed.files).packed
     finally:
         for file in parsed.files:
             file.close()
     assert on_device.dtype == on_host.dtype == model_dtype
     assert torch.equal(on_device.view(torch.uint8), on_host.view(torch.uint8))
+
+
+def test_a_read_that_fails_on_the_device_says_so_and_refusals_stay_refusals(tmp_path, monkeypatch):
+    """Out of GPU memory (say) while packing on the device is `DeviceReadFailed`, which the
+    store reads again on the host; the parse's `NotInFile` and an adapter's own refusal
+    (a file cut short) pass through unchanged, each handled where it was before."""
+    from loraswap.adapters import bound as bound_module
+    from loraswap.adapters.device_read import DeviceReadFailed
+    from loraswap.adapters.file_data import NotInFile
+
+    layers, spans = [], [([0], 4)]
+    cut_short = AdapterInvalid("a", "the file ended while it was read", "Download it again")
+    for error, expected in [(torch.OutOfMemoryError("CUDA out of memory"), DeviceReadFailed),
+                            (NotInFile("computed"), NotInFile), (cut_short, AdapterInvalid)]:
+        def fail(*args, error=error):
+            raise error
+
+        monkeypatch.setattr(bound_module, "pack_from_files", fail)
+        with pytest.raises(expected) as raised:
+            bound_module._pack_on_device(layers, spans, torch.float32, torch.device("cpu"), ())
+        assert expected is not DeviceReadFailed or "OutOfMemoryError: CUDA out of memory" in str(raised.value)
 
 
 def test_reads_in_place_leave_no_file_open(tmp_path, monkeypatch):

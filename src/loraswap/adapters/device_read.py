@@ -105,11 +105,18 @@ _staging: dict[torch.device, StagingBuffers] = {}
 _staging_lock = threading.Lock()
 
 
+def with_index(device: torch.device) -> torch.device:
+    """A CUDA device named by its index (without one, the calling thread's current GPU), so
+    that other threads mean the same GPU by it."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def staging_buffers(device: torch.device) -> StagingBuffers:
     """The process's staging buffers for `device` (one set per GPU; without an index, the
     calling thread's current one)."""
-    if device.index is None:
-        device = torch.device(device.type, torch.cuda.current_device())
+    device = with_index(device)
     with _staging_lock:
         if device not in _staging:
             _staging[device] = StagingBuffers(device)

@@ -22,7 +22,7 @@ import torch
 from ..errors import AdapterError, AdapterNotFound, BadRequest
 from .bound import BoundAdapter, ModelLayers, bind_adapter, fitted_layers
 from .cache import AdapterCache, CacheConfig, CacheEntry
-from .device_read import DeviceReadFailed, staging_buffers
+from .device_read import DeviceReadFailed, staging_buffers, with_index
 from .file_data import NotInFile
 from .lease import Lease
 from .metadata import refuse_other_base
@@ -75,12 +75,11 @@ class AdapterStore:
         self.source = source
         self.model = model
         self.limits = limits
-        if device.type == "cuda" and device.index is None:  # the store's threads do not share the caller's
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = with_index(device)  # the store's threads do not share the caller's current GPU
         self.cache = AdapterCache(cache, device)
         self._fits: dict[str, tuple[tuple, bool]] = {}  # adapter id -> (file stamp, fits this model)
         self._pool = ThreadPoolExecutor(limits.prefetch_threads, thread_name_prefix="loraswap-prefetch")
-        if device.type == "cuda":
+        if device.type == "cuda" and cache.gpu_bytes:  # (with no GPU tier nothing is read to the GPU)
             staging_buffers(device).warm()  # pinned now, not in the first cold request
 
     # ---------------------------------------------------------------- finding

@@ -233,8 +233,8 @@ def pin_by_registering() -> bool:
     threads = 1 << (min(8, os.cpu_count() or 1).bit_length() - 1)  # torch takes a power of two
     setting = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}"
     try:
-        torch._C._accelerator_setAllocatorSettings(_with_operators_settings(setting))
-    except (AttributeError, RuntimeError, ValueError) as e:  # another torch: pinning still works, by cudaHostAlloc
+        _set_allocator_settings(setting)
+    except (RuntimeError, ValueError) as e:  # a torch that refuses it: pinning still works, by cudaHostAlloc
         logger.warning("could not set %s (%s): pinning a new adapter may stall a swap", setting, e)
         return False
     return True
@@ -245,10 +245,7 @@ def use_expandable_segments() -> bool:
     already (the operator's choice stands); whether it was switched."""
     if "expandable_segments" in _operators_settings():
         return False
-    # torch 2.9+ names it in torch._C; torch.cuda.memory's older name warns that it is deprecated
-    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) \
-        or torch.cuda.memory._set_allocator_settings
-    set_settings(_with_operators_settings("expandable_segments:True"))
+    _set_allocator_settings("expandable_segments:True")
     return True
 
 
@@ -257,10 +254,11 @@ def _operators_settings() -> str:
     return ",".join(filter(None, (os.environ.get(name) for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))))
 
 
-def _with_operators_settings(setting: str) -> str:
-    """`setting` after the environment's own: torch's parser resets the keys a string leaves
-    out (`max_split_size_mb`, say), so each call restates the operator's."""
-    return ",".join(filter(None, (_operators_settings(), setting)))
+def _set_allocator_settings(setting: str) -> None:
+    """Give torch's allocator `setting` after the environment's own: torch's parser resets
+    some keys a string leaves out (`max_split_size_mb`, say), so each call restates the
+    operator's."""
+    torch._C._accelerator_setAllocatorSettings(",".join(filter(None, (_operators_settings(), setting))))
 
 
 def freeze_loaded_objects() -> None:
