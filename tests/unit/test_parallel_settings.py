@@ -75,3 +75,22 @@ def test_padded_text_gives_the_prediction_of_the_unpadded():
         padded = transformer(**call)[0]
     torch.testing.assert_close(padded, unpadded, rtol=0, atol=1e-5)
     assert padded.abs().max() > 0.1
+
+
+def test_more_ranks_than_gpus_are_refused_before_any_process_starts(monkeypatch):
+    """NCCL would refuse two ranks on one GPU only at the first collective, once every rank
+    had loaded the model: the server refuses at start-up, naming the counts."""
+    import multiprocessing
+
+    from loraswap.engine.rank_processes import RankProcesses, check_gpu_count
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(multiprocessing, "get_context", lambda *_: pytest.fail("a process was started"))
+    guided = EngineConfig(model="tiny-wan", device="cuda", ulysses_degree=2, cfg_parallel=True)
+    with pytest.raises(ValueError, match=r"4 processes .* need 4 GPUs, one each; 2 visible "
+                                         r"\(CUDA_VISIBLE_DEVICES=0,1\)"):
+        RankProcesses(guided)
+    check_gpu_count(EngineConfig(model="tiny-flux", device="cuda", ulysses_degree=2))  # one GPU each
+    check_gpu_count(guided.model_copy(update={"device": "cpu"}))  # CPU ranks share the CPU

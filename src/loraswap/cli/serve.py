@@ -83,7 +83,10 @@ def _start_ranks(config):
                                  "give one --model")
     from ..engine.rank_processes import RankProcesses
 
-    return RankProcesses(parallel[0])
+    try:
+        return RankProcesses(parallel[0])
+    except ValueError as e:  # fewer GPUs than ranks
+        raise typer.BadParameter(str(e)) from None
 
 
 def deploy(

@@ -31,6 +31,7 @@ class RankProcesses:
     0's engine and makes it lead."""
 
     def __init__(self, config: EngineConfig):
+        check_gpu_count(config)
         self.parallelism = config.parallelism
         self.ranks: Ranks | None = None
         port = free_port()
@@ -99,8 +100,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _on_gpus(config: EngineConfig) -> bool:
+    return config.device != "cpu" and torch.cuda.is_available()
+
+
+def check_gpu_count(config: EngineConfig) -> None:
+    """One GPU per rank: NCCL refuses two ranks on one GPU, but only at the first collective,
+    after every rank has loaded the model; refuse before anything starts."""
+    world, gpus = config.parallelism.world, torch.cuda.device_count() if _on_gpus(config) else None
+    if gpus is not None and gpus < world:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ValueError(f"{world} processes (--ulysses-degree x --ring-degree, x 2 with --cfg-parallel) need "
+                         f"{world} GPUs, one each; {gpus} visible"
+                         f"{f' (CUDA_VISIBLE_DEVICES={visible})' if visible is not None else ''}")
+
+
 def _join(config: EngineConfig, rank: int, world: int, port: int) -> None:
-    on_gpus = config.device != "cpu" and torch.cuda.is_available()
+    on_gpus = _on_gpus(config)
     if on_gpus:
         torch.cuda.set_device(rank % torch.cuda.device_count())  # "cuda" is then this rank's GPU
     dist.init_process_group("nccl" if on_gpus else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
