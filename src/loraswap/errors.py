@@ -60,6 +60,13 @@ class AdapterIncompatible(AdapterError):
     status = 422
 
 
+class AdapterChanged(AdapterError):
+    """The processes of one image read an adapter's file at different moments and got
+    different versions (it was replaced between their reads): nothing was generated."""
+
+    status = 503
+
+
 class Overloaded(LoraswapError):
     status = 503
 

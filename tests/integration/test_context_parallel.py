@@ -115,17 +115,30 @@ def test_two_ranks_make_the_images_of_one_process(adapters, one, tmp_path):
 
 
 def test_a_rank_failing_or_dying_ends_its_server_and_it_starts_again(adapters, tmp_path):
-    """A failure inside an image on one rank alone (a GPU out of memory) leaves the others in
-    a collective for good: that rank waits `--rank-wait-s` for them, then exits, and the
-    server with it (code 70), for its supervisor to start it again rather than hang; so does
-    a rank killed. Started again, the server makes the same images."""
+    """A swap failing on one rank alone, or ranks reading different versions of a file, is
+    answered as an error, every rank back on the base model. A failure inside an image on
+    one rank alone (a GPU out of memory) leaves the others in a collective for good: that
+    rank waits `--rank-wait-s` for them, then exits, and the server with it (code 70), for
+    its supervisor to start it again rather than hang; so does a rank killed. Started
+    again, the server makes the same images."""
     args = ["--model", "tiny-flux", "--adapters", str(adapters), "--no-compile", "--ulysses-degree", "2"]
     failing = str(Path(__file__).parents[1] / "support" / "fail_on_rank_1")
     first = ServerProcess([*args, "--rank-wait-s", "5"], tmp_path / "first.log",
                           env={"PYTHONPATH": os.pathsep.join(filter(None, [failing, os.environ.get("PYTHONPATH")]))})
     try:
         first.wait_ready()
-        image = _image(first.url, "a", 9)
+        image, base = _image(first.url, "a", 9), _image(first.url, "", 10)
+        # a swap failing on rank 1 alone: rank 0, which wrote the adapter, goes back to the base too
+        failed = httpx.post(first.url + "/", json={"inputs": "x", "parameters": {**PARAMS, "seed": 10}},
+                            headers={"lora": "k"}, timeout=60)
+        assert failed.status_code == 503 and "out of memory" in failed.json()["error"]
+        assert "rank 1: the adapters could not be applied here: out of memory in the swap" in first.log()
+        assert np.array_equal(_image(first.url, "", 10), base), "every rank is back on the base model"
+        changed = httpx.post(first.url + "/", json={"inputs": "x", "parameters": {**PARAMS, "seed": 10}},
+                             headers={"lora": "b"}, timeout=60)  # rank 1 read another version of its file
+        assert changed.status_code == 503 and "Retry-After" in changed.headers
+        assert "adapter 'b': its file changed while the processes read it" in changed.json()["error"]
+        assert np.array_equal(_image(first.url, "a", 9), image), "and swaps on in step"
         with pytest.raises(httpx.HTTPError):  # the server ends before it answers
             httpx.post(first.url + "/", json={"inputs": "x", "parameters": {**PARAMS, "width": 96}}, timeout=60)
         assert first.proc.wait(30) == 70

@@ -94,3 +94,31 @@ def test_more_ranks_than_gpus_are_refused_before_any_process_starts(monkeypatch)
         RankProcesses(guided)
     check_gpu_count(EngineConfig(model="tiny-flux", device="cuda", ulysses_degree=2))  # one GPU each
     check_gpu_count(guided.model_copy(update={"device": "cpu"}))  # CPU ranks share the CPU
+
+
+@pytest.mark.parametrize(("size", "asked"), [((80, 48), True), ((1000, 700), False)])
+def test_kontext_input_image_tokens_are_those_its_pipeline_feeds_the_transformer(size, asked):
+    """FLUX.1 Kontext's transformer takes the output's tokens and the input image's in one
+    sequence, which a split must divide: the count the size check uses is diffusers' own, with
+    the input at its own size (a size asked) or at Kontext's preferred resolution (none)."""
+    from PIL import Image
+
+    from loraswap.models.families.flux_kontext import asked_size, input_image_tokens
+
+    pipeline = build_preset("tiny-flux-kontext")
+    seen = []  # the sequence the transformer is called with
+
+    def record(module, args, kwargs):
+        seen.append(kwargs["hidden_states"].shape[1])
+
+    pipeline.transformer.register_forward_pre_hook(record, with_kwargs=True)
+    call = dict(prompt="x", image=Image.new("RGB", size, (200, 30, 30)), num_inference_steps=1, output_type="pt",
+                generator=torch.Generator().manual_seed(0))
+    call = asked_size(dict(call, width=64, height=64)) if asked else call
+    pipeline(**call)
+    output_tokens = 16 if asked else (1024 // 16) ** 2  # 64 x 64 asked; else the pipeline's 1024 x 1024
+    assert seen[0] == output_tokens + input_image_tokens(call) != output_tokens
+    with pytest.raises(BadRequest, match=r"16 image tokens and the input image 15, 31 in all, which do not split "
+                                         r"over 2 ranks"):
+        check_sequence(16, Parallelism(ulysses=2), input_tokens=15)
+    check_sequence(15, Parallelism(ulysses=2), input_tokens=15)  # the whole sequence divides: split evenly

@@ -9,16 +9,19 @@ same adapters before the same pipeline call.
 
 Rank 0 serves HTTP and leads: before each batch it broadcasts the requests (seeds chosen) to
 the other ranks (`Ranks.lead`), which `follow`: lease the requests' adapters from their own
-store, apply them and make the same call. Whether every rank applied them is agreed before
-generating (`Ranks.agree`): when one could not, every rank goes back to the base model and
-the leader answers with that rank's error, so a refused or failed swap on any rank leaves
-every rank as it was.
+store, apply them and make the same call. Whether every rank applied them, from the same
+files, is agreed before generating (`Ranks.agree`). An adapter every rank refuses alike
+changes nothing anywhere; when only some ranks could not apply them (or they read different
+versions of a file), the ranks that changed their weights go back to the base model and the
+leader answers with the failing rank's error. Each rank knows what it holds, so the next
+request's swap starts from there.
 """
 
 import contextlib
 import datetime
 import logging
 import os
+import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -29,7 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..errors import BadRequest
+from ..adapters.references import remember_urls, urls_of
+from ..errors import AdapterChanged, BadRequest
+from ..models.family import Family
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,7 +84,7 @@ MASKED_BACKENDS = (None, "native", "_native_efficient", "_native_math")
 
 
 def check_parallelizable(denoiser: torch.nn.Module, parallelism: Parallelism, model: str,
-                         attention: str | None = None, family=None) -> None:
+                         attention: str | None = None, family: Family | None = None) -> None:
     """Refuse a family loraswap does not split, a denoiser diffusers cannot split, a degree its
     heads do not divide by, or ring attention with a backend that cannot merge its blocks."""
     check_ring_attention(parallelism, attention)
@@ -109,7 +114,7 @@ def device_mesh(parallelism: Parallelism, device_type: str) -> DeviceMesh:
 
 
 def enable_context_parallel(denoiser: torch.nn.Module, mesh: DeviceMesh, model: str,
-                            attention: str | None = None, family=None) -> None:
+                            attention: str | None = None, family: Family | None = None) -> None:
     """Split the denoiser's sequence over the mesh's ring and ulysses dimensions (each half of
     the cfg dimension splits its own pass)."""
     from diffusers import ContextParallelConfig
@@ -154,18 +159,25 @@ def _one_device_per_cpu_rank() -> Iterator[None]:
         yield
 
 
-def check_sequence(tokens: int, parallelism: Parallelism) -> None:
-    """A sequence the ranks split must divide into equal pieces (a gather of unequal ones fails)."""
-    if tokens % parallelism.sequence:
-        raise BadRequest(f"this size makes {tokens} image tokens, which do not split over {parallelism.sequence} "
-                         f"ranks: choose a width and height whose tokens divide by {parallelism.sequence}")
+def check_sequence(tokens: int, parallelism: Parallelism, input_tokens: int = 0) -> None:
+    """A sequence the ranks split must divide into equal pieces (a gather of unequal ones fails):
+    the output's tokens, and an edit's input image's beside them."""
+    pieces = parallelism.sequence
+    if (tokens + input_tokens) % pieces == 0:
+        return
+    if input_tokens:
+        raise BadRequest(f"this size makes {tokens} image tokens and the input image {input_tokens}, "
+                         f"{tokens + input_tokens} in all, which do not split over {pieces} ranks: choose sizes "
+                         f"whose tokens (width / 16 x height / 16 each) add up to a multiple of {pieces}")
+    raise BadRequest(f"this size makes {tokens} image tokens, which do not split over {pieces} "
+                     f"ranks: choose a width and height whose tokens divide by {pieces}")
 
 
 class Ranks:
     """This process's place among the ranks, and the messages they exchange (Python objects
     over a gloo group, whatever carries the tensors)."""
 
-    def __init__(self, wait_s: float = 120.0):
+    def __init__(self, wait_s: float):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # the followers wait here for the next request, however long the server idles
         self._objects = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
@@ -179,24 +191,39 @@ class Ranks:
         return self.rank == 0
 
     def lead(self, requests: list) -> None:
-        """Rank 0: the batch every rank makes next."""
-        dist.broadcast_object_list([("generate", requests)], src=0, group=self._objects)
+        """Rank 0: the batch every rank makes next, with the URLs behind its `url:` adapter ids
+        (another process knows only the ids: it finds their files in the download folder, or
+        fetches them again if they were evicted meanwhile)."""
+        urls = urls_of(adapter_id for request in requests for adapter_id, _ in request.loras)
+        dist.broadcast_object_list([("generate", requests, urls)], src=0, group=self._objects)
 
     def stop(self) -> None:
         """Rank 0: the other ranks return from `follow`."""
         self._stopping = True
-        dist.broadcast_object_list([("stop", None)], src=0, group=self._objects)
+        dist.broadcast_object_list([("stop", None, {})], src=0, group=self._objects)
 
-    def receive(self) -> tuple[str, object]:
+    def receive(self) -> tuple[str, list | None, dict[str, str]]:
+        """A follower: the next message from rank 0 (verb, requests, URLs)."""
         message = [None]
         dist.broadcast_object_list(message, src=0, group=self._objects)
         return message[0]
 
-    def agree(self, error: BaseException | None) -> BaseException | None:
-        """Every rank's outcome of applying the adapters: the first rank's error, or None."""
-        errors: list = [None] * self.world
-        dist.all_gather_object(errors, error, group=self._objects)
-        return next((e for e in errors if e is not None), None)
+    def agree(self, error: BaseException | None, versions: tuple = ()) -> BaseException | None:
+        """Whether every rank applied the adapters: the first failing rank's error (this rank's
+        own object when it is this one, traceback kept); or, when all applied them but from
+        different files (one replaced between the ranks' reads), an error saying so; else None."""
+        outcomes: list = [None] * self.world
+        dist.all_gather_object(outcomes, (_sendable(error), versions), group=self._objects)
+        failed = next((rank for rank, (e, _) in enumerate(outcomes) if e is not None), None)
+        if failed is not None:
+            return error if failed == self.rank else outcomes[failed][0]
+        held = [v for _, v in outcomes]  # every rank leased the same ids, in the same order
+        if len(set(held)) > 1:
+            changed = next(ids[0] for ids in zip(*held) if len(set(ids)) > 1)
+            return AdapterChanged(changed[0], "its file changed while the processes read it, so they read "
+                                              "different versions", "Ask again once the file is written")
+        return None
+
 
     def together(self, make: Callable[[], T]) -> T:
         """`make()` (an image), then wait for every rank to end it too, failed or not: they end
@@ -220,7 +247,7 @@ class Ranks:
             # barrier with one left unmatched on a stream (the next image would pair them one step off);
             # then a rank stuck here is one the others wait for in vain
             if dist.get_backend() == "nccl":
-                torch.cuda.current_stream().synchronize()
+                torch.cuda.synchronize()  # every stream: NCCL runs its collectives on its own
             dist.monitored_barrier(group=self._ended, timeout=datetime.timedelta(seconds=self.wait_s))
         except Exception as e:  # noqa: BLE001 - whatever the backend raises, the ranks cannot go on
             if self._stopping:  # the server stops them (a rank killed for being slow to stop): no failure
@@ -233,20 +260,34 @@ class Ranks:
             os._exit(70)
 
 
+def _sendable(error: BaseException | None) -> BaseException | None:
+    """`error` as another process can rebuild it; if it cannot be pickled, its type and message
+    (a rank whose error failed to send would skip the collective and leave the others in it)."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any failure to pickle or rebuild
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
 def follow(engine, ranks: Ranks) -> None:
     """A rank other than 0: make every batch rank 0 leads, until it says stop."""
     engine.use_ranks(ranks)
     while True:
-        verb, requests = ranks.receive()
+        verb, requests, urls = ranks.receive()
         if verb == "stop":
             return
+        remember_urls(urls)
         try:
             lease = engine.lender.lease_now(requests[0].loras)
-        except Exception as e:  # this rank cannot read them: every rank stays on the base model
+        except Exception as e:  # this rank cannot read them: the ranks that applied them go back to the base
+            logger.warning("rank %d: the adapters could not be read here: %s", ranks.rank, e)
             ranks.agree(e)
             continue
         with lease:
             try:
                 engine.generate_batch(requests, lease)
-            except Exception:  # the leader answers for it; the ranks stay in step
+            except Exception:  # logged where it failed; the leader answers for it; the ranks stay in step
                 logger.debug("rank %d: batch failed", ranks.rank, exc_info=True)

@@ -167,15 +167,20 @@ class Engine:
         return seconds
 
     def _apply_with_ranks(self, lease: Lease) -> float:
-        """`apply` on every rank at once: when any rank could not, each goes back to the base
-        model, and the first rank's error is raised (on every rank)."""
+        """`apply` on every rank at once. When any rank could not (or they read different
+        versions of a file), the first failing rank's error is raised on every rank, and the
+        ranks that changed their weights go back to the base model; when all refuse alike (the
+        same file: the usual case), nothing changed anywhere."""
         error, seconds = None, 0.0
         try:
             seconds = self.apply(lease)
         except Exception as e:
             error = e
-        first = self.ranks.agree(error)
-        if first is not None and error is None:  # this rank swapped; another could not
+            if not self.ranks.leading:  # rank 0 answers the request with it; here it would go unseen
+                logger.warning("rank %d: the adapters could not be applied here: %s", self.ranks.rank, e)
+        versions = tuple((item.adapter_id, getattr(item, "stamp", None)) for item, _ in lease.held)
+        first = self.ranks.agree(error, versions)
+        if first is not None and error is None and seconds > 0:  # this rank swapped; another could not
             self.swapper.swap([])
             self._applied = []
         if first is not None:
@@ -244,10 +249,17 @@ class Engine:
                 for frames, seed in zip(videos, seeds)]
 
     def _check_split(self, kwargs: dict) -> None:
-        """A size whose tokens (per frame) do not split evenly over the ranks is refused at once."""
-        if kwargs.get("width") and kwargs.get("height") and self.parallelism.sequence > 1:
-            patch = getattr(self.pipeline, "vae_scale_factor", 8) * 2  # latents, then 2x2 patches
-            check_sequence((kwargs["width"] // patch) * (kwargs["height"] // patch), self.parallelism)
+        """A size whose tokens (per frame; with an edit's input image's) do not split evenly over
+        the ranks is refused at once."""
+        family = self.calls.family
+        input_tokens = family.input_tokens(kwargs) if family is not None and family.input_tokens else 0
+        width, height = kwargs.get("width"), kwargs.get("height")
+        if self.parallelism.sequence == 1 or not (width and height or input_tokens):
+            return
+        scale = getattr(self.pipeline, "vae_scale_factor", 8)
+        if not (width and height):  # the pipeline's own size
+            width = height = self.pipeline.default_sample_size * scale
+        check_sequence((width // (2 * scale)) * (height // (2 * scale)), self.parallelism, input_tokens)
 
     def use_ranks(self, ranks: Ranks) -> None:
         """This engine is one of `ranks`: rank 0 broadcasts each batch to the others first, and

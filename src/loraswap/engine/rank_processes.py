@@ -87,8 +87,9 @@ class RankProcesses:
             telling = threading.Thread(target=self.ranks.stop, daemon=True)
             telling.start()
             telling.join(timeout)
+        deadline = time.monotonic() + timeout  # for them all: they stop at once
         for process in self.processes:
-            process.join(timeout)
+            process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
 

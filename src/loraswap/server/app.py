@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..engine.engine import Engine
-from ..errors import LoraswapError, Overloaded
+from ..errors import LoraswapError
 from .auth import Keys, maybe_warn_open
 from .backend import Backend, ClientGone, LocalBackend
 from .config import ServerConfig
@@ -79,7 +79,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 async def _known_error(request: Request, exc: LoraswapError):
-    retry = isinstance(exc, Overloaded)
+    retry = exc.status == 503  # busy, or (an adapter changed while read) worth asking again
     headers = {"Retry-After": str(request.app.state.config.retry_after_s)} if retry else None
     return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
 

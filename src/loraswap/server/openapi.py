@@ -33,7 +33,8 @@ _ERROR_TEXT = {"400": "Bad request: the message says what to fix.", "401": "No k
                "422": "The adapter does not fit the hosted base model, or that model "
                "takes no image (or no mask).",
                "409": "The video has not completed (or it failed): poll GET /v1/videos/{video_id}.",
-               "503": "Queue full, model loading, shutting down or out of memory; retry after Retry-After."}
+               "503": "Queue full, model loading, shutting down, out of memory, or an adapter's file replaced while "
+               "it was read; retry after Retry-After."}
 BEARER = {"type": "http", "scheme": "bearer",
           "description": "An API key (generation routes) or an admin key (adapter routes), when the server has "
                          "keys: `Authorization: Bearer KEY`, as the openai client and huggingface_hub send it."}

@@ -5,6 +5,7 @@ VAE and attended to beside the latents), so it is an edit family without image p
 """
 
 from diffusers import FluxKontextPipeline
+from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
 from ..family import TINY_DEFAULTS, Architecture, Family
 from .flux import FLUX_DEV_ARCHITECTURE, flux_dev_extras, tiny_flux_components
@@ -22,6 +23,20 @@ def asked_size(kwargs: dict) -> dict:
     return kwargs
 
 
+def input_image_tokens(kwargs: dict) -> int:
+    """The tokens the input image adds to the transformer's sequence (beside the output's):
+    the pipeline sizes it to the preferred resolution nearest its aspect (unless a size was
+    asked: `asked_size`), down to multiples of 16 pixels, and each token is 16 x 16 pixels."""
+    image = kwargs.get("image")
+    image = image[0] if isinstance(image, list) else image
+    if image is None:
+        return 0
+    width, height = image.size
+    if kwargs.get("_auto_resize", True):
+        _, width, height = min((abs(width / height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+    return (width // 16) * (height // 16)
+
+
 # Kontext [dev]'s scheduler and tokenizers are FLUX.1 [dev]'s (the pipeline always passes
 # the scheduler a resolution-dependent `mu`)
 FLUX_KONTEXT_ARCHITECTURE = Architecture(components=FLUX_DEV_ARCHITECTURE.components, extras=flux_dev_extras)
@@ -34,4 +49,5 @@ FAMILY = Family(
     image_input="edit",
     defaults=TINY_DEFAULTS,
     adjust_call=asked_size,
+    input_tokens=input_image_tokens,
 )
