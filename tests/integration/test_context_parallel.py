@@ -50,6 +50,12 @@ def _image(url: str, lora: str, seed: int, **params) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(response.content)).convert("RGB")).astype(int)
 
 
+def _wait_for_log(server: ServerProcess, line: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while line not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _children(pid: int) -> list[int]:
     """The server's rank processes (not multiprocessing's resource tracker beside them)."""
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
@@ -105,6 +111,10 @@ def test_two_ranks_make_the_images_of_one_process(adapters, one, tmp_path):
         assert uneven.status_code == 400 and "do not split over 2 ranks" in uneven.json()["error"]
         assert np.array_equal(_image(two.url, "", 8), base), "the server serves on after a refusal"
         assert "rank 1" in two.log()
+        assert httpx.post(two.url + "/adapters/b/load", timeout=60).status_code == 200
+        assert httpx.delete(two.url + "/adapters/b", timeout=60).status_code == 200
+        _wait_for_log(two, "rank 1: evict b")
+        assert two.log().index("rank 1: keep b") < two.log().index("rank 1: evict b"), "every rank keeps it too"
         ranks = _children(two.proc.pid)
         assert ranks, "rank 1 runs as a child of the server"
         two.proc.send_signal(signal.SIGKILL)
@@ -128,6 +138,7 @@ def test_a_rank_failing_or_dying_ends_its_server_and_it_starts_again(adapters, t
     try:
         first.wait_ready()
         image, base = _image(first.url, "a", 9), _image(first.url, "", 10)
+        assert "rank 1: read a" in first.log(), "told to read the adapter as the request was queued"
         # a swap failing on rank 1 alone: rank 0, which wrote the adapter, goes back to the base too
         failed = httpx.post(first.url + "/", json={"inputs": "x", "parameters": {**PARAMS, "seed": 10}},
                             headers={"lora": "k"}, timeout=60)

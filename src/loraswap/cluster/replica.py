@@ -133,7 +133,7 @@ class ModelReplica:
         """Hold the adapter here, read it now and keep it in the cache (POST /adapters/{id}/load)."""
         remember_urls(urls or {})
         await self._load(adapter_id)
-        bound = await asyncio.to_thread(self.engine.adapters.keep, adapter_id)
+        bound = await asyncio.to_thread(self.engine.keep_adapter, adapter_id)
         await self._report()
         return {"bytes": bound.nbytes, "layers": len(bound.layers), "model": self.engine.model_name,
                 "replica": self.replica_id}
@@ -182,7 +182,7 @@ class ModelReplica:
 
     def _evict(self, adapter_id: str) -> None:
         """Stop keeping it and drop it (DELETE /adapters/{id}); it is read anew when next used."""
-        self.engine.adapters.cache.evict(adapter_id)
+        self.engine.evict_adapter(adapter_id, download_too=False)
 
     # ---------------------------------------------------------------- reports
     def _snapshot(self, stopped: bool = False) -> dict:

@@ -14,7 +14,9 @@ files, is agreed before generating (`Ranks.agree`). An adapter every rank refuse
 changes nothing anywhere; when only some ranks could not apply them (or they read different
 versions of a file), the ranks that changed their weights go back to the base model and the
 leader answers with the failing rank's error. Each rank knows what it holds, so the next
-request's swap starts from there.
+request's swap starts from there. Beside that, rank 0 tells the others what its store does
+(`Ranks.tell`: read a queued request's adapters, keep or evict one), so that they read a
+never-seen adapter while earlier images are made, as rank 0 does.
 """
 
 import contextlib
@@ -22,6 +24,8 @@ import datetime
 import logging
 import os
 import pickle
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -183,6 +187,11 @@ class Ranks:
         self._objects = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
         # and here for each other at the end of an image, `wait_s` at most (`together`)
         self._ended = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait_s))
+        # and here for what rank 0's store does that theirs should do too (`tell`), on threads of their own
+        self._news = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        if self.leading:
+            threading.Thread(target=self._send_news, name="loraswap-rank-news", daemon=True).start()
         self.wait_s = wait_s
         self._stopping = False  # the server stops its ranks: a broken wait is no failure then
 
@@ -200,7 +209,49 @@ class Ranks:
     def stop(self) -> None:
         """Rank 0: the other ranks return from `follow`."""
         self._stopping = True
+        self.tell("stop", [])
         dist.broadcast_object_list([("stop", None, {})], src=0, group=self._objects)
+
+    def tell(self, verb: str, loras: list[tuple[str, float]]) -> None:
+        """Rank 0: what the other ranks' stores should do too, as this one does it: "read" a
+        request's adapters as it is queued (so that every rank reads a never-seen adapter
+        while earlier images are made, not after this rank leads its batch), "keep" or
+        "evict" one."""
+        self._outbox.put((verb, loras, urls_of(adapter_id for adapter_id, _ in loras)))
+
+    def _send_news(self) -> None:
+        while True:
+            news = self._outbox.get()
+            dist.broadcast_object_list([news], src=0, group=self._news)
+            if news[0] == "stop":
+                return
+
+    def listen(self, store) -> threading.Thread:
+        """A follower: do to `store` (an `AdapterStore`) what rank 0 tells, on a thread of its own
+        until rank 0 stops."""
+        thread = threading.Thread(target=self._follow_news, args=(store,), name="loraswap-rank-news", daemon=True)
+        thread.start()
+        return thread
+
+    def _follow_news(self, store) -> None:
+        while True:
+            news = [None]
+            dist.broadcast_object_list(news, src=0, group=self._news)
+            verb, loras, urls = news[0]
+            if verb == "stop":
+                return
+            remember_urls(urls)
+            try:
+                if verb == "read":  # on the store's threads; a failure shows when the batch leases them
+                    store.read_ahead(loras)
+                elif verb == "keep":
+                    store.keep(loras[0][0])
+                elif verb == "evict":
+                    store.cache.evict(loras[0][0])  # (rank 0 removes a download from the shared folder)
+                logger.log(logging.DEBUG if verb == "read" else logging.INFO, "rank %d: %s %s", self.rank, verb,
+                           ", ".join(adapter_id for adapter_id, _ in loras))
+            except Exception as e:  # noqa: BLE001 - this rank reads it again when a request needs it
+                logger.warning("rank %d: could not %s %s here: %s", self.rank, verb, loras[0][0], e)
 
     def receive(self) -> tuple[str, list | None, dict[str, str]]:
         """A follower: the next message from rank 0 (verb, requests, URLs)."""
@@ -275,9 +326,11 @@ def _sendable(error: BaseException | None) -> BaseException | None:
 def follow(engine, ranks: Ranks) -> None:
     """A rank other than 0: make every batch rank 0 leads, until it says stop."""
     engine.use_ranks(ranks)
+    news = ranks.listen(engine.adapters)
     while True:
         verb, requests, urls = ranks.receive()
         if verb == "stop":
+            news.join(30)  # told to stop first: no collective left in flight on its group
             return
         remember_urls(urls)
         try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from PIL import Image
 
-from ..adapters.bound import ModelLayers
+from ..adapters.bound import BoundAdapter, ModelLayers
 from ..adapters.lease import Lease
 from ..adapters.store import AdapterStore, StoreLimits, TargetModel
 from ..models import (
@@ -186,6 +186,23 @@ class Engine:
         if first is not None:
             raise first
         return seconds
+
+    def keep_adapter(self, adapter_id: str) -> BoundAdapter:
+        """Read the adapter now and keep it cached until evicted (on every rank)."""
+        bound = self.adapters.keep(adapter_id)
+        if self.ranks is not None:
+            self.ranks.tell("keep", [(adapter_id, 1.0)])
+        return bound
+
+    def evict_adapter(self, adapter_id: str, download_too: bool = True) -> None:
+        """Stop keeping the adapter and drop it from the cache (on every rank), and with
+        `download_too` its downloaded file (read, or fetched, again when next used)."""
+        if download_too:
+            self.adapters.evict(adapter_id)
+        else:
+            self.adapters.cache.evict(adapter_id)
+        if self.ranks is not None:
+            self.ranks.tell("evict", [(adapter_id, 1.0)])
 
     def set_adapters(self, loras: list[tuple[str, float]]) -> float:
         """`apply` for a caller on one thread: the adapters (id, weight) leased for the call."""

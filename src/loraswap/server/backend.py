@@ -220,7 +220,7 @@ class LocalBackend:
     async def keep_adapter(self, adapter_id: str) -> dict:
         def keep():
             engine = self._deployment().route([(adapter_id, 1.0)]).engine
-            bound = engine.adapters.keep(adapter_id)
+            bound = engine.keep_adapter(adapter_id)
             return {"bytes": bound.nbytes, "layers": len(bound.layers), "model": engine.model_name}
 
         return await run_in_threadpool(keep)
@@ -232,7 +232,7 @@ class LocalBackend:
             deployment = self._deployment()
             holding = [h for h in deployment.hosted if h.engine.adapters.cache.get(adapter_id) is not None]
             for hosted in holding or [deployment.route([(adapter_id, 1.0)])]:
-                hosted.engine.adapters.evict(adapter_id)
+                hosted.engine.evict_adapter(adapter_id)
 
         await run_in_threadpool(evict)
 

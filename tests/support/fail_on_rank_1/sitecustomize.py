@@ -4,7 +4,10 @@
 - the swap fails halfway through writing the adapter "k" (its touched weights restored, as
   after any failed swap), while rank 0 writes it;
 - the adapter "b" is read from another version of its file (one replaced between the
-  ranks' reads), as its stamp says."""
+  ranks' reads), as its stamp says;
+and what rank 0 tells the others to read ahead is logged (at debug)."""
+
+import logging
 
 import torch
 import torch.distributed as dist
@@ -42,3 +45,4 @@ def _another_version_on_rank_1(location):
 FluxTransformer2DModel.forward = _fails_on_rank_1
 FusedSwapper._write = _write_fails_on_rank_1
 store.file_stamp = _another_version_on_rank_1
+logging.getLogger("loraswap.engine.context_parallel").setLevel(logging.DEBUG)
