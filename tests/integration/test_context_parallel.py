@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from PIL import Image
 from safetensors.torch import save_file
 from support.servers import ServerProcess, free_port
+from support.web import Web, body
 
 from loraswap.adapters.random import make_random_adapter
 from loraswap.engine.config import EngineConfig
@@ -90,16 +91,21 @@ def one(adapters, tmp_path_factory):
 
 
 def test_two_ranks_make_the_images_of_one_process(adapters, one, tmp_path):
-    """And a refused swap or size changes nothing; a killed server takes its ranks with it."""
+    """A file named by URL too (fetched once, into the download folder the ranks share). And a
+    refused swap or size changes nothing; a killed server takes its ranks with it."""
+    web = Web({"/loras/a.safetensors": body((adapters / "a.safetensors").read_bytes())})
     two = ServerProcess(["--model", "tiny-flux", "--adapters", str(adapters), "--no-compile", "--ulysses-degree",
-                         "2"], tmp_path / "two.log")
+                         "2", "--url-allow", f"127.0.0.1:{web.port}", "--download-dir", str(tmp_path / "downloads")],
+                        tmp_path / "two.log")
     try:
         two.wait_ready()
-        cases = [("", 1), ("a", 2), ("b", 3), ("a:0.5,b:0.7", 4), ("a", 5), ("", 6)]  # swapped every request
-        for lora, seed in cases:
-            single, split = _image(one.url, lora, seed), _image(two.url, lora, seed)
+        url = web.url("/loras/a.safetensors")
+        cases = [("", 1), ("a", 2), ("b", 3), ("a:0.5,b:0.7", 4), ("a", 5), ("", 6), (url, 7), (url, 8)]
+        for lora, seed in cases:  # swapped every request
+            single, split = _image(one.url, lora.replace(url, "a"), seed), _image(two.url, lora, seed)
             # float outputs agree within ~1e-6 (a probe of the tensors); as 8-bit pixels, a level at most
             assert np.abs(single - split).max() <= 1 and (single != split).mean() < 0.01, lora
+        assert web.paths() == ["/loras/a.safetensors"], "fetched once, by one rank"
         assert np.abs(_image(two.url, "a", 7) - _image(two.url, "", 7)).max() > 5, "the adapter changes the image"
         base = _image(two.url, "", 8)
         refused = httpx.post(two.url + "/", json={"inputs": "a red circle", "parameters": {**PARAMS, "seed": 8}},
@@ -122,6 +128,7 @@ def test_two_ranks_make_the_images_of_one_process(adapters, one, tmp_path):
         assert _all_gone(ranks), "no rank outlives its server"
     finally:
         two.stop()
+        web.close()
 
 
 def test_a_rank_failing_or_dying_ends_its_server_and_it_starts_again(adapters, tmp_path):
@@ -138,12 +145,15 @@ def test_a_rank_failing_or_dying_ends_its_server_and_it_starts_again(adapters, t
     try:
         first.wait_ready()
         image, base = _image(first.url, "a", 9), _image(first.url, "", 10)
+        _wait_for_log(first, "rank 1: read a")
         assert "rank 1: read a" in first.log(), "told to read the adapter as the request was queued"
         # a swap failing on rank 1 alone: rank 0, which wrote the adapter, goes back to the base too
         failed = httpx.post(first.url + "/", json={"inputs": "x", "parameters": {**PARAMS, "seed": 10}},
                             headers={"lora": "k"}, timeout=60)
         assert failed.status_code == 503 and "out of memory" in failed.json()["error"]
         assert "rank 1: the adapters could not be applied here: out of memory in the swap" in first.log()
+        rows = httpx.get(first.url + "/adapters", timeout=30).json()["adapters"]
+        assert not any(row["applied"] for row in rows), "rank 0, which wrote it, went back to the base model"
         assert np.array_equal(_image(first.url, "", 10), base), "every rank is back on the base model"
         changed = httpx.post(first.url + "/", json={"inputs": "x", "parameters": {**PARAMS, "seed": 10}},
                              headers={"lora": "b"}, timeout=60)  # rank 1 read another version of its file

@@ -55,9 +55,13 @@ def test_least_recently_used_dropped_past_the_budget_and_kept_across_a_restart(t
     for name in ("url:old", "url:used", "url:new"):
         cache.fetch(name, _writer(b"y" * 100, []))
         past = time.time() - {"url:old": 300, "url:used": 200, "url:new": 100}[name]
-        os.utime(cache.path(name), (past, past))
+        os.utime(cache.path(name).with_suffix(".json"), (past, past))  # last used then
     assert cache.path("url:old") is None, "the third file did not fit: the least recently used went"
+    stamp = cache.path("url:used").stat()
     cache.path("url:used")  # used now: the most recent
+    used = cache.path("url:used").stat()
+    assert (used.st_mtime_ns, used.st_ctime_ns) == (stamp.st_mtime_ns, stamp.st_ctime_ns), \
+        "a use leaves the file's own times, its stamp in the adapter cache, as they were"
     cache.fetch("url:newest", _writer(b"z" * 100, []))
     assert cache.path("url:new") is None and cache.path("url:used") is not None
     restarted = DownloadCache(tmp_path, 250)

@@ -96,16 +96,21 @@ def test_more_ranks_than_gpus_are_refused_before_any_process_starts(monkeypatch)
     check_gpu_count(guided.model_copy(update={"device": "cpu"}))  # CPU ranks share the CPU
 
 
-@pytest.mark.parametrize(("size", "asked"), [((80, 48), True), ((1000, 700), False)])
-def test_kontext_input_image_tokens_are_those_its_pipeline_feeds_the_transformer(size, asked):
-    """FLUX.1 Kontext's transformer takes the output's tokens and the input image's in one
-    sequence, which a split must divide: the count the size check uses is diffusers' own, with
-    the input at its own size (a size asked) or at Kontext's preferred resolution (none)."""
+EDITS = [("tiny-flux-kontext", (80, 48), True), ("tiny-flux-kontext", (200, 211), False),
+         ("tiny-flux2", (72, 68), True), ("tiny-flux2", (76, 66), False)]
+
+
+@pytest.mark.parametrize(("preset", "size", "asked"), EDITS)
+def test_edit_tokens_are_the_sequence_the_pipeline_feeds_the_transformer(preset, size, asked):
+    """FLUX.1 Kontext and FLUX.2 attend to their input images beside the output, in one
+    sequence a split must divide: the count the size check uses is diffusers' own, with the
+    input at its own size (a size asked) or Kontext's preferred resolution (none), and
+    FLUX.2's output at the image's size when none is asked."""
     from PIL import Image
 
-    from loraswap.models.families.flux_kontext import asked_size, input_image_tokens
+    from loraswap.models.families.flux_kontext import asked_size
 
-    pipeline = build_preset("tiny-flux-kontext")
+    pipeline, family = build_preset(preset), family_of(build_preset(preset))
     seen = []  # the sequence the transformer is called with
 
     def record(module, args, kwargs):
@@ -114,11 +119,40 @@ def test_kontext_input_image_tokens_are_those_its_pipeline_feeds_the_transformer
     pipeline.transformer.register_forward_pre_hook(record, with_kwargs=True)
     call = dict(prompt="x", image=Image.new("RGB", size, (200, 30, 30)), num_inference_steps=1, output_type="pt",
                 generator=torch.Generator().manual_seed(0))
-    call = asked_size(dict(call, width=64, height=64)) if asked else call
+    if asked:
+        call = dict(call, width=32, height=32)
+        call = asked_size(call) if preset == "tiny-flux-kontext" else call
     pipeline(**call)
-    output_tokens = 16 if asked else (1024 // 16) ** 2  # 64 x 64 asked; else the pipeline's 1024 x 1024
-    assert seen[0] == output_tokens + input_image_tokens(call) != output_tokens
-    with pytest.raises(BadRequest, match=r"16 image tokens and the input image 15, 31 in all, which do not split "
-                                         r"over 2 ranks"):
-        check_sequence(16, Parallelism(ulysses=2), input_tokens=15)
-    check_sequence(15, Parallelism(ulysses=2), input_tokens=15)  # the whole sequence divides: split evenly
+    patch = pipeline.vae_scale_factor * 2
+    assert seen[0] == family.edit_tokens(call, patch) > (32 // patch) ** 2
+
+
+def test_flux2_reference_images_over_a_megapixel_are_scaled_as_its_pipeline_does():
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+    from PIL import Image
+
+    from loraswap.models.families.flux2 import edit_tokens
+
+    image = Image.new("RGB", (1500, 1001))
+    width, height = Flux2ImageProcessor._resize_to_target_area(image, 1024 * 1024).size
+    assert edit_tokens({"image": [image], "width": 64, "height": 64}, 16) == 16 + (width // 16) * (height // 16)
+
+
+def test_a_split_refuses_an_edit_whose_output_and_input_do_not_divide():
+    """The engine's check before its ranks run anything: an edit's whole sequence, a plain
+    call's output."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from loraswap.engine.engine import Engine
+
+    pipeline = build_preset("tiny-flux-kontext")
+    engine = SimpleNamespace(parallelism=Parallelism(ulysses=2), pipeline=pipeline,
+                             calls=SimpleNamespace(family=family_of(pipeline)))
+    odd = dict(width=64, height=64, image=Image.new("RGB", (80, 48)), _auto_resize=False)  # 16 + 15 tokens
+    with pytest.raises(BadRequest, match="this size and input image make 31 tokens, which do not split over 2"):
+        Engine._check_split(engine, odd)
+    Engine._check_split(engine, dict(odd, image=Image.new("RGB", (80, 64))))  # 16 + 20
+    with pytest.raises(BadRequest, match="this size makes 15 image tokens"):
+        Engine._check_split(engine, dict(width=80, height=48))

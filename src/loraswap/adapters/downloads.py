@@ -54,11 +54,13 @@ class DownloadCache:
     # ---------------------------------------------------------------- reading
     def path(self, adapter_id: str) -> Path | None:
         """The adapter's complete file, marked as just used; None if it is not here."""
-        file = self._file(adapter_id)
-        if not file.is_file() or not self._record_path(adapter_id).is_file():
+        file, record = self._file(adapter_id), self._record_path(adapter_id)
+        if not file.is_file() or not record.is_file():
             return None
         with contextlib.suppress(OSError):  # dropped meanwhile: the caller fetches it again
-            os.utime(file)
+            # the record is marked, not the file: the file's own times are its stamp in the adapter
+            # cache, which a new mtime would make read it again on every use
+            os.utime(record)
             return file
         return None
 
@@ -127,9 +129,10 @@ class DownloadCache:
         return sum(f.stat().st_size for f in self.folder.glob("*.safetensors") if f.is_file())
 
     def _make_room(self, incoming: int, keep: str) -> None:
-        """Drop the least recently used files until `incoming` more bytes fit the budget."""
+        """Drop the least recently used files (their records' times) until `incoming` more bytes
+        fit the budget."""
         files = sorted((f for f in self.folder.glob("*.safetensors") if f.is_file() and f != self._file(keep)),
-                       key=lambda f: f.stat().st_mtime)
+                       key=_last_used)
         used = sum(f.stat().st_size for f in files)
         for file in files:
             if used + incoming <= self.max_bytes:
@@ -156,3 +159,12 @@ class DownloadCache:
 
 def _name(adapter_id: str) -> str:
     return hashlib.sha256(adapter_id.encode()).hexdigest()[:32]
+
+
+def _last_used(file: Path) -> float:
+    """When the download was last used (`path` marks its record); a file without a record
+    (an old one's, half replaced) counts as the oldest."""
+    try:
+        return file.with_suffix(".json").stat().st_mtime
+    except OSError:
+        return 0.0

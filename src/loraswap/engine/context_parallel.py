@@ -28,7 +28,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 from unittest import mock
 
 import torch
@@ -36,12 +36,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..adapters.references import remember_urls, urls_of
-from ..errors import AdapterChanged, BadRequest
+from ..adapters.references import looks_like_reference, remember_urls, urls_of
+from ..errors import AdapterChanged, BadRequest, LoraswapError
 from ..models.family import Family
+
+if TYPE_CHECKING:
+    from ..adapters.store import AdapterStore
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+News = Literal["read", "keep", "evict", "stop"]  # what rank 0 tells the other ranks' stores (`Ranks.tell`)
 
 
 @dataclass(frozen=True)
@@ -163,16 +167,16 @@ def _one_device_per_cpu_rank() -> Iterator[None]:
         yield
 
 
-def check_sequence(tokens: int, parallelism: Parallelism, input_tokens: int = 0) -> None:
+def check_sequence(tokens: int, parallelism: Parallelism, with_input: bool = False) -> None:
     """A sequence the ranks split must divide into equal pieces (a gather of unequal ones fails):
-    the output's tokens, and an edit's input image's beside them."""
+    the output's tokens, and (`with_input`) an edit's input image's beside them."""
     pieces = parallelism.sequence
-    if (tokens + input_tokens) % pieces == 0:
+    if tokens % pieces == 0:
         return
-    if input_tokens:
-        raise BadRequest(f"this size makes {tokens} image tokens and the input image {input_tokens}, "
-                         f"{tokens + input_tokens} in all, which do not split over {pieces} ranks: choose sizes "
-                         f"whose tokens (width / 16 x height / 16 each) add up to a multiple of {pieces}")
+    if with_input:
+        raise BadRequest(f"this size and input image make {tokens} tokens, which do not split over {pieces} ranks: "
+                         f"choose an output size and input image whose tokens (width / 16 x height / 16 each) add "
+                         f"up to a multiple of {pieces}")
     raise BadRequest(f"this size makes {tokens} image tokens, which do not split over {pieces} "
                      f"ranks: choose a width and height whose tokens divide by {pieces}")
 
@@ -212,7 +216,7 @@ class Ranks:
         self.tell("stop", [])
         dist.broadcast_object_list([("stop", None, {})], src=0, group=self._objects)
 
-    def tell(self, verb: str, loras: list[tuple[str, float]]) -> None:
+    def tell(self, verb: News, loras: list[tuple[str, float]]) -> None:
         """Rank 0: what the other ranks' stores should do too, as this one does it: "read" a
         request's adapters as it is queued (so that every rank reads a never-seen adapter
         while earlier images are made, not after this rank leads its batch), "keep" or
@@ -222,32 +226,30 @@ class Ranks:
     def _send_news(self) -> None:
         while True:
             news = self._outbox.get()
-            dist.broadcast_object_list([news], src=0, group=self._news)
+            try:
+                dist.broadcast_object_list([news], src=0, group=self._news)
+            except Exception:  # the ranks are gone (stopped, or a dead one ends the server)
+                logger.debug("rank 0: news not sent", exc_info=True)
+                return
             if news[0] == "stop":
                 return
 
-    def listen(self, store) -> threading.Thread:
-        """A follower: do to `store` (an `AdapterStore`) what rank 0 tells, on a thread of its own
-        until rank 0 stops."""
+    def listen(self, store: "AdapterStore") -> threading.Thread:
+        """A follower: do to `store` what rank 0 tells, on a thread of its own until rank 0 stops."""
         thread = threading.Thread(target=self._follow_news, args=(store,), name="loraswap-rank-news", daemon=True)
         thread.start()
         return thread
 
-    def _follow_news(self, store) -> None:
+    def _follow_news(self, store: "AdapterStore") -> None:
         while True:
             news = [None]
             dist.broadcast_object_list(news, src=0, group=self._news)
             verb, loras, urls = news[0]
             if verb == "stop":
                 return
-            remember_urls(urls)
             try:
-                if verb == "read":  # on the store's threads; a failure shows when the batch leases them
-                    store.read_ahead(loras)
-                elif verb == "keep":
-                    store.keep(loras[0][0])
-                elif verb == "evict":
-                    store.cache.evict(loras[0][0])  # (rank 0 removes a download from the shared folder)
+                remember_urls(urls)
+                _do_as_told(store, verb, loras)
                 logger.log(logging.DEBUG if verb == "read" else logging.INFO, "rank %d: %s %s", self.rank, verb,
                            ", ".join(adapter_id for adapter_id, _ in loras))
             except Exception as e:  # noqa: BLE001 - this rank reads it again when a request needs it
@@ -270,11 +272,10 @@ class Ranks:
             return error if failed == self.rank else outcomes[failed][0]
         held = [v for _, v in outcomes]  # every rank leased the same ids, in the same order
         if len(set(held)) > 1:
-            changed = next(ids[0] for ids in zip(*held) if len(set(ids)) > 1)
-            return AdapterChanged(changed[0], "its file changed while the processes read it, so they read "
-                                              "different versions", "Ask again once the file is written")
+            changed = next((ids[0][0] for ids in zip(*held) if len(set(ids)) > 1), versions[0][0])
+            return AdapterChanged(changed, "its file changed while the processes read it, so they read "
+                                           "different versions", "Ask again once the file is written")
         return None
-
 
     def together(self, make: Callable[[], T]) -> T:
         """`make()` (an image), then wait for every rank to end it too, failed or not: they end
@@ -311,6 +312,20 @@ class Ranks:
             os._exit(70)
 
 
+def _do_as_told(store: "AdapterStore", verb: News, loras: list[tuple[str, float]]) -> None:
+    """A follower's store does what rank 0's did. A file from elsewhere is read once rank 0
+    has fetched it (into the shared download folder): two ranks fetching it at once would
+    each write their own copy, and the ranks read different files."""
+    if verb == "read":  # on the store's threads; a failure shows when the batch leases them
+        ready = [(a, w) for a, w in loras if not looks_like_reference(a) or store.downloaded(a)]
+        if ready:
+            store.read_ahead(ready)
+    elif verb == "keep":
+        store.keep_ahead(loras[0][0])
+    elif verb == "evict":
+        store.cache.evict(loras[0][0])  # (rank 0 removes a download from the shared folder)
+
+
 def _sendable(error: BaseException | None) -> BaseException | None:
     """`error` as another process can rebuild it; if it cannot be pickled, its type and message
     (a rank whose error failed to send would skip the collective and leave the others in it)."""
@@ -320,7 +335,9 @@ def _sendable(error: BaseException | None) -> BaseException | None:
         pickle.loads(pickle.dumps(error))
         return error
     except Exception:  # noqa: BLE001 - any failure to pickle or rebuild
-        return RuntimeError(f"{type(error).__name__}: {error}")
+        sent = LoraswapError(f"{type(error).__name__}: {error}")
+        sent.status = getattr(error, "status", LoraswapError.status)  # a 4xx stays one
+        return sent
 
 
 def follow(engine, ranks: Ranks) -> None:
@@ -330,10 +347,10 @@ def follow(engine, ranks: Ranks) -> None:
     while True:
         verb, requests, urls = ranks.receive()
         if verb == "stop":
-            news.join(30)  # told to stop first: no collective left in flight on its group
+            news.join(5)  # told to stop first: its last collective ends at once
             return
-        remember_urls(urls)
         try:
+            remember_urls(urls)
             lease = engine.lender.lease_now(requests[0].loras)
         except Exception as e:  # this rank cannot read them: the ranks that applied them go back to the base
             logger.warning("rank %d: the adapters could not be read here: %s", ranks.rank, e)

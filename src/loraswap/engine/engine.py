@@ -268,15 +268,14 @@ class Engine:
     def _check_split(self, kwargs: dict) -> None:
         """A size whose tokens (per frame; with an edit's input image's) do not split evenly over
         the ranks is refused at once."""
-        family = self.calls.family
-        input_tokens = family.input_tokens(kwargs) if family is not None and family.input_tokens else 0
-        width, height = kwargs.get("width"), kwargs.get("height")
-        if self.parallelism.sequence == 1 or not (width and height or input_tokens):
+        if self.parallelism.sequence == 1:
             return
-        scale = getattr(self.pipeline, "vae_scale_factor", 8)
-        if not (width and height):  # the pipeline's own size
-            width = height = self.pipeline.default_sample_size * scale
-        check_sequence((width // (2 * scale)) * (height // (2 * scale)), self.parallelism, input_tokens)
+        patch = getattr(self.pipeline, "vae_scale_factor", 8) * 2  # latents, then 2x2 patches
+        family = self.calls.family
+        if kwargs.get("image") is not None and family is not None and family.edit_tokens is not None:
+            check_sequence(family.edit_tokens(kwargs, patch), self.parallelism, with_input=True)
+        elif kwargs.get("width") and kwargs.get("height"):
+            check_sequence((kwargs["width"] // patch) * (kwargs["height"] // patch), self.parallelism)
 
     def use_ranks(self, ranks: Ranks) -> None:
         """This engine is one of `ranks`: rank 0 broadcasts each batch to the others first, and

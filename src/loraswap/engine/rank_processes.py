@@ -83,11 +83,11 @@ class RankProcesses:
         """Tell the other ranks to stop and wait for them; kill those that do not (a batch still
         in flight when the server gave up waiting for it)."""
         self._stopping = True
+        deadline = time.monotonic() + timeout  # for them all: they stop at once
         if self.ranks is not None:
             telling = threading.Thread(target=self.ranks.stop, daemon=True)
             telling.start()
             telling.join(timeout)
-        deadline = time.monotonic() + timeout  # for them all: they stop at once
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():

@@ -50,8 +50,10 @@ class Family:
       (Qwen-Image's `true_cfg_scale` for the guidance scale).
     - `adjust_call`: the family's own change to a call's keyword arguments, if any (FLUX.1
       Kontext's output area follows the asked size only when told so).
-    - `input_tokens`: the tokens an edit's input image adds to the denoiser's sequence, which
-      a split over processes must divide (FLUX.1 Kontext's; Qwen-Image-Edit's divide by 4).
+    - `edit_tokens`: for a call with an input image, the tokens of the denoiser's sequence
+      (the output's and the input's, which a split over processes must divide), given the
+      pixels a token spans (FLUX.1 Kontext, FLUX.2;
+      Qwen-Image-Edit sizes its input in multiples of 32 pixels, so its tokens divide by 4).
     - `size_multiple`: what width and height must be multiples of (latents an eighth of the
       image, packed in 2x2 patches by the transformers: 16).
     - `strength_rounds_down`: its image-to-image and inpainting pipelines denoise
@@ -70,7 +72,7 @@ class Family:
     defaults: Mapping[str, float] = field(default_factory=dict)
     call_names: Mapping[str, str] = field(default_factory=dict)
     adjust_call: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-    input_tokens: Callable[[dict[str, Any]], int] | None = None
+    edit_tokens: Callable[[dict[str, Any], int], int] | None = None
     size_multiple: int = 16
     strength_rounds_down: bool = False
 

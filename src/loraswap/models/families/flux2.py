@@ -6,6 +6,8 @@ image pipelines. Prompts are encoded by stacking three of the text encoder's hid
 states (layers 10, 20 and 30 by default), so its context width is 3x the encoder's.
 """
 
+import math
+
 from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PreTrainedTokenizerFast
@@ -120,6 +122,23 @@ FLUX2_DEV_ARCHITECTURE = Architecture(
                 "vae": (AutoencoderKLFlux2, VAE_FLUX2)},
     extras=flux2_dev_extras)
 
+def edit_tokens(kwargs: dict, patch: int) -> int:
+    """The transformer's sequence for a call with reference images: the output's tokens (the
+    asked size, else the first image's, as the pipeline makes it) and each image's, scaled
+    down to 1 MP if larger, then cut down to multiples of `patch` pixels (a token each)."""
+    images = kwargs["image"] if isinstance(kwargs["image"], list) else [kwargs["image"]]
+    sides = []
+    for image in images:
+        width, height = image.size
+        if width * height > 1024 * 1024:
+            scale = math.sqrt(1024 * 1024 / (width * height))
+            width, height = int(width * scale), int(height * scale)
+        sides.append((width // patch, height // patch))
+    width = kwargs["width"] // patch if kwargs.get("width") else sides[0][0]
+    height = kwargs["height"] // patch if kwargs.get("height") else sides[0][1]
+    return width * height + sum(w * h for w, h in sides)
+
+
 FAMILY = Family(
     name="flux2",
     pipeline="Flux2Pipeline",
@@ -127,4 +146,5 @@ FAMILY = Family(
     architectures={"flux2-dev": FLUX2_DEV_ARCHITECTURE},
     image_input="edit",
     defaults=TINY_DEFAULTS,
+    edit_tokens=edit_tokens,
 )

@@ -23,18 +23,18 @@ def asked_size(kwargs: dict) -> dict:
     return kwargs
 
 
-def input_image_tokens(kwargs: dict) -> int:
-    """The tokens the input image adds to the transformer's sequence (beside the output's):
-    the pipeline sizes it to the preferred resolution nearest its aspect (unless a size was
-    asked: `asked_size`), down to multiples of 16 pixels, and each token is 16 x 16 pixels."""
-    image = kwargs.get("image")
-    image = image[0] if isinstance(image, list) else image
-    if image is None:
-        return 0
-    width, height = image.size
+def edit_tokens(kwargs: dict, patch: int) -> int:
+    """The transformer's sequence for a call with an input image: the output's tokens (the asked
+    size, else its 1024 x 1024) and the input's. The pipeline cuts the input down
+    to multiples of `patch` pixels (a token each), first to the preferred resolution nearest
+    its aspect unless a size was asked (`asked_size`)."""
+    image = kwargs["image"]
+    width, height = (image[0] if isinstance(image, list) else image).size
+    width, height = width - width % patch, height - height % patch
     if kwargs.get("_auto_resize", True):
         _, width, height = min((abs(width / height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
-    return (width // 16) * (height // 16)
+    output = (kwargs.get("width") or 1024) // patch * ((kwargs.get("height") or 1024) // patch)
+    return output + (width // patch) * (height // patch)
 
 
 # Kontext [dev]'s scheduler and tokenizers are FLUX.1 [dev]'s (the pipeline always passes
@@ -49,5 +49,5 @@ FAMILY = Family(
     image_input="edit",
     defaults=TINY_DEFAULTS,
     adjust_call=asked_size,
-    input_tokens=input_image_tokens,
+    edit_tokens=edit_tokens,
 )
