@@ -63,6 +63,11 @@ def _client(folder, download_dir, **engine):
     return client
 
 
+def _cache_misses(client) -> float:
+    return sum(float(line.split()[-1]) for line in client.get("/metrics").text.splitlines()
+               if line.startswith("loraswap_adapter_cache_misses_total"))
+
+
 def _image(client, **extra) -> bytes:
     response = client.post("/v1/images/generations", json={**PROMPT, **extra})
     assert response.status_code == 200, response.text
@@ -84,9 +89,11 @@ def test_a_url_in_loras_gives_the_folder_files_image_and_is_fetched_once(served,
     local = _image(client, model="style:0.8")
     assert _image(client, loras=[{"path": signed, "scale": 0.8}]) == local
     assert _image(client, image_loras=[{"path": signed, "scale": 0.8}]) == local, "Together's name for the list"
+    misses = _cache_misses(client)
     hf = client.post("/", json={"inputs": "a lighthouse", "parameters": {
         "width": 64, "height": 64, "seed": 7, "num_inference_steps": 2, "loras": [{"path": signed, "scale": 0.8}]}})
     assert hf.status_code == 200
+    assert _cache_misses(client) == misses, "read once: using a download leaves its file as the cache knows it"
     assert web.paths().count("/loras/style.safetensors?X-Signature=SECRET") == 1, "one download"
     rows = {row["id"]: row for row in client.get("/adapters").json()["adapters"]}
     url_rows = [row for row in rows.values() if row["source"] == "url"]
