@@ -2,13 +2,15 @@
 
 Public surface: `Engine(config)`, `generate_batch(requests, lease)`, `apply(lease)`,
 `applied_ids`, `recompiles`, `adapters` (the `AdapterStore` that locates, reads, caches
-and keeps this model's adapters) and `lender` (where leases come from: the store, or for
-a baseline its files). The engine swaps what a lease holds; it never takes or gives back
-a lease itself, except in `generate` and `set_adapters`, which lease for the call, for
-callers on one thread (the CLI, benchmarks, tests). Bringing the model up is
-`startup.Startup`'s job; writing adapters into the weights is the swapper's
-(`swap.FusedSwapper`, or a baseline of `baselines.py`). The pipeline and the weights are
-driven by exactly one thread (the server's GPU worker, or the CLI).
+and keeps this model's adapters), `keep_adapter` and `evict_adapter` (the store's, on every
+rank), `lender` (where leases come from: the store, or for a baseline its files),
+`pipeline_arguments(call)`, and with context parallelism `use_ranks(ranks)` and `ranks`.
+The engine swaps what a lease holds; it never takes or gives back a lease itself, except
+in `generate` and `set_adapters`, which lease for the call, for callers on one thread (the
+CLI, benchmarks, tests). Bringing the model up is `startup.Startup`'s job; writing
+adapters into the weights is the swapper's (`swap.FusedSwapper`, or a baseline of
+`baselines.py`). The pipeline and the weights are driven by exactly one thread (the
+server's GPU worker, or the CLI).
 """
 
 import contextlib
