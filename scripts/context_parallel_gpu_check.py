@@ -102,14 +102,15 @@ def differences(images: list[torch.Tensor], against: list[torch.Tensor]) -> dict
             "mean": [float(f"{(a - b).abs().mean():.3g}") for a, b in zip(images, against)]}
 
 
-def run_case(case: dict, folder: Path, work: Path, float32: list[torch.Tensor]) -> dict:
+def run_case(case: dict, work: Path, float32: list[torch.Tensor]) -> dict:
+    """`work`: the adapters' folder, and where the ranks leave their images."""
     from loraswap.engine.rank_processes import free_port
 
-    single, single_graphs = images(engine_for(folder, case, split=False))
+    single, single_graphs = images(engine_for(work, case, split=False))
     world = case["parallel"].get("ulysses_degree", 1) * case["parallel"].get("ring_degree", 1)
     out, started = work / f"{case['name']}.pt", time.perf_counter()
     try:
-        mp.start_processes(rank, args=(world, free_port(), folder, case, out), nprocs=world, start_method="spawn")
+        mp.start_processes(rank, args=(world, free_port(), work, case, out), nprocs=world, start_method="spawn")
     except Exception as e:  # noqa: BLE001 - reported, the other cases run
         return {"case": case, "error": torch.load(out).get("error", str(e)) if out.exists() else str(e)}
     split = torch.load(out)
@@ -132,7 +133,7 @@ def main() -> None:
         float32, _ = images(engine_for(work, CASES[0], split=False))  # the reference for bf16's own error
         results = []
         for case in CASES:
-            results.append(run_case(case, work, work, float32))
+            results.append(run_case(case, work, float32))
             print(json.dumps(results[-1]), flush=True)
     args.out.write_text(json.dumps(results, indent=1))
 

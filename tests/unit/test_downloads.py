@@ -35,6 +35,23 @@ def test_one_fetch_however_many_ask_at_once(tmp_path):
     assert cache.record("url:a")["shown"] == "https://h.example/a.safetensors"
 
 
+def test_one_fetch_for_processes_sharing_the_folder(tmp_path):
+    """The ranks of one image (or replicas on one machine) share the folder, each with its own
+    cache: one of them fetches, the others read the same file, not a copy of their own."""
+    caches = [DownloadCache(tmp_path, 2**20) for _ in range(4)]
+    calls, gate = [], threading.Event()
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(cache.fetch, "url:a", _writer(b"x" * 100, calls, gate)) for cache in caches]
+        while not calls:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the others are waiting, not fetching
+        gate.set()
+        inodes = {f.result(timeout=30).stat().st_ino for f in futures}
+    assert len(calls) == 1 and len(inodes) == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".json")) == \
+        [caches[0].path("url:a").name], "no lock or partial file left"
+
+
 def test_a_failed_fetch_leaves_nothing_and_a_crash_leaves_nothing_served(tmp_path):
     cache = DownloadCache(tmp_path, 2**20)
 

@@ -156,3 +156,24 @@ def test_a_split_refuses_an_edit_whose_output_and_input_do_not_divide():
     Engine._check_split(engine, dict(odd, image=Image.new("RGB", (80, 64))))  # 16 + 20
     with pytest.raises(BadRequest, match="this size makes 15 image tokens"):
         Engine._check_split(engine, dict(width=80, height=48))
+
+
+class _Unrebuildable(Exception):
+    status = 422
+
+    def __init__(self, what: str, why: str):  # pickle rebuilds it with one argument: it cannot
+        super().__init__(f"{what}: {why}")
+
+
+def test_an_error_that_cannot_cross_to_another_rank_is_sent_as_its_type_message_and_status():
+    """A rank's error goes to the others in `Ranks.agree`; one pickle cannot rebuild would
+    make that rank skip the collective and leave the others in it."""
+    import pickle
+
+    from loraswap.engine.context_parallel import _sendable
+    from loraswap.errors import AdapterInvalid
+
+    error = AdapterInvalid("a", "truncated", "Download it again")
+    assert _sendable(error) is error
+    sent = pickle.loads(pickle.dumps(_sendable(_Unrebuildable("adapter a", "odd"))))
+    assert str(sent) == "_Unrebuildable: adapter a: odd" and sent.status == 422

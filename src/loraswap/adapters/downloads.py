@@ -5,19 +5,19 @@ One folder (`--download-dir`), least recently used files dropped past a byte bud
 small JSON record of what it is (id, source, where it came from with no query string,
 size, sha256). A file is written under a temporary name and renamed once it is complete
 and checked, so a partial file is never served; a crash leaves only temporary files,
-removed at the next start. One fetch at a time per adapter, however many requests wait
-for it. The files and their records survive a restart: an adapter fetched once is served
-by its id from here until it is dropped.
+removed at the next start. One fetch at a time per adapter, however many requests (and
+processes sharing the folder) wait for it. The files and their records survive a restart:
+an adapter fetched once is served by its id from here until it is dropped.
 """
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
-import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from ..paths import user_cache
 logger = logging.getLogger(__name__)
 
 PARTIAL_PREFIX = ".partial-"
+LOCK_PREFIX = ".lock-"
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,6 @@ class DownloadCache:
         self.folder = Path(folder)
         self.max_bytes = max_bytes
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._fetching: dict[str, threading.Lock] = {}  # adapter id -> held while it is being fetched
         self._drop_partial_files()
 
     # ---------------------------------------------------------------- reading
@@ -84,17 +83,31 @@ class DownloadCache:
     def fetch(self, adapter_id: str, fetch: Callable[[Path], Download]) -> Path:
         """The adapter's file: from here, else `fetch(temporary path)` writes it, once, however
         many threads ask at the same time; a failed fetch leaves nothing behind."""
-        with self._lock:
-            gate = self._fetching.setdefault(adapter_id, threading.Lock())
-        with gate:
+        with self._fetching(adapter_id):
             found = self.path(adapter_id)
             if found is not None:
                 return found
-            try:
-                return self._fetch_now(adapter_id, fetch)
-            finally:
-                with self._lock:
-                    self._fetching.pop(adapter_id, None)
+            return self._fetch_now(adapter_id, fetch)
+
+    @contextlib.contextmanager
+    def _fetching(self, adapter_id: str) -> Iterator[None]:
+        """Held while the adapter is looked for and fetched, by one thread of any process using
+        this folder (the ranks of one image, replicas on one machine): the others then find the
+        file it wrote rather than fetch, and write, a copy of their own. The lock file is
+        removed by its holder; a waiter that then holds a removed one tries again."""
+        path = self.folder / f"{LOCK_PREFIX}{_name(adapter_id)}"
+        while True:
+            lock = open(path, "a")  # noqa: SIM115 - closed below, which releases the lock
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                    break
+            lock.close()
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+            lock.close()
 
     def _fetch_now(self, adapter_id: str, fetch: Callable[[Path], Download]) -> Path:
         partial = self.folder / f"{PARTIAL_PREFIX}{uuid.uuid4().hex}"

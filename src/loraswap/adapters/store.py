@@ -123,12 +123,6 @@ class AdapterStore:
         """`keep` on the store's threads."""
         return self._pool.submit(self.keep, adapter_id)
 
-    def downloaded(self, adapter_id: str) -> bool:
-        """Whether the adapter is a file fetched from elsewhere (URL, Civitai, bucket) that is
-        on disk now."""
-        remote = self.source.remote if self.source is not None else None
-        return remote is not None and remote.downloads.path(adapter_id) is not None
-
     def check_blend(self, loras: list[tuple[str, float]]) -> None:
         """Refuse a blend of more adapters than the limit, or one naming an adapter twice."""
         if len(loras) > self.limits.max_blend:

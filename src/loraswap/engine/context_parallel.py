@@ -21,12 +21,14 @@ never-seen adapter while earlier images are made, as rank 0 does.
 
 import contextlib
 import datetime
+import functools
 import logging
 import os
 import pickle
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeVar
 from unittest import mock
@@ -36,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..adapters.references import looks_like_reference, remember_urls, urls_of
+from ..adapters.references import remember_urls, urls_of
 from ..errors import AdapterChanged, BadRequest, LoraswapError
 from ..models.family import Family
 
@@ -249,11 +251,18 @@ class Ranks:
                 return
             try:
                 remember_urls(urls)
-                _do_as_told(store, verb, loras)
-                logger.log(logging.DEBUG if verb == "read" else logging.INFO, "rank %d: %s %s", self.rank, verb,
-                           ", ".join(adapter_id for adapter_id, _ in loras))
+                done = _do_as_told(store, verb, loras)
             except Exception as e:  # noqa: BLE001 - this rank reads it again when a request needs it
-                logger.warning("rank %d: could not %s %s here: %s", self.rank, verb, loras[0][0], e)
+                done = Future()
+                done.set_exception(e)
+            done.add_done_callback(functools.partial(self._log_news, verb, loras))
+
+    def _log_news(self, verb: News, loras: list[tuple[str, float]], done: Future) -> None:
+        if done.exception() is not None:  # this rank reads it again when a request needs it
+            logger.warning("rank %d: could not %s %s here: %s", self.rank, verb, loras[0][0], done.exception())
+        else:
+            logger.log(logging.DEBUG if verb == "read" else logging.INFO, "rank %d: %s %s", self.rank, verb,
+                       ", ".join(adapter_id for adapter_id, _ in loras))
 
     def receive(self) -> tuple[str, list | None, dict[str, str]]:
         """A follower: the next message from rank 0 (verb, requests, URLs)."""
@@ -312,18 +321,18 @@ class Ranks:
             os._exit(70)
 
 
-def _do_as_told(store: "AdapterStore", verb: News, loras: list[tuple[str, float]]) -> None:
-    """A follower's store does what rank 0's did. A file from elsewhere is read once rank 0
-    has fetched it (into the shared download folder): two ranks fetching it at once would
-    each write their own copy, and the ranks read different files."""
-    if verb == "read":  # on the store's threads; a failure shows when the batch leases them
-        ready = [(a, w) for a, w in loras if not looks_like_reference(a) or store.downloaded(a)]
-        if ready:
-            store.read_ahead(ready)
-    elif verb == "keep":
-        store.keep_ahead(loras[0][0])
-    elif verb == "evict":
-        store.cache.evict(loras[0][0])  # (rank 0 removes a download from the shared folder)
+def _do_as_told(store: "AdapterStore", verb: News, loras: list[tuple[str, float]]) -> Future:
+    """A follower's store does what rank 0's did, reading on its own threads (a file from
+    elsewhere is fetched once, by whichever rank comes first, into the download folder they
+    share); done when it is."""
+    if verb == "read":
+        return store.read_ahead(loras)
+    if verb == "keep":
+        return store.keep_ahead(loras[0][0])
+    store.cache.evict(loras[0][0])  # "evict" (rank 0 removes a download from the shared folder)
+    done = Future()
+    done.set_result(None)
+    return done
 
 
 def _sendable(error: BaseException | None) -> BaseException | None:
