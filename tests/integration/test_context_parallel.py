@@ -1,13 +1,15 @@
 """One image split over processes (`--ulysses-degree`, `--cfg-parallel`; gloo on the CPU): the
 same images as one process with an adapter swapped per request, blends included; a swap
 refused on every rank; sizes that do not split refused; a rank failing alone or killed ends
-its server, a killed server takes its ranks with it, and it starts again."""
+its server, once the requests it held are answered 503, a killed server takes its ranks with
+it, and it starts again."""
 
 import io
 import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -55,6 +57,15 @@ def _wait_for_log(server: ServerProcess, line: str, timeout: float = 30.0) -> No
     deadline = time.monotonic() + timeout
     while line not in server.log() and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+def _failing_env() -> dict:
+    """The server's processes with `support/fail_on_rank_1` (rank 1 fails, or holds, on cue)."""
+    failing = str(Path(__file__).parents[1] / "support" / "fail_on_rank_1")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [failing, os.environ.get("PYTHONPATH")]))}
+
+
+LOST = "one of the processes that make this server's images failed"  # the 503 of ranks that cannot go on
 
 
 def _children(pid: int) -> list[int]:
@@ -139,9 +150,7 @@ def test_a_rank_failing_or_dying_ends_its_server_and_it_starts_again(adapters, t
     its supervisor to start it again rather than hang; so does a rank killed. Started
     again, the server makes the same images."""
     args = ["--model", "tiny-flux", "--adapters", str(adapters), "--no-compile", "--ulysses-degree", "2"]
-    failing = str(Path(__file__).parents[1] / "support" / "fail_on_rank_1")
-    first = ServerProcess([*args, "--rank-wait-s", "5"], tmp_path / "first.log",
-                          env={"PYTHONPATH": os.pathsep.join(filter(None, [failing, os.environ.get("PYTHONPATH")]))})
+    first = ServerProcess([*args, "--rank-wait-s", "5"], tmp_path / "first.log", env=_failing_env())
     try:
         first.wait_ready()
         image, base = _image(first.url, "a", 9), _image(first.url, "", 10)
@@ -160,11 +169,12 @@ def test_a_rank_failing_or_dying_ends_its_server_and_it_starts_again(adapters, t
         assert changed.status_code == 503 and "Retry-After" in changed.headers
         assert "adapter 'b': its file changed while the processes read it" in changed.json()["error"]
         assert np.array_equal(_image(first.url, "a", 9), image), "and swaps on in step"
-        with pytest.raises(httpx.HTTPError):  # the server ends before it answers
-            httpx.post(first.url + "/", json={"inputs": "x", "parameters": {**PARAMS, "width": 96}}, timeout=60)
+        lost = httpx.post(first.url + "/", json={"inputs": "x", "parameters": {**PARAMS, "width": 96}}, timeout=60)
+        assert lost.status_code == 503 and "Retry-After" in lost.headers, "answered, then the server ends"
+        assert LOST in lost.json()["error"] and "the server restarts: retry shortly" in lost.json()["error"]
         assert first.proc.wait(30) == 70
         assert "rank 1: the image failed here: out of memory, on rank 1 alone" in first.log()
-        assert "rank 1: the ranks did not all end the image within 5 s" in first.log()
+        assert "rank 1: the ranks did not all end the image (waiting 5 s at most)" in first.log()
     finally:
         first.stop()
     second = ServerProcess(args, tmp_path / "second.log")
@@ -176,6 +186,40 @@ def test_a_rank_failing_or_dying_ends_its_server_and_it_starts_again(adapters, t
         assert "exited with code -9: the ranks cannot go on without it" in second.log()
     finally:
         second.stop()
+
+
+def _post(url: str, seed: int, **params) -> httpx.Response:
+    return httpx.post(url + "/", json={"inputs": "x", "parameters": {**PARAMS, **params, "seed": seed}}, timeout=60)
+
+
+def test_a_rank_killed_mid_request_gets_its_clients_a_503_then_the_server_exits(adapters, tmp_path):
+    """Rank 1 killed while an image generates, two more requests queued behind it: the
+    process group cannot be used again, so rank 0 answers all three with a JSON 503 and
+    Retry-After (never a connection closed unanswered), then exits (code 70) for its
+    supervisor to start it again."""
+    server = ServerProcess(["--model", "tiny-flux", "--adapters", str(adapters), "--no-compile", "--ulysses-degree",
+                            "2"], tmp_path / "killed.log", env=_failing_env())
+    try:
+        server.wait_ready()
+        with ThreadPoolExecutor(3) as pool:
+            generating = pool.submit(_post, server.url, 1, width=64, height=128)  # rank 1 holds it
+            _wait_for_log(server, "rank 1: holding the image")
+            assert "rank 1: holding the image" in server.log()
+            queued = [pool.submit(_post, server.url, seed) for seed in (2, 3)]
+            deadline = time.monotonic() + 30
+            while server.metric("loraswap_queue_depth") < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert server.metric("loraswap_queue_depth") == 2, "both wait behind the image"
+            os.kill(_children(server.proc.pid)[0], signal.SIGKILL)
+            responses = [generating.result(60)] + [future.result(60) for future in queued]
+        for response in responses:
+            assert response.status_code == 503 and response.headers["Retry-After"] == "2", response.text
+            assert LOST in response.json()["error"]
+        assert server.proc.wait(30) == 70
+        assert "loraswap-rank-1 exited with code -9: the ranks cannot go on without it" in server.log()
+        assert "rank 0: the ranks cannot go on" in server.log()
+    finally:
+        server.stop()
 
 
 LORAS = {"tiny-flux": [[], [("a", 1.0)], [("a", 0.5), ("b", 0.7)], [("k", 1.0)], []],  # a LoKr too

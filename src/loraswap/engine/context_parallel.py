@@ -17,13 +17,16 @@ leader answers with the failing rank's error. Each rank knows what it holds, so 
 request's swap starts from there. Beside that, rank 0 tells the others what its store does
 (`Ranks.tell`: read a queued request's adapters, keep or evict one), so that they read a
 never-seen adapter while earlier images are made, as rank 0 does.
+
+A rank that dies, or one left stuck in a collective, leaves the process group unusable: every
+rank exits (code 70) for the server's supervisor to start it again, all ranks anew; rank 0
+first answers the requests it holds with a 503 (`rank_loss.RankLoss`).
 """
 
 import contextlib
 import datetime
 import functools
 import logging
-import os
 import pickle
 import queue
 import threading
@@ -41,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..adapters.references import remember_urls, urls_of
 from ..errors import AdapterChanged, BadRequest, LoraswapError
 from ..models.family import Family
+from .rank_loss import RankLoss
 
 if TYPE_CHECKING:
     from ..adapters.store import AdapterStore
@@ -200,6 +204,7 @@ class Ranks:
             threading.Thread(target=self._send_news, name="loraswap-rank-news", daemon=True).start()
         self.wait_s = wait_s
         self._stopping = False  # the server stops its ranks: a broken wait is no failure then
+        self.loss = RankLoss(self.rank)  # what this rank does once the ranks cannot go on
 
     @property
     def leading(self) -> bool:
@@ -210,7 +215,8 @@ class Ranks:
         (another process knows only the ids: it finds their files in the download folder, or
         fetches them again if they were evicted meanwhile)."""
         urls = urls_of(adapter_id for request in requests for adapter_id, _ in request.loras)
-        dist.broadcast_object_list([("generate", requests, urls)], src=0, group=self._objects)
+        with self._in_step():
+            dist.broadcast_object_list([("generate", requests, urls)], src=0, group=self._objects)
 
     def stop(self) -> None:
         """Rank 0: the other ranks return from `follow`."""
@@ -275,7 +281,8 @@ class Ranks:
         own object when it is this one, traceback kept); or, when all applied them but from
         different files (one replaced between the ranks' reads), an error saying so; else None."""
         outcomes: list = [None] * self.world
-        dist.all_gather_object(outcomes, (_sendable(error), versions), group=self._objects)
+        with self._in_step():
+            dist.all_gather_object(outcomes, (_sendable(error), versions), group=self._objects)
         failed = next((rank for rank, (e, _) in enumerate(outcomes) if e is not None), None)
         if failed is not None:
             return error if failed == self.rank else outcomes[failed][0]
@@ -290,8 +297,7 @@ class Ranks:
         """`make()` (an image), then wait for every rank to end it too, failed or not: they end
         it within moments of each other, their steps joined by collectives. A rank that does
         not within `wait_s` is stuck in a collective that a failure on one rank alone (a GPU
-        out of memory) left unanswered: the ranks are out of step for good, so this process
-        ends (code 70), taking the server with it for its supervisor to start it again."""
+        out of memory) left unanswered: the ranks are out of step for good (`RankLoss.give_up`)."""
         try:
             made = make()
         except BaseException as e:
@@ -313,12 +319,24 @@ class Ranks:
         except Exception as e:  # noqa: BLE001 - whatever the backend raises, the ranks cannot go on
             if self._stopping:  # the server stops them (a rank killed for being slow to stop): no failure
                 raise
-            logger.error("rank %d: the ranks did not all end the image within %.0f s (%s). A failure on one rank "
-                         "alone leaves the others waiting for good: exiting for a restart", self.rank, self.wait_s,
-                         str(e).splitlines()[0])
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os._exit(70)
+            logger.error("rank %d: the ranks did not all end the image (waiting %g s at most): %s. A failure on one "
+                         "rank alone leaves the others waiting for good", self.rank, self.wait_s, _first_line(e))
+            raise self.loss.give_up("the processes did not all end an image") from e
+
+    @contextlib.contextmanager
+    def _in_step(self) -> Iterator[None]:
+        """A message between the ranks: one that fails (a rank gone) leaves them unable to go on."""
+        try:
+            yield
+        except Exception as e:
+            if self._stopping:
+                raise
+            logger.error("rank %d: a message between the ranks failed: %s", self.rank, _first_line(e))
+            raise self.loss.give_up("a message between the processes failed") from e
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error) or type(error).__name__).splitlines()[0]
 
 
 def _do_as_told(store: "AdapterStore", verb: News, loras: list[tuple[str, float]]) -> Future:

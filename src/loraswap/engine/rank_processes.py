@@ -22,8 +22,10 @@ import torch.distributed as dist
 
 from .config import EngineConfig
 from .context_parallel import Ranks, follow
+from .rank_loss import exit_for_restart
 
 logger = logging.getLogger(__name__)
+WATCH_S = 0.5  # how often rank 0 looks for a rank that exited
 
 
 class RankProcesses:
@@ -49,14 +51,17 @@ class RankProcesses:
 
     def _watch(self) -> None:
         """A rank that dies leaves the others waiting in their next collective: end this
-        process too (its supervisor, or Ray Serve, starts the server again, all ranks anew)."""
+        process too, once the requests it holds are answered (503), for its supervisor (or Ray
+        Serve) to start the server again, all ranks anew."""
         while not self._stopping:
             gone = next((p for p in self.processes if p.exitcode is not None), None)
             if gone is not None and not self._stopping:
-                logger.error("%s exited with code %s: the ranks cannot go on without it; exiting", gone.name,
-                             gone.exitcode)
-                os._exit(70)
-            time.sleep(1.0)
+                logger.error("%s exited with code %s: the ranks cannot go on without it", gone.name, gone.exitcode)
+                if self.ranks is None:  # still starting: no request to answer
+                    exit_for_restart()
+                self.ranks.loss.give_up(f"{gone.name} exited with code {gone.exitcode}")
+                return
+            time.sleep(WATCH_S)
 
     def _join_while_alive(self, config: EngineConfig, port: int) -> None:
         """Join as rank 0, unless a rank exits first (it would never join: its error is in the log)."""

@@ -9,6 +9,8 @@ it back (`_give_back`). A full queue refuses at once
 video job deleted) while queued is skipped, so it costs no GPU work; while it generates,
 it stops at the next denoising step (`JobFuture.cancel`), unless another request in its
 batch still wants the images or the engine spans several ranks (which must stay in step).
+Should those ranks be lost (one died), every request held, queued or generating, and each new
+one, is failed at once with their error (a 503), before the process exits for a restart.
 
 Scheduling, among queued requests whose adapters are ready:
 1. a request waiting longer than `max_wait_s`, or passed over `max_skips` times, goes
@@ -19,17 +21,18 @@ The chosen request takes along up to `max_batch - 1` ready requests with the sam
 adapters and parameters: one pipeline call for all of them.
 """
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Annotated
 
 from pydantic import BaseModel, Field
 
-from ..errors import Overloaded
+from ..errors import LoraswapError, Overloaded
 from ..flags import SCHEDULING, Flag
 from .calls import Stopped
 from .config import GenerateRequest
@@ -84,8 +87,12 @@ class GpuWorker:
         self.config = config
         self.clock = clock  # seconds, for the fairness bound and the timings (a test may drive it)
         self._jobs: list[Job] = []
+        self._running: list[Job] = []  # the batch taken from the queue to generate
         self._cond = threading.Condition()
         self._stopping = False
+        self._lost: LoraswapError | None = None  # the engine's ranks lost: every request fails with it
+        if engine.ranks is not None:
+            engine.ranks.loss.when_lost(self._fail_all)
         self._thread = threading.Thread(target=self._run, name="loraswap-gpu-worker", daemon=True)
         self.skipped_cancelled = 0  # jobs dropped because their client left while queued
         self.stopped = 0  # jobs stopped while they generated, every one of their batch cancelled
@@ -103,6 +110,9 @@ class GpuWorker:
             self.engine.ranks.tell("read", request.loras)
         job = Job(request, self.engine.lender.lease(request.loras), self.clock(), on_step=on_step)
         with self._cond:
+            if self._lost is not None:
+                _give_back(job)
+                raise type(self._lost)(self._lost.message)
             if self._stopping:
                 _give_back(job)
                 raise Overloaded("the server is shutting down")
@@ -145,6 +155,7 @@ class GpuWorker:
                 if batch:
                     for job in batch:
                         self._jobs.remove(job)
+                    self._running = batch
                     return batch
                 self._cond.wait(timeout=0.05)
 
@@ -187,7 +198,7 @@ class GpuWorker:
             batch = self._next_batch()
             if batch is None:
                 return
-            running = [job for job in batch if job.future.set_running_or_notify_cancel()]
+            running = [job for job in batch if _set_running(job.future)]
             self.skipped_cancelled += len(batch) - len(running)
             for job in batch:
                 if job not in running:
@@ -222,6 +233,21 @@ class GpuWorker:
                 _give_back(job)
             self.completed += len(jobs)
             self.batches += 1
+            self._running = []
+
+    def _fail_all(self, error: LoraswapError) -> None:
+        """The engine can make no more images (its ranks are lost; the process exits for a
+        restart): every request queued or generating gets `error` now, from this thread, as
+        the worker's may be stuck in a collective; each new one gets it at `submit`."""
+        with self._cond:
+            self._lost = error
+            queued, self._jobs = self._jobs, []
+            held = queued + self._running
+        for job in queued:
+            _give_back(job)
+        for job in held:
+            with contextlib.suppress(InvalidStateError):  # done meanwhile (cancelled, or served)
+                job.future.set_exception(type(error)(error.message))  # one each: each handler raises its own
 
     def _step_hook(self, jobs: list[Job]) -> Callable[[int, int], None]:
         """Called after each denoising step: the jobs' progress hooks, then `Stopped` once every
@@ -236,6 +262,15 @@ class GpuWorker:
                 raise Stopped(f"cancelled at step {done} of {total}")
 
         return step_ended
+
+
+def _set_running(future: JobFuture) -> bool:
+    """Mark the job running; False if it is not to run: cancelled while queued, or already
+    failed (`GpuWorker._fail_all`, between its leaving the queue and now)."""
+    try:
+        return future.set_running_or_notify_cancel()
+    except RuntimeError:  # failed already: its client has its answer
+        return False
 
 
 def _give_back(job: Job) -> None:

@@ -1,6 +1,8 @@
 """Put on a test server's PYTHONPATH: in every process of it, on rank 1 alone,
 - FLUX.1's transformer fails for an image of 96 x 64 pixels (24 tokens, 12 a rank once
   split), as a GPU out of memory would, while rank 0 goes on into its next collective;
+- and holds an image of 128 x 64 pixels (32 tokens, 16 a rank) until the test kills it,
+  having logged "rank 1: holding the image";
 - the swap fails halfway through writing the adapter "k" (its touched weights restored, as
   after any failed swap), while rank 0 writes it;
 - the adapter "b" is read from another version of its file (one replaced between the
@@ -8,6 +10,7 @@
 and what rank 0 tells the others to read ahead is logged (at debug)."""
 
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +31,9 @@ def _on_rank_1() -> bool:
 def _fails_on_rank_1(self, hidden_states, *args, **kwargs):
     if _on_rank_1() and hidden_states.shape[1] == 12:
         raise torch.OutOfMemoryError("out of memory, on rank 1 alone (made by the test)")
+    if _on_rank_1() and hidden_states.shape[1] == 16:
+        logging.getLogger(__name__).warning("rank 1: holding the image until killed (made by the test)")
+        time.sleep(600)
     return _forward(self, hidden_states, *args, **kwargs)
 
 
