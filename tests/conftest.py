@@ -1,5 +1,17 @@
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
+# Hermetic: loraswap's default folders (downloads, state: `paths.user_cache`, under
+# $XDG_CACHE_HOME) point at a folder of this session, for in-process servers and the
+# servers tests start alike, never at the user's ~/.cache/loraswap. The Hugging Face and
+# torch caches, which also follow $XDG_CACHE_HOME, keep the place they had.
+_USER_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+os.environ.setdefault("HF_HOME", str(_USER_CACHE / "huggingface"))
+os.environ.setdefault("TORCH_HOME", str(_USER_CACHE / "torch"))
+TEST_CACHE = Path(tempfile.mkdtemp(prefix="loraswap-tests-cache-"))
+os.environ["XDG_CACHE_HOME"] = str(TEST_CACHE)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
@@ -13,6 +25,13 @@ from loraswap.models import lora_components  # noqa: E402
 from loraswap.server import video_state  # noqa: E402
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache_folder():
+    """The session's cache folder (`TEST_CACHE`), removed when the session ends."""
+    yield TEST_CACHE
+    shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

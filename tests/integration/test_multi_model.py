@@ -2,6 +2,8 @@
 the family their metadata names, else by the model whose layers they fit."""
 
 import io
+import json
+import struct
 
 import numpy as np
 import pytest
@@ -126,3 +128,23 @@ def test_an_adapter_naming_no_base_model_goes_to_the_model_it_is_for(two_models)
     assert "fit none of the hosted models (tiny-sd, tiny-sdxl)" in refused.json()["error"]
     rows = {row["id"]: row for row in client.get("/adapters").json()["adapters"]}
     assert rows["sdxl-undeclared"]["model"] == "tiny-sdxl"
+
+
+def test_a_files_own_defect_is_named_as_a_one_model_server_names_it(two_models):
+    """A truncated file, or one whose header claims a 2^60-element tensor: 400 naming the
+    defect (as on one model, test_hostile_adapters), never 422 "fits none of the hosted models"."""
+    client, _, root = two_models
+    whole = (root / "undeclared.safetensors").read_bytes()
+    header = json.dumps({"a": {"dtype": "F16", "shape": [2**30, 2**30], "data_offsets": [0, 2**61]}}).encode()
+    broken = {"truncated": whole[: len(whole) // 2], "claims-2-60": struct.pack("<Q", len(header)) + header + bytes(16)}
+    try:
+        for adapter_id, data in broken.items():
+            (root / f"{adapter_id}.safetensors").write_bytes(data)
+            for response in (client.post("/", json=BODY, headers={"lora": adapter_id}),
+                             client.post(f"/adapters/{adapter_id}/load")):
+                assert response.status_code == 400, response.text
+                assert "lies outside the file (truncated download?)" in response.json()["error"]
+        png(client.post("/", json=BODY, headers={"lora": "undeclared", "accept": "image/png"}))
+    finally:
+        for adapter_id in broken:
+            (root / f"{adapter_id}.safetensors").unlink(missing_ok=True)

@@ -113,3 +113,22 @@ def test_tiny_wan_end_to_end_an_adapter_changes_the_video(wan_server):
     assert base_frames.shape == styled_frames.shape == (5, 48, 64, 3)
     assert meta["codec"] == "h264" and meta["fps"] == 16 and base.seconds == "0.3125"  # Wan's 16 fps
     assert np.abs(base_frames.astype(int) - styled_frames.astype(int)).mean() > 1, "the adapter changes it"
+
+
+@pytest.mark.slow
+def test_a_video_with_no_model_on_a_server_hosting_tiny_sd_then_tiny_wan_is_made_by_tiny_wan():
+    """The real engines: the image model first (the default), the video model second."""
+    app = create_app(ServerConfig(engines=[EngineConfig(model=name, compile=False, warmup=False)
+                                           for name in ("tiny-sd", "tiny-wan")]))
+    with serve_on_loopback(app) as url:
+        deadline = time.monotonic() + 120
+        while httpx.get(url + "/ready").status_code != 200:
+            assert time.monotonic() < deadline, "the models did not load"
+            time.sleep(0.05)
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        video = client.videos.create_and_poll(prompt="a fox running", size="64x48", poll_interval_ms=50,
+                                              extra_body={"frames": 5, "seed": 4, "num_inference_steps": 2})
+        frames, _ = read_mp4(client.videos.download_content(video.id).content)
+        image = httpx.post(url + "/", json={"inputs": "a fox", "parameters": {"num_inference_steps": 1}}, timeout=60)
+    assert (video.status, video.error, video.model) == ("completed", None, "tiny-wan")
+    assert frames.shape == (5, 48, 64, 3) and image.status_code == 200

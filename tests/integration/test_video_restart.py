@@ -83,7 +83,8 @@ def test_a_killed_server_keeps_its_finished_video_and_finishes_the_one_it_was_ma
         left_unfinished = db.execute("SELECT finished_at FROM videos WHERE id = ?", (longest.id,)).fetchall()
     assert stopped == 0 and left_unfinished == [(None,)], "stopped mid-way, not made to its 100th step"
     assert f"video {longest.id}: stopping it for the server's shutdown" in second.log()
-    assert had_files == [f"{done.id}.mp4", f"{done.id}.png"] and left == [], "DELETE removes the job's files"
+    assert had_files == [f"{done.id}.{ext}" for ext in ("json", "mp4", "png")] and left == [], (
+        "DELETE removes the job's files")
     assert kept_again, "the adapter kept before the crash is kept again"
     assert (again.status, again.completed_at, again.expires_at) == ("completed", done.completed_at, done.expires_at)
     assert hashlib.sha256(content).hexdigest() == digest, "the same bytes after the crash"

@@ -43,8 +43,10 @@ class FakeBackend:
         pass
 
     def ready_info(self) -> dict:
+        # it makes an image or a video, whichever is asked: declared a video model, as only the
+        # videos route reads `output`
         return {"model": "fake", "models": ["fake"], "compiled": False,
-                "capabilities": {"fake": {"image_input": "variants", "masks": True, "output": "image", "defaults": {},
+                "capabilities": {"fake": {"image_input": "variants", "masks": True, "output": "video", "defaults": {},
                                           "size_multiple": 8}}}
 
     def is_model(self, name: str) -> bool:

@@ -143,10 +143,14 @@ def slow(web: Web, seconds: float) -> Route:
     return route
 
 
-def drip(web: Web, head: bytes, total: int, every: float, headers_too: bool = False) -> Route:
+def drip(web: Web, head: bytes, total: int, every: float, headers_too: bool = False,
+         stop: threading.Event | None = None) -> Route:
     """A whole answer (`head`, then zeros up to `total` bytes) one byte every `every` seconds:
-    steady enough for any per-read timeout, never done. The status line and headers drip too
-    when `headers_too`, else they go at once."""
+    steady enough for any per-read timeout, never done (until `stop`, or the server's, is set:
+    then it hangs up). The status line and headers drip too when `headers_too`, else they go
+    at once."""
+    stop = stop or web.stop
+
     def route(handler: BaseHTTPRequestHandler) -> None:
         header = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total
         handler.close_connection = True
@@ -157,7 +161,7 @@ def drip(web: Web, head: bytes, total: int, every: float, headers_too: bool = Fa
             for i in range(len(answer)):
                 handler.wfile.write(answer[i:i + 1])
                 handler.wfile.flush()
-                if web.stop.wait(every):
+                if stop.wait(every) or web.stop.is_set():
                     return
         except (BrokenPipeError, ConnectionResetError):
             pass

@@ -2,17 +2,22 @@
 least recently used files dropped past the budget, and everything kept across a restart."""
 
 import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from loraswap.adapters.downloads import PARTIAL_PREFIX, Download, DownloadCache
+from loraswap.adapters.downloads import PARTIAL_PREFIX, Download, DownloadCache, default_download_dir
+from loraswap.server import video_state
 
 
 def _writer(data: bytes, calls: list, gate: threading.Event | None = None):
-    def fetch(dest):
+    def fetch(dest, reserve):
         calls.append(dest)
         if gate is not None:
             assert gate.wait(30)
@@ -55,7 +60,7 @@ def test_one_fetch_for_processes_sharing_the_folder(tmp_path):
 def test_a_failed_fetch_leaves_nothing_and_a_crash_leaves_nothing_served(tmp_path):
     cache = DownloadCache(tmp_path, 2**20)
 
-    def broken(dest):
+    def broken(dest, reserve):
         dest.write_bytes(b"half a file")
         raise RuntimeError("connection reset")
 
@@ -86,3 +91,18 @@ def test_least_recently_used_dropped_past_the_budget_and_kept_across_a_restart(t
     assert restarted.path("url:newest").read_bytes() == b"z" * 100
     assert restarted.remove("url:used") and restarted.path("url:used") is None
     assert [r["id"] for r in restarted.records()] == ["url:newest"]
+
+
+def test_the_suite_never_uses_the_users_loraswap_folders():
+    """Hermetic: the default download and state folders, in this process and in the servers the
+    tests start, are under the session's own cache folder (tests/conftest.py), never the
+    user's ~/.cache/loraswap, whose files would change what a server lists and serves."""
+    session = Path(os.environ["XDG_CACHE_HOME"])
+    assert session.is_relative_to(tempfile.gettempdir()) and session != Path.home() / ".cache"
+    assert default_download_dir() == session / "loraswap" / "downloads"
+    assert video_state.default_state_dir().is_relative_to(tempfile.gettempdir())
+    started = subprocess.run([sys.executable, "-c", "from loraswap.adapters.downloads import default_download_dir; "
+                              "from loraswap.paths import user_cache; print(default_download_dir()); "
+                              "print(user_cache('state'))"], capture_output=True, text=True, check=True)
+    assert [Path(line) for line in started.stdout.split()] == [session / "loraswap" / "downloads",
+                                                               session / "loraswap" / "state"]

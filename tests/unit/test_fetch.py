@@ -359,3 +359,34 @@ def test_json_answers_are_parsed_and_capped(web):
     with pytest.raises(AdapterNotFound):
         fetch_json(web.url("/404"), rules, "civitai:1@2")
     assert web.log[0]["headers"]["Accept"] == "application/json"
+
+
+def test_a_host_dripping_a_byte_every_29_s_is_cut_by_the_total_deadline(web, lora, tmp_path):
+    """Under a 30 s read timeout a byte every 29 s never times out a read: the fetch's own total
+    deadline ends it."""
+    web.routes["/drip29"] = drip(web, lora[:64], len(lora), 29.0)
+    rules = FetchRules(named(web).allow, CAP, read_timeout=30.0, total_timeout=1.5)
+    start = time.monotonic()
+    with pytest.raises(AdapterUnavailable, match="did not send the whole answer within 1.5 s"):
+        fetch_file(web.url("/drip29"), tmp_path / "x", rules, "a")
+    assert 1.4 < time.monotonic() - start < 3.0 and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_room_is_reserved_before_the_bytes_are_written(web, tmp_path, declared):
+    """The download cache's budget: a declared length is reserved whole before the body; a body of
+    no length a MiB ahead as it comes; the file keeps exactly the bytes received."""
+    head, total = b"\x02\x00\x00\x00\x00\x00\x00\x00{}", 3 * 2**20 + 5
+    web.routes["/big"] = stream(web, "/big", head, total, content_length=total if declared else None)
+    dest, calls = tmp_path / "x", []
+
+    def reserve(size, ahead):
+        calls.append((size, ahead, dest.stat().st_size))  # (asked, ahead, bytes on disk then)
+
+    fetched = fetch_file(web.url("/big"), dest, FetchRules(named(web).allow, 8 * 2**20), "a", reserve=reserve)
+    assert fetched.size == total == dest.stat().st_size
+    assert all(size >= on_disk for size, _, on_disk in calls), "reserved before written"
+    if declared:
+        assert calls[0] == (total, 0, 0), "the whole declared size, before a byte of the body"
+    else:
+        assert calls[0][2] == 0 and calls[-1][0] == total and {ahead for _, ahead, _ in calls} == {2**20}

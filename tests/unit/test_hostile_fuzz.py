@@ -1,10 +1,15 @@
 """Property-based: whatever JSON a client sends to a generation route, in whichever of its
-fields (lone surrogates, numbers at float's edge, deep nesting, wrong types), the answer is
-never a 5xx and always `{"error": ...}` when refused. Over a FakeBackend, in-process: the
-classes of input that once reached a 500 (a tokenizer's TypeError, RecursionError,
-OverflowError) are generated again, in bounded time."""
+fields (lone surrogates, numbers at float's edge, deep nesting, wrong types, adapter
+references of every shape in `loras`, `model` and the `lora` header), and whatever an
+adapter route's path names (`/adapters/{id}/load`, `DELETE /adapters/{id}`,
+`/models/{id}`, %-encoded or not), the answer is never a 5xx and always `{"error": ...}`
+when refused, and once answered no request still holds a URL. Over a FakeBackend,
+in-process: the classes of input that once reached a 500 (a tokenizer's TypeError,
+RecursionError, OverflowError, a type Civitai's parser did not expect) are generated again,
+in bounded time."""
 
 import json
+from urllib.parse import quote
 
 import pytest
 from fastapi.testclient import TestClient
@@ -12,6 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.fakes import fake_app
 from support.images import encode, noise
+
+from loraswap.adapters.references import url_book
 
 ROUTES = {  # route -> the fields its body names
     "/": ("inputs", "parameters"),
@@ -34,6 +41,25 @@ leaves = st.one_of(st.none(), st.booleans(), numbers, text)
 values = st.recursive(leaves, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
                       max_leaves=8)
 DEPTHS = st.integers(1, 5000)
+# adapter references of every shape: URLs (ports, userinfo, commas, %-escapes, signatures),
+# Civitai ids and AIRs (other scripts' digits), buckets, `url:` ids, each with or without a weight
+DIGITS = st.sampled_from(["1", "22", "\u0661", "\u0661\u0660", "\uff11", "0" * 13, "", "-1"])
+HOSTS = st.sampled_from(["h.example", "127.0.0.1", "127.0.0.1:18080", "[::1]", "[::1", "[x]", "]", "h:\u0661\u0662",
+                         "user:pw@h", "h:99999", "", "h:port", "h,k"])
+PIECES = st.text(alphabet="/,:?#%@=&.;ab \t\u0661\u00e9", max_size=12)
+WEIGHTS = st.sampled_from(["", ":0.5", ":\u0661", ":nan", ":1e999", ":-0", ":", ":1_0", ": 1"])
+references = st.one_of(
+    st.builds("{}{}/{}{}".format, st.sampled_from(["https://", "http://", "HTTP://", "s3://", "gs://", "ftp://"]),
+              HOSTS, PIECES, WEIGHTS),
+    st.builds("civitai:{}@{}{}".format, DIGITS, DIGITS, WEIGHTS),
+    st.builds("urn:air:{}:{}:civitai:{}@{}{}".format, st.sampled_from(["sd1", "flux1", "", "\u00dc"]),
+              st.sampled_from(["lora", "checkpoint", ""]), DIGITS, DIGITS, WEIGHTS),
+    st.builds("url:{}{}".format, st.text(alphabet="0123456789abcdefg", max_size=33), WEIGHTS),
+    st.builds("{}{}".format, st.sampled_from(["style", "a/b", "../x", "C:\\x", "owner/name@rev"]), WEIGHTS),
+    text)
+specs = st.lists(references, max_size=4).flatmap(lambda refs: st.sampled_from([", ".join(refs), ",".join(refs)]))
+loras = st.lists(st.fixed_dictionaries({"path": references}, optional={"scale": st.one_of(numbers, text)}),
+                 max_size=4)
 PICTURE = encode(noise(32, 32))
 # what each field usually holds, so that a body often passes every other check and reaches the
 # one a hostile value is in (a prompt the tokenizer reads, seconds times fps)
@@ -45,6 +71,7 @@ PLAUSIBLE = {
     "n": st.integers(1, 2), "size": st.sampled_from(["64x64", "auto", "16x32"]), "response_format": st.just("b64_json"),
     "seconds": st.one_of(numbers, st.sampled_from(["4", "1e308", "-0", "1e-300"])), "fps": st.integers(1, 30),
     "frames": st.integers(1, 9), "num_frames": st.integers(1, 9),
+    "loras": loras, "image_loras": loras, "model": specs,
 }
 
 
@@ -77,7 +104,14 @@ def bodies(draw, route: str) -> dict:
     encoded = json.dumps(body)  # ensure_ascii: a lone surrogate travels as valid JSON, \ud800
     if deep:
         encoded = encoded[:-1] + ', "deep": ' + deep + "}"
-    return {"content": encoded.encode(), "headers": {"content-type": "application/json"}}
+    headers = {"content-type": "application/json"}
+    if draw(st.integers(0, 3)) == 0:  # the `lora` header, as the bytes a client may send
+        headers["lora"] = _header_value(draw(specs))
+    return {"content": encoded.encode(), "headers": headers}
+
+
+def _header_value(spec: str) -> bytes:
+    return spec.encode("utf-8", "surrogatepass").replace(b"\r", b"").replace(b"\n", b"")
 
 
 @pytest.fixture(scope="module")
@@ -98,5 +132,30 @@ def test_no_json_body_reaches_a_server_error(client, route):
         assert response.status_code < 500, (str(body)[:300], response.text)
         if response.status_code >= 400:
             assert response.json()["error"]
+        assert url_book().held() == 0, "an answered request holds no URL"
+
+    check()
+
+
+ADAPTER_ROUTES = ("load", "delete", "models")
+
+
+@pytest.mark.slow  # 300 requests
+def test_no_adapter_route_path_reaches_a_server_error(client):
+    @settings(max_examples=300, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(references, st.sampled_from(ADAPTER_ROUTES), st.sampled_from(["", "/:@,;=", "/:@,;=?#%"]))
+    def check(reference: str, route: str, safe: str):
+        name = quote(reference.encode("utf-8", "surrogatepass"), safe=safe)  # raw, or %-encoded as a client may
+        if route == "load":
+            response = client.post(f"/adapters/{name}/load")
+        elif route == "delete":
+            response = client.delete(f"/adapters/{name}")
+        else:
+            response = client.post(f"/models/{name}", json={"inputs": "a fox"})
+        assert response.status_code < 500, (reference, route, response.text)
+        if response.status_code >= 400:
+            assert response.json()["error"]
+        assert url_book().held() == 0, "an answered request holds no URL"
 
     check()

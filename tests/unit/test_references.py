@@ -4,6 +4,7 @@ weights after them, what is refused, and what an error may show of them."""
 import pytest
 
 from loraswap.adapters.references import (
+    UrlReference,
     adapter_id_of,
     check_id,
     parse_reference,
@@ -62,6 +63,14 @@ def test_a_url_handed_over_is_remembered_under_its_own_id_only():
     ("gs://my-bucket/x.safetensors", "s3://BUCKET/KEY .*--s3-endpoint-url https://storage.googleapis.com"),
     ("x:99", "out of range"),
     (SIGNED + ":99", "out of range"),
+    ("civitai:١@١", "civitai:MODEL@VERSION .*ASCII digits"),  # Arabic-Indic digits: no civitai:1@1
+    ("urn:air:sd1:lora:civitai:١١@22", "ASCII digits"),
+    ("civitai:1@2:١", "ASCII digits"),
+    ("style:١", "the weight after ':' must be a number"),
+    ("style:1_0", "must be a number"),
+    ("https://h.example:١٢/a.safetensors", "port is not a number"),
+    ("https://user:pw@[::1/a.safetensors", "'https://\\(an unreadable host\\)': its host is not a name or an address"),
+    ("http://[x]/a.safetensors", "its host is not a name or an address"),
 ])
 def test_bad_references_are_refused_saying_why(name, message):
     with pytest.raises(BadRequest, match=message) as refused:
@@ -78,3 +87,24 @@ def test_ids_that_look_remote_but_are_malformed_are_refused(adapter_id):
 def test_what_an_error_shows_of_a_url():
     assert shown(SIGNED) == "https://cdn.example.com/loras/style.safetensors"
     assert shown("https://user:pw@h.example:8443/a?token=T") == "https://h.example:8443/a"
+
+
+def test_a_comma_inside_a_url_is_the_urls_and_a_port_is_no_weight():
+    """A URL's own commas (no space after them) and its port stay in it; its weight follows a
+    colon after its path; a URL is separated from the next adapter by ', '."""
+    def url_id(url):
+        return UrlReference(url).adapter_id
+
+    assert parse_adapter_specs("https://h/a,b.safetensors") == [(url_id("https://h/a,b.safetensors"), 1.0)]
+    assert parse_adapter_specs("http://127.0.0.1:18080") == [(url_id("http://127.0.0.1:18080"), 1.0)]
+    assert parse_adapter_specs("http://127.0.0.1:18080/a.safetensors:0.5, https://h/a,b.safetensors:0.25, "
+                               "style:0.3,other") == [
+        (url_id("http://127.0.0.1:18080/a.safetensors"), 0.5), (url_id("https://h/a,b.safetensors"), 0.25),
+        ("style", 0.3), ("other", 1.0)]
+    assert parse_adapter_specs("style:0.5,https://h/a.safetensors") == [
+        ("style", 0.5), (url_id("https://h/a.safetensors"), 1.0)], "an id's comma ends it"
+
+
+def test_a_signature_percent_encoded_into_a_path_is_not_shown():
+    assert shown("https://h.example/a.safetensors%3FX-Amz-Signature%3DSECRET") == "https://h.example/a.safetensors"
+    assert shown("https://h.example/a%253fsig%253DSECRET/b") == "https://h.example/a"

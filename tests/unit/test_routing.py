@@ -1,12 +1,15 @@
 """Routing an adapter that names no base model: by the family its metadata or source names,
 else by the hosted model its layers fit, else refused naming the hosted models."""
 
+import json
+import struct
+
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from loraswap.adapters.source import AdapterLocation
-from loraswap.errors import AdapterIncompatible
+from loraswap.errors import AdapterIncompatible, AdapterInvalid
 from loraswap.server.routing import HostedModel, route_by_base_model
 
 
@@ -19,7 +22,7 @@ def bare_file(tmp_path):
 
 def _route(hosted, path, source_says=None):
     return route_by_base_model(hosted, lambda aid: AdapterLocation(aid, path, None, source_says=source_says),
-                               [("civitai:1@2", 1.0)])
+                               [("civitai:1@2", 1.0)], max_adapter_bytes=2**30)
 
 
 def test_the_family_the_source_names_wins(bare_file):
@@ -45,6 +48,26 @@ def test_else_the_model_it_fits_else_refused(bare_file):
         _route(fits_none, bare_file)
 
 
+def _broken_files(bare_file, folder) -> list:
+    """A truncated file, and one whose header claims a 2^60-element tensor."""
+    truncated, huge = folder / "truncated.safetensors", folder / "huge.safetensors"
+    truncated.write_bytes(bare_file.read_bytes()[:-2])
+    header = json.dumps({"a": {"dtype": "F16", "shape": [2**30, 2**30], "data_offsets": [0, 2**61]}}).encode()
+    huge.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    return [truncated, huge]
+
+
+def test_a_files_own_defect_is_named_not_taken_for_a_file_that_fits_nothing(bare_file, tmp_path):
+    checked = []
+    fits_none = [HostedModel("my-sd", "sd15", lambda loc: checked.append(loc) or False),
+                 HostedModel("my-sdxl", "sdxl", lambda loc: checked.append(loc) or False)]
+    for path in _broken_files(bare_file, tmp_path):
+        with pytest.raises(AdapterInvalid, match="lies outside the file") as caught:
+            _route(fits_none, path)
+        assert caught.value.status == 400
+    assert not checked, "refused before any model is asked whether it fits"
+
+
 def test_where_fitting_cannot_be_told_the_default_serves(bare_file):
     ray_ingress = [HostedModel("my-sd", "sd15"), HostedModel("my-sdxl", "sdxl")]
     assert _route(ray_ingress, bare_file) == "my-sd"
@@ -65,3 +88,15 @@ def test_a_store_reads_a_file_once_to_say_whether_it_fits(adapter_factory, tmp_p
     assert [engine.adapters.fits(location) for _ in range(3)] == [False] * 3 and len(reads) == 1
     adapter_factory("fit-once", "tiny-sd", rank=4, seed=82, folder=tmp_path)  # a new file under the same id
     assert engine.adapters.fits(engine.adapters.locate("fit-once")) and len(reads) == 2
+
+
+def test_a_store_raises_a_files_defect_rather_than_saying_it_does_not_fit(adapter_factory, tmp_path):
+    from loraswap.engine.config import EngineConfig
+    from loraswap.engine.engine import Engine
+
+    good = adapter_factory("good", "tiny-sd", rank=4, seed=83, folder=tmp_path)
+    engine = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))
+    for path in _broken_files(good, tmp_path):
+        with pytest.raises(AdapterInvalid, match="lies outside the file"):
+            engine.adapters.fits(engine.adapters.locate(path.stem))
+    assert engine.adapters.fits(engine.adapters.locate("good"))

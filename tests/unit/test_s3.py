@@ -224,3 +224,23 @@ def test_a_silent_store_times_out_and_a_failing_one_is_unavailable(tmp_path, mon
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_store_dripping_a_byte_a_second_is_cut_at_the_total_timeout(tmp_path):
+    """A store sending one byte a second never trips a per-read timeout; the object's total
+    timeout (--download-timeout-s) shuts its socket: a 502 then, not when the store stops."""
+    from support.web import Web, drip
+
+    data = _adapter()
+    web = Web({})
+    web.routes[f"/{BUCKET}/slow.safetensors"] = drip(web, data[:64], len(data), 1.0)
+    settings = S3Settings(endpoint_url=web.url(""), read_timeout=5, total_timeout=2)
+    dest = tmp_path / "partial"
+    started = time.monotonic()
+    try:
+        with pytest.raises(AdapterUnavailable, match=r"did not send s3://adapters/slow.safetensors within 2 s") as e:
+            fetch_s3(BUCKET, "slow.safetensors", dest, settings, "s3:adapters/slow.safetensors")
+    finally:
+        web.close()
+    assert time.monotonic() - started < 4, "cut at the deadline, not when the store gives up"
+    assert e.value.status == 502 and "--download-timeout-s" in e.value.fix and not dest.exists()

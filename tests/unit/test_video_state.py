@@ -1,8 +1,9 @@
 """Video jobs across restarts: a new `VideoStore` on the same state folder finds the completed
 jobs with the same bytes until their TTL (counted from completion) runs out, makes the
-interrupted ones again (or fails them with the code server_restarted), removes expired jobs
-and files of no job, and recovers from a corrupt database, a missing MP4, an unreadable row
-and an unusable folder. Through the routes: `test_video_state_routes.py`."""
+interrupted ones again (or fails them with the code server_restarted), removes expired jobs,
+sets aside files of no job, and recovers from a corrupt database (every job rebuilt from its
+record), a missing MP4, an unreadable row and an unusable folder. Through the routes:
+`test_video_state_routes.py`, `test_video_tampering.py`."""
 
 import asyncio
 import hashlib
@@ -92,7 +93,8 @@ def test_a_completed_job_survives_a_restart_with_the_same_bytes_until_its_ttl(tm
     assert files(tmp_path) == [], "the expired job's files are removed"
 
 
-def test_expired_jobs_and_files_of_no_job_are_removed_at_start_and_by_the_sweeper(tmp_path, monkeypatch):
+def test_expired_jobs_are_removed_and_files_of_no_job_set_aside_at_start_and_removed_by_the_sweeper(
+        tmp_path, monkeypatch):
     clock = Clock()
     monkeypatch.setattr(videos, "SWEEP_EVERY_S", 0.01)
 
@@ -108,7 +110,7 @@ def test_expired_jobs_and_files_of_no_job_are_removed_at_start_and_by_the_sweepe
             (tmp_path / "videos" / name).write_bytes(b"x")
         clock.now += 31  # the first expired while the server was down
         again = restart(store)
-        at_start = (files(tmp_path), len(again))
+        at_start = (files(tmp_path), len(again), sorted(p.name for p in (tmp_path / "orphans").iterdir()))
         again.start()
         running = again.submit(REQUEST, "m", None, hangs)
         for name in ("video_late.mp4", f"{running.id}.mp4.part"):  # deleted meanwhile; being written
@@ -119,8 +121,10 @@ def test_expired_jobs_and_files_of_no_job_are_removed_at_start_and_by_the_sweepe
         return kept.id, running.id, at_start, swept
 
     kept, running, at_start, swept = asyncio.run(scenario())
-    assert at_start == ([f"{kept}.mp4", f"{kept}.png"], 1)
-    assert swept == sorted([f"{kept}.mp4", f"{kept}.png", f"{running}.mp4.part"]), "a running job's file is kept"
+    # at a start, a file of no job is kept aside, never deleted; a crash's .part file is removed
+    assert at_start == ([f"{kept}.json", f"{kept}.mp4", f"{kept}.png"], 1, ["video_gone.mp4", "video_gone.png"])
+    assert swept == sorted([f"{kept}.json", f"{kept}.mp4", f"{kept}.png", f"{running}.json",
+                            f"{running}.mp4.part"]), "a running job's files are kept"
 
 
 def test_delete_removes_the_row_and_the_files(tmp_path):
@@ -137,7 +141,7 @@ def test_delete_removes_the_row_and_the_files(tmp_path):
         return job.id, written, found
 
     video_id, written, found = asyncio.run(scenario())
-    assert written == [f"{video_id}.mp4", f"{video_id}.png"]
+    assert written == [f"{video_id}.json", f"{video_id}.mp4", f"{video_id}.png"]
     assert (files(tmp_path), found) == ([], 0)
 
 
@@ -259,34 +263,58 @@ def test_interrupted_jobs_wait_for_the_backend_then_run_or_fail(tmp_path, load_e
 
 
 # ---------------------------------------------------------------- a corrupt or unusable state
+def _another_programs_database(path, data: bytes) -> None:
+    path.unlink()
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE videos (name, length)")
+
+
+DAMAGE = {"garbage": lambda path, data: path.write_bytes(b"not a database " * 100),
+          "header cut": lambda path, data: path.write_bytes(data[:50]),
+          "half": lambda path, data: path.write_bytes(data[:len(data) // 2]),
+          "emptied": lambda path, data: path.write_bytes(b""),
+          "another program's": _another_programs_database}
+
+
 @pytest.mark.parametrize("damage", ["garbage", pytest.param("header cut", marks=pytest.mark.slow),
-                                    pytest.param("half", marks=pytest.mark.slow)])
-def test_a_corrupt_database_is_moved_aside_and_the_server_starts_and_serves(tmp_path, damage, caplog):
+                                    pytest.param("half", marks=pytest.mark.slow), "emptied", "another program's"])
+def test_a_corrupt_database_is_moved_aside_and_every_job_is_rebuilt_from_its_record(tmp_path, damage, caplog):
+    """Truncated, garbled or replaced: no job is lost. The completed ones are served with the
+    same bytes and Video object, the interrupted one is made again."""
     async def scenario():
         store = VideoStore(ServerConfig(state_dir=tmp_path), Clock())
-        for _ in range(20):
-            await settle(store.submit(REQUEST, "m", None, makes))
+        done = []
+        for i in range(12):
+            job = store.submit(REQUEST, "m", None, makes, owner=f"owner-{i % 2}")
+            await settle(job)
+            done.append((job.id, sha(job.mp4), job.view()))
+        held = store.submit(REQUEST, "m", None, hangs)
         await store.stop()
         database = tmp_path / "videos.sqlite3"
-        data = database.read_bytes()
-        database.write_bytes({"garbage": b"not a database " * 100, "header cut": data[:50],
-                              "half": data[:len(data) // 2]}[damage])
+        DAMAGE[damage](database, database.read_bytes())
         again = restart(store)
-        found = len(again)
-        job = again.submit(REQUEST, "m", None, makes)
-        await settle(job)
+        found = len(again), again.get(held.id).status
+        after = [(job.id, sha(job.mp4), job.view()) for job in (again.completed(i, f"owner-{n % 2}")
+                                                                for n, (i, _, _) in enumerate(done))]
+        await again.resume(makes)
+        await settle(again.get(held.id))
+        new = again.submit(REQUEST, "m", None, makes)
+        await settle(new)
         await again.stop()
-        return found, job, data
+        return done, found, after, again.get(held.id).status, new
 
-    with caplog.at_level(logging.ERROR, logger="loraswap.server"):
-        found, job, data = asyncio.run(scenario())
-    assert found == 0 and job.status is VideoStatus.COMPLETED
-    aside = list(tmp_path.glob("videos.sqlite3.corrupt-*"))
-    assert len(aside) == 1 and "cannot be read" in caplog.text and "moved to videos.sqlite3.corrupt-" in caplog.text
-    assert files(tmp_path) == [f"{job.id}.mp4", f"{job.id}.png"], "the lost jobs' files are removed"
+    with caplog.at_level(logging.WARNING, logger="loraswap.server"):
+        done, found, after, resumed, new = asyncio.run(scenario())
+    assert found == (13, VideoStatus.QUEUED) and after == done, "every job back, the same bytes and object"
+    assert (resumed, new.status) == (VideoStatus.COMPLETED, VideoStatus.COMPLETED)
+    assert "rebuilt 13 videos from their records" in caplog.text
+    if damage != "emptied":  # an empty file is an empty database: nothing to move aside
+        assert len(list(tmp_path.glob("videos.sqlite3.corrupt-*"))) == 1
+        assert "cannot be read" in caplog.text and "moved to videos.sqlite3.corrupt-" in caplog.text
+    assert len(files(tmp_path)) == 14 * 3 and not (tmp_path / "orphans").exists(), "no file removed or set aside"
 
 
-def test_a_missing_mp4_or_an_unreadable_row_fails_that_job_and_keeps_the_rest(tmp_path, caplog):
+def test_a_missing_mp4_fails_that_job_and_an_unreadable_row_is_rebuilt_from_its_record(tmp_path, caplog):
     async def scenario():
         store = VideoStore(ServerConfig(state_dir=tmp_path), Clock())
         lost, kept, unreadable = (store.submit(REQUEST, "m", None, makes) for _ in range(3))
@@ -297,16 +325,17 @@ def test_a_missing_mp4_or_an_unreadable_row_fails_that_job_and_keeps_the_rest(tm
         with sqlite3.connect(tmp_path / "videos.sqlite3") as db:
             db.execute("UPDATE videos SET request = '{' WHERE id = ?", (unreadable.id,))
         again = restart(store)
-        result = again.get(lost.id), again.completed(kept.id).mp4 == kept.mp4, len(again), unreadable.id
+        result = (again.get(lost.id), again.completed(kept.id).mp4 == kept.mp4, len(again),
+                  again.completed(unreadable.id).mp4 == unreadable.mp4, unreadable.id)
         await again.stop()
         return result
 
-    with caplog.at_level(logging.ERROR, logger="loraswap.server"):
-        lost, kept_same, found, unreadable = asyncio.run(scenario())
-    assert lost.status is VideoStatus.FAILED and lost.error["code"] == "video_lost" and kept_same and found == 2
+    with caplog.at_level(logging.WARNING, logger="loraswap.server"):
+        lost, kept_same, found, rebuilt_same, unreadable = asyncio.run(scenario())
+    assert lost.status is VideoStatus.FAILED and lost.error["code"] == "video_lost" and kept_same and found == 3
     assert f"video {lost.id} failed: its MP4 is missing" in caplog.text
-    assert f"dropping video {unreadable}: its row in the state folder cannot be read" in caplog.text
-    assert not any(name.startswith(unreadable) for name in files(tmp_path)), "its files removed too"
+    assert f"dropping video '{unreadable}': its row in the state folder cannot be read" in caplog.text
+    assert rebuilt_same and f"rebuilt 1 videos from their records in {tmp_path / 'videos'}" in caplog.text
 
 
 def test_a_state_folder_another_server_holds_is_not_shared(tmp_path, caplog):
@@ -345,7 +374,7 @@ def test_a_state_folder_that_cannot_be_made_does_not_stop_the_start(tmp_path, ca
 
 def test_a_database_from_before_jobs_had_owners_is_read_and_written(tmp_path):
     """A row an earlier version wrote (no `owner` column) is everyone's job; new rows keep their owner."""
-    old_columns = [c for c in COLUMNS if c != "owner"]
+    old_columns = [c for c in COLUMNS if c not in ("owner", "urls")]  # both added since
     db = sqlite3.connect(tmp_path / "videos.sqlite3")
     db.execute(f"CREATE TABLE videos ({', '.join(old_columns)}, PRIMARY KEY (id))")
     row = {"id": "video_" + "0" * 32, "request": REQUEST.model_dump_json(), "model": "m", "target": None, "fps": 8,

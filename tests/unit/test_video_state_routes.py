@@ -24,7 +24,7 @@ def sha(data: bytes) -> str:
 
 
 def test_a_full_disk_fails_the_job_clearly_and_the_server_keeps_serving(tmp_path, monkeypatch, caplog):
-    def full(path, write):
+    def full(path, write, **options):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     app, backend = fake_app(state_dir=tmp_path)
@@ -42,7 +42,8 @@ def test_a_full_disk_fails_the_job_clearly_and_the_server_keeps_serving(tmp_path
         "folder failed ([Errno 28] No space left on device)"}
     assert (unsaved["status"], served["status"], content.status_code) == ("completed", "completed", 200)
     assert "is not kept across a restart" in caplog.text
-    assert files(tmp_path) == sorted(f"{v['id']}.{ext}" for v in (unsaved, served) for ext in ("mp4", "png"))
+    assert files(tmp_path) == sorted([f"{unsaved['id']}.mp4", f"{unsaved['id']}.png"]
+                                     + [f"{served['id']}.{ext}" for ext in ("json", "mp4", "png")])
 
 
 def _full_database(self, row):
@@ -84,4 +85,4 @@ def test_the_routes_find_a_completed_and_an_interrupted_job_after_a_restart(tmp_
     assert resumed["status"] == "completed" and resumed["size"] == "32x16"
     assert [(r.prompt, r.frames, r.steps, r.seed, r.guidance, r.negative_prompt, r.width, r.height, model)
             for r, model in again.generated] == [("a held fox", 5, 2, 9, 3.5, "blur", 32, 16, "fake")]
-    assert left == [f"{held['id']}.mp4", f"{held['id']}.png"], "DELETE removed the other's files"
+    assert left == [f"{held['id']}.{ext}" for ext in ("json", "mp4", "png")], "DELETE removed the other's files"

@@ -64,6 +64,23 @@ def address_kind(ip: str) -> str | None:
     return None
 
 
+def usable_addresses(host: str, port: int, allow: tuple[str, ...], adapter_id: str) -> list[str]:
+    """The addresses of `host` a fetch may connect to; AdapterForbidden when none may be, and
+    httpcore.ConnectError when the name does not resolve."""
+    try:  # no timeout of its own: the system resolver's
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise httpcore.ConnectError(f"{host} did not resolve: {exc}") from exc
+    ips = list(dict.fromkeys(info[4][0] for info in infos))
+    by_name = named(host, port, allow)
+    usable = [ip for ip in ips if by_name or named(ip, port, allow) or address_kind(ip) is None]
+    if not usable:
+        raise AdapterForbidden(adapter_id, f"{host} resolves to {ips[0]}, a {address_kind(ips[0])} address",
+                               f"Start the server with --url-allow {host}:{port} if it is meant to be reached "
+                               "(such addresses only when a pattern names the host or IP, not a wildcard)")
+    return usable
+
+
 class Overdue(httpcore.ReadTimeout):
     """The fetch's deadline passed: its host sent steadily, but too slowly to finish in time."""
 
@@ -124,17 +141,7 @@ class CheckedBackend(httpcore.SyncBackend):
         return _DeadlineStream(stream, self._deadline)
 
     def _connect(self, host, port, timeout, local_address, socket_options):
-        try:  # no timeout of its own: the system resolver's
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            raise httpcore.ConnectError(f"{host} did not resolve: {exc}") from exc
-        ips = list(dict.fromkeys(info[4][0] for info in infos))
-        by_name = named(host, port, self._allow)
-        usable = [ip for ip in ips if by_name or named(ip, port, self._allow) or address_kind(ip) is None]
-        if not usable:
-            raise AdapterForbidden(self._adapter_id, f"{host} resolves to {ips[0]}, a {address_kind(ips[0])} address",
-                                   f"Start the server with --url-allow {host}:{port} if it is meant to be reached "
-                                   "(such addresses only when a pattern names the host or IP, not a wildcard)")
+        usable = usable_addresses(host, port, self._allow, self._adapter_id)
         for ip in usable[:-1]:  # the IP, never the name again: what was checked is what is connected to
             with suppress(httpcore.ConnectError, httpcore.ConnectTimeout):
                 return super().connect_tcp(ip, port, timeout, local_address, socket_options)

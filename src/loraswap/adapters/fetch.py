@@ -25,12 +25,14 @@ import httpcore
 import httpx
 
 from ..errors import AdapterError, AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable
-from .addresses import CheckedBackend, Overdue, allowed_host, named
+from .addresses import CheckedBackend, Overdue, allowed_host, named, usable_addresses
 from .formats import streamed_header
 
 logger = logging.getLogger(__name__)
 
 _REDIRECTS = (301, 302, 303, 307, 308)
+RESERVE_AHEAD = 2**20  # a body of no declared length reserves its room a MiB at a time
+Reserve = Callable[[int, int], None]  # (bytes the file will have, bytes more it may have)
 _SECRET_HEADERS = ("authorization", "proxy-authorization", "cookie")  # never sent to another origin
 @dataclass(frozen=True)
 class FetchRules:
@@ -39,6 +41,7 @@ class FetchRules:
     connect_timeout: float = 10.0
     read_timeout: float = 30.0  # per read: no byte for this long is a timeout
     total_timeout: float = 600.0  # the whole fetch, redirects and headers included
+    deadline: float | None = None  # when it ends (a `time.monotonic()` instant), if set before it starts
     max_redirects: int = 5
 
 
@@ -86,6 +89,17 @@ def _checked(url: str, rules: FetchRules, adapter_id: str, base: httpx.URL | Non
         raise AdapterForbidden(adapter_id, f"{lead}: plain http", f"Give an https:// URL: plain http is fetched only "
                                f"from a host --url-allow names (e.g. --url-allow {host}:{port}, no wildcard)")
     return parsed
+
+
+def check_url(url: str, rules: FetchRules, adapter_id: str) -> None:
+    """What a fetch of `url` checks before it sends a byte (the scheme, the host's patterns, the
+    addresses its name resolves to), for a file already downloaded: AdapterForbidden if this
+    server would not fetch it. A name that does not resolve now passes: no address to refuse."""
+    parsed = _checked(url, rules, _safe_id(adapter_id))
+    try:
+        usable_addresses(parsed.raw_host.decode("ascii"), _port(parsed), rules.allow, _safe_id(adapter_id))
+    except httpcore.ConnectError:
+        pass
 
 
 def _request(url: httpx.URL, headers: dict[str, str], rules: FetchRules) -> httpcore.Request:
@@ -163,7 +177,8 @@ class _Body:
 
     def __init__(self, response: httpcore.Response, cap: int, too_big: Callable[[], AdapterError]):
         length = _header(response, b"content-length")
-        if length is not None and length.strip().isdigit() and int(length) > cap:
+        self.declared = int(length) if length is not None and length.strip().isdigit() else None
+        if self.declared is not None and self.declared > cap:
             raise too_big()  # refused before a byte of the body is read
         self._chunks, self._cap, self._too_big = response.iter_stream(), cap, too_big
         self._buffer, self._seen = bytearray(), 0
@@ -192,7 +207,7 @@ class _Body:
 
 def _safetensors_head(body: _Body, cap: int, shown: str, adapter_id: str) -> bytes:
     """The 8-byte header length and the JSON header, checked before the rest is read."""
-    head = streamed_header(body.read, cap)
+    head = streamed_header(body.read, cap, adapter_id, cap)
     if head is None:
         raise AdapterInvalid(adapter_id, f"{shown} is not a safetensors file (its first bytes are no header)",
                              "Give the URL of a .safetensors file (pickled .ckpt, .pt and .bin files are never loaded)")
@@ -210,7 +225,7 @@ def _fetch(url: str, rules: FetchRules, adapter_id: str, headers: dict[str, str]
     # fetch as httpcore sets ALPN on it; a pool per fetch, so no connection outlives its checks
     pool = httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(),
                                    network_backend=CheckedBackend(rules.allow, adapter_id,
-                                                                  time.monotonic() + rules.total_timeout))
+                                                                  _deadline(rules)))
     with pool, _upstream_errors(url, rules, adapter_id):
         response, final = _open(pool, url, rules, adapter_id, headers)
         try:
@@ -220,28 +235,39 @@ def _fetch(url: str, rules: FetchRules, adapter_id: str, headers: dict[str, str]
             response.close()  # bytes left unread: the connection is dropped, the upstream stops sending
 
 
+def _deadline(rules: FetchRules) -> float:
+    return rules.deadline if rules.deadline is not None else time.monotonic() + rules.total_timeout
+
+
 def _write(response: httpcore.Response, shown: str, dest: Path, rules: FetchRules, adapter_id: str,
-           safetensors: bool) -> Fetched:
+           safetensors: bool, reserve: Reserve) -> Fetched:
     body = _Body(response, rules.max_bytes, lambda: AdapterInvalid(
         adapter_id, f"{shown} is larger than {rules.max_bytes} bytes",
         "Start the server with a larger --max-adapter-mb if a file this big is meant to be served"))
     digest = hashlib.sha256()
     head = _safetensors_head(body, rules.max_bytes, shown, adapter_id) if safetensors else b""
     with dest.open("wb") as out:
+        if body.declared is not None:
+            reserve(body.declared, 0)  # the whole file's room, before its body is read
         for chunk in itertools.chain([head] if head else [], body.chunks()):
+            reserve(out.tell() + len(chunk), RESERVE_AHEAD)  # a body longer than declared, or of no length
             out.write(chunk)
             digest.update(chunk)
         size = out.tell()
+        out.truncate()  # what was reserved past the end
     return Fetched(dest, size, digest.hexdigest(), _header(response, b"etag"), shown)
 
 
 def fetch_file(url: str, dest: Path, rules: FetchRules, adapter_id: str, headers: dict[str, str] | None = None,
-               safetensors: bool = True) -> Fetched:
-    """GET `url` into `dest` (the caller's temporary path, deleted on any failure) under `rules`."""
+               safetensors: bool = True, reserve: Reserve | None = None) -> Fetched:
+    """GET `url` into `dest` (the caller's temporary path, deleted on any failure) under `rules`;
+    `reserve(bytes, more)` is told the file's size before those bytes are written (the download
+    cache's budget)."""
     adapter_id = _safe_id(adapter_id)
+    reserve = reserve or (lambda total, ahead: None)
     try:
-        fetched = _fetch(url, rules, adapter_id, headers or {},
-                         lambda response, shown: _write(response, shown, dest, rules, adapter_id, safetensors))
+        fetched = _fetch(url, rules, adapter_id, headers or {}, lambda response, shown: _write(
+            response, shown, dest, rules, adapter_id, safetensors, reserve))
     except BaseException:
         dest.unlink(missing_ok=True)
         raise

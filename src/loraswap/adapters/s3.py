@@ -11,7 +11,10 @@ The object is as untrusted as a URL's file:
    while streaming as well, whatever ContentLength said;
 2. the safetensors header is checked before the rest is read, so a pickle is refused having
    read only its head;
-3. the partial file is deleted on any failure (the download cache renames a complete one).
+3. the partial file is deleted on any failure (the download cache renames a complete one);
+4. the whole body comes within `total_timeout` (`--download-timeout-s`), however steadily the
+   store sends it: past that its socket is shut. (The answer's headers are held to the
+   per-read timeout only: botocore shows no socket before they are read.)
 Messages name the object (`s3://bucket/key`) and the store's error code, never a credential.
 """
 
@@ -19,9 +22,11 @@ import functools
 import hashlib
 import logging
 import re
+import socket
+import threading
 import time
-from collections.abc import Iterator
-from contextlib import closing, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -36,6 +41,8 @@ from .formats import streamed_header
 logger = logging.getLogger(__name__)
 
 CHUNK = 2**20
+RESERVE_AHEAD = 2**20  # an object of no stated length reserves its room a MiB at a time
+Reserve = Callable[[int, int], None]  # (bytes the file will have, bytes more it may have)
 CREDENTIALS_FIX = ("Give this server credentials that may s3:GetObject it, the standard AWS way: AWS_ACCESS_KEY_ID "
                    "and AWS_SECRET_ACCESS_KEY (with AWS_SESSION_TOKEN for temporary ones), AWS_PROFILE, or an "
                    "instance or container role")
@@ -63,7 +70,7 @@ class S3Settings:
     max_bytes: int = 2 * 2**30  # an object larger than this is refused, whatever its ContentLength says
     connect_timeout: float = 10.0
     read_timeout: float = 30.0  # per read: no byte for this long is a timeout
-    total_timeout: float = 600.0  # the whole object, checked between chunks (the store is the operator's)
+    total_timeout: float = 600.0  # the whole object's body, however steadily the store sends it
 
 
 @functools.lru_cache(maxsize=8)
@@ -141,45 +148,81 @@ def _read(body, n: int) -> bytes:
     return b"".join(parts)
 
 
-def _safetensors_head(body, length: int, shown: str, adapter_id: str) -> bytes:
+def _safetensors_head(body, length: int, max_bytes: int, shown: str, adapter_id: str) -> bytes:
     """The 8-byte header length and the JSON header, checked before the rest is read."""
-    head = streamed_header(lambda n: _read(body, n), length)
+    head = streamed_header(lambda n: _read(body, n), length, adapter_id, max_bytes)
     if head is None:
         raise AdapterInvalid(adapter_id, f"{shown} is not a safetensors file (its first bytes are no header)",
                              "Give the key of a .safetensors file (pickled .ckpt, .pt and .bin files are never loaded)")
     return head
 
 
-def _write(body, length: int | None, dest: Path, settings: S3Settings, shown: str, adapter_id: str) -> tuple[int, str]:
-    """Stream `body` into `dest`: the header checked first, the cap held throughout; (size, sha256 hex)."""
+def _write(body, length: int | None, dest: Path, settings: S3Settings, shown: str, adapter_id: str,
+           reserve: Reserve) -> tuple[int, str]:
+    """Stream `body` into `dest`: the header checked first, the cap held throughout, the room
+    reserved before bytes are written; (size, sha256 hex)."""
     if length is not None and length > settings.max_bytes:
         raise _too_big(shown, settings, adapter_id)  # before a byte of the body is read
-    head = _safetensors_head(body, settings.max_bytes if length is None else length, shown, adapter_id)
+    head = _safetensors_head(body, settings.max_bytes if length is None else length, settings.max_bytes, shown,
+                             adapter_id)
     digest, size = hashlib.sha256(head), len(head)
-    deadline = time.monotonic() + settings.total_timeout
     with dest.open("wb") as out:
+        reserve(length if length is not None else size, 0 if length is not None else RESERVE_AHEAD)
         out.write(head)
         while chunk := body.read(CHUNK):
             size += len(chunk)
             if size > settings.max_bytes:  # ContentLength missing, or a store that lies about it
                 raise _too_big(shown, settings, adapter_id)
-            if time.monotonic() > deadline:
-                raise AdapterUnavailable(adapter_id, f"{_store(settings)} did not send {shown} within "
-                                         f"{settings.total_timeout:g} s", "Try again later, or raise "
-                                         "--download-timeout-s")
+            reserve(size, RESERVE_AHEAD)
             out.write(chunk)
             digest.update(chunk)
+        out.truncate()  # what was reserved past the end
     return size, digest.hexdigest()
 
 
-def fetch_s3(bucket: str, key: str, dest: Path, settings: S3Settings, adapter_id: str) -> tuple[int, str]:
-    """Stream s3://bucket/key into dest (the caller's temporary path, deleted on any failure); (size, sha256 hex)."""
+@contextmanager
+def _cut_off_at(deadline: float, body, overdue: AdapterUnavailable) -> Iterator[None]:
+    """Read `body` until `deadline` at most: then its socket is shut (a read waiting on it returns
+    at once) and whatever the read raises becomes `overdue`. A store sending a byte now and then
+    never trips a per-read timeout: this is the whole object's limit."""
+    fired = threading.Event()
+
+    def cut() -> None:
+        fired.set()
+        with suppress(OSError, AttributeError):  # botocore's own way to the socket (its set_socket_timeout)
+            body._raw_stream._fp.fp.raw._sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(max(0.0, deadline - time.monotonic()), cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+        if fired.is_set():  # a read that ended quietly, as a shut socket's may
+            raise overdue
+    except Exception as e:
+        if fired.is_set() or time.monotonic() >= deadline:
+            raise overdue from e
+        raise
+    finally:
+        timer.cancel()
+
+
+def fetch_s3(bucket: str, key: str, dest: Path, settings: S3Settings, adapter_id: str, deadline: float | None = None,
+             reserve: Reserve | None = None) -> tuple[int, str]:
+    """Stream s3://bucket/key into dest (the caller's temporary path, deleted on any failure) by
+    `deadline` (a `time.monotonic()` instant; default: `settings.total_timeout` from now);
+    `reserve(bytes, more)` is told the object's size before those bytes are written; (size, sha256 hex)."""
     shown = f"s3://{bucket}/{key}"
+    deadline = time.monotonic() + settings.total_timeout if deadline is None else deadline
+    overdue = AdapterUnavailable(adapter_id, f"{_store(settings)} did not send {shown} within "
+                                 f"{settings.total_timeout:g} s", "Try again later, or raise --download-timeout-s")
     try:
         with _s3_errors(shown, settings, adapter_id):
             answer = _client(settings).get_object(Bucket=bucket, Key=key)
-            with closing(answer["Body"]) as body:  # bytes left unread: the connection is dropped, not drained
-                size, sha256 = _write(body, answer.get("ContentLength"), dest, settings, shown, adapter_id)
+            # bytes left unread: the connection is dropped, not drained
+            with closing(answer["Body"]) as body, _cut_off_at(deadline, body, overdue):
+                size, sha256 = _write(body, answer.get("ContentLength"), dest, settings, shown, adapter_id,
+                                      reserve or (lambda total, ahead: None))
     except BaseException:
         dest.unlink(missing_ok=True)
         raise

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import AdapterForbidden, AdapterInvalid, AdapterNotFound, BadRequest
+from ..errors import AdapterChanged, AdapterForbidden, AdapterInvalid, AdapterNotFound, BadRequest
 
 ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,127}){0,7}"
                         r"(@[A-Za-z0-9][A-Za-z0-9_.-]{0,127})?$")
@@ -45,7 +45,11 @@ def file_stamp(location: AdapterLocation) -> tuple:
     stamp = ()
     for path in (location.weights, location.second_expert):
         if path is not None:
-            stat = path.stat()
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # removed since it was found (another process's DELETE)
+                raise AdapterChanged(location.adapter_id, "its file was removed while it was being read",
+                                     "Try again") from None
             # ctime and inode too: a copy that keeps the mtime (cp -p, rsync -t, tar) is still a new file
             stamp += (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
     return stamp

@@ -19,11 +19,13 @@ from typing import TypeVar
 
 import torch
 
-from ..errors import AdapterError, AdapterNotFound, BadRequest
+from ..errors import AdapterError, AdapterIncompatible, AdapterInvalid, AdapterNotFound, BadRequest
 from .bound import BoundAdapter, ModelLayers, bind_adapter, fitted_layers
 from .cache import AdapterCache, CacheConfig, CacheEntry
 from .device_read import DeviceReadFailed, staging_buffers, with_index
+from .download_locks import holding_downloads
 from .file_data import NotInFile
+from .formats import open_checked
 from .lease import Lease
 from .metadata import refuse_other_base
 from .parse import ParsedAdapter, load_adapter
@@ -135,17 +137,29 @@ class AdapterStore:
         converted, checked against the model and packed into host RAM (pinned later by the
         cache, off the request's path); then copied to the GPU tier when its budget allows.
         Held in the cache until released."""
-        location = self.locate(adapter_id)
-        stamp = file_stamp(location)
-        entry = self.cache.lookup(adapter_id, stamp)
-        if entry is None:
-            entry = self.cache.insert(adapter_id, self._read(location, stamp_bytes(stamp)), stamp)
+        with holding_downloads():  # a downloaded file stays while it is looked at and read
+            location = self.locate(adapter_id)
+            stamp = file_stamp(location)
+            entry = self.cache.lookup(adapter_id, stamp)
+            if entry is None:
+                entry = self.cache.insert(adapter_id, self._read_or_drop(location, stamp_bytes(stamp)), stamp)
         try:
             self.cache.maybe_copy_to_gpu(entry)
         except BaseException:
             self.cache.release(entry)  # (held by the lookup or insert above)
             raise
         return entry
+
+    def _read_or_drop(self, location: AdapterLocation, nbytes: int) -> BoundAdapter:
+        """`_read`; a downloaded file refused for what it is (no safetensors, truncated, keys or a
+        base model this model does not take) is dropped from the download folder: neither listed
+        nor taking room, and fetched again if named again."""
+        try:
+            return self._read(location, nbytes)
+        except (AdapterInvalid, AdapterIncompatible):
+            if self.source is not None:
+                self.source.forget(location.adapter_id)
+            raise
 
     def _read(self, location: AdapterLocation, nbytes: int) -> BoundAdapter:
         """The adapter's `nbytes` of files read: on CUDA straight to the GPU when the cache
@@ -170,11 +184,16 @@ class AdapterStore:
 
     def fits(self, location: AdapterLocation) -> bool:
         """Whether the adapter's keys and shapes fit this model's layers: read once per file
-        (size, mtime, ctime, inode), as routing asks on every request naming it."""
+        (size, mtime, ctime, inode), as routing asks on every request naming it. A defect of
+        the file itself (not safetensors, truncated, a header over its bounds) is no "does not
+        fit": it is raised as it is, whatever the model."""
         stamp = file_stamp(location)
         known = self._fits.get(location.adapter_id)
         if known is not None and known[0] == stamp:
             return known[1]
+        for path in (location.weights, location.second_expert):
+            if path is not None:
+                open_checked(path, location.adapter_id, self.limits.max_adapter_bytes).close()
         try:
             check_fit(location, self.model, self.limits)
             fits = True

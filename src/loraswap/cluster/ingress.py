@@ -96,7 +96,8 @@ class RayBackend:
         # the ingress holds no model: an adapter naming no base model goes by its family, else to the default
         families = dict(zip(names, self.families))  # (empty until the replicas answered)
         hosted = [HostedModel(name, families.get(name)) for name in names]
-        return names.index(route_by_base_model(hosted, self.source.locate, loras, model))
+        max_bytes = int(self.config.engines[0].max_adapter_mb * 2**20)
+        return names.index(route_by_base_model(hosted, self.source.locate, loras, model, max_adapter_bytes=max_bytes))
 
     # ---------------------------------------------------------------- requests
     async def generate(self, request: GenerateRequest, model: str | None,

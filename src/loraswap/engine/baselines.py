@@ -25,6 +25,7 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors import safe_open
 
+from ..adapters.formats import open_checked
 from ..adapters.lease import Lease
 from ..adapters.parse import split_key
 from ..adapters.random import make_random_adapter
@@ -65,6 +66,9 @@ class LocatedFiles:
         stamp = file_stamp(location)
         known = self._files.get(adapter_id)
         if known is None or known[0] != stamp:
+            for path in (location.weights, location.second_expert):  # its header bounded before anyone parses it
+                if path is not None:
+                    open_checked(path, adapter_id, self.store.limits.max_adapter_bytes).close()
             self._files[adapter_id] = known = (stamp, location)
         return known[1]
 

@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from ..engine.engine import Engine
 from ..errors import LoraswapError
+from .access_log import loggable_path
 from .auth import Keys, maybe_warn_open
 from .backend import Backend, ClientGone, LocalBackend
 from .config import ServerConfig
@@ -80,7 +81,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 async def _known_error(request: Request, exc: LoraswapError):
     retry = exc.status == 503  # busy, or (an adapter changed while read) worth asking again
-    headers = {"Retry-After": str(request.app.state.config.retry_after_s)} if retry else None
+    retry_after = getattr(exc, "retry_after_s", None) or request.app.state.config.retry_after_s  # the error's own
+    headers = {"Retry-After": str(retry_after)} if retry else None
     return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
 
 
@@ -117,11 +119,11 @@ class ContainUnexpected:
         try:
             await self.app(scope, receive, tracking_send)
         except (ClientGone, ClientDisconnect):  # nobody to answer: no error of ours
-            logger.info("%s %s: the client left", scope["method"], scope["path"])
+            logger.info("%s %s: the client left", scope["method"], loggable_path(scope["path"]))
             if not started:
                 await JSONResponse({"error": "the client closed the request"}, status_code=499)(scope, receive, send)
         except Exception as exc:
             if started:
                 raise
-            logger.error("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
+            logger.error("unhandled error on %s %s", scope["method"], loggable_path(scope["path"]), exc_info=exc)
             await JSONResponse({"error": "internal server error"}, status_code=500)(scope, receive, send)

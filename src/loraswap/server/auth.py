@@ -9,6 +9,11 @@ That header is what the `openai` client (`api_key=`) and `huggingface_hub`'s
   an admin key once any is configured, else as generation (an API key, if any);
 - health (`/health`, `/ready`, `/metrics`): open, unless `auth_health` (then any key).
 
+An adapter named by URL (a signed URL is one key's secret) is scoped to the API keys that
+named its URL: another API key neither lists it (`GET /adapters`), nor evicts, keeps or
+generates with it by its `url:` id; it may name the URL itself. An admin key, and every
+client of a server without API keys, sees them all.
+
 `/docs` and `/openapi.json` stay open: they describe the API, not what it serves.
 
 A missing or wrong key is answered 401 with `WWW-Authenticate: Bearer` by a route
@@ -17,6 +22,7 @@ GPU work. Keys are compared in constant time and never logged.
 """
 
 import enum
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -24,6 +30,8 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
 
+from ..adapters.references import NamedUrls, url_owned_by
+from ..errors import AdapterNotFound
 from .config import ServerConfig
 
 logger = logging.getLogger("loraswap.server")
@@ -117,6 +125,36 @@ def request_key(request: Request) -> bytes | None:
     if not request.app.state.keys.accepted(Access.GENERATION):
         return None
     return bearer_token(request) or b""
+
+
+def url_owner(request: Request) -> str | None:
+    """Whose the URLs a request names are (a fingerprint of its key, never the key); None on
+    a server without API keys, where every client is the same to the server."""
+    if not request.app.state.keys.api:
+        return None
+    return hashlib.sha256(bearer_token(request) or b"").hexdigest()[:32]
+
+
+def sees_every_url_adapter(request: Request) -> bool:
+    """Whether the request's key may list and use every adapter named by URL: an admin key, or
+    any client of a server without API keys."""
+    keys: Keys = request.app.state.keys
+    token = bearer_token(request)
+    return not keys.api or (token is not None and bool(keys.admin) and matches(token, keys.admin))
+
+
+def may_use_url_id(request: Request, adapter_id: str) -> bool:
+    """Whether the request's key may name the `url:` id `adapter_id` by its id (not its URL)."""
+    return sees_every_url_adapter(request) or url_owned_by(adapter_id, url_owner(request))
+
+
+def check_url_ids(request: Request, urls: NamedUrls | None) -> None:
+    """404, as for an unknown id, for a `url:` id the request names by id when its key never
+    named its URL (another key's signed URL)."""
+    for adapter_id in sorted(urls.by_id) if urls is not None else ():
+        if not urls.named_by_url(adapter_id) and not may_use_url_id(request, adapter_id):
+            raise AdapterNotFound(adapter_id, "this API key has named no URL with this id",
+                                  "Name the adapter by its URL")
 
 
 async def require_api_key(request: Request) -> None:

@@ -18,12 +18,15 @@ from typing import Protocol, TypeVar
 
 from fastapi.concurrency import run_in_threadpool
 
+from ..adapters.download_locks import holding_downloads
 from ..engine.config import GenerateRequest
 from ..engine.engine import Engine, GenerateResult
+from ..engine.rank_loss import RanksLost
 from ..engine.startup import freeze_loaded_objects, unfreeze_objects
 from ..engine.worker import GpuWorker
-from ..errors import Overloaded
+from ..errors import AdapterInvalid, Overloaded
 from .config import ServerConfig
+from .fetch_pool import FetchPool
 from .metrics import EngineFigures
 from .routing import Deployment, Hosted, merge_adapter_rows
 
@@ -136,6 +139,7 @@ class LocalBackend:
         state.worker = None
         state.deployment = Deployment()
         state.load_error = None
+        self._fetch_pool = FetchPool()
 
     @property
     def load_error(self) -> str | None:
@@ -150,6 +154,7 @@ class LocalBackend:
                         hosted.worker.queue_depth)
             await run_in_threadpool(hosted.worker.stop)
             hosted.engine.adapters.close()
+        self._fetch_pool.close()
         unfreeze_objects()
 
     def _load(self) -> None:
@@ -204,9 +209,32 @@ class LocalBackend:
                        on_step: StepCallback | None = None) -> GenerateResult:
         # the engine hosting the adapters' base model (unknown ids: 404 at once); its worker
         # leases the adapters, read on the store's pool while earlier requests generate
-        hosted = await run_in_threadpool(self._deployment().route, request.loras, model)
-        future = hosted.worker.submit(request, on_step)
-        return await wait_for_result(asyncio.wrap_future(future), future.cancel, is_disconnected)
+        # (downloads on their own pool; the files found are in use, never evicted, until answered)
+        with holding_downloads():
+            hosted = await self._find(request.loras, self._route, request.loras, model)
+            try:
+                future = hosted.worker.submit(request, on_step)
+                return await wait_for_result(asyncio.wrap_future(future), future.cancel, is_disconnected)
+            except RanksLost:  # the process exits for a restart in a moment
+                if is_disconnected is None:  # a video job: left unfinished in its state, for the restart to make
+                    await asyncio.Event().wait()
+                raise
+
+    async def _find(self, loras: list[tuple[str, float]], call: Callable[..., T], *args) -> T:
+        """`call(*args)` off the event loop: on the fetch pool when finding these adapters may
+        wait on the network (a download, the Hub), else on AnyIO's pool (`fetch_pool.py`)."""
+        sources = self._deployment().hosted[0].engine.adapters.source
+        return await self._fetch_pool.run(sources, [adapter_id for adapter_id, _ in loras], call, *args)
+
+    def _route(self, loras: list[tuple[str, float]], model: str | None) -> Hosted:
+        deployment = self._deployment()
+        try:
+            return deployment.route(loras, model)
+        except AdapterInvalid as e:  # a downloaded file's own defect: dropped, neither listed nor kept
+            sources = deployment.hosted[0].engine.adapters.source
+            if sources is not None:
+                sources.forget(e.adapter_id)
+            raise
 
     async def list_adapters(self) -> dict:
         deployment = self._deployment()
@@ -223,7 +251,7 @@ class LocalBackend:
             bound = engine.keep_adapter(adapter_id)
             return {"bytes": bound.nbytes, "layers": len(bound.layers), "model": engine.model_name}
 
-        return await run_in_threadpool(keep)
+        return await self._find([(adapter_id, 1.0)], keep)
 
     async def evict_adapter(self, adapter_id: str) -> None:
         def evict():
@@ -234,7 +262,7 @@ class LocalBackend:
             for hosted in holding or [deployment.route([(adapter_id, 1.0)])]:
                 hosted.engine.evict_adapter(adapter_id)
 
-        await run_in_threadpool(evict)
+        await self._find([(adapter_id, 1.0)], evict)
 
     async def figures(self) -> EngineFigures:
         total = EngineFigures()

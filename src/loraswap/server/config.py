@@ -56,9 +56,16 @@ class ServerConfig(BaseModel):
     video_ttl_s: Annotated[float, Flag(SERVER)] = Field(
         3600.0, gt=0, description="How long a finished video (and its MP4) is kept, seconds.")
     max_video_jobs: Annotated[int, Flag(SERVER)] = Field(
-        64, ge=1, description="Video jobs kept, finished or not; past it the oldest finished one is dropped.")
+        64, ge=1, description="Video jobs kept, finished or not; past it a new job drops its own API key's oldest "
+                              "finished one, never another key's before it expires (then: 503 with Retry-After).")
     max_video_jobs_pending: Annotated[int, Flag(SERVER)] = Field(
         8, ge=1, description="Video jobs queued or in progress at once; more: 503.")
+    max_video_jobs_per_key: Annotated[int, Flag(SERVER)] = Field(
+        16, ge=1, description="Video jobs one API key keeps, finished or not; past it that key's oldest finished one "
+                              "is dropped. Without API keys only --max-video-jobs counts.")
+    max_video_jobs_pending_per_key: Annotated[int, Flag(SERVER)] = Field(
+        4, ge=1, description="Video jobs one API key has queued or in progress at once; more: 503. Without API keys "
+                             "only --max-video-jobs-pending counts.")
     state_dir: Annotated[Path | None, Flag(SERVER)] = Field(
         None, description="Folder of the server's durable state: video jobs and their MP4s, kept across restarts "
                           "(default: ~/.cache/loraswap/state). One server a folder.")
@@ -87,6 +94,10 @@ class ServerConfig(BaseModel):
         if self.max_video_jobs < self.max_video_jobs_pending:
             raise ValueError(f"max_video_jobs ({self.max_video_jobs}) must be at least max_video_jobs_pending "
                              f"({self.max_video_jobs_pending}): unfinished jobs are never dropped")
+        if self.max_video_jobs_per_key < self.max_video_jobs_pending_per_key:
+            raise ValueError(f"max_video_jobs_per_key ({self.max_video_jobs_per_key}) must be at least "
+                             f"max_video_jobs_pending_per_key ({self.max_video_jobs_pending_per_key}): unfinished "
+                             "jobs are never dropped")
         return self
 
     @model_validator(mode="after")

@@ -97,7 +97,7 @@ LIMITS = (
           choices=("b64_json",)),
     Limit(("n",), "n must be between {low} and {high}", low=1, high="max_images"),
     Limit(("size",), "size {value} must look like '1024x1024' (WIDTHxHEIGHT) or be 'auto'",
-          pattern=r"^(auto|\d{1,5}x\d{1,5})$"),
+          pattern=r"^(auto|[0-9]{1,5}x[0-9]{1,5})$"),  # [0-9]: \d takes every script's digits
     Limit(("prompt", "inputs"), "the prompt has {value} characters; the limit is {high}", low=1,
           high="max_prompt_chars", length=True, blank="the prompt is empty"),
     Limit(("negative_prompt",), "the negative prompt has {value} characters; the limit is {high}",

@@ -4,6 +4,7 @@ form by one function (`parse_request`).
 """
 
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
+from ..adapters.references import NamedUrls
 from ..adapters.specs import adapter_with_weight, parse_adapter_specs
 from ..engine.config import GenerateRequest
 from ..errors import BadRequest
@@ -26,6 +28,7 @@ from ..media.images import (
     read_inputs,
     require_image,
 )
+from .auth import check_url_ids, url_owner
 from .backend import Backend
 from .config import ServerConfig
 from .decode_budget import DecodeBudget, decoded_bytes
@@ -107,6 +110,21 @@ def _nested_too_deep(api: type[ApiBody]) -> BadRequest:
     return BadRequest(f"the body's JSON is nested too deep: {api.example}")
 
 
+class Utf8FormParser(MultiPartParser):
+    """Starlette's multipart parser, but a text field that is not UTF-8 is refused (its parser
+    reads it as Latin-1 instead), whatever charset the request declares."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is not None:
+            return super().on_part_end()
+        try:
+            text = part.data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise MultiPartException(f"the field {part.field_name!r} is not UTF-8 text") from None
+        self.items.append((part.field_name, text))
+
+
 async def parse_form(headers, body: bytes, max_bytes: int, example: str) -> dict[str, Any]:
     """A multipart/form-data body as {name: text, or a file's bytes}; a list of files
     (`image[]`, as the openai client sends several) under its plain name."""
@@ -116,7 +134,7 @@ async def parse_form(headers, body: bytes, max_bytes: int, example: str) -> dict
     async def stream():
         yield body
 
-    parser = MultiPartParser(headers, stream(), max_files=4, max_fields=64, max_part_size=max_bytes)
+    parser = Utf8FormParser(headers, stream(), max_files=4, max_fields=64, max_part_size=max_bytes)
     try:
         form = await parser.parse()
     except MultiPartException as e:
@@ -168,8 +186,10 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
     require_image(fields.get("image") is not None, fields.get("mask") is not None, fields.get("strength"))
     # 3. the name: a hosted base model, or adapters put before those of the body's `loras`
     #    and the `lora` header
+    urls = named_urls(request)
     model, loras = _model_and_adapters(backend, named, api.names_blend, fields.get("loras") or [],
-                                       request.headers.get("lora"))
+                                       request.headers.get("lora"), urls)
+    check_url_ids(request, urls)
     # 4. the image and the mask, decoded and checked (the costliest check, so the last);
     #    no size asked: the image's
     image, mask = await decode_inputs(request, fields.get("image"), fields.get("mask"), image_limits(config))
@@ -257,16 +277,37 @@ def _video_frames(fields: dict, config: ServerConfig) -> tuple[int | None, int |
 
 
 def _model_and_adapters(backend: Backend, named: str | None, blend: bool, listed: list[tuple[str, float]],
-                        header: str | None) -> tuple[str | None, list[tuple[str, float]]]:
+                        header: str | None, urls: NamedUrls | None) -> tuple[str | None, list[tuple[str, float]]]:
     """The hosted model `named` is, or the adapters it names (weight 1.0, or a blend when the API
     allows one); then the body's `loras` list, then the header's. An adapter named in two of
-    them takes the later one's weight and place (the header's over the body's over the name's)."""
-    body = [adapter_with_weight(name, weight) for name, weight in listed]
-    header_loras = parse_adapter_specs(header)
+    them takes the later one's weight and place (the header's over the body's over the name's).
+    The URLs among them are held by `urls`, the request's."""
+    body = [adapter_with_weight(name, weight, urls) for name, weight in listed]
+    header_loras = parse_adapter_specs(header, urls)
     if named and backend.is_model(named):
         return named, _merged(body, header_loras)
-    by_name = (parse_adapter_specs(named) if blend else [adapter_with_weight(named, 1.0)]) if named else []
+    by_name = (parse_adapter_specs(named, urls) if blend else [adapter_with_weight(named, 1.0, urls)]) \
+        if named else []
     return None, _merged(by_name, body, header_loras)
+
+
+async def hold_named_urls(request: Request) -> AsyncIterator[None]:
+    """Route dependency: the URLs the request names are held until it is answered (so that their
+    files can be fetched), then kept (bounded) only if it was answered with success: a refused
+    request leaves nothing behind (`adapters/url_book.py`)."""
+    urls = NamedUrls(url_owner(request))
+    request.state.named_urls = urls
+    try:
+        yield
+    except BaseException:
+        urls.release(accepted=False)
+        raise
+    urls.release(accepted=True)
+
+
+def named_urls(request: Request) -> NamedUrls | None:
+    """The request's `NamedUrls` (`hold_named_urls`), None on a route without it."""
+    return getattr(request.state, "named_urls", None)
 
 
 def _merged(*groups: list[tuple[str, float]]) -> list[tuple[str, float]]:

@@ -12,14 +12,15 @@ and for keeping and evicting:
   fits none is refused with 422 naming the hosted ones. Where fitting cannot be checked
   (Ray's ingress holds no model), it goes to the default (first) model.
 Declarations are read from the file's header and side files only; the full read and
-checks happen on the chosen engine's threads.
+checks happen on the chosen engine's threads. A defect of the file itself (not safetensors,
+truncated, a header over its bounds) is named as it is (400), as a one-model server names
+it when it reads the file, never taken for a file that fits no hosted model.
 """
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from safetensors import safe_open
-
+from ..adapters.formats import open_checked
 from ..adapters.metadata import declared_base_models, family_hint, refuse_other_base, same_model
 from ..adapters.source import AdapterLocation
 from ..engine.engine import Engine
@@ -44,11 +45,13 @@ class HostedModel:
 
 
 def route_by_base_model(hosted: list[HostedModel], locate: Callable[[str], AdapterLocation],
-                        loras: list[tuple[str, float]], model: str | None = None) -> str:
+                        loras: list[tuple[str, float]], model: str | None = None, *,
+                        max_adapter_bytes: int) -> str:
     """The hosted model's name (the first is the default) that serves these adapters.
 
     `model`: a base model named explicitly (the path or OpenAI `model`), else None.
     `locate`: the adapter's file (400/403/404 for bad or unknown ids), e.g. `AdapterStore.locate`.
+    `max_adapter_bytes`: the largest file served (`--max-adapter-mb`), which bounds its header.
     """
     names = [h.name for h in hosted]
 
@@ -65,7 +68,7 @@ def route_by_base_model(hosted: list[HostedModel], locate: Callable[[str], Adapt
             locate(adapter_id)
             continue
         location = locate(adapter_id)
-        declared, hint = _what_it_says(location)
+        declared, hint = _what_it_says(location, max_adapter_bytes)
         if not declared:
             chosen = chosen or _by_what_it_is(adapter_id, location, hint, hosted)
             continue
@@ -94,15 +97,13 @@ def _by_what_it_is(adapter_id: str, location: AdapterLocation, hint: str | None,
     return fitting[0]
 
 
-def _what_it_says(location: AdapterLocation) -> tuple[list[str], str | None]:
+def _what_it_says(location: AdapterLocation, max_bytes: int) -> tuple[list[str], str | None]:
     """The base models the adapter declares, and the family its metadata or source names
-    (header metadata and side files; nothing else is read)."""
-    try:
-        with safe_open(str(location.weights), "pt") as f:
-            metadata = f.metadata() or {}
-    except Exception:  # a broken file: the engine's full checks will say what is wrong
-        metadata = {}
-    return declared_base_models(metadata, location.folder), family_hint(metadata, location.source_says)
+    (header metadata and side files; nothing else is read). The header is checked as every
+    read of the file checks it: a broken file is refused here, naming its defect."""
+    file = open_checked(location.weights, location.adapter_id, max_bytes)
+    file.close()
+    return declared_base_models(file.metadata, location.folder), family_hint(file.metadata, location.source_says)
 
 
 @dataclass
@@ -120,7 +121,9 @@ class Deployment:
         """The engine for these adapters (and an explicitly named model, if any)."""
         models = [HostedModel(h.engine.model_name, h.engine.calls.family.name if h.engine.calls.family else None,
                               h.engine.adapters.fits) for h in self.hosted]
-        chosen = route_by_base_model(models, self.hosted[0].engine.adapters.locate, loras, model)
+        store = self.hosted[0].engine.adapters
+        chosen = route_by_base_model(models, store.locate, loras, model,
+                                     max_adapter_bytes=store.limits.max_adapter_bytes)
         return self.hosted[self.names.index(chosen)]
 
 

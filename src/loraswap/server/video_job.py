@@ -10,18 +10,24 @@ backend receives it as `on_step` (`Backend.generate`); the engine is to call it 
 pipeline's `callback_on_step_end` once per denoising step.
 
 A job is kept in the state folder as a row (`row`, `from_row`: `video_state.COLUMNS`) and
-its files; `mp4` and `thumbnail` read them back.
+its files; `mp4` and `thumbnail` read them back. A row is checked column by column when
+read (`JobRow`): one changed by hand (a time that is text, an error that is a number, an id
+that is a pattern) is refused whole rather than served.
 """
 
 import asyncio
+import io
 import json
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Annotated
 
 from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from ..engine.config import GenerateRequest
+from .video_state import is_video_id, read_plain_file
 
 
 class VideoStatus(str, Enum):
@@ -51,6 +57,8 @@ class VideoJob:
     size: str = "auto"
     attempts: int = 0  # runs started: 2 once made again after a restart
     owner: str | None = None  # a digest of the API key that made it (`VideoStore.owner_of`); None: everyone's
+    # the URLs behind its `url:` ids, signatures and all: what fetches them again after a restart
+    urls: dict[str, str] = field(default_factory=dict)
     task: asyncio.Task | None = field(default=None, repr=False)
 
     def report_step(self, done: int, total: int) -> None:
@@ -60,15 +68,15 @@ class VideoJob:
 
     @property
     def mp4(self) -> bytes | None:
-        """The MP4's bytes, read from the state folder (blocking)."""
-        return self.mp4_path.read_bytes() if self.mp4_path else None
+        """The MP4's bytes, read from the state folder (blocking; never through a link)."""
+        return read_plain_file(self.mp4_path) if self.mp4_path else None
 
     @property
     def thumbnail(self) -> Image.Image | None:
-        """The first frame, read from the state folder (blocking)."""
+        """The first frame, read from the state folder (blocking; never through a link)."""
         if self.thumbnail_path is None:
             return None
-        with Image.open(self.thumbnail_path) as image:
+        with Image.open(io.BytesIO(read_plain_file(self.thumbnail_path))) as image:
             return image.convert("RGB")
 
     @property
@@ -107,10 +115,66 @@ class VideoJob:
                 "model": self.model, "target": self.target, "fps": self.fps, "created_at": self.created_at,
                 "finished_at": self.finished_at, "expires_at": self.expires_at,
                 "error": json.dumps(self.error) if self.error else None, "seconds": self.seconds,
-                "size": self.size, "attempts": self.attempts, "owner": self.owner}
+                "size": self.size, "attempts": self.attempts, "owner": self.owner,
+                "urls": json.dumps(self.urls) if self.urls else None}
 
     @classmethod
-    def from_row(cls, row: dict) -> "VideoJob":
-        """The job a row keeps; ValueError (or TypeError) for a row that is not one."""
-        request = GenerateRequest.model_validate_json(row["request"])
-        return cls(**{**row, "request": request, "error": json.loads(row["error"]) if row["error"] else None})
+    def from_row(cls, row: object) -> "VideoJob":
+        """The job a row keeps; ValueError for a row that is not one (pydantic's ValidationError is one)."""
+        checked = JobRow.model_validate(row)
+        request = GenerateRequest.model_validate_json(checked.request)
+        error = JobError.model_validate_json(checked.error).model_dump() if checked.error is not None else None
+        urls = JobUrls.validate_json(checked.urls) if checked.urls is not None else {}
+        return cls(**{**checked.model_dump(), "request": request, "error": error, "urls": urls})
+
+
+FiniteTime = Annotated[float, Field(allow_inf_nan=False)]
+
+
+JobUrls = TypeAdapter(dict[str, str])  # a job's `url:` ids and the URLs behind them
+
+
+class JobError(BaseModel):
+    """A failed job's error, as the Video object shows it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    code: str
+    message: str
+
+
+class JobRow(BaseModel):
+    """A row as the state folder keeps it (`VideoJob.row`), each column of its own type
+    (strict: no text read as a number, no number as text)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str
+    request: str  # GenerateRequest as JSON
+    model: str
+    target: str | None
+    fps: Annotated[int, Field(ge=1)] | None
+    created_at: FiniteTime
+    finished_at: FiniteTime | None
+    expires_at: FiniteTime | None
+    error: str | None  # JobError as JSON
+    seconds: str
+    size: str
+    attempts: Annotated[int, Field(ge=0)]
+    owner: str | None
+    urls: str | None = None  # JobUrls as JSON
+
+    @field_validator("id")
+    @classmethod
+    def _a_video_id(cls, value: str) -> str:
+        if not is_video_id(value):
+            raise ValueError("not a video id (video_ and 32 hex digits)")
+        return value
+
+    @model_validator(mode="after")
+    def _finished_whole(self):
+        if (self.finished_at is None) != (self.expires_at is None):
+            raise ValueError("finished_at and expires_at are set together")
+        if self.error is not None and self.finished_at is None:
+            raise ValueError("an unfinished job has no error")
+        return self

@@ -5,41 +5,45 @@ A job (`video_job.VideoJob`) outlives the request that made it. Nothing waits on
 is never cancelled for a client that left; only `DELETE` (or the server stopping) cancels it.
 
 `VideoStore` keeps the jobs: a finished one for `video_ttl_s` seconds (`sweep`, on every
-call and every `SWEEP_EVERY_S` in the background), at most `max_video_jobs` in all (past
-it the oldest finished job is dropped) and at most `max_video_jobs_pending` unfinished
-(past it: 503), a deleted job still counted until its generation has stopped (on Ray:
-until the replica has been told). Ids are random (`video_` and 32 hex digits), and a job
-belongs to the API key that made it: another key is answered 404 as for an unknown id
-(`owner_of`, when the server has API keys).
+call and every `SWEEP_EVERY_S` in the background), within caps in total and per API key
+(`video_caps`: past them a key's own oldest finished job is dropped, never another key's,
+or the new job is refused with 503), a deleted job still counted until its generation has
+stopped (on Ray: until the replica has been told). Ids are random (`video_` and 32 hex
+digits, checked before they name a file), and a job belongs to the API key that made it:
+another key is answered 404 as for an unknown id (`owner_of`, when the server has API keys).
 
 The jobs and their MP4s are kept in the state folder (`video_state.VideoState`, one row a
-job, written before it runs and when it finishes). A new store on the folder finds them as
-the last server left them: completed ones downloadable until they expire (the TTL counts
-from completion, in wall-clock time), interrupted ones made again once the backend serves
-(`resume`, at most once: a job that was being made at two restarts may be what kills the
-server) or, with `resume_videos` off, failed with the code `server_restarted`.
+job and the same as a record beside its files, written before it runs and when it
+finishes). A new store on the folder finds them as the last server left them: completed
+ones downloadable until they expire (the TTL counts from completion, in wall-clock time),
+interrupted ones made again once the backend serves (`resume`, at most once: a job that was
+being made at two restarts may be what kills the server) or, with `resume_videos` off,
+failed with the code `server_restarted`. A row the database lost, or that cannot be read, is
+rebuilt from the job's record; files of no job are set aside, never deleted, at a start.
 """
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
 import re
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 
 from fastapi.concurrency import run_in_threadpool
 from PIL import Image
 
+from ..adapters.references import remember_urls, urls_of
 from ..engine.config import GenerateRequest
 from ..engine.engine import GenerateResult
-from ..errors import LoraswapError, Overloaded, UnsupportedInput
+from ..errors import LoraswapError, UnsupportedInput
 from ..media.mp4 import encode_mp4
 from .backend import until_served
 from .config import ServerConfig
+from .video_caps import room_for
 from .video_job import VideoJob, VideoStatus
-from .video_state import WRITE_ERRORS, VideoState
+from .video_state import MEDIA, ORPHANS, WRITE_ERRORS, VideoState, is_video_id, new_video_id, plain_file
 
 logger = logging.getLogger("loraswap.server")
 
@@ -77,7 +81,7 @@ class VideoStore:
         self._jobs: dict[str, VideoJob] = {}  # in creation order
         self._interrupted: list[VideoJob] = []  # queued or in progress when the last server stopped
         self._tasks: list[asyncio.Task] = []  # the sweeper, the resumer
-        self._stopping: set[asyncio.Task] = set()  # deleted jobs whose generation has not stopped yet
+        self._stopping: dict[asyncio.Task, str | None] = {}  # deleted jobs not stopped yet, and their owners
         self.state = VideoState(config.state_dir)
         self._load()
 
@@ -85,20 +89,16 @@ class VideoStore:
     def submit(self, request: GenerateRequest, model: str, fps: int | None, make: MakeVideo,
                target: str | None = None, owner: str | None = None) -> VideoJob:
         """A new job of `owner`'s, started now on the running event loop; `make(job)` generates
-        its frames. Overloaded (503) while `max_video_jobs_pending` jobs are unfinished."""
-        # 1. forget expired jobs; refuse past the cap on unfinished ones (deleted ones still stopping too)
+        its frames. VideoJobsFull (503) when the caps leave no room (`video_caps.room_for`)."""
+        # 1. forget expired jobs; make room within the caps, dropping only finished jobs this key may drop
         self.sweep()
-        pending = sum(1 for job in self._jobs.values() if not job.finished) + len(self._stopping)
-        if pending >= self.config.max_video_jobs_pending:
-            raise Overloaded(f"{pending} videos are being made, the most this server makes at once; retry later")
-        # 2. make room: the oldest finished job goes (ServerConfig keeps max_video_jobs >=
-        #    max_video_jobs_pending, so there is one)
-        while len(self._jobs) >= self.config.max_video_jobs:
-            oldest = next(job for job in self._jobs.values() if job.finished)
-            logger.info("dropping video %s: %d jobs kept, the most", oldest.id, len(self._jobs))
-            self._forget(oldest.id)
-        # 3. start it; nothing waits on it, so it runs whether or not its client stays
-        job = VideoJob("video_" + secrets.token_hex(16), request, model, fps, self.clock(), target, owner=owner)
+        for old in room_for(owner, list(self._jobs.values()), list(self._stopping.values()), self.config,
+                            self.clock()):
+            logger.info("dropping video %s to make room for a new one: %d jobs kept", old.id, len(self._jobs))
+            self._forget(old.id)
+        # 2. start it; nothing waits on it, so it runs whether or not its client stays
+        job = VideoJob(new_video_id(), request, model, fps, self.clock(), target, owner=owner,
+                       urls=urls_of(adapter_id for adapter_id, _ in request.loras))
         job.size = f"{request.width}x{request.height}" if request.width and request.height else "auto"
         if request.frames and fps:  # the length is known now only when the rate it plays at is
             job.seconds = f"{request.frames / fps:g}"
@@ -136,6 +136,10 @@ class VideoStore:
     async def _keep_files(self, job: VideoJob, mp4: bytes, thumbnail: Image.Image) -> None:
         try:
             await run_in_threadpool(self.state.write_files, job.id, mp4, thumbnail)
+        except asyncio.CancelledError:  # deleted (or the server stopping) while they were written: none stays
+            with contextlib.suppress(OSError):
+                self.state.remove_files(job.id, MEDIA)
+            raise
         except OSError as e:
             logger.error("video %s failed: writing its MP4 to %s failed: %s", job.id, self.state.files, e)
             raise StateWriteFailed(f"the server could not keep this video: writing it to its state folder failed "
@@ -165,9 +169,9 @@ class VideoStore:
     def get(self, video_id: str, owner: str | None = None) -> VideoJob:
         """The job, if `owner`'s (or everyone's); VideoNotFound (404) otherwise."""
         self.sweep()
-        job = self._jobs.get(video_id)
+        job = self._jobs.get(video_id) if is_video_id(video_id) else None
         if job is None or job.owner not in (None, owner):
-            raise VideoNotFound(f"no video {video_id!r}: unknown, deleted, or expired (videos are kept "
+            raise VideoNotFound(f"no video {video_id[:80]!r}: unknown, deleted, or expired (videos are kept "
                                 f"{self.config.video_ttl_s:g} s after they finish)")
         return job
 
@@ -190,8 +194,8 @@ class VideoStore:
         self._forget(video_id)
         if job.task is not None and not job.task.done():
             job.task.cancel()
-            self._stopping.add(job.task)
-            job.task.add_done_callback(self._stopping.discard)
+            self._stopping[job.task] = job.owner
+            job.task.add_done_callback(lambda task: self._stopping.pop(task, None))
         return job
 
     def _forget(self, video_id: str) -> None:
@@ -218,22 +222,20 @@ class VideoStore:
 
     # ---------------------------------------------------------------- after a restart
     def _load(self) -> None:
-        """The jobs the state folder keeps: expired ones and files of no job removed, a completed
-        job whose MP4 is gone failed, an interrupted one failed or left to `resume`."""
+        """The jobs the state folder keeps: a row that cannot be read dropped, a job whose row is
+        lost rebuilt from its record, expired ones removed, files of no job set aside, a
+        completed job whose MP4 is gone failed, an interrupted one failed or left to `resume`."""
         try:
             rows = self.state.rows()
         except WRITE_ERRORS as e:  # read once through when opened: only a disk failing since
-            logger.error("starting with no videos: reading them from %s failed: %s", self.state.folder, e)
+            logger.error("reading the videos from %s failed, so they are rebuilt from their records: %s",
+                         self.state.folder, e)
             rows = []
         for row in rows:
             self._load_row(row)
+        self._rebuild()
         self.sweep()
-        kept = {job.id for job in self._jobs.values() if job.status is VideoStatus.COMPLETED}
-        try:
-            if removed := self.state.remove_orphans(kept, at_start=True):
-                logger.info("removed %d files of no video from %s", len(removed), self.state.files)
-        except OSError as e:
-            logger.error("removing files of no video from %s failed: %s", self.state.files, e)
+        self._sort_out_files()
         if not self.config.resume_videos:
             self._fail_interrupted("resuming is off (--no-resume-videos)")
         for job in [job for job in self._interrupted if job.attempts >= MAX_ATTEMPTS]:
@@ -244,20 +246,61 @@ class VideoStore:
     def _load_row(self, row: dict) -> None:
         try:
             job = VideoJob.from_row(row)
-        except (ValueError, TypeError, KeyError) as e:
-            logger.error("dropping video %s: its row in the state folder cannot be read: %s", row["id"], e)
-            self._remove_kept(row["id"])
+        except ValueError as e:  # changed by hand, or damaged: its record (if any) rebuilds it
+            logger.error("dropping video %.80r: its row in the state folder cannot be read: %s", row["id"], e)
+            try:
+                self.state.remove_row(row["id"])
+            except WRITE_ERRORS as e:
+                logger.error("removing that row failed: %s", e)
             return
+        if not plain_file(self.state.record_path(job.id)):  # kept by an earlier version: no record yet
+            self._save(job)
+        self._add_loaded(job)
+
+    def _add_loaded(self, job: VideoJob) -> None:
         self._jobs[job.id] = job
         if job.status is VideoStatus.COMPLETED:
             self._check_files(job)
         elif not job.finished:
             self._interrupted.append(job)
+            _recall_urls(job)
+
+    def _rebuild(self) -> None:
+        """The jobs whose row the database lost (moved aside, replaced, a row dropped), made again
+        from their records; a record that cannot be read leaves its files to be set aside."""
+        rebuilt = []
+        for video_id in sorted(self.state.record_ids() - set(self._jobs)):
+            try:
+                job = VideoJob.from_row(self.state.read_record(video_id))
+                if job.id != video_id:
+                    raise ValueError(f"it is the record of {job.id}")
+            except (OSError, ValueError) as e:
+                logger.error("video %s: its record cannot be read, so its files are set aside: %s", video_id, e)
+                continue
+            self._save(job)  # its row again
+            self._add_loaded(job)
+            rebuilt.append(video_id)
+        if rebuilt:
+            logger.warning("rebuilt %d videos from their records in %s (the database had no row for them): %s",
+                           len(rebuilt), self.state.files, ", ".join(rebuilt))
+
+    def _sort_out_files(self) -> None:
+        completed = {job.id for job in self._jobs.values() if job.status is VideoStatus.COMPLETED}
+        try:
+            removed, moved = self.state.sort_out_at_start(completed, set(self._jobs))
+        except OSError as e:
+            logger.error("sorting out the files of %s failed: %s", self.state.files, e)
+            return
+        if removed:
+            logger.info("removed %d unfinished files from %s", len(removed), self.state.files)
+        if moved:
+            logger.warning("moved %d files of no video from %s to %s, kept for a look (delete them when done): "
+                           "%s", len(moved), self.state.files, self.state.folder / ORPHANS, ", ".join(moved))
 
     def _check_files(self, job: VideoJob) -> None:
-        """A completed job whose MP4 is gone from the state folder is failed."""
+        """A completed job whose MP4 is gone from the state folder (or is a link) is failed."""
         job.mp4_path, job.thumbnail_path = self.state.mp4_path(job.id), self.state.thumbnail_path(job.id)
-        if job.mp4_path.is_file() and job.thumbnail_path.is_file():
+        if plain_file(job.mp4_path) and plain_file(job.thumbnail_path):
             return
         logger.error("video %s failed: its MP4 is missing from %s", job.id, self.state.files)
         job.mp4_path = job.thumbnail_path = None
@@ -317,6 +360,15 @@ def _error(job: VideoJob, code: str, message: str) -> dict:
     if job.attempts > 1:  # made again after a restart, and failed again
         return _restarted(f"making it again failed: {message}")
     return {"code": code, "message": message}
+
+
+def _recall_urls(job: VideoJob) -> None:
+    """The URLs of an interrupted job's `url:` adapters, known again: made again, it fetches
+    a download the restart cut short (or one evicted since) as it did the first time."""
+    try:
+        remember_urls(job.urls)
+    except LoraswapError as e:  # a row changed by hand: the job fails then, naming its adapter
+        logger.error("video %s: the URLs of its adapters cannot be used: %s", job.id, e)
 
 
 def _restarted(why: str) -> dict:

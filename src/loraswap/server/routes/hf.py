@@ -9,10 +9,11 @@ from ..auth import Access, require_api_key
 from ..decode_budget import release_decoded
 from ..generation import IMAGE_RESPONSES, encode, generate, server_timing
 from ..openapi import LORA_HEADER, json_body
-from ..requests import parse_request
+from ..requests import hold_named_urls, parse_request
 from ..schemas import HFRequest
 
-router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key), Depends(release_decoded)])
+router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key), Depends(release_decoded),
+                                                                 Depends(hold_named_urls)])
 
 # the body is read by the handler (after the key check), so FastAPI does not document it
 HF_OPENAPI = {"requestBody": json_body({"anyOf": [{"type": "string"}, HFRequest.model_json_schema()]}),

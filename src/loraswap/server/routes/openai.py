@@ -10,10 +10,11 @@ from ..auth import Access, require_api_key
 from ..decode_budget import release_decoded
 from ..generation import encode, generate
 from ..openapi import LORA_HEADER, form_body, json_body
-from ..requests import parse_request
+from ..requests import hold_named_urls, parse_request
 from ..schemas import ApiBody, OpenAIEditRequest, OpenAIImageRequest
 
-router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key), Depends(release_decoded)])
+router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key), Depends(release_decoded),
+                                                                 Depends(hold_named_urls)])
 
 OPENAI_OPENAPI = {"requestBody": json_body(OpenAIImageRequest.model_json_schema()), "parameters": [LORA_HEADER]}
 EDITS_OPENAPI = {"requestBody": form_body(OpenAIEditRequest.model_json_schema()), "parameters": [LORA_HEADER]}

@@ -13,15 +13,17 @@ from ...adapters.metadata import same_model
 from ...adapters.references import check_id
 from ...engine.calls import check_size_multiple
 from ...engine.engine import GenerateResult
+from ...errors import UnsupportedInput
 from ..auth import Access, request_key, require_api_key
 from ..backend import not_ready
 from ..generation import encode, run_generation
 from ..openapi import LORA_HEADER, form_body
-from ..requests import parse_request
+from ..requests import hold_named_urls, parse_request
 from ..schemas import OpenAIVideoRequest
 from ..videos import MakeVideo, VideoJob
 
-router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key)])
+router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key),
+                                                                 Depends(hold_named_urls)])
 
 ROUTE = "/v1/videos"
 VIDEO_OPENAPI = {"requestBody": form_body(OpenAIVideoRequest.model_json_schema()), "parameters": [LORA_HEADER]}
@@ -34,8 +36,9 @@ CONTENT_RESPONSES = {200: {"content": {"video/mp4": {}, "image/webp": {}}}}
 async def create_video(request: Request):
     """OpenAI videos API, a multipart form as the openai client sends it: start a video and
     answer its job (`queued`). `model` is an adapter id (`id1:0.8, id2:0.5` to blend) or the
-    base model; `frames` (or `num_frames`), `fps`, `seed`, `negative_prompt`,
-    `num_inference_steps` and `guidance_scale` are extensions. The job outlives the request."""
+    base model (none: the hosted video model); `frames` (or `num_frames`), `fps`, `seed`,
+    `negative_prompt`, `num_inference_steps` and `guidance_scale` are extensions. The job
+    outlives the request."""
     state = request.app.state
     # 1. parse (the one parser of every generation route: limits, adapters, the engine's request)
     parsed = await parse_request(request, OpenAIVideoRequest)
@@ -45,14 +48,30 @@ async def create_video(request: Request):
     if info is None:  # a job started now would only fail
         raise not_ready(state.backend.load_error)
     videos = {model: c for model, c in info["capabilities"].items() if c["output"] == "video"}
-    named = {model: c for model, c in videos.items() if parsed.model and same_model(model, parsed.model)}
-    for model, capabilities in (named or videos).items():  # refused now, not as a failed job later
-        check_size_multiple(parsed.engine_request.width, parsed.engine_request.height,
-                            capabilities["size_multiple"], model)
+    target = _video_model(parsed.model, parsed.engine_request.loras, videos, info["models"])
+    for model, capabilities in videos.items():  # refused now, not as a failed job later
+        if target is None or same_model(model, target):
+            check_size_multiple(parsed.engine_request.width, parsed.engine_request.height,
+                                capabilities["size_multiple"], model)
     # 2. start the job
-    shown = parsed.model or _adapters_named(parsed.engine_request.loras) or info["model"]
-    return state.videos.submit(parsed.engine_request, shown, parsed.fps, video_maker(state), parsed.model,
+    shown = parsed.model or _adapters_named(parsed.engine_request.loras) or target
+    return state.videos.submit(parsed.engine_request, shown, parsed.fps, video_maker(state), target,
                                owner=_owner(request)).view()
+
+
+def _video_model(named: str | None, loras: list[tuple[str, float]], videos: dict, hosted: list[str]) -> str | None:
+    """The hosted model a video goes to: the one named; else the hosted video model (with
+    adapters, only when there is one: several leave it to the adapters' base model, None).
+    422 at once when it would make images."""
+    if not videos:
+        raise UnsupportedInput(f"this server hosts no video model (hosted: {', '.join(hosted)}); a video needs a "
+                               "video model (a Wan model)")
+    if named is not None:
+        if not any(same_model(model, named) for model in videos):
+            raise UnsupportedInput(f"model {named!r} makes images, not videos: name a video model "
+                                   f"({', '.join(videos)}) or an adapter of one")
+        return named
+    return next(iter(videos)) if len(videos) == 1 or not loras else None
 
 
 def _owner(request: Request) -> str | None:
@@ -92,7 +111,7 @@ async def download_video(video_id: str, request: Request,
     if variant == "thumbnail":
         data, media = await encode(await run_in_threadpool(lambda: job.thumbnail), "image/webp")
         return Response(data, media_type=media)
-    return Response(await run_in_threadpool(job.mp4_path.read_bytes), media_type="video/mp4",
+    return Response(await run_in_threadpool(lambda: job.mp4), media_type="video/mp4",
                     headers={"content-disposition": f'attachment; filename="{video_id}.mp4"'})
 
 

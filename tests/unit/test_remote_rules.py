@@ -1,0 +1,97 @@
+"""A download in a folder that servers share is served, and listed, only by a server whose own
+source flags and address rules pass its reference, each time it is named: the rules of the
+server that fetched it count for nothing. Nothing is fetched to find that out."""
+
+import hashlib
+
+import httpcore
+import pytest
+
+from loraswap.adapters.downloads import Download
+from loraswap.adapters.fetch import display_url
+from loraswap.adapters.references import adapter_id_of
+from loraswap.adapters.remote import RemoteSettings, RemoteSources, may_download
+from loraswap.adapters.source import AdapterSources
+from loraswap.errors import AdapterForbidden
+
+MiB = 2**20
+DATA = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"
+
+
+@pytest.fixture
+def connects(monkeypatch) -> list[str]:
+    seen, original = [], httpcore.SyncBackend.connect_tcp
+
+    def recorded(self, host, port, *args, **kwargs):
+        seen.append(host)
+        return original(self, host, port, *args, **kwargs)
+    monkeypatch.setattr(httpcore.SyncBackend, "connect_tcp", recorded)
+    return seen
+
+
+def _downloaded(sources: RemoteSources, adapter_id: str, shown: str, source: str = "url",
+                origin: str | None = None) -> None:
+    """The file as the server that fetched it left it in the shared folder."""
+    def write(dest, reserve):
+        dest.write_bytes(DATA)
+        return Download(source, shown, hashlib.sha256(DATA).hexdigest(), origin=origin)
+    sources.downloads.fetch(adapter_id, write)
+
+
+def test_a_cached_url_passes_this_servers_own_rules_each_time_it_is_named(tmp_path, connects):
+    url = "http://127.0.0.1:9/w.safetensors?X-Signature=SECRET"  # port 9: nothing listens, nothing is fetched
+    url_id = adapter_id_of(url)
+    a = RemoteSources(RemoteSettings(url_allow=("127.0.0.1:9",)), tmp_path, MiB)
+    _downloaded(a, url_id, display_url(url))
+    assert a.locate(url_id).weights.read_bytes() == DATA and a.list_ids() == [url_id]
+
+    b = RemoteSources(RemoteSettings(url_allow=("*",)), tmp_path, MiB)  # `*` never allows loopback
+    for _ in range(2):  # each time, not only the first
+        with pytest.raises(AdapterForbidden, match="plain http") as refused:
+            b.locate(url_id)
+        assert refused.value.status == 403 and "SECRET" not in refused.value.message
+    assert b.list_ids() == [], "a server lists only what it may serve"
+
+    none = RemoteSources(RemoteSettings(), tmp_path, MiB)
+    with pytest.raises(AdapterForbidden, match="Start it with --url-allow HOST"):
+        none.locate(url_id)
+    assert none.list_ids() == []
+    assert a.locate(url_id).weights.read_bytes() == DATA, "the server whose rules pass still serves it"
+    assert connects == [], "nothing was fetched to decide"
+
+
+def test_a_cached_url_whose_name_resolves_to_loopback_is_refused_under_a_wildcard(tmp_path, connects):
+    url = "https://localhost:9/w.safetensors"
+    url_id = adapter_id_of(url)
+    a = RemoteSources(RemoteSettings(url_allow=("localhost:9",)), tmp_path, MiB)
+    _downloaded(a, url_id, display_url(url))
+    assert a.locate(url_id).weights.read_bytes() == DATA
+
+    b = RemoteSources(RemoteSettings(url_allow=("*",)), tmp_path, MiB)
+    with pytest.raises(AdapterForbidden, match="resolves to .*, a loopback address"):
+        b.locate(url_id)
+    assert b.list_ids() == [] and a.list_ids() == [url_id] and connects == []
+
+
+def test_a_download_through_another_api_or_store_is_not_served_here(tmp_path):
+    """Civitai through another API (a mirror), a bucket through another store: listed and served
+    only by servers using the same one; another fetches its own."""
+    mirror = RemoteSources(RemoteSettings(civitai_api="http://127.0.0.1:9/api", s3=True,
+                                          s3_endpoint_url="http://127.0.0.1:9"), tmp_path, MiB)
+    _downloaded(mirror, "civitai:11@22", "http://127.0.0.1:9/api/download/22", "civitai", "http://127.0.0.1:9/api")
+    _downloaded(mirror, "s3:team/k.safetensors", "s3://team/k.safetensors", "s3", "http://127.0.0.1:9")
+    assert sorted(mirror.list_ids()) == ["civitai:11@22", "s3:team/k.safetensors"]
+    other = RemoteSources(RemoteSettings(civitai_api="https://civitai.com/api", s3=True), tmp_path, MiB)
+    assert other.list_ids() == []
+    for adapter_id in ("civitai:11@22", "s3:team/k.safetensors"):
+        assert other.downloads.path(adapter_id, other._same_origin(other.source_of(adapter_id))) is None
+
+
+def test_whether_finding_an_adapter_may_wait_on_the_network(tmp_path):
+    url_id = adapter_id_of("https://h.example/x.safetensors")
+    remote = RemoteSources(RemoteSettings(url_allow=("h.example",)), tmp_path, MiB)
+    sources = AdapterSources(None, None, remote)
+    assert may_download(sources, url_id), "not downloaded yet"
+    _downloaded(remote, url_id, "https://h.example/x.safetensors")
+    assert not may_download(sources, url_id), "here: found without the network"
+    assert not may_download(sources, "style/anime") and not may_download(None, url_id)
