@@ -1,7 +1,8 @@
 """A numeric reading of a picture of one shape on a plain ground: the ground's colour, the
 shape's hue, kind (from its geometry), place, size, hollowness and stripes. It knows
-nothing of how the demo model or its training pictures are drawn: its references are
-shapes drawn by PIL and colour names by hue."""
+nothing of how the demo models or their training pictures are drawn: its references are
+shapes drawn by PIL and colour names by hue. A striped shape's kind is read from its
+bands joined up again (a closing along the columns), so stripes do not change its kind."""
 
 import colorsys
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ class Reading:
     x: float  # centroid, as a fraction of the width
     hollow: float  # fraction of the pixels near the centroid that are ground
     empty_rows: float  # fraction of the rows inside the shape's extent that are mostly ground
+    gap_rows: float = 0.0  # fraction of the shape's rows mostly missing from its joined-up outline (stripes)
 
 
 def _ground(image: np.ndarray) -> np.ndarray:
@@ -62,6 +64,16 @@ def _references() -> dict[str, float]:
     return values
 
 
+def _close_columns(mask: np.ndarray, reach: int) -> np.ndarray:
+    """A binary closing along each column: gaps of up to 2 x `reach` rows between shape
+    pixels filled (a dilation then an erosion by a vertical run of 2 x `reach` + 1)."""
+    padded = np.pad(mask, ((reach, reach), (0, 0)))
+    n = mask.shape[0]
+    grown = np.any([padded[k:k + n] for k in range(2 * reach + 1)], axis=0)
+    padded = np.pad(grown, ((reach, reach), (0, 0)), constant_values=True)
+    return np.all([padded[k:k + n] for k in range(2 * reach + 1)], axis=0)
+
+
 def read(image: np.ndarray) -> Reading:
     """`image`: HxWx3 uint8."""
     image = image.astype(np.float64)
@@ -75,11 +87,14 @@ def read(image: np.ndarray) -> Reading:
     ys, xs = np.nonzero(mask)
     cy, cx = ys.mean(), xs.mean()
     references = _references()
-    value = extent(mask)
+    closed = _close_columns(mask, max(1, mask.shape[0] // 32))
+    value = extent(closed)
     shape = min(references, key=lambda n: abs(references[n] - value))
     near = np.hypot(*np.mgrid[0:mask.shape[0], 0:mask.shape[1]] - np.array([cy, cx])[:, None, None])
     inner = near <= 0.35 * np.sqrt(area / np.pi) + 0.5
     rows = mask[ys.min():ys.max() + 1, xs.min():xs.max() + 1].mean(axis=1)
+    outline_rows = closed[ys.min():ys.max() + 1].sum(axis=1)
+    gaps = mask[ys.min():ys.max() + 1].sum(axis=1) < 0.3 * outline_rows
     return Reading(ground=ground_name, area=area, hue=hue, saturation=saturation, shape=shape,
                    x=float(cx / mask.shape[1]), hollow=float(1 - mask[inner].mean()),
-                   empty_rows=float((rows < 0.3).mean()))
+                   empty_rows=float((rows < 0.3).mean()), gap_rows=float(gaps[outline_rows > 0].mean()))

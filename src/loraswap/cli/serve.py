@@ -126,19 +126,20 @@ RANDOM_ADAPTERS = (("demo/watercolor", 4, "attn"), ("demo/neon", 16, "all"), ("d
 
 
 def write_demo_adapters(model: str, folder: Path) -> None:
-    """Adapters to try the server with, put into `folder`: the `demo` model's trained ones
+    """Adapters to try the server with, put into `folder`: a demo model's trained ones
     (those missing are copied), or for another model a few random ones, written once (a
     folder with adapters is left alone)."""
-    from ..models.families import demo
+    from ..models.families import demo, demo_flux
 
     log = logging.getLogger(__name__)
-    if model == "demo":
+    trained = {"demo": demo, "demo-flux": demo_flux}.get(model)
+    if trained is not None:
         folder.mkdir(parents=True, exist_ok=True)
-        missing = [a for a in demo.DEMO_ADAPTERS if not (folder / f"{a}.safetensors").exists()]
+        missing = [a for a in trained.DEMO_ADAPTERS if not (folder / f"{a}.safetensors").exists()]
         for adapter_id in missing:
-            shutil.copyfile(demo.ADAPTERS / f"{adapter_id}.safetensors", folder / f"{adapter_id}.safetensors")
-        log.info("demo adapters in %s: %s", folder, ", ".join(f"{a} ({kind})" for a, (kind, _) in
-                                                           demo.DEMO_ADAPTERS.items()))
+            shutil.copyfile(trained.ADAPTERS / f"{adapter_id}.safetensors", folder / f"{adapter_id}.safetensors")
+        log.info("%s adapters in %s: %s", model, folder, ", ".join(f"{a} ({kind})" for a, (kind, _) in
+                                                                   trained.DEMO_ADAPTERS.items()))
         return
     if folder.exists() and any(folder.rglob("*.safetensors")):
         return

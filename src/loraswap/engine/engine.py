@@ -31,7 +31,7 @@ from ..models import (
     adapter_targets,
     denoiser_name,
     denoiser_names,
-    family_of,
+    family_for,
     generation_defaults,
     model_name,
     resolve_device,
@@ -102,7 +102,8 @@ class Engine:
         self.lender = self.swapper.lender(self.adapters)
         self._applied: list[tuple[object, float]] = []  # what the swapper applied, as leased (on failure: base)
         # the family (None: a pipeline no family lists, served text to image) and its pipelines
-        self.calls = PipelineCalls(self.pipeline, family_of(self.pipeline), generation_defaults(config.model))
+        self.calls = PipelineCalls(self.pipeline, family_for(config.model, self.pipeline),
+                                   generation_defaults(config.model))
         self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
         # several ranks: the denoiser split over them before the warm-up, which every rank makes in step
         self.parallelism = config.parallelism

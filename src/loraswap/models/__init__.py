@@ -8,13 +8,13 @@ import torch
 from diffusers import DiffusionPipeline
 
 from .architectures import ARCHITECTURES, RANDOM_SUFFIX, build_architecture_pipeline
-from .families import ARCHITECTURE_FAMILIES, PRESET_FAMILIES, architecture, family_of
+from .families import ARCHITECTURE_FAMILIES, PRESET_FAMILIES, architecture, family_for, family_of
 from .family import Family
 from .presets import PRESETS, build_preset
 
 __all__ = ["ARCHITECTURES", "PRESETS", "Family", "adapter_targets", "architecture_denoiser", "default_dtype",
-           "denoiser_names", "family_of", "generation_defaults", "load_pipeline", "lora_components", "model_name",
-           "resolve_device"]
+           "denoiser_names", "family_for", "family_of", "generation_defaults", "load_pipeline", "lora_components",
+           "model_name", "resolve_device"]
 
 
 def resolve_device(device: str | None = None) -> torch.device:

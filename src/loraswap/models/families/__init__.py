@@ -8,11 +8,12 @@ record.
 from diffusers import DiffusionPipeline
 
 from ..family import Architecture, Family
-from . import demo, flux, flux2, flux_kontext, qwen_image, qwen_image_edit, sd3, sd15, sdxl, wan, z_image
+from . import demo, demo_flux, flux, flux2, flux_kontext, qwen_image, qwen_image_edit, sd3, sd15, sdxl, wan, z_image
 
-# `demo` after `sd15`: both are StableDiffusionPipelines, and `family_of` takes the first
+# `demo` after `sd15` and `demo_flux` after `flux`: each pair share a pipeline class, and
+# `family_of` takes the first (a demo preset's own record comes through `family_for`)
 FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (
-    sd15, demo, sdxl, sd3, flux, flux_kontext, flux2, qwen_image, qwen_image_edit, z_image, wan))
+    sd15, demo, sdxl, sd3, flux, demo_flux, flux_kontext, flux2, qwen_image, qwen_image_edit, z_image, wan))
 
 # tiny preset name -> its family; real architecture name -> its family
 PRESET_FAMILIES = {preset: family for family in FAMILIES for preset in family.presets}
@@ -21,6 +22,12 @@ ARCHITECTURE_FAMILIES = {name: family for family in FAMILIES for name in family.
 
 def architecture(name: str) -> Architecture:
     return ARCHITECTURE_FAMILIES[name].architectures[name]
+
+
+def family_for(name_or_path: str, pipeline: DiffusionPipeline) -> Family | None:
+    """The record that serves `pipeline`, loaded as `name_or_path`: a preset's own (its
+    defaults and call), else the family its pipeline class is one of."""
+    return PRESET_FAMILIES.get(name_or_path) or family_of(pipeline)
 
 
 def family_of(pipeline: DiffusionPipeline) -> Family | None:

@@ -9,17 +9,16 @@ of each kind people share. The weights ship in the package (`demo_weights/`); th
 tokenizer is made here, from the vocabulary.
 """
 
-from functools import cache
 from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
 from safetensors.torch import load_file
-from tokenizers.pre_tokenizers import ByteLevel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from ..family import Family
 from ..parts import euler
+from ..tokenizers import word_clip_tokenizer, word_clip_vocabulary
 from .sd15 import NO_SAFETY_CHECKER
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "demo_weights"
@@ -55,61 +54,12 @@ UNET = dict(sample_size=SIZE // 2, in_channels=4, out_channels=4, layers_per_blo
             norm_num_groups=16)
 
 
-@cache
-def _vocabulary() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
-    """A CLIP BPE vocabulary whose merges spell each word of `WORDS` as one token (a CLIP
-    vocabulary without merges splits words into letters, and the prompt stops steering),
-    plus every byte and byte</w> so any other text still tokenizes. Built the same in every
-    process: the trained text conditioning depends on each token's id."""
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for char in sorted(ByteLevel.alphabet()):
-        vocab[char] = len(vocab)
-        vocab[char + "</w>"] = len(vocab)
-    merges = _bpe_merges(sorted(set(WORDS)))
-    for left, right in merges:
-        vocab.setdefault(left + right, len(vocab))
-    return vocab, merges
-
-
-def _bpe_merges(words: list[str]) -> tuple[tuple[str, str], ...]:
-    """BPE as first described: merge the most frequent adjacent pair (ties: the smallest),
-    until every word is one symbol. Applying the merges in this order spells each word whole."""
-    spelled = [[*word[:-1], word[-1] + "</w>"] for word in words]
-    merges = []
-    while any(len(symbols) > 1 for symbols in spelled):
-        counts: dict[tuple[str, str], int] = {}
-        for symbols in spelled:
-            for pair in zip(symbols, symbols[1:]):
-                counts[pair] = counts.get(pair, 0) + 1
-        best = min(counts, key=lambda pair: (-counts[pair], pair))
-        merges.append(best)
-        spelled = [_merge(symbols, best) for symbols in spelled]
-    return tuple(merges)
-
-
-def _merge(symbols: list[str], pair: tuple[str, str]) -> list[str]:
-    merged, i = [], 0
-    while i < len(symbols):
-        if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
-            merged.append(symbols[i] + symbols[i + 1])
-            i += 2
-        else:
-            merged.append(symbols[i])
-            i += 1
-    return merged
-
-
 def demo_tokenizer() -> CLIPTokenizer:
-    vocab, merges = _vocabulary()
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=list(merges), model_max_length=77)
-    unsplit = [w for w in WORDS if len(tokenizer.tokenize(w)) != 1]
-    if unsplit:  # the merges must make words whole, or the prompt cannot steer
-        raise RuntimeError(f"the demo tokenizer splits {unsplit}")
-    return tokenizer
+    return word_clip_tokenizer(WORDS)
 
 
 def text_config() -> CLIPTextConfig:
-    vocab, _ = _vocabulary()
+    vocab, _ = word_clip_vocabulary(WORDS)
     return CLIPTextConfig(vocab_size=len(vocab), bos_token_id=vocab["<|startoftext|>"],
                           eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"], **TEXT)
 
@@ -138,7 +88,7 @@ def _demo() -> StableDiffusionPipeline:
 
 
 FAMILY = Family(
-    name="demo",
+    name="sd15",  # a Stable Diffusion 1.5: SD 1.5 adapters and hints go to it
     pipeline="StableDiffusionPipeline",
     presets={"demo": _demo},
     image_pipelines={"img2img": "StableDiffusionImg2ImgPipeline", "inpaint": "StableDiffusionInpaintPipeline"},
