@@ -27,6 +27,7 @@ from loraswap.models.families import demo_flux
 log = logging.getLogger("train_demo_flux")
 RANK = 8
 LOKR_FACTOR = 4  # the first Kronecker factor 4x4, the second (width / 4) square
+STEPS = {"pastel": 1000}  # the LoKr learns slower; the others take 600
 # every linear layer of the double- and single-stream blocks
 BLOCK_LINEARS = (r".*blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
                  r"|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2)|proj_mlp|proj_out|norm1?\.linear|norm1_context\.linear)")
@@ -43,9 +44,10 @@ LYCORIS_PRESET = {"enable_conv": False, "target_module": ["FluxTransformerBlock"
                   "target_name": []}
 
 
-def fit(transformer, parameters, data, steps: int, batch: int, lr: float, name: str) -> None:
+def fit(transformer, parameters, data, steps: int | None, batch: int, lr: float, name: str) -> None:
     from train_demo_flux import lr_at, step
 
+    steps = steps or STEPS.get(name, 600)
     optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
     ones = torch.ones(batch, device=data.device)
     transformer.train()

@@ -14,8 +14,18 @@ Stages, each writing into `--out` (by default `src/loraswap/models/demo_flux_wei
    copy told that scale, so one pass a step draws what two passes with guidance drew;
 4. `adapters`: `demo_flux_adapters.py`, from the distilled model, each on its own pictures.
 Weights are written in float16; the pictures, the noise and the first weights follow from
-`--seed`. The shipped weights were made by `python scripts/train_demo_flux.py --device cuda`
-(the times per stage are in the docstring of `demo_flux_weights/README.md`).
+`--seed`. The shipped weights were made on 2026-12-07 by three runs, each one device call of
+`scripts/demo_flux_gpu_run.sh` (torch 2.11, CUDA 13), each stage from the weights the one
+before wrote:
+
+    python scripts/train_demo_flux.py --stage vae      # H200; the call's limit stopped it after the transformer
+    python scripts/train_demo_flux.py --stage distil   # H200: the guidance distilled, then the four adapters
+    python scripts/train_demo_flux.py --stage adapters --adapter pastel  # H100: the LoKr again, full factors
+
+Times: drawing the 64,000 pictures 33 s (15 processes); the VAE 79 s (3,000 steps of 32); the
+transformer 282 s (8,000 steps of 256, about 35 ms a step); the distillation 91 s (2,000
+steps); the adapters 21-44 s each (600 steps of 256), the LoKr 118 s (1,000 steps, H100).
+About nine minutes of GPU in all.
 """
 
 import argparse
@@ -237,9 +247,10 @@ def parse_args():
     parser.add_argument("--effect-pictures", type=int, default=6000, help="pictures drawn per adapter")
     parser.add_argument("--workers", type=int, default=max(1, multiprocessing.cpu_count() - 1))
     parser.add_argument("--vae-steps", type=int, default=3000)
-    parser.add_argument("--transformer-steps", type=int, default=6000)
-    parser.add_argument("--distil-steps", type=int, default=2500)
-    parser.add_argument("--adapter-steps", type=int, default=800)
+    parser.add_argument("--transformer-steps", type=int, default=8000)
+    parser.add_argument("--distil-steps", type=int, default=2000)
+    parser.add_argument("--adapter-steps", type=int, default=None,
+                        help="steps per adapter (default: 600, the LoKr 1,000)")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--lr", type=float, default=5e-4, help="peak learning rate of the transformer")
     parser.add_argument("--adapter", action="append", choices=tuple(demo_flux.DEMO_ADAPTERS),
