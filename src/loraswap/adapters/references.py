@@ -9,8 +9,11 @@ logs) sees only ids:
 - `https://host/path/x.safetensors?signature=...` -> `url:<sha256 of the URL, 32 hex>`.
   The URL itself, signature and all, is kept in this process's memory only (`url_book.py`:
   held while a request naming it is unanswered, kept afterwards only if the request was
-  accepted, bounded): never in an id, a log line, an error or a file. A download cached on
-  disk is served by its id after a restart; once evicted, it is fetched again only by its URL.
+  accepted, bounded): never in an id, a log line or an error. The one file it is written to
+  is a queued video job's row in the state folder (readable by the server's user only), so
+  that a job whose download a restart interrupted is fetched again and made. A download
+  cached on disk is served by its id after a restart; once evicted, it is fetched again only
+  by its URL.
 - `civitai:MODEL@VERSION`, or an AIR `urn:air:ECOSYSTEM:lora:civitai:MODEL@VERSION` ->
   `civitai:MODEL@VERSION` (the AIR's ecosystem is a hint of the base model).
 - `s3://bucket/key` -> `s3:bucket/key`.

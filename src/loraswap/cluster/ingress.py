@@ -23,6 +23,7 @@ from ..adapters.references import urls_of
 from ..adapters.source import AdapterSources
 from ..engine.config import GenerateRequest
 from ..engine.engine import GenerateResult
+from ..engine.rank_loss import RanksLost
 from ..errors import LoraswapError, Overloaded
 from ..server.app import create_app
 from ..server.auth import Access, require_admin_key
@@ -34,7 +35,8 @@ from .replica import adapter_key, log_to_stderr
 
 logger = logging.getLogger("loraswap.cluster")
 
-REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
+# a replica that died, or one whose context-parallel ranks were lost (it answers 503, then exits)
+REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError, RanksLost)
 ATTEMPTS = 3  # a request whose replica died under it is sent again (generation has no side effects)
 
 
