@@ -171,6 +171,14 @@ def _group(adapter_id: str, state_dict: dict[str, torch.Tensor]) -> dict[str, Fi
     return modules
 
 
+def check_key_kinds(adapter_id: str, keys: Iterable[str]) -> None:
+    """Refuse a file by its key names alone, as `parse_adapter` would whatever the model: no
+    key, or a key of no adapter kind loraswap knows (the file's own defect)."""
+    if not _group(adapter_id, dict.fromkeys(keys)):
+        raise AdapterInvalid(adapter_id, "it contains no LoRA layer, nor a layer of any other adapter kind",
+                             "Use a LoRA, LoCon, LoHa, LoKr, DoRA or full-diff adapter")
+
+
 def _refuse_collisions(adapter_id: str, places: dict[str, list[Place]]) -> None:
     """Two file modules on one model module (`text_model.` and flattened names, say): refused,
     rather than one silently winning."""

@@ -13,7 +13,10 @@ logs) sees only ids:
   is a queued video job's row in the state folder (readable by the server's user only), so
   that a job whose download a restart interrupted is fetched again and made. A download
   cached on disk is served by its id after a restart; once evicted, it is fetched again only
-  by its URL.
+  by its URL. Which API keys named the URL (`NamedUrls.owner`: only they may name its id) is
+  kept with the URL, in memory only, and lost with it: after a restart, or once the URL has
+  dropped out of the book, its download belongs to no key until a key names the URL again
+  (admin keys aside); nothing is opened to another key (docs/adapters.md says so to users).
 - `civitai:MODEL@VERSION`, or an AIR `urn:air:ECOSYSTEM:lora:civitai:MODEL@VERSION` ->
   `civitai:MODEL@VERSION` (the AIR's ecosystem is a hint of the base model).
 - `s3://bucket/key` -> `s3:bucket/key`.

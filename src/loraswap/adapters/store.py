@@ -25,10 +25,11 @@ from .cache import AdapterCache, CacheConfig, CacheEntry
 from .device_read import DeviceReadFailed, staging_buffers, with_index
 from .download_locks import holding_downloads
 from .file_data import NotInFile
+from .file_facts import FileFacts
 from .formats import open_checked
 from .lease import Lease
 from .metadata import refuse_other_base
-from .parse import ParsedAdapter, load_adapter
+from .parse import ParsedAdapter, check_key_kinds, load_adapter
 from .references import check_id
 from .remote import RemoteSettings, RemoteSources
 from .source import AdapterLocation, AdapterSources, HubAdapterSource, LocalAdapterSource, file_stamp, stamp_bytes
@@ -79,7 +80,10 @@ class AdapterStore:
         self.limits = limits
         device = with_index(device)  # the store's threads do not share the caller's current GPU
         self.cache = AdapterCache(cache, device)
-        self._fits: dict[str, tuple[tuple, bool]] = {}  # adapter id -> (file stamp, fits this model)
+        self._fits: FileFacts[bool] = FileFacts()  # adapter id -> whether its file (as stamped) fits this model
+        # no other model of this server reads its downloads: a file this model refuses, none here
+        # takes (a deployment of several models says otherwise: `routing.Deployment`)
+        self.sole_model = True
         self._pool = ThreadPoolExecutor(limits.prefetch_threads, thread_name_prefix="loraswap-prefetch")
         if device.type == "cuda" and cache.gpu_bytes:  # (with no GPU tier nothing is read to the GPU)
             staging_buffers(device).warm()  # pinned now, not in the first cold request
@@ -151,15 +155,22 @@ class AdapterStore:
         return entry
 
     def _read_or_drop(self, location: AdapterLocation, nbytes: int) -> BoundAdapter:
-        """`_read`; a downloaded file refused for what it is (no safetensors, truncated, keys or a
-        base model this model does not take) is dropped from the download folder: neither listed
-        nor taking room, and fetched again if named again."""
+        """`_read`; a downloaded file that no model here can take is dropped from the download
+        folder (neither listed nor taking room, and fetched again if named again): one with a
+        defect of its own (`has_own_defect`), or one this model refuses when it is the only
+        model (`sole_model`). A file made for another model of this server stays for that model."""
         try:
             return self._read(location, nbytes)
         except (AdapterInvalid, AdapterIncompatible):
-            if self.source is not None:
-                self.source.forget(location.adapter_id)
+            if self.sole_model or has_own_defect(location, self.limits.max_adapter_bytes):
+                self.forget_file(location.adapter_id)
             raise
+
+    def forget_file(self, adapter_id: str) -> None:
+        """Drop the adapter's download, if it has one, and what was found out about its file."""
+        self._fits.drop(adapter_id)
+        if self.source is not None:
+            self.source.forget(adapter_id)
 
     def _read(self, location: AdapterLocation, nbytes: int) -> BoundAdapter:
         """The adapter's `nbytes` of files read: on CUDA straight to the GPU when the cache
@@ -188,9 +199,9 @@ class AdapterStore:
         the file itself (not safetensors, truncated, a header over its bounds) is no "does not
         fit": it is raised as it is, whatever the model."""
         stamp = file_stamp(location)
-        known = self._fits.get(location.adapter_id)
-        if known is not None and known[0] == stamp:
-            return known[1]
+        known = self._fits.get(location.adapter_id, stamp)
+        if known is not None:
+            return known
         for path in (location.weights, location.second_expert):
             if path is not None:
                 open_checked(path, location.adapter_id, self.limits.max_adapter_bytes).close()
@@ -199,7 +210,7 @@ class AdapterStore:
             fits = True
         except AdapterError:
             fits = False
-        self._fits[location.adapter_id] = (stamp, fits)
+        self._fits.put(location.adapter_id, stamp, fits)
         return fits
 
     # ---------------------------------------------------------------- admin
@@ -223,8 +234,7 @@ class AdapterStore:
         if self.cache.get(adapter_id) is None and adapter_id not in self._downloaded():
             self.locate(adapter_id)  # an id neither cached nor on disk: 404
         self.cache.evict(adapter_id)
-        if self.source is not None:
-            self.source.forget(adapter_id)
+        self.forget_file(adapter_id)
 
     def _downloaded(self) -> set[str]:
         remote = self.source.remote if self.source is not None else None
@@ -262,6 +272,21 @@ def read_adapter(location: AdapterLocation, model: TargetModel, limits: StoreLim
     the store caches, and what the benchmarks use."""
     return _parse_and(location, model, limits, lambda parsed: bind_adapter(parsed, model.layers, limits.max_rank,
                                                                            model.dtype, device))
+
+
+def has_own_defect(location: AdapterLocation, max_bytes: int) -> bool:
+    """Whether the adapter's files are refused whatever model reads them: a header the checks
+    refuse (not safetensors, truncated, over its bounds) or keys of no adapter kind. When not,
+    a refusal is one model's (its layers, shapes or base model), and another may take it."""
+    try:
+        for path in (location.weights, location.second_expert):
+            if path is not None:
+                file = open_checked(path, location.adapter_id, max_bytes)
+                file.close()
+                check_key_kinds(location.adapter_id, file.header)
+    except AdapterInvalid:
+        return True
+    return False
 
 
 def check_fit(location: AdapterLocation, model: TargetModel, limits: StoreLimits = StoreLimits()) -> None:

@@ -25,6 +25,7 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors import safe_open
 
+from ..adapters.file_facts import FileFacts
 from ..adapters.formats import open_checked
 from ..adapters.lease import Lease
 from ..adapters.parse import split_key
@@ -50,7 +51,7 @@ class LocatedFiles:
 
     def __init__(self, store: AdapterStore):
         self.store = store
-        self._files: dict[str, tuple[tuple, AdapterLocation]] = {}
+        self._files: FileFacts[AdapterLocation] = FileFacts()  # adapter id -> its file, while unchanged
         # locating a hub adapter downloads it: off the caller's thread, as the store reads
         self._pool = ThreadPoolExecutor(store.limits.prefetch_threads, thread_name_prefix="loraswap-locate")
 
@@ -64,13 +65,14 @@ class LocatedFiles:
     def _located(self, adapter_id: str) -> AdapterLocation:
         location = self.store.locate(adapter_id)
         stamp = file_stamp(location)
-        known = self._files.get(adapter_id)
-        if known is None or known[0] != stamp:
+        known = self._files.get(adapter_id, stamp)
+        if known is None:
             for path in (location.weights, location.second_expert):  # its header bounded before anyone parses it
                 if path is not None:
                     open_checked(path, adapter_id, self.store.limits.max_adapter_bytes).close()
-            self._files[adapter_id] = known = (stamp, location)
-        return known[1]
+            self._files.put(adapter_id, stamp, location)
+            known = location
+        return known
 
 
 class LoadAndFuseSwapper:

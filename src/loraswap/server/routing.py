@@ -110,6 +110,12 @@ def _what_it_says(location: AdapterLocation, max_bytes: int) -> tuple[list[str],
 class Deployment:
     hosted: list[Hosted] = field(default_factory=list)  # the first is the default model
 
+    def __post_init__(self):
+        # with several models, a download one model refuses (made for another, or fitting
+        # another's layers) is kept for the others; only a file's own defect deletes it
+        for hosted in self.hosted:
+            hosted.engine.adapters.sole_model = len(self.hosted) == 1
+
     @property
     def names(self) -> list[str]:
         return [h.engine.model_name for h in self.hosted]
@@ -119,12 +125,32 @@ class Deployment:
 
     def route(self, loras: list[tuple[str, float]], model: str | None = None) -> Hosted:
         """The engine for these adapters (and an explicitly named model, if any)."""
-        models = [HostedModel(h.engine.model_name, h.engine.calls.family.name if h.engine.calls.family else None,
-                              h.engine.adapters.fits) for h in self.hosted]
+        return self.hosted[self.names.index(self._route(self._models(), loras, model))]
+
+    def check_video_adapters(self, loras: list[tuple[str, float]], video_models: list[str],
+                             target: str | None = None) -> None:
+        """422 for an adapter that routing (with no model named) sends to a model that makes
+        images, by its declared base model, its family or its layers; with `target`, the video
+        model the request goes to, for one it sends to another model. The hosted video models
+        come first (`target` first of all), so an adapter that says nothing stays with them."""
+        models = sorted(self._models(), key=lambda h: (h.name != target, h.name not in video_models))
+        for adapter_id, weight in loras:
+            chosen = self._route(models, [(adapter_id, weight)], None)
+            if chosen not in video_models:
+                raise AdapterIncompatible(adapter_id, f"it is an adapter of {chosen}, which makes images, not "
+                                          "videos", f"Name a video model ({', '.join(video_models)}) or an "
+                                          "adapter of one")
+            if target is not None and chosen != target:
+                raise AdapterIncompatible(adapter_id, f"it is an adapter of {chosen}, not of {target}",
+                                          f"Name an adapter of {target}, or {chosen} as the model")
+
+    def _models(self) -> list[HostedModel]:
+        return [HostedModel(h.engine.model_name, h.engine.calls.family.name if h.engine.calls.family else None,
+                            h.engine.adapters.fits) for h in self.hosted]
+
+    def _route(self, models: list[HostedModel], loras: list[tuple[str, float]], model: str | None) -> str:
         store = self.hosted[0].engine.adapters
-        chosen = route_by_base_model(models, store.locate, loras, model,
-                                     max_adapter_bytes=store.limits.max_adapter_bytes)
-        return self.hosted[self.names.index(chosen)]
+        return route_by_base_model(models, store.locate, loras, model, max_adapter_bytes=store.limits.max_adapter_bytes)
 
 
 TIER_ORDER = {"disk": 0, "host": 1, "gpu": 2}

@@ -9,8 +9,10 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
+from ...adapters.download_locks import holding_downloads
 from ...adapters.metadata import same_model
 from ...adapters.references import check_id
+from ...adapters.remote import may_download
 from ...engine.calls import check_size_multiple
 from ...engine.engine import GenerateResult
 from ...errors import UnsupportedInput
@@ -53,6 +55,7 @@ async def create_video(request: Request):
         if target is None or same_model(model, target):
             check_size_multiple(parsed.engine_request.width, parsed.engine_request.height,
                                 capabilities["size_multiple"], model)
+    await _check_adapters_make_videos(state, parsed.engine_request.loras, list(videos), target)
     # 2. start the job
     shown = parsed.model or _adapters_named(parsed.engine_request.loras) or target
     return state.videos.submit(parsed.engine_request, shown, parsed.fps, video_maker(state), target,
@@ -72,6 +75,28 @@ def _video_model(named: str | None, loras: list[tuple[str, float]], videos: dict
                                    f"({', '.join(videos)}) or an adapter of one")
         return named
     return next(iter(videos)) if len(videos) == 1 or not loras else None
+
+
+async def _check_adapters_make_videos(state, loras: list[tuple[str, float]], videos: list[str],
+                                      target: str | None) -> None:
+    """422 now, not a failed job later, for an adapter that routing sends to a model making
+    images (its declared base model, its family, its layers), or to another video model than
+    `target` (`Deployment.check_video_adapters`). Checked where this process hosts the models
+    (not a Ray ingress), for adapters whose files are here: one still to download is checked
+    by its job, which fetches it."""
+    deployment = getattr(state, "deployment", None)  # this process's engines (`backend.LocalBackend`)
+    if not loras or deployment is None or not deployment.hosted:
+        return
+    sources = deployment.hosted[0].engine.adapters.source
+    if any(may_download(sources, adapter_id) for adapter_id, _ in loras):
+        return
+    hosted_target = next((model for model in videos if same_model(model, target)), None) if target else None
+
+    def check() -> None:
+        with holding_downloads():  # a downloaded file stays while its header is read
+            deployment.check_video_adapters(loras, videos, hosted_target)
+
+    await run_in_threadpool(check)
 
 
 def _owner(request: Request) -> str | None:
