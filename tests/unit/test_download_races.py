@@ -2,6 +2,7 @@
 use is evicted, in-flight bytes count toward the budget, a start cleans only what no live
 process holds, and those waiting for a fetch share its outcome within their deadline."""
 
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -15,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from support.web import Web, stream
 
-from loraswap.adapters.download_locks import holding_downloads
+from loraswap.adapters.download_locks import holding_downloads, holding_downloads_in_coroutine
 from loraswap.adapters.downloads import LOCK_PREFIX, PARTIAL_PREFIX, Download, DownloadCache
 from loraswap.adapters.fetch import FetchRules, fetch_file
 from loraswap.errors import AdapterInvalid, AdapterUnavailable, Overloaded
@@ -135,17 +136,89 @@ def test_in_flight_bytes_count_toward_the_budget_over_real_fetches(tmp_path):
 
 
 def test_a_file_in_use_is_never_evicted(tmp_path):
+    """One request uses a file; another, holding none, waits for room until its deadline: the
+    file in use is never dropped to make it."""
     cache = DownloadCache(tmp_path, 150)
-    with holding_downloads():
+    with holding_downloads(), ThreadPoolExecutor(1) as other_request:
         used = cache.fetch("url:used", _writer(b"u" * 100))
         started = time.monotonic()
+        waiting = other_request.submit(cache.fetch, "url:other", _writer(b"o" * 100), time.monotonic() + 0.3)
         with pytest.raises(Overloaded, match="full of adapters in use"):  # no room while it is used
-            cache.fetch("url:other", _writer(b"o" * 100), time.monotonic() + 0.3)
+            waiting.result(timeout=30)
         assert 0.25 < time.monotonic() - started < 2
         assert used.read_bytes() == b"u" * 100 and [r["id"] for r in cache.records()] == ["url:used"]
         assert not any(p.name.startswith(PARTIAL_PREFIX) for p in tmp_path.iterdir()), "the refused one left nothing"
-    other = cache.fetch("url:other", _writer(b"o" * 100), time.monotonic() + 5)  # let go: it makes room now
+    other = cache.fetch("url:other", _writer(b"o" * 100), time.monotonic() + 5)  # released: it makes room now
     assert other.read_bytes() == b"o" * 100 and [r["id"] for r in cache.records()] == ["url:other"]
+
+
+def test_a_request_whose_own_downloads_and_the_next_exceed_the_budget_gets_a_400_at_once(tmp_path):
+    """A request already using a 100-byte download names another of 100 under a 150-byte budget:
+    no wait could ever make room (its own files are in use), so a 400 saying so, at once, not a
+    503 at its deadline that retrying cannot fix."""
+    cache = DownloadCache(tmp_path, 150)
+    with holding_downloads():
+        first = cache.fetch("url:first", _writer(b"f" * 100))
+        started = time.monotonic()
+        with pytest.raises(AdapterInvalid, match=r"with the 100 bytes of the other downloads this request uses, "
+                                                 r"more than the download folder may hold \(150 bytes\)") as error:
+            cache.fetch("url:second", _writer(b"s" * 100), time.monotonic() + 3)
+        assert time.monotonic() - started < 1, "at once, not at the deadline"
+        assert error.value.status == 400 and "--download-cache-gb" in error.value.fix
+        assert first.read_bytes() == b"f" * 100 and [r["id"] for r in cache.records()] == ["url:first"]
+        assert not any(p.name.startswith(PARTIAL_PREFIX) for p in tmp_path.iterdir())
+
+
+def test_two_requests_each_holding_a_download_never_wait_on_each_other(tmp_path):
+    """Request A holds 100 bytes, request B 30, under a 150-byte budget; B names 30 more: it would
+    fit alone, but there is no room while A's file is in use, and B waiting (holding its own) could
+    wait on A waiting for B. B gets a 503 at once; once A is answered, B's retry fits."""
+    cache, answered = DownloadCache(tmp_path, 150), threading.Event()
+
+    def request_a(holding: threading.Event) -> None:
+        with holding_downloads():
+            cache.fetch("url:a", _writer(b"a" * 100))
+            holding.set()
+            assert answered.wait(30)
+
+    holding = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        a = pool.submit(request_a, holding)
+        try:
+            assert holding.wait(30)
+            with holding_downloads():
+                cache.fetch("url:b", _writer(b"b" * 30))
+                started = time.monotonic()
+                with pytest.raises(Overloaded, match="full of adapters in use, some by this request"):
+                    cache.fetch("url:c", _writer(b"c" * 30), time.monotonic() + 3)
+                assert time.monotonic() - started < 1, "at once, not at the deadline"
+        finally:
+            answered.set()
+        a.result(timeout=30)
+    with holding_downloads():
+        assert cache.fetch("url:b", _writer(b"x")).read_bytes() == b"b" * 30
+        assert cache.fetch("url:c", _writer(b"c" * 30), time.monotonic() + 3).read_bytes() == b"c" * 30
+
+
+def test_a_coroutine_releases_its_downloads_off_the_event_loop(tmp_path, monkeypatch):
+    """Releasing a download may stat it, wait for the folder's lock and unlink it: a request's
+    coroutine (the server's `generate`) has that done on a worker thread, never its event loop."""
+    cache, released_in, release = DownloadCache(tmp_path, MiB), [], DownloadCache._release
+
+    def recorded(self, fd, file):
+        released_in.append(threading.current_thread())
+        release(self, fd, file)
+    monkeypatch.setattr(DownloadCache, "_release", recorded)
+
+    async def request():
+        async with holding_downloads_in_coroutine():
+            await asyncio.to_thread(cache.fetch, "url:a", _writer(b"a" * 100))
+            assert released_in == [], "in use until the request ends"
+        return threading.current_thread()
+
+    loop_thread = asyncio.run(request())
+    assert len(released_in) == 1 and released_in[0] is not loop_thread
+    assert cache.fetch("url:a", _writer(b"x")).read_bytes() == b"a" * 100, "released, still listed and found"
 
 
 def test_a_file_over_the_whole_budget_is_refused_before_it_is_written(tmp_path):
@@ -170,6 +243,9 @@ def test_those_waiting_for_a_fetch_share_its_failure(tmp_path):
         futures = [pool.submit(cache.fetch, "url:a", failing, time.monotonic() + 30) for _ in range(8)]
         errors = [f.exception(timeout=30) for f in futures]
     assert len(calls) == 1 and all(isinstance(e, AdapterUnavailable) for e in errors)
+    assert len({id(e) for e in errors}) == 8, "each an exception of its own: one raised by eight threads is " \
+        "changed by each raise"
+    assert {e.message for e in errors} == {errors[0].message} and "sent nothing for 0.3 s" in errors[0].message
     assert time.monotonic() - started < 1.5
     assert list(tmp_path.iterdir()) == []
 

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from support.servers import free_port
 from support.web import Web, body, drip, redirect, slow, status, stream
 
-from loraswap.adapters.fetch import FetchRules, allowed_host, display_url, fetch_file, fetch_json
+from loraswap.adapters.fetch import FetchRules, allowed_host, check_url, display_url, fetch_file, fetch_json
 from loraswap.errors import AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable
 
 BIG = 64 * 2**20  # far more than loopback socket buffers hold: a hang-up leaves most of it unsent
@@ -304,6 +304,20 @@ def test_timeouts_and_refused_connections_are_upstream_failures(web, tmp_path):
     with pytest.raises(AdapterUnavailable, match="could not connect"):
         fetch_file(f"http://127.0.0.1:{port}/a.safetensors", tmp_path / "x", rules, "a")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("url", ["https://" + "a" * 64 + ".example.com/a.safetensors",
+                                 "https://a..example.com/a.safetensors"], ids=["label-of-64", "empty-label"])
+def test_a_host_name_idna_cannot_encode_is_an_unresolvable_host(url, tmp_path, connects):
+    """Under --url-allow '*', a label over 63 characters or an empty one makes the resolver raise
+    UnicodeError: refused as a name that does not resolve (502), never an unexpected error (500);
+    the check of a cached download's URL lets it pass as it lets any unresolvable name."""
+    rules = FetchRules(("*",), CAP)
+    with pytest.raises(AdapterUnavailable, match="could not connect to its host") as error:
+        fetch_file(url, tmp_path / "x", rules, "url:a")
+    assert error.value.status == 502 and "did not resolve" in error.value.problem
+    check_url(url, rules, "url:a")
+    assert connects == [] and not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("headers_too", [False, True], ids=["body", "headers"])

@@ -3,10 +3,15 @@ source flags and address rules pass its reference, each time it is named: the ru
 server that fetched it count for nothing. Nothing is fetched to find that out."""
 
 import hashlib
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpcore
 import pytest
 
+from loraswap.adapters import remote as remote_module
 from loraswap.adapters.downloads import Download
 from loraswap.adapters.fetch import display_url
 from loraswap.adapters.references import adapter_id_of
@@ -87,11 +92,51 @@ def test_a_download_through_another_api_or_store_is_not_served_here(tmp_path):
         assert other.downloads.path(adapter_id, other._same_origin(other.source_of(adapter_id))) is None
 
 
-def test_whether_finding_an_adapter_may_wait_on_the_network(tmp_path):
+def test_whether_finding_an_adapter_may_wait_on_the_network(tmp_path, monkeypatch):
+    """A URL adapter on disk still waits on the network when its host is due to be resolved
+    again (its check is trusted a minute): routed then on the download pool, not on the pool that
+    carries every request, where a slow resolver would stall them all."""
     url_id = adapter_id_of("https://h.example/x.safetensors")
     remote = RemoteSources(RemoteSettings(url_allow=("h.example",)), tmp_path, MiB)
     sources = AdapterSources(None, None, remote)
     assert may_download(sources, url_id), "not downloaded yet"
     _downloaded(remote, url_id, "https://h.example/x.safetensors")
-    assert not may_download(sources, url_id), "here: found without the network"
+    assert may_download(sources, url_id), "here, but its host not resolved yet by this server"
+    remote.locate(url_id)
+    assert not may_download(sources, url_id), "here, its URL checked within the minute: found without the network"
+    later = time.monotonic() + remote_module.VERDICT_S + 1
+    monkeypatch.setattr(remote_module, "time", SimpleNamespace(monotonic=lambda: later))
+    assert may_download(sources, url_id), "a minute on, its host is due to be resolved again"
     assert not may_download(sources, "style/anime") and not may_download(None, url_id)
+
+
+def test_a_refused_url_is_refused_with_a_new_error_each_time(tmp_path):
+    """--url-allow example.com, and a signed URL of another host named 50 times: each refusal is
+    an exception of its own with a traceback as short as the first's. (One object raised again
+    and again grows its traceback with each raise and keeps every raiser's frames alive.)"""
+    url_id = adapter_id_of("http://10.0.0.1/a.safetensors?sig=SECRET")
+    remote = RemoteSources(RemoteSettings(url_allow=("example.com",)), tmp_path, MiB)
+    refusals = []
+    for _ in range(50):
+        with pytest.raises(AdapterForbidden, match="host 10.0.0.1 is not allowed") as refused:
+            remote.locate(url_id)
+        refusals.append(refused.value)
+    assert len({id(error) for error in refusals}) == 50, "a new exception each time"
+    assert {len(traceback.extract_tb(error.__traceback__)) for error in refusals} == {
+        len(traceback.extract_tb(refusals[0].__traceback__))}, "no traceback grows"
+    assert all(error.status == 403 and "SECRET" not in error.message for error in refusals)
+
+
+def test_requests_first_needing_the_download_folder_at_once_share_one_cache(tmp_path, monkeypatch):
+    """Eight requests first need the download folder at once: one cache, whose fetches in flight
+    they share (two caches would each lead a fetch of one adapter, the second holding a thread
+    while it waits on the first's lock file)."""
+    class SlowToOpen(remote_module.DownloadCache):
+        def __init__(self, *args):
+            time.sleep(0.05)  # its start cleans the folder: a moment in which others ask too
+            super().__init__(*args)
+    monkeypatch.setattr(remote_module, "DownloadCache", SlowToOpen)
+    remote = RemoteSources(RemoteSettings(url_allow=("h.example",)), tmp_path, MiB)
+    with ThreadPoolExecutor(8) as pool:
+        caches = list(pool.map(lambda _: remote.downloads, range(8)))
+    assert len({id(cache) for cache in caches}) == 1

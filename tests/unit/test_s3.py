@@ -226,14 +226,16 @@ def test_a_silent_store_times_out_and_a_failing_one_is_unavailable(tmp_path, mon
         server.server_close()
 
 
-def test_a_store_dripping_a_byte_a_second_is_cut_at_the_total_timeout(tmp_path):
-    """A store sending one byte a second never trips a per-read timeout; the object's total
-    timeout (--download-timeout-s) shuts its socket: a 502 then, not when the store stops."""
+@pytest.mark.parametrize("headers_too", [False, True], ids=["body", "headers"])
+def test_a_store_dripping_a_byte_a_second_is_cut_at_the_total_timeout(tmp_path, headers_too):
+    """A store sending one byte a second, from its answer's first header or from its body, never
+    trips a per-read timeout; the object's total timeout (--download-timeout-s) shuts its socket:
+    a 502 then, not when the store stops (it would drip for days), nor after boto3's retries."""
     from support.web import Web, drip
 
     data = _adapter()
     web = Web({})
-    web.routes[f"/{BUCKET}/slow.safetensors"] = drip(web, data[:64], len(data), 1.0)
+    web.routes[f"/{BUCKET}/slow.safetensors"] = drip(web, data[:64], len(data), 1.0, headers_too=headers_too)
     settings = S3Settings(endpoint_url=web.url(""), read_timeout=5, total_timeout=2)
     dest = tmp_path / "partial"
     started = time.monotonic()
@@ -242,5 +244,27 @@ def test_a_store_dripping_a_byte_a_second_is_cut_at_the_total_timeout(tmp_path):
             fetch_s3(BUCKET, "slow.safetensors", dest, settings, "s3:adapters/slow.safetensors")
     finally:
         web.close()
-    assert time.monotonic() - started < 4, "cut at the deadline, not when the store gives up"
+    assert time.monotonic() - started < 15, "cut at the deadline, not when the store gives up"
     assert e.value.status == 502 and "--download-timeout-s" in e.value.fix and not dest.exists()
+    assert web.paths().count(f"/{BUCKET}/slow.safetensors") == 1, "no retry past the deadline"
+
+
+def test_retries_stop_where_their_pause_could_end_past_the_deadline(tmp_path, monkeypatch):
+    """A store answering 503 SlowDown to everything, under 10 attempts (AWS_MAX_ATTEMPTS): boto3
+    pauses up to 1, 2, 4, 8... s between them (a minute in all); with a 3 s total timeout no retry
+    starts whose pause could end past it, so the fetch ends by then."""
+    from support.web import Web, send
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "10")
+    slow_down = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+    web = Web({f"/{BUCKET}/busy.safetensors": lambda handler: send(handler, 503, slow_down)})
+    settings = S3Settings(endpoint_url=web.url(""), read_timeout=5, total_timeout=3)
+    started = time.monotonic()
+    try:
+        with pytest.raises(AdapterUnavailable, match="answered HTTP 503 SlowDown") as e:
+            fetch_s3(BUCKET, "busy.safetensors", tmp_path / "partial", settings, "s3:adapters/busy.safetensors")
+        took = time.monotonic() - started
+    finally:
+        web.close()
+    assert took < 3.5, f"{took:.1f} s: a retry's pause ended past the 3 s deadline"
+    assert e.value.status == 502 and not (tmp_path / "partial").exists()

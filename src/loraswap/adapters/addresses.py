@@ -69,7 +69,7 @@ def usable_addresses(host: str, port: int, allow: tuple[str, ...], adapter_id: s
     httpcore.ConnectError when the name does not resolve."""
     try:  # no timeout of its own: the system resolver's
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
+    except (OSError, UnicodeError) as exc:  # UnicodeError: a label IDNA cannot encode (empty, over 63 characters)
         raise httpcore.ConnectError(f"{host} did not resolve: {exc}") from exc
     ips = list(dict.fromkeys(info[4][0] for info in infos))
     by_name = named(host, port, allow)

@@ -20,36 +20,44 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+
+import anyio
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.05  # how often a wait for another process's lock looks again
+POLL_S = 0.05  # how often a wait (for another process's lock, for room in the folder) looks again
 
-LetGo = Callable[[int], None]  # closes a user's open file (and drops the file if it was deleted meanwhile)
+Release = Callable[[int], None]  # closes a user's open file (and drops the file if it was deleted meanwhile)
 
 
 class _Holds:
-    """The files one request uses, each an open file locked shared, given back together."""
+    """The files one request uses, each an open file locked shared, released together."""
 
     def __init__(self):
-        self._files: list[tuple[int, LetGo]] = []
+        self._files: list[tuple[int, Release]] = []
         self._lock = threading.Lock()
         self._closed = False
 
-    def add(self, fd: int, let_go: LetGo) -> None:
+    def add(self, fd: int, release: Release) -> None:
         with self._lock:
             if not self._closed:
-                self._files.append((fd, let_go))
+                self._files.append((fd, release))
                 return
-        let_go(fd)  # a thread that found it after the request ended
+        release(fd)  # a thread that found it after the request ended
 
-    def release(self) -> None:
+    def release_all(self) -> None:
         with self._lock:
             self._closed, files, self._files = True, self._files, []
-        for fd, let_go in files:
-            let_go(fd)
+        for fd, release in files:
+            release(fd)
+
+    def total_bytes(self) -> int:
+        """The bytes of the distinct files held (a file found twice counts once)."""
+        with self._lock:
+            stats = [os.fstat(fd) for fd, _ in self._files]
+        return sum({(st.st_dev, st.st_ino): st.st_size for st in stats}.values())
 
 
 _holds: contextvars.ContextVar[_Holds | None] = contextvars.ContextVar("loraswap_download_holds", default=None)
@@ -68,17 +76,39 @@ def holding_downloads() -> Iterator[None]:
         yield
     finally:
         _holds.reset(token)
-        holds.release()
+        holds.release_all()
 
 
-def hold(fd: int, let_go: LetGo) -> None:
-    """Keep `fd` (a file locked shared) until the open `holding_downloads` exits; with none
-    open, `let_go(fd)` now."""
+@contextlib.asynccontextmanager
+async def holding_downloads_in_coroutine() -> AsyncIterator[None]:
+    """`holding_downloads` for a coroutine: the files are released on a worker thread, since
+    releasing one may stat it, wait for the folder's lock and unlink it, no work for an event loop."""
+    if _holds.get() is not None:
+        yield
+        return
+    holds = _Holds()
+    token = _holds.set(holds)
+    try:
+        yield
+    finally:
+        _holds.reset(token)
+        await anyio.to_thread.run_sync(holds.release_all)  # not abandoned if cancelled: every file is released
+
+
+def hold(fd: int, release: Release) -> None:
+    """Keep `fd` (a file locked shared) until the open `holding_downloads` exits, then
+    `release(fd)`; with none open, `release(fd)` now."""
     holds = _holds.get()
     if holds is None:
-        let_go(fd)
+        release(fd)
     else:
-        holds.add(fd, let_go)
+        holds.add(fd, release)
+
+
+def held_bytes() -> int:
+    """The bytes of the downloads the open `holding_downloads` holds (0 with none open)."""
+    holds = _holds.get()
+    return 0 if holds is None else holds.total_bytes()
 
 
 @contextlib.contextmanager

@@ -9,13 +9,15 @@ records survive a restart: an adapter fetched once is served by its id until it 
 
 One lock discipline across threads and processes (`download_locks.py`): one fetch at a time
 per adapter, and in one process the requests waiting for it share its outcome, a failure
-included; a file in use (`holding_downloads`) is never evicted nor deleted, and one deleted
-meanwhile (`remove`) goes when its last user lets go; a start cleans only what no live
-process holds.
+included (on the server's fetch pool they wait without a thread: `download_waits.py`); a file
+in use (`holding_downloads`) is never evicted nor deleted, and one deleted meanwhile
+(`remove`) goes when its last user releases it; a start cleans only what no live process holds.
 
 The budget (`--download-cache-gb`) is a bound: a download reserves its size before its
 body is written (its partial file grows to it, sparse), and the least recently used files
-no one holds make room; while there is none, it waits until its deadline.
+no one holds make room. While there is none, a request holding no download waits until its
+deadline; one that already holds some fails at once (two such requests would wait on each
+other), with a 400 when its own files and this one cannot fit the budget together.
 """
 
 import contextlib
@@ -29,19 +31,29 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import AdapterInvalid, AdapterUnavailable, Overloaded
 from ..paths import user_cache
-from .download_locks import drop_if_last, drop_unheld, folder_locked, hold, lock_until, open_shared, same_file
+from .download_locks import (
+    POLL_S,
+    drop_if_last,
+    drop_unheld,
+    folder_locked,
+    held_bytes,
+    hold,
+    lock_until,
+    open_shared,
+    same_file,
+)
+from .download_waits import FetchInFlight, fresh_failure, waits_handed_back
 
 logger = logging.getLogger(__name__)
 
 PARTIAL_PREFIX = ".partial-"
 LOCK_PREFIX = ".lock-"
-POLL_S = 0.05  # how often a wait for room looks again
 FOLLOW_GRACE_S = 1.0  # how long past its deadline a request waits for the fetch it shares
 
 # reserve(bytes the file will have, bytes more it may well have), before they are written
@@ -89,7 +101,7 @@ class DownloadCache:
         # cache, which a new mtime would make read it again on every use
         with contextlib.suppress(OSError):
             os.utime(self._record_path(adapter_id))
-        hold(fd, lambda fd: self._let_go(fd, file))
+        hold(fd, lambda fd: self._release(fd, file))
         return file
 
     def has(self, adapter_id: str) -> bool:
@@ -117,8 +129,9 @@ class DownloadCache:
               accept: Callable[[dict], bool] | None = None) -> Path:
         """The adapter's file (held, as `path`): from here, else `fetch(temporary path, reserve)`
         writes it, once however many threads and processes ask at the same time; those waiting
-        in this process share its outcome. A failed fetch leaves nothing behind. Waits (for
-        room, for another process's fetch) end at `deadline` (a `time.monotonic()` instant)."""
+        in this process share its outcome (or, on the fetch pool, are handed the wait:
+        `FetchInFlight`). A failed fetch leaves nothing behind. Waits (for room, for another
+        process's fetch) end at `deadline` (a `time.monotonic()` instant)."""
         while True:
             found = self.path(adapter_id, accept)
             if found is not None:
@@ -130,12 +143,9 @@ class DownloadCache:
                     flight = self._flights[adapter_id] = Future()
             if leading:
                 return self._lead(adapter_id, flight, fetch, deadline, accept)
-            try:  # the fetch ends by its own deadline, set a moment before or after this request's
-                flight.result(timeout=deadline + FOLLOW_GRACE_S - time.monotonic() if deadline < math.inf else None)
-            except TimeoutError:
-                raise AdapterUnavailable(adapter_id, "it is still being fetched for another request",
-                                         "Try again later") from None
-            # fetched: taken from here (held) on the next turn
+            if waits_handed_back():
+                raise FetchInFlight(adapter_id, flight)
+            follow(adapter_id, flight, deadline)  # fetched: taken from here (held) on the next turn
 
     def _lead(self, adapter_id: str, flight: Future, fetch: Fetch, deadline: float,
               accept: Callable[[dict], bool] | None) -> Path:
@@ -178,22 +188,17 @@ class DownloadCache:
             partial = self.folder / f"{PARTIAL_PREFIX}{uuid.uuid4().hex}"
             fd = os.open(partial, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)
-        reserved = [0]
-
-        def reserve(total: int, ahead: int = 0) -> None:
-            if total > reserved[0]:
-                reserved[0] = self._reserve(adapter_id, partial, total, deadline, ahead)
-
+        reservation = _Reservation(lambda total, ahead: self._reserve(adapter_id, partial, total, deadline, ahead))
         try:
-            download = fetch(partial, reserve)
+            download = fetch(partial, reservation.reserve)
             size = os.fstat(fd).st_size
-            reserve(size)  # all it wrote, if it reserved less
+            reservation.reserve(size)  # all it wrote, if it reserved less
             file = self._finish(adapter_id, partial, fd, download, size)
         except BaseException:
             partial.unlink(missing_ok=True)
             os.close(fd)
             raise
-        hold(fd, lambda fd: self._let_go(fd, file))
+        hold(fd, lambda fd: self._release(fd, file))
         logger.info("downloaded %s (%s, %.1f MiB)", adapter_id, download.shown, size / 2**20)
         return file
 
@@ -217,10 +222,10 @@ class DownloadCache:
     def _reserve(self, adapter_id: str, partial: Path, total: int, deadline: float, ahead: int = 0) -> int:
         """Make the partial file `total` bytes long (sparse; `ahead` more where the budget allows,
         so that a body of unknown length reserves seldom), once that fits the budget with every
-        other file and reservation; wait for room until `deadline`. The bytes reserved."""
-        if total > self.max_bytes:
-            raise AdapterInvalid(adapter_id, f"it is over {total} bytes, more than the download folder may hold "
-                                 f"({self.max_bytes} bytes)", "Start the server with a larger --download-cache-gb")
+        other file and reservation; wait for room until `deadline`, unless the caller already
+        holds downloads: then no room is a 503 at once. The bytes reserved."""
+        own = held_bytes()  # this request's other downloads: in use, so never dropped to make room
+        self._check_budget(adapter_id, total, own)
         total = min(total + ahead, self.max_bytes)
         while True:
             with folder_locked(self.folder):
@@ -228,10 +233,24 @@ class DownloadCache:
                     if partial.stat().st_size < total:
                         os.truncate(partial, total)
                     return total
+            if own:  # waiting while holding could wait on a request that waits for these
+                raise Overloaded(f"adapter '{adapter_id}': the download folder is full of adapters in use, some by "
+                                 f"this request ({self.max_bytes} bytes, --download-cache-gb); retry later")
             if time.monotonic() >= deadline:
                 raise Overloaded(f"adapter '{adapter_id}': the download folder is full of adapters in use "
                                  f"({self.max_bytes} bytes, --download-cache-gb); retry later")
             time.sleep(POLL_S)
+
+    def _check_budget(self, adapter_id: str, total: int, own: int) -> None:
+        """400 for a file that cannot fit the budget, alone or with the caller's other downloads."""
+        if total > self.max_bytes:
+            raise AdapterInvalid(adapter_id, f"it is over {total} bytes, more than the download folder may hold "
+                                 f"({self.max_bytes} bytes)", "Start the server with a larger --download-cache-gb")
+        if own + total > self.max_bytes:
+            raise AdapterInvalid(adapter_id, f"it is over {total} bytes, and with the {own} bytes of the other "
+                                 f"downloads this request uses, more than the download folder may hold "
+                                 f"({self.max_bytes} bytes)", "Name fewer or smaller adapters from elsewhere in one "
+                                 "request, or start the server with a larger --download-cache-gb")
 
     def _make_room(self, partial: Path, total: int) -> bool:
         """Under the folder's lock: whether `total` bytes for `partial` fit, once files no one
@@ -279,7 +298,7 @@ class DownloadCache:
             elif file.suffix == ".json" and not file.with_suffix(".safetensors").is_file():
                 file.unlink(missing_ok=True)
 
-    def _let_go(self, fd: int, file: Path) -> None:
+    def _release(self, fd: int, file: Path) -> None:
         """Close a user's lock; a file deleted while in use (its record gone) goes with its last user."""
         try:
             if not file.with_suffix(".json").exists() and same_file(file, fd):
@@ -294,6 +313,31 @@ class DownloadCache:
 
     def _record_path(self, adapter_id: str) -> Path:
         return self.folder / f"{_name(adapter_id)}.json"
+
+
+class _Reservation:
+    """The room one fetch has reserved in the folder so far, grown as it learns the size.
+    `make_room(total, ahead)`: `DownloadCache._reserve` for its partial file; the bytes reserved."""
+
+    def __init__(self, make_room: Callable[[int, int], int]):
+        self._make_room = make_room
+        self.bytes = 0
+
+    def reserve(self, total: int, ahead: int = 0) -> None:
+        """`Reserve`: room for `total` bytes (and `ahead` more where the budget allows)."""
+        if total > self.bytes:
+            self.bytes = self._make_room(total, ahead)
+
+
+def follow(adapter_id: str, flight: Future, deadline: float) -> None:
+    """Wait in this thread for another request's fetch of the adapter, until `deadline` and a
+    moment (the fetch ends by its own deadline, set a moment before or after this request's);
+    its failure is this request's too."""
+    if not wait([flight], deadline + FOLLOW_GRACE_S - time.monotonic() if deadline < math.inf else None).done:
+        raise AdapterUnavailable(adapter_id, "it is still being fetched for another request", "Try again later")
+    failure = flight.exception()
+    if failure is not None:
+        raise fresh_failure(failure) from failure
 
 
 def _name(adapter_id: str) -> str:

@@ -16,6 +16,7 @@ header, never into a URL, a log or an error.
 import json
 import math
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..errors import AdapterError, AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable, LoraswapError
+from .download_waits import asked_at
 from .downloads import Download, DownloadCache, Reserve
 from .fetch import FetchRules, check_url, display_url, fetch_file, fetch_json
 from .references import CivitaiReference, S3Reference, check_id, is_remote, reference_of, source_of
@@ -32,6 +34,16 @@ CIVITAI_API = "https://civitai.com/api"
 ENABLED_BY = {"url": "--url-allow HOST", "civitai": "--civitai", "s3": "--s3"}
 VERDICT_S = 60.0  # how long a URL's check (its host resolved) is trusted for a file already here
 MAX_VERDICTS = 4096  # checks kept; past it, all are forgotten
+
+
+@dataclass(frozen=True)
+class _UrlVerdict:
+    """`check_url`'s answer for a URL adapter, trusted until `until`: the refusal as its class and
+    arguments (a new exception is raised from them each time), or None when the URL is allowed."""
+
+    shown: str  # the URL judged, as `display_url` shows it
+    until: float  # a `time.monotonic()` instant
+    refusal: tuple[type[AdapterError], str, str, str] | None  # (class, adapter id, problem, fix)
 
 
 @dataclass(frozen=True)
@@ -56,14 +68,18 @@ class RemoteSources:
         self.settings = settings
         self._download_dir, self._download_bytes = download_dir, download_bytes
         self._downloads: DownloadCache | None = None
-        self._verdicts: dict[tuple[str, str], tuple[float, AdapterError | None]] = {}  # `_verdict`'s
+        self._downloads_lock = threading.Lock()
+        self._verdicts: dict[str, _UrlVerdict] = {}  # url: id -> its URL's last check (`_check_url`)
 
     @property
     def downloads(self) -> DownloadCache:
-        """The download folder, made when first needed (a server that fetches nothing has none)."""
-        if self._downloads is None:
-            self._downloads = DownloadCache(self._download_dir, self._download_bytes)
-        return self._downloads
+        """The download folder, made when first needed (a server that fetches nothing has none):
+        one per server, however many requests first need it at once (each cache has its own
+        fetches in flight, which the requests of one adapter must share)."""
+        with self._downloads_lock:
+            if self._downloads is None:
+                self._downloads = DownloadCache(self._download_dir, self._download_bytes)
+            return self._downloads
 
     def list_ids(self) -> list[str]:
         """The adapters downloaded that this server may serve (they survive a restart, and other
@@ -86,6 +102,20 @@ class RemoteSources:
         it); before the folder is first used, False. A look, no more: the event loop may ask."""
         return self._downloads is not None and self._downloads.has(adapter_id)
 
+    def may_wait(self, adapter_id: str) -> bool:
+        """Whether finding the adapter may wait on the network: its file is not in the download
+        folder yet, or it is a URL's whose host is due to be resolved again (`_check_url`). A look,
+        no more: the event loop asks."""
+        if not self.has(adapter_id):
+            return True
+        verdict = self._verdicts.get(adapter_id)
+        return source_of(adapter_id) == "url" and (verdict is None or verdict.until <= time.monotonic())
+
+    def deadline(self) -> float:
+        """When a fetch for the current request must end: --download-timeout-s after it asked
+        (`download_waits.asked_at`: on the fetch pool, when it entered it)."""
+        return asked_at() + self.settings.total_timeout
+
     @staticmethod
     def source_of(adapter_id: str) -> str:
         """url, civitai or s3."""
@@ -94,11 +124,11 @@ class RemoteSources:
     def locate(self, adapter_id: str) -> AdapterLocation:
         """The adapter's file in the download cache, fetched first if it is not there. Its reference
         passes this server's source flags and address rules each time, cached or not; the fetch,
-        waits for it included, ends within --download-timeout-s."""
+        waits for it included, ends within --download-timeout-s of the request's asking."""
         check_id(adapter_id)
         source = source_of(adapter_id)
         self._check_enabled(adapter_id, source)
-        deadline = time.monotonic() + self.settings.total_timeout
+        deadline = self.deadline()
         self._check_url(adapter_id, source)
         accept = self._same_origin(source)
         found = self.downloads.path(adapter_id, accept) or self.downloads.fetch(
@@ -124,26 +154,28 @@ class RemoteSources:
         url = reference.url if reference is not None else (self.downloads.record(adapter_id) or {}).get("shown")
         if url is None:
             raise AdapterNotFound(adapter_id, "its download is no longer cached", "Name it by its URL again")
-        error = self._verdict(url, adapter_id)
-        if error is not None:
-            raise error
+        self._check_url_cached(url, adapter_id)
 
-    def _verdict(self, url: str, adapter_id: str) -> AdapterError | None:
-        """`check_url`'s refusal of `url` (None: allowed), trusted a minute: a cached adapter named
-        on every request has its host resolved once a minute, not once a request."""
-        key, now = (display_url(url), adapter_id), time.monotonic()
-        known = self._verdicts.get(key)
-        if known is not None and known[0] > now:
-            return known[1]
+    def _check_url_cached(self, url: str, adapter_id: str) -> None:
+        """`check_url`, its answer trusted a minute: a cached adapter named on every request has
+        its host resolved once a minute, not once a request. A refusal is raised anew each time."""
+        verdict, now = self._verdicts.get(adapter_id), time.monotonic()
+        if verdict is None or verdict.until <= now or verdict.shown != display_url(url):
+            verdict = self._judge(url, adapter_id, now)
+        if verdict.refusal is not None:
+            kind, *parts = verdict.refusal
+            raise kind(*parts)
+
+    def _judge(self, url: str, adapter_id: str, now: float) -> _UrlVerdict:
         try:
             check_url(url, self._rules(self.settings.url_allow, math.inf), adapter_id)
-            error = None
+            refusal = None
         except AdapterError as e:
-            error = e
+            refusal = (type(e), e.adapter_id, e.problem, e.fix)
         if len(self._verdicts) >= MAX_VERDICTS:
             self._verdicts.clear()
-        self._verdicts[key] = (now + VERDICT_S, error)
-        return error
+        verdict = self._verdicts[adapter_id] = _UrlVerdict(display_url(url), now + VERDICT_S, refusal)
+        return verdict
 
     def _same_origin(self, source: str) -> Callable[[dict], bool]:
         """Whether a download came through the API or store this server uses (Civitai's API, the
@@ -163,7 +195,8 @@ class RemoteSources:
             source = source_of(adapter_id)
             self._check_enabled(adapter_id, source)
             if source == "url":
-                return self._verdict(record["shown"], adapter_id) is None
+                self._check_url_cached(record["shown"], adapter_id)
+                return True
             return self._same_origin(source)(record)
         except (LoraswapError, KeyError, TypeError):
             return False
@@ -290,9 +323,17 @@ def _host_pattern(url: str) -> str:
 
 def may_download(sources, adapter_id: str) -> bool:
     """Whether finding the adapter in `sources` (an `AdapterSources`, or None) may wait on the
-    network: a file elsewhere not in the download folder yet, or a hub adapter (the Hub is
-    asked for its files each time) that the adapter folder does not hold."""
+    network: a file elsewhere not in the download folder yet (or a URL's whose host is due to be
+    resolved again), or a hub adapter (the Hub is asked for its files each time) that the
+    adapter folder does not hold."""
     remote, hub, local = (getattr(sources, name, None) for name in ("remote", "hub", "local"))
     if remote is not None and remote.handles(adapter_id):
-        return not remote.has(adapter_id)
+        return remote.may_wait(adapter_id)
     return hub is not None and hub.handles(adapter_id) and not (local is not None and local.has(adapter_id))
+
+
+def download_deadline(sources, asked: float) -> float:
+    """When the downloads of a request that asked at `asked` must end (`sources`: an
+    `AdapterSources`, or None; without files elsewhere, never)."""
+    remote = getattr(sources, "remote", None)
+    return asked + remote.settings.total_timeout if remote is not None else math.inf

@@ -12,9 +12,9 @@ The object is as untrusted as a URL's file:
 2. the safetensors header is checked before the rest is read, so a pickle is refused having
    read only its head;
 3. the partial file is deleted on any failure (the download cache renames a complete one);
-4. the whole body comes within `total_timeout` (`--download-timeout-s`), however steadily the
-   store sends it: past that its socket is shut. (The answer's headers are held to the
-   per-read timeout only: botocore shows no socket before they are read.)
+4. the whole object comes within `total_timeout` (`--download-timeout-s`), answer headers,
+   retries and body together, however steadily the store sends it: at the deadline the
+   sockets the fetch uses are shut, and no retry starts whose pause could end past it.
 Messages name the object (`s3://bucket/key`) and the store's error code, never a credential.
 """
 
@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 import boto3
 import botocore.config
 import botocore.exceptions as boto_errors
+from botocore.awsrequest import AWSHTTPConnection, AWSHTTPConnectionPool, AWSHTTPSConnection, AWSHTTPSConnectionPool
 
 from ..errors import AdapterError, AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable
 from .formats import streamed_header
@@ -73,6 +74,105 @@ class S3Settings:
     total_timeout: float = 600.0  # the whole object's body, however steadily the store sends it
 
 
+class _Cutoff:
+    """One fetch's deadline and the connections it uses (noted in its thread as botocore checks
+    them out or connects them): `cut`, at the deadline, shuts their sockets, so a read waiting on
+    one returns at once, whether the store is sending the answer's headers or its body."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self.fired = False
+        self._connections: list = []
+        self._lock = threading.Lock()
+
+    def note(self, connection) -> None:
+        with self._lock:
+            self._connections.append(connection)
+            if self.fired:  # connected after the deadline: cut at once
+                _shut(connection)
+
+    def cut(self) -> None:
+        with self._lock:
+            self.fired = True
+            for connection in self._connections:
+                _shut(connection)
+
+
+def _shut(connection) -> None:
+    sock = getattr(connection, "sock", None)
+    if sock is not None:
+        with suppress(OSError):  # the plain socket's shutdown, under TLS too: the reader sees the end
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+_this_fetch = threading.local()  # .cutoff: the `_Cutoff` of the fetch running in this thread, if any
+
+
+def _note_connection(connection) -> None:
+    cutoff = getattr(_this_fetch, "cutoff", None)
+    if cutoff is not None:
+        cutoff.note(connection)
+
+
+class _NotedConnection:
+    """Mixed into botocore's connection classes: a connection made is noted for its fetch's cutoff."""
+
+    def connect(self):
+        super().connect()
+        _note_connection(self)
+
+
+class _NotedPool:
+    """Mixed into botocore's pool classes: a connection checked out (one kept alive included) is noted."""
+
+    def _get_conn(self, timeout=None):
+        connection = super()._get_conn(timeout)
+        _note_connection(connection)
+        return connection
+
+
+class _HTTPConnection(_NotedConnection, AWSHTTPConnection):
+    pass
+
+
+class _HTTPSConnection(_NotedConnection, AWSHTTPSConnection):
+    pass
+
+
+class _HTTPPool(_NotedPool, AWSHTTPConnectionPool):
+    ConnectionCls = _HTTPConnection
+
+
+class _HTTPSPool(_NotedPool, AWSHTTPSConnectionPool):
+    ConnectionCls = _HTTPSConnection
+
+
+def _longest_pause(attempts: int) -> float:
+    """The longest pause botocore makes before retrying after `attempts` attempts: its backoff,
+    at most 2^(attempts - 1) s and 20 s in every retry mode, and a store's x-amz-retry-after at
+    most 5 s more."""
+    return min(2.0 ** (attempts - 1), 20.0) + 5.0
+
+
+def _stop_retries_near_the_deadline(attempts: int, **_) -> bool | None:
+    """botocore's `needs-retry` hook, asked before its own retry rules: no retry (False) when the
+    pause before it could end past the fetch's deadline; else None, botocore's rules decide."""
+    cutoff = getattr(_this_fetch, "cutoff", None)
+    if cutoff is not None and time.monotonic() + _longest_pause(attempts) >= cutoff.deadline:
+        return False
+    return None
+
+
+def _hold_to_deadlines(client) -> None:
+    """Make the client's connections cut at a fetch's deadline and its retries stop before it."""
+    try:  # botocore's own pool classes, one table shared by the client's pool managers, replaced in place
+        client._endpoint.http_session._pool_classes_by_scheme.update(http=_HTTPPool, https=_HTTPSPool)
+    except AttributeError:
+        logger.warning("this botocore keeps its connections elsewhere: an S3 fetch past its deadline is cut "
+                       "only by the per-read timeout")
+    client.meta.events.register_first("needs-retry.s3.GetObject", _stop_retries_near_the_deadline)
+
+
 @functools.lru_cache(maxsize=8)
 def _client(settings: S3Settings):
     """One client per settings, kept: boto3 clients are thread-safe and slow to make (they load the
@@ -82,7 +182,9 @@ def _client(settings: S3Settings):
     config = botocore.config.Config(connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout,
                                     user_agent_extra="loraswap")
     # with an endpoint given, botocore addresses buckets by path (`host/bucket/key`), as MinIO needs
-    return boto3.session.Session().client("s3", endpoint_url=settings.endpoint_url, config=config)
+    client = boto3.session.Session().client("s3", endpoint_url=settings.endpoint_url, config=config)
+    _hold_to_deadlines(client)
+    return client
 
 
 def _store(settings: S3Settings) -> str:
@@ -181,30 +283,25 @@ def _write(body, length: int | None, dest: Path, settings: S3Settings, shown: st
 
 
 @contextmanager
-def _cut_off_at(deadline: float, body, overdue: AdapterUnavailable) -> Iterator[None]:
-    """Read `body` until `deadline` at most: then its socket is shut (a read waiting on it returns
-    at once) and whatever the read raises becomes `overdue`. A store sending a byte now and then
-    never trips a per-read timeout: this is the whole object's limit."""
-    fired = threading.Event()
-
-    def cut() -> None:
-        fired.set()
-        with suppress(OSError, AttributeError):  # botocore's own way to the socket (its set_socket_timeout)
-            body._raw_stream._fp.fp.raw._sock.shutdown(socket.SHUT_RDWR)
-
-    timer = threading.Timer(max(0.0, deadline - time.monotonic()), cut)
+def _cut_off_at(deadline: float, overdue: AdapterUnavailable) -> Iterator[None]:
+    """Run this thread's fetch until `deadline` at most: then its sockets are shut (a read waiting
+    on one returns at once) and whatever the fetch raises becomes `overdue`. A store sending a
+    byte now and then never trips a per-read timeout: this is the whole object's limit."""
+    cutoff = _this_fetch.cutoff = _Cutoff(deadline)
+    timer = threading.Timer(max(0.0, deadline - time.monotonic()), cutoff.cut)
     timer.daemon = True
     timer.start()
     try:
         yield
-        if fired.is_set():  # a read that ended quietly, as a shut socket's may
+        if cutoff.fired:  # a read that ended quietly, as a shut socket's may
             raise overdue
     except Exception as e:
-        if fired.is_set() or time.monotonic() >= deadline:
+        if cutoff.fired or time.monotonic() >= deadline:
             raise overdue from e
         raise
     finally:
         timer.cancel()
+        _this_fetch.cutoff = None
 
 
 def fetch_s3(bucket: str, key: str, dest: Path, settings: S3Settings, adapter_id: str, deadline: float | None = None,
@@ -217,10 +314,10 @@ def fetch_s3(bucket: str, key: str, dest: Path, settings: S3Settings, adapter_id
     overdue = AdapterUnavailable(adapter_id, f"{_store(settings)} did not send {shown} within "
                                  f"{settings.total_timeout:g} s", "Try again later, or raise --download-timeout-s")
     try:
-        with _s3_errors(shown, settings, adapter_id):
+        with _s3_errors(shown, settings, adapter_id), _cut_off_at(deadline, overdue):
             answer = _client(settings).get_object(Bucket=bucket, Key=key)
             # bytes left unread: the connection is dropped, not drained
-            with closing(answer["Body"]) as body, _cut_off_at(deadline, body, overdue):
+            with closing(answer["Body"]) as body:
                 size, sha256 = _write(body, answer.get("ContentLength"), dest, settings, shown, adapter_id,
                                       reserve or (lambda total, ahead: None))
     except BaseException:

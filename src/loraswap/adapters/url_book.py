@@ -50,7 +50,8 @@ class UrlBook:
         self.max_urls, self.max_bytes = max_urls, max_bytes
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._bytes = 0
-        self._loose = [0, 0]  # URLs and bytes of the entries nothing holds or pins: those bounded
+        self._loose_urls = 0  # the entries nothing holds or pins (those bounded), and their URLs' bytes
+        self._loose_bytes = 0
         self._lock = threading.Lock()
 
     def hold(self, adapter_id: str, url: str) -> None:
@@ -137,8 +138,8 @@ class UrlBook:
 
     def _count(self, entry: _Entry, sign: int) -> None:
         if not (entry.holds or entry.pinned):
-            self._loose[0] += sign
-            self._loose[1] += sign * url_bytes(entry.url)
+            self._loose_urls += sign
+            self._loose_bytes += sign * url_bytes(entry.url)
 
     def _accept(self, adapter_id: str, entry: _Entry, owner: str | None) -> None:
         entry.accepted = True
@@ -153,7 +154,7 @@ class UrlBook:
 
     def _trim(self) -> None:
         """Drop the least recently used URLs that nothing holds or pins until those are within the bounds."""
-        while self._loose[0] > self.max_urls or self._loose[1] > self.max_bytes:
+        while self._loose_urls > self.max_urls or self._loose_bytes > self.max_bytes:
             victim = next((a for a, e in self._entries.items() if not (e.holds or e.pinned)), None)
             if victim is None:
                 return

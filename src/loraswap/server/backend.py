@@ -18,13 +18,13 @@ from typing import Protocol, TypeVar
 
 from fastapi.concurrency import run_in_threadpool
 
-from ..adapters.download_locks import holding_downloads
+from ..adapters.download_locks import holding_downloads_in_coroutine
 from ..engine.config import GenerateRequest
 from ..engine.engine import Engine, GenerateResult
 from ..engine.rank_loss import RanksLost
 from ..engine.startup import freeze_loaded_objects, unfreeze_objects
 from ..engine.worker import GpuWorker
-from ..errors import AdapterInvalid, Overloaded
+from ..errors import AdapterIncompatible, AdapterInvalid, Overloaded
 from .config import ServerConfig
 from .fetch_pool import FetchPool
 from .metrics import EngineFigures
@@ -210,7 +210,7 @@ class LocalBackend:
         # the engine hosting the adapters' base model (unknown ids: 404 at once); its worker
         # leases the adapters, read on the store's pool while earlier requests generate
         # (downloads on their own pool; the files found are in use, never evicted, until answered)
-        with holding_downloads():
+        async with holding_downloads_in_coroutine():
             hosted = await self._find(request.loras, self._route, request.loras, model)
             try:
                 future = hosted.worker.submit(request, on_step)
@@ -226,15 +226,30 @@ class LocalBackend:
         sources = self._deployment().hosted[0].engine.adapters.source
         return await self._fetch_pool.run(sources, [adapter_id for adapter_id, _ in loras], call, *args)
 
-    def _route(self, loras: list[tuple[str, float]], model: str | None) -> Hosted:
+    def _route(self, loras: list[tuple[str, float]], model: str | None = None) -> Hosted:
         deployment = self._deployment()
         try:
             return deployment.route(loras, model)
-        except AdapterInvalid as e:  # a downloaded file's own defect: dropped, neither listed nor kept
-            sources = deployment.hosted[0].engine.adapters.source
-            if sources is not None:
-                sources.forget(e.adapter_id)
+        except (AdapterInvalid, AdapterIncompatible) as e:
+            self._maybe_forget(deployment, e.adapter_id)
             raise
+
+    @staticmethod
+    def _maybe_forget(deployment: Deployment, adapter_id: str) -> None:
+        """Drop a download that routing refused when no hosted model can take it (a defect of the
+        file, a base model not hosted, layers that fit none): neither listed nor kept. One that
+        another hosted model takes (refused for the model named, or for its blend) stays."""
+        sources = deployment.hosted[0].engine.adapters.source
+        remote = getattr(sources, "remote", None)
+        if remote is None or not remote.handles(adapter_id) or not remote.has(adapter_id):
+            return  # not a download, or gone: routing it alone would fetch it again
+        try:
+            deployment.route([(adapter_id, 1.0)])  # alone, to whichever hosted model takes it
+        except (AdapterInvalid, AdapterIncompatible) as alone:
+            if alone.adapter_id == adapter_id:
+                sources.forget(adapter_id)
+        except Exception:  # any other failure says nothing about the file: it stays
+            logger.debug("routing %s alone failed; its download stays", adapter_id, exc_info=True)
 
     async def list_adapters(self) -> dict:
         deployment = self._deployment()
@@ -247,7 +262,7 @@ class LocalBackend:
 
     async def keep_adapter(self, adapter_id: str) -> dict:
         def keep():
-            engine = self._deployment().route([(adapter_id, 1.0)]).engine
+            engine = self._route([(adapter_id, 1.0)]).engine
             bound = engine.keep_adapter(adapter_id)
             return {"bytes": bound.nbytes, "layers": len(bound.layers), "model": engine.model_name}
 
