@@ -43,7 +43,9 @@ import torch.nn.functional as F
 from demo_flux_pictures import EFFECTS, examples
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from train_demo import _save as save  # float16 safetensors, as the demo's
+from train_demo import _step as step  # one clipped AdamW step at a given rate
 
 from loraswap.models.families import demo_flux
 
@@ -80,25 +82,11 @@ def to_pixels(pictures: np.ndarray, device) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- helpers
-def save(module: torch.nn.Module, out: Path, name: str) -> None:
-    weights = {k: v.detach().to(torch.float16).contiguous() for k, v in module.state_dict().items()}
-    save_file(weights, str(out / f"{name}.safetensors"))
-
-
 def lr_at(step: int, steps: int, peak: float, warm_up: int = 200) -> float:
     """Linear warm-up, then cosine to a tenth."""
     if step < warm_up:
         return peak * (step + 1) / warm_up
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm_up) / max(1, steps - warm_up))))
-
-
-def step(optimizer, loss, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
-    optimizer.step()
 
 
 class Ema:

@@ -3,13 +3,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-# Hermetic: loraswap's default folders (downloads, state: `paths.user_cache`, under
-# $XDG_CACHE_HOME) point at a folder of this session, for in-process servers and the
-# servers tests start alike, never at the user's ~/.cache/loraswap. The Hugging Face and
-# torch caches, which also follow $XDG_CACHE_HOME, keep the place they had.
-_USER_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-os.environ.setdefault("HF_HOME", str(_USER_CACHE / "huggingface"))
-os.environ.setdefault("TORCH_HOME", str(_USER_CACHE / "torch"))
+# Hermetic: every default folder under $XDG_CACHE_HOME (loraswap's downloads and state,
+# `paths.user_cache`; the Hugging Face and torch caches too, which the offline suite never
+# fills) points at a folder of this session, for in-process servers and the servers tests
+# start alike.
 TEST_CACHE = Path(tempfile.mkdtemp(prefix="loraswap-tests-cache-"))
 os.environ["XDG_CACHE_HOME"] = str(TEST_CACHE)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,7 +34,7 @@ def _session_cache_folder():
 @pytest.fixture(scope="session", autouse=True)
 def _state_folder_per_server(tmp_path_factory):
     """Every server a test builds without a state folder gets a fresh one of its own: none
-    finds another's video jobs, nor the user's (~/.cache/loraswap/state)."""
+    finds another's video jobs, nor the user's."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(video_state, "default_state_dir", lambda: tmp_path_factory.mktemp("state"))
         yield
