@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 from pydantic import ValidationError
 from support.numerics import rel_err
 
@@ -66,11 +67,15 @@ def test_cuda_graph_modes_compile_the_whole_denoiser(monkeypatch, mode, regional
     engine = Engine(EngineConfig(model="tiny-flux", compile=False, warmup=False, compile_mode=mode))
     calls = []
     denoiser = engine.denoiser
-    monkeypatch.setattr(denoiser, "compile_repeated_blocks", lambda **kw: calls.append(("blocks", kw)))
+    # regional: each repeated block's forward compiled (`compile_blocks`); else the whole denoiser
+    monkeypatch.setattr(torch, "compile", lambda forward, **kw: calls.append(("blocks", kw)) or forward)
     monkeypatch.setattr(denoiser, "compile", lambda **kw: calls.append(("whole", kw)))
     compile_pipeline(engine.pipeline, mode, compile_vae=False)
     expected_options = {} if mode == "default" else {"mode": mode}
-    assert calls == [("blocks" if regional else "whole", {"fullgraph": regional, **expected_options})]
+    blocks = sum(type(m).__name__ in denoiser._repeated_blocks for m in denoiser.modules())
+    expected = [("blocks", {"fullgraph": True, **expected_options})] * blocks if regional else [
+        ("whole", {"fullgraph": False, **expected_options})]
+    assert blocks > 1 and calls == expected
 
 
 def test_bench_options_variants_are_checked_before_anything_is_built():

@@ -134,6 +134,17 @@ class EngineConfig(BaseModel):
                               "low-memory mode).")
     max_gpu_memory_gb: Annotated[float | None, Flag(SPEED)] = Field(
         None, gt=0, description="Cap this process's GPU memory (a smaller card on a larger one).")
+    step_cache: Annotated[str, Flag(SPEED)] = Field(
+        "off", description="Skip the denoiser's blocks on steps a cache can stand in for, by default: off, "
+                           "first-block[:threshold=T], taylorseer[:interval=N,order=K,warmup=W] or "
+                           "magcache[:threshold=T,max_skip=N,retention=R] (transformer models only; a request's "
+                           "step_cache overrides it).")
+    step_cache_allow: Annotated[list[str], Flag(SPEED)] = Field(
+        default_factory=lambda: ["first-block", "taylorseer"], description="A step cache method requests may "
+        "ask for (besides off and --step-cache's); magcache is calibrated on the model at start-up.")
+    step_cache_calibration: Annotated[Path | None, Flag(SPEED)] = Field(
+        None, description="MagCache's ratios for this model (a JSON list, one per step) instead of measuring them "
+                          "at start-up.")
 
     @field_validator("attention")
     @classmethod
@@ -141,6 +152,23 @@ class EngineConfig(BaseModel):
         from .attention import check_backend_name
 
         return check_backend_name(name)
+
+    @field_validator("step_cache")
+    @classmethod
+    def _known_step_cache(cls, text: str) -> str:
+        from .step_cache import canonical
+
+        return _or_value_error(canonical, text)
+
+    @field_validator("step_cache_allow")
+    @classmethod
+    def _known_methods(cls, methods: list[str]) -> list[str]:
+        from .step_cache import METHODS
+
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown step cache {', '.join(unknown)}: use {', '.join(METHODS)}")
+        return methods
 
     @property
     def parallelism(self) -> "Parallelism":
@@ -184,6 +212,16 @@ class EngineConfig(BaseModel):
         return DTYPES[self.dtype]
 
 
+def _or_value_error(read, text: str):
+    """`read(text)`, its BadRequest a ValueError (what a config's validator raises)."""
+    from ..errors import BadRequest
+
+    try:
+        return read(text)
+    except BadRequest as e:
+        raise ValueError(str(e)) from None
+
+
 class GenerateRequest(BaseModel):
     """One image or video: prompt, sampling parameters, the adapters to blend (id, weight), and
     for image inputs the image (and the mask, white where to paint) already decoded and checked
@@ -205,3 +243,5 @@ class GenerateRequest(BaseModel):
     frames: int | None = Field(None, ge=1, le=1000)
     output: Literal["image", "video"] | None = None  # what the API asked for (None: what the model makes)
     max_frames: int | None = Field(None, ge=1)  # the server's limit, held against the model's default too
+    # "off", a step cache setting in its canonical text (`step_cache.canonical`), or None: the server's default
+    step_cache: str | None = None

@@ -44,6 +44,7 @@ from .compile import graph_count
 from .config import EngineConfig, GenerateRequest
 from .context_parallel import Ranks, check_sequence, device_mesh, enable_context_parallel
 from .startup import Startup
+from .step_cache import PROMPT, Skips, StepCache, read_ratios, shared
 from .swap import FusedSwapper
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class GenerateResult:
     # on Ray `hold` (the replica taking the adapters into its budget) and `ray` (Serve's
     # routing and transport both ways); the server answers them in `Server-Timing`
     timings: dict[str, float] = field(default_factory=dict)
+    steps_skipped: int | None = None  # with a step cache: the steps whose blocks a cache stood in for
+    step_cache: str | None = None  # the step cache setting it ran with (None: none)
 
 
 def on_device(device: torch.device):
@@ -111,8 +114,13 @@ class Engine:
         self.guidance_split: GuidanceSplit | None = None  # --cfg-parallel: this rank's half of the passes
         if self.parallelism.world > 1:
             self._split_over_ranks()
+        self.step_cache = StepCache([getattr(self.pipeline, n) for n in denoiser_names(self.pipeline)],
+                                    self.model_name, config.step_cache, config.step_cache_allow,
+                                    self.parallelism.world)
+        self._recording: Skips | None = None  # set while MagCache's ratios are measured
         with on_device(self.device):
             self._startup.compile_and_warm_up(self.pipeline, self.swapper, self._warm_up_images)
+            self._calibrate_step_cache()
         self._graphs_after_warmup = graph_count()
         logger.info("%s ready in %.1f s", self.model_name, time.perf_counter() - self._startup.started)
 
@@ -134,8 +142,28 @@ class Engine:
         return self.guidance_split.arguments(kwargs) if self.guidance_split else kwargs
 
     def _warm_up_images(self) -> None:
+        self._calibrate_step_cache()  # first: a MagCache default needs its ratios for the warm-up
         for request in self.calls.warm_up_requests():
             self.generate(request)
+
+    def _calibrate_step_cache(self) -> None:
+        """MagCache's ratios, when the server may serve it: read from the operator's file, or
+        measured now over one image of the base model (every process uses the first's)."""
+        wanted = "magcache" in self.config.step_cache_allow or self.config.step_cache.startswith("magcache")
+        if not wanted or not self.step_cache.takes or self.step_cache.ratios is not None:
+            return
+        if self.config.step_cache_calibration is not None:
+            ratios = read_ratios(self.config.step_cache_calibration)
+        else:
+            self._recording = Skips(setting=None)
+            try:
+                self.generate(GenerateRequest(prompt=PROMPT, seed=0))
+                ratios = self._recording.computed[0].ratios
+            finally:
+                self._recording = None
+        self.step_cache.ratios = shared(ratios, self.device)
+        logger.info("%s: MagCache ratios over %d steps: %s", self.model_name, len(ratios),
+                    {"ratios": [round(r, 5) for r in self.step_cache.ratios]})
 
     def _make_store(self, layers: ModelLayers) -> AdapterStore:
         config = self.config
@@ -231,7 +259,10 @@ class Engine:
         #    seeds drive CPU generators, as the HF image does
         try:
             task = self.calls.task(requests[0])
-            kwargs = self.calls.arguments(task, requests) | self.calls.progress(task, on_step)
+            setting = self.step_cache.choose(requests[0].step_cache)
+            skips = self._recording or (Skips(setting) if setting else None)
+            kwargs = self.calls.arguments(task, requests) | self.calls.progress(
+                task, skips.chain(on_step) if skips else on_step)
             pipeline = self.pipeline if task == TEXT else self.calls.pipeline(task)  # the loaded one, for text
         except Exception as e:
             if self.ranks is not None and not self.ranks.leading:  # rank 0 waits for this rank's word
@@ -252,7 +283,8 @@ class Engine:
             return [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
 
         def run() -> list[list[Image.Image]]:
-            with torch.inference_mode(), self.attention.context() if self.attention else contextlib.nullcontext():
+            with (torch.inference_mode(), self.attention.context() if self.attention else contextlib.nullcontext(),
+                  self._step_cache_for(task, kwargs, skips)):
                 output = pipeline(**self.pipeline_arguments(kwargs), generator=generators())
             return self.calls.outputs(task, output)
 
@@ -265,8 +297,19 @@ class Engine:
             run, self.model_name, retry=self.parallelism.world == 1)
         seconds = time.perf_counter() - started
         fps = self.calls.family.fps if self.calls.is_video else None
-        return [GenerateResult(frames[0], seed, swap_seconds, seconds, frames if fps else None, fps)
+        cached = {"steps_skipped": skips.steps_skipped, "step_cache": str(skips.setting)} if skips and skips.setting \
+            else {}
+        return [GenerateResult(frames[0], seed, swap_seconds, seconds, frames if fps else None, fps, **cached)
                 for frames, seed in zip(videos, seeds)]
+
+    def _step_cache_for(self, task: str, kwargs: dict, skips: Skips | None):
+        """The call's step cache (a fresh one per attempt: a call retried cold starts clean),
+        or nothing."""
+        if skips is None:
+            return contextlib.nullcontext()
+        skips.restart()
+        steps = kwargs.get("num_inference_steps") or self.calls.parameters(task)["num_inference_steps"].default
+        return self.step_cache.attached(skips.setting, steps, skips, record_ratios=skips is self._recording)
 
     def _check_split(self, kwargs: dict) -> None:
         """A size whose tokens (per frame; with an edit's input image's) do not split evenly over

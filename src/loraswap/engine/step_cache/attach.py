@@ -1,0 +1,205 @@
+"""Step caching for one served model, beside the engine: diffusers' cache hooks put on the
+denoiser for one pipeline call and taken off after it.
+
+A cache's state (the residuals it reuses, the Taylor factors, the accumulated error) is the
+call's alone: the hooks are made fresh for each call and removed when it ends, however it
+ends, so nothing of one request's adapters or prompt reaches the next, and a call without a
+cache runs the model exactly as it runs without this module. The hooks sit outside the
+compiled blocks (`compile.compile_denoiser` compiles each block's forward), so caching on,
+off or by another method never compiles anything new.
+
+With context parallelism each process holds a slice of the sequence, so First-Block Cache's
+measure (a mean over the sequence) is summed over every process before it decides: all skip
+the same steps. TaylorSeer's and MagCache's decisions follow from the step alone.
+"""
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+from diffusers.hooks._helpers import TransformerBlockRegistry
+from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
+from diffusers.hooks.hooks import _set_cache_context
+from diffusers.models.cache_utils import CacheMixin
+
+from ...errors import BadRequest, UnsupportedInput
+from .hooks import COMPUTED, FIRST_INPUT, PASS_NAMES, Computed, FirstInput, PassNames, register_first, remove
+from .settings import StepCacheSetting, parse_step_cache
+
+
+@dataclass
+class Skips:
+    """What a call's cache computed and skipped, counted by its hooks."""
+
+    setting: StepCacheSetting | None  # None: MagCache's ratios measured, nothing cached
+    steps: int = 0  # steps ended (the pipeline's step callback)
+    passes: list[PassNames] = field(default_factory=list)
+    computed: list[Computed] = field(default_factory=list)
+
+    def restart(self) -> None:
+        """Counted afresh (a call retried)."""
+        self.steps = 0
+        self.passes.clear()
+        self.computed.clear()
+
+    def step_ended(self) -> None:
+        self.steps += 1
+        for names in self.passes:
+            names.step_ended()
+
+    def chain(self, on_step: Callable[[int, int], None] | None) -> Callable[[int, int], None]:
+        """The pipeline's step callback: the step's end told to the hooks, then `on_step`."""
+        def step_ended(done: int, total: int) -> None:
+            self.step_ended()
+            if on_step is not None:
+                on_step(done, total)
+        return step_ended
+
+    @property
+    def steps_skipped(self) -> int:
+        """Steps whose blocks did not run (passes skipped over passes per step, rounded)."""
+        passes = sum(names.passes for names in self.passes)
+        skipped = passes - sum(hook.computed for hook in self.computed)
+        return round(skipped * self.steps / passes) if passes else 0
+
+
+def transformer_families() -> list[str]:
+    """The families whose denoiser is a transformer (those that take a step cache)."""
+    from ...models.families import FAMILIES
+
+    names = [f.name for f in FAMILIES if "transformer" in inspect.signature(f.pipeline_class.__init__).parameters]
+    return list(dict.fromkeys(names))
+
+
+def block_lists(denoiser: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
+    """The denoiser's lists of transformer blocks, in order (the lists diffusers' caches walk)."""
+    return [(name, child) for name, child in denoiser.named_children()
+            if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList) and len(child)]
+
+
+def takes_step_cache(denoiser: torch.nn.Module) -> bool:
+    """A transformer with diffusers' cache hooks whose every block diffusers knows."""
+    if not isinstance(denoiser, CacheMixin) or not block_lists(denoiser):
+        return False
+    try:
+        for _, blocks in block_lists(denoiser):
+            TransformerBlockRegistry.get(type(blocks[0]))
+    except ValueError:
+        return False
+    return True
+
+
+class StepCache:
+    """The step caches one model serves: its default, the methods requests may choose, and
+    MagCache's ratios (`calibration.py`)."""
+
+    def __init__(self, denoisers: Sequence[torch.nn.Module], model_name: str, default: str | None,
+                 allow: Sequence[str], world: int = 1):
+        self.denoisers = list(denoisers)
+        self.model_name = model_name
+        self.allow = tuple(allow)
+        self.world = world
+        self.ratios: list[float] | None = None  # MagCache's, for the model's default steps
+        self.takes = all(takes_step_cache(d) for d in self.denoisers)
+        self.default = parse_step_cache(default) if default else None
+        if self.default is not None:
+            self._check_takes(self.default)
+
+    def choose(self, asked: str | None) -> StepCacheSetting | None:
+        """The setting a request gets: its own (`off`, or a method the server allows), else the
+        server's default. BadRequest / UnsupportedInput naming what would be accepted."""
+        if asked is None:
+            return self.default
+        setting = parse_step_cache(asked)
+        if setting is not None:
+            self._check_takes(setting)
+            if setting.method not in self.allow and setting.method != getattr(self.default, "method", None):
+                allowed = ", ".join(("off",) + self.allow)
+                raise BadRequest(f"this server serves the step caches {allowed}, not {setting.method}")
+        return setting
+
+    def _check_takes(self, setting: StepCacheSetting) -> None:
+        if not self.takes:
+            raise UnsupportedInput(f"{self.model_name} takes no step cache: step caching serves the transformer "
+                                   f"families ({', '.join(transformer_families())}); ask for step_cache off")
+        if setting.method == "taylorseer" and not all(hasattr(d, "proj_out") for d in self.denoisers):
+            raise UnsupportedInput(f"{self.model_name} has no output projection (proj_out) for taylorseer to "
+                                   "predict: use first-block or magcache")
+        if setting.method == "magcache" and self.ratios is None and setting is not self.default:
+            raise BadRequest(f"{self.model_name} has no MagCache calibration: the operator names magcache in "
+                             "--step-cache or --step-cache-allow to calibrate it at start-up")
+
+    @contextlib.contextmanager
+    def attached(self, setting: StepCacheSetting, steps: int, skips: Skips,
+                 record_ratios: bool = False) -> Iterator[Skips]:
+        """The cache on every denoiser for one call, counted in `skips`; taken off after it."""
+        try:
+            for denoiser in self.denoisers:
+                self._attach(denoiser, setting, steps, skips, record_ratios)
+            yield skips
+        finally:
+            for denoiser in self.denoisers:
+                _detach(denoiser)
+
+    def _attach(self, denoiser: torch.nn.Module, setting: StepCacheSetting, steps: int, skips: Skips,
+                record_ratios: bool) -> None:
+        lists = block_lists(denoiser)
+        first, last = lists[0][1][0], lists[-1][1][-1]
+        names = PassNames(denoiser)
+        starts = FirstInput(first) if record_ratios else None
+        computed = Computed(last, starts, names)
+        register_first(last, computed, COMPUTED)  # innermost: before the cache wraps the block
+        if starts is not None:
+            register_first(first, starts, FIRST_INPUT)
+        if not record_ratios:
+            denoiser.enable_cache(self._config(denoiser, setting, steps))
+            if setting.method == "first-block" and self.world > 1:
+                _decide_together(first)
+        register_first(denoiser, names, PASS_NAMES)
+        skips.passes.append(names)
+        skips.computed.append(computed)
+
+    def _config(self, denoiser: torch.nn.Module, setting: StepCacheSetting, steps: int):
+        if setting.method == "first-block":
+            return FirstBlockCacheConfig(threshold=setting["threshold"])
+        if setting.method == "taylorseer":
+            blocks = [rf"{name}\.\d+" for name, _ in block_lists(denoiser)]
+            return TaylorSeerCacheConfig(cache_interval=int(setting["interval"]), max_order=int(setting["order"]),
+                                         disable_cache_before_step=int(setting["warmup"]),
+                                         taylor_factors_dtype=denoiser.dtype, skip_predict_identifiers=blocks,
+                                         cache_identifiers=["proj_out"])
+        return MagCacheConfig(threshold=setting["threshold"], max_skip_steps=int(setting["max_skip"]),
+                              retention_ratio=setting["retention"], num_inference_steps=steps,
+                              mag_ratios=torch.tensor(self.ratios))
+
+
+def _detach(denoiser: torch.nn.Module) -> None:
+    """Every hook of the call off the denoiser (the cache's and the counters), its context cleared."""
+    remove(denoiser, PASS_NAMES)
+    if denoiser.is_cache_enabled:
+        denoiser.disable_cache()
+    lists = block_lists(denoiser)
+    remove(lists[0][1][0], FIRST_INPUT)
+    remove(lists[-1][1][-1], COMPUTED)
+    _set_cache_context(denoiser, None)
+
+
+def _decide_together(first_block: torch.nn.Module) -> None:
+    """First-Block Cache's decision from the sums of every process's slice (all-reduced), so
+    that every process skips the same steps."""
+    hook = first_block._diffusers_hook.get_hook(_FBC_LEADER_BLOCK_HOOK)
+
+    def should_compute(residual: torch.Tensor) -> bool:
+        before = hook.state_manager.get_state().head_block_residual
+        if before is None:
+            return True
+        sums = torch.stack([(residual - before).abs().sum(), before.abs().sum()]).float()
+        dist.all_reduce(sums)
+        return (sums[0] / sums[1]).item() > hook.threshold
+
+    hook._should_compute_remaining_blocks = should_compute
