@@ -20,16 +20,31 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+from diffusers.hooks import (
+    FirstBlockCacheConfig,
+    HookRegistry,
+    MagCacheConfig,
+    TaylorSeerCacheConfig,
+    apply_first_block_cache,
+    apply_mag_cache,
+    apply_taylorseer_cache,
+)
 from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
 from diffusers.hooks._helpers import TransformerBlockRegistry
-from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
+from diffusers.hooks.first_block_cache import _FBC_BLOCK_HOOK, _FBC_LEADER_BLOCK_HOOK
 from diffusers.hooks.hooks import _set_cache_context
-from diffusers.models.cache_utils import CacheMixin
+from diffusers.hooks.mag_cache import _MAG_CACHE_BLOCK_HOOK, _MAG_CACHE_LEADER_BLOCK_HOOK
+from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
 
 from ...errors import BadRequest, UnsupportedInput
 from .hooks import COMPUTED, FIRST_INPUT, PASS_NAMES, Computed, FirstInput, PassNames, register_first, remove
-from .settings import StepCacheSetting, parse_step_cache
+from .settings import METHODS, StepCacheSetting, parse_step_cache
+
+# diffusers' own functions, as `CacheMixin.enable_cache` calls them: applied directly, they also
+# serve the transformers that do not mix `CacheMixin` in (SD 3's, Z-Image's)
+APPLY = {"first-block": apply_first_block_cache, "taylorseer": apply_taylorseer_cache, "magcache": apply_mag_cache}
+HOOKS = (_FBC_LEADER_BLOCK_HOOK, _FBC_BLOCK_HOOK, _MAG_CACHE_LEADER_BLOCK_HOOK, _MAG_CACHE_BLOCK_HOOK,
+         _TAYLORSEER_CACHE_HOOK)
 
 
 @dataclass
@@ -69,7 +84,8 @@ class Skips:
 
 
 def transformer_families() -> list[str]:
-    """The families whose denoiser is a transformer (those that take a step cache)."""
+    """The families whose denoiser is a transformer (those that take a step cache; FLUX.2
+    takes taylorseer and magcache)."""
     from ...models.families import FAMILIES
 
     names = [f.name for f in FAMILIES if "transformer" in inspect.signature(f.pipeline_class.__init__).parameters]
@@ -83,15 +99,33 @@ def block_lists(denoiser: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleLis
 
 
 def takes_step_cache(denoiser: torch.nn.Module) -> bool:
-    """A transformer with diffusers' cache hooks whose every block diffusers knows."""
-    if not isinstance(denoiser, CacheMixin) or not block_lists(denoiser):
+    """A transformer whose every block diffusers' cache hooks know."""
+    if not block_lists(denoiser):
         return False
     try:
         for _, blocks in block_lists(denoiser):
-            TransformerBlockRegistry.get(type(blocks[0]))
+            _name_hidden_states(type(blocks[0]))
     except ValueError:
         return False
     return True
+
+
+def _name_hidden_states(block_class: type) -> None:
+    """diffusers' record of a block class, its hidden states' argument named as the block's
+    forward names it (diffusers 0.42.1 registers Z-Image's block as taking `hidden_states`,
+    where its forward takes `x`: every cache hook on it would fail to find its input)."""
+    metadata = TransformerBlockRegistry.get(block_class)
+    arguments = list(inspect.signature(block_class.forward).parameters)[1:]
+    if metadata.hidden_states_argument_name not in arguments:
+        metadata.hidden_states_argument_name = arguments[0]
+        metadata._cached_parameter_indices = None
+
+
+def _returns_every_stream(denoiser: torch.nn.Module) -> bool:
+    """Whether every block returns each stream it takes: SD 3's last block returns no text
+    stream (`context_pre_only`), which TaylorSeer cannot record and First-Block Cache cannot
+    subtract."""
+    return not any(getattr(block, "context_pre_only", False) for _, blocks in block_lists(denoiser) for block in blocks)
 
 
 class StepCache:
@@ -127,12 +161,28 @@ class StepCache:
         if not self.takes:
             raise UnsupportedInput(f"{self.model_name} takes no step cache: step caching serves the transformer "
                                    f"families ({', '.join(transformer_families())}); ask for step_cache off")
-        if setting.method == "taylorseer" and not all(hasattr(d, "proj_out") for d in self.denoisers):
-            raise UnsupportedInput(f"{self.model_name} has no output projection (proj_out) for taylorseer to "
-                                   "predict: use first-block or magcache")
+        reason = self.refusals.get(setting.method)
+        if reason is not None:
+            takes = [method for method in METHODS if method not in self.refusals]
+            raise UnsupportedInput(f"{self.model_name} cannot take {setting.method}: {reason}; it takes "
+                                   f"{', '.join(takes)}")
         if setting.method == "magcache" and self.ratios is None and setting is not self.default:
             raise BadRequest(f"{self.model_name} has no MagCache calibration: the operator names magcache in "
                              "--step-cache or --step-cache-allow to calibrate it at start-up")
+
+    @property
+    def refusals(self) -> dict[str, str]:
+        """The methods this model's blocks cannot take, and why (diffusers' hooks' limits)."""
+        refused = {}
+        if not all(_returns_every_stream(d) for d in self.denoisers):
+            reason = "its last block returns no text stream, which the hooks need"
+            refused |= {"first-block": reason, "taylorseer": reason}
+        if not all(_first_block_fits(d) for d in self.denoisers):
+            refused.setdefault("first-block", "diffusers' First-Block Cache needs blocks that take `hidden_states` "
+                                              "and whose first and last return the same streams")
+        if not all(hasattr(d, "proj_out") for d in self.denoisers):
+            refused.setdefault("taylorseer", "it has no output projection (proj_out) to predict")
+        return refused
 
     @contextlib.contextmanager
     def attached(self, setting: StepCacheSetting, steps: int, skips: Skips,
@@ -157,7 +207,8 @@ class StepCache:
         if starts is not None:
             register_first(first, starts, FIRST_INPUT)
         if not record_ratios:
-            denoiser.enable_cache(self._config(denoiser, setting, steps))
+            APPLY[setting.method](denoiser, self._config(denoiser, setting, steps))
+            HookRegistry.check_if_exists_or_initialize(denoiser).invalidate_child_registries_cache()
             if setting.method == "first-block" and self.world > 1:
                 _decide_together(first)
         register_first(denoiser, names, PASS_NAMES)
@@ -181,12 +232,26 @@ class StepCache:
 def _detach(denoiser: torch.nn.Module) -> None:
     """Every hook of the call off the denoiser (the cache's and the counters), its context cleared."""
     remove(denoiser, PASS_NAMES)
-    if denoiser.is_cache_enabled:
-        denoiser.disable_cache()
+    registry = HookRegistry.check_if_exists_or_initialize(denoiser)
+    for name in HOOKS:
+        registry.remove_hook(name, recurse=True)
+    registry.invalidate_child_registries_cache()
     lists = block_lists(denoiser)
     remove(lists[0][1][0], FIRST_INPUT)
     remove(lists[-1][1][-1], COMPUTED)
     _set_cache_context(denoiser, None)
+
+
+def _first_block_fits(denoiser: torch.nn.Module) -> bool:
+    """Whether the blocks take `hidden_states` by that name (the head hook asks for it, not
+    for the block's own name: Z-Image's blocks take `x`) and the first and last return the
+    same parts (both the text and image streams, or both one sequence: FLUX.2's single
+    blocks return one), as First-Block Cache's residuals need."""
+    lists = block_lists(denoiser)
+    if "hidden_states" not in inspect.signature(type(lists[0][1][0]).forward).parameters:
+        return False
+    first, last = (TransformerBlockRegistry.get(type(blocks[i])) for (_, blocks), i in ((lists[0], 0), (lists[-1], -1)))
+    return (first.return_encoder_hidden_states_index is None) == (last.return_encoder_hidden_states_index is None)
 
 
 def _decide_together(first_block: torch.nn.Module) -> None:
