@@ -24,7 +24,7 @@ from support.servers import ServerProcess, free_port
 from support.web import Web, body
 
 from loraswap.adapters.random import make_random_adapter
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 from loraswap.models import lora_components
 
@@ -291,6 +291,43 @@ def test_split_images_are_within_1e_5_of_one_process(model_adapters, tmp_path, m
     for loras, one, two in zip(LORAS[model], single, split):
         torch.testing.assert_close(two, one, rtol=0, atol=1e-5, msg=str(loras))
     assert (single[1] - single[0]).abs().max() > 1e-2, "the adapter changes the output"
+
+
+# First-Block Cache settings that skip some of 6 steps and compute others, each threshold
+# 0.02 or more from the measure of every step on one process (no rounding flips a decision)
+FIRST_BLOCK = ["first-block:threshold=0.33", "first-block:threshold=0.5"]
+CACHED = dict(prompt=PROMPT, seed=3, steps=6, width=64, height=64)
+
+
+def _cached_rank(rank: int, port: int, out: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    engine = Engine(EngineConfig(model="tiny-flux", compile=False, warmup=False, ulysses_degree=2,
+                                 step_cache_allow=["first-block"]))
+    results = [engine.generate(GenerateRequest(**CACHED, step_cache=setting)) for setting in FIRST_BLOCK]
+    torch.save([(torch.from_numpy(np.asarray(r.image)), r.steps_skipped) for r in results], out / f"rank-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_first_block_cache_skips_the_same_steps_on_every_rank_as_one_process(tmp_path):
+    """Each rank measures the first block's change on its slice of the sequence; the decision
+    to skip is taken from the sums over every rank, so all skip the steps one process skips
+    (ranks that disagreed would wait on each other's collectives for good)."""
+    engine = Engine(EngineConfig(model="tiny-flux", compile=False, warmup=False, step_cache_allow=["first-block"]))
+    single = [engine.generate(GenerateRequest(**CACHED, step_cache=setting)) for setting in FIRST_BLOCK]
+    assert [r.steps_skipped for r in single] == [3, 5], "some steps skipped, others computed"
+    mp.set_forkserver_preload(["loraswap.engine.engine"])
+    ranks = mp.start_processes(_cached_rank, args=(free_port(), tmp_path), nprocs=2, start_method="forkserver",
+                               join=False)
+    deadline = time.monotonic() + 180
+    while not ranks.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the ranks never ended the images: they did not skip the same steps")
+    for rank in (0, 1):
+        for setting, one, (image, skipped) in zip(FIRST_BLOCK, single, torch.load(tmp_path / f"rank-{rank}.pt")):
+            assert skipped == one.steps_skipped, (rank, setting)
+            assert np.abs(image.numpy().astype(int) - np.asarray(one.image).astype(int)).max() <= 1, (rank, setting)
 
 
 @pytest.mark.ray

@@ -10,13 +10,14 @@ from support.servers import ServerProcess
 pytestmark = pytest.mark.slow  # compiles, and fills queues of real servers
 
 # about 6 s of a CPU core each: long enough for the queue to fill and a client to leave while it runs
+# (384 px: the servers below raise tiny-sd's largest size, 128 px by default, with --max-size)
 SLOW = {"inputs": "a slow one", "parameters": {"width": 384, "height": 384, "num_inference_steps": 40}}
 
 
 @pytest.fixture(scope="module")
 def small_queue_server(served_adapters, tmp_path_factory):
     process = ServerProcess(["--model", "tiny-sd", "--adapters", str(served_adapters), "--max-queue", "1",
-                             "--max-width", "512", "--max-height", "512"],
+                             "--max-width", "512", "--max-height", "512", "--max-size", "512x512"],
                             tmp_path_factory.mktemp("logs") / "queue.log")
     process.wait_ready()
     yield process
@@ -94,8 +95,10 @@ def test_compiled_server_swaps_without_recompiling(adapter_factory, tmp_path_fac
 
 
 def test_sigterm_finishes_in_flight_requests_and_exits_0(served_adapters, tmp_path):
+    # the drain time (queued requests refused, running ones given that long) longer than SLOW takes
     process = ServerProcess(["--model", "tiny-sd", "--adapters", str(served_adapters), "--max-width", "512",
-                             "--max-height", "512"], tmp_path / "sigterm.log")
+                             "--max-height", "512", "--max-size", "512x512", "--drain-s", "120"],
+                            tmp_path / "sigterm.log")
     process.wait_ready()
     responses = []
     inflight = threading.Thread(target=lambda: responses.append(httpx.post(process.url + "/", json=SLOW,

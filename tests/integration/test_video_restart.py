@@ -43,7 +43,7 @@ def _kept(url: str, adapter_id: str, timeout: float) -> bool:
 def test_a_killed_server_keeps_its_finished_video_and_finishes_the_one_it_was_making(tmp_path, adapter_factory):
     adapter_factory("keep-me", "tiny-wan", rank=4, seed=61, folder=tmp_path / "adapters")
     args = ["--model", "tiny-wan", "--no-warmup", "--no-compile", "--state-dir", str(tmp_path / "state"),
-            "--adapters", str(tmp_path / "adapters")]
+            "--adapters", str(tmp_path / "adapters"), "--max-size", "512x512"]  # the long video: over tiny-wan's 128
     first = ServerProcess(args, tmp_path / "first.log")
     try:
         first.wait_ready()

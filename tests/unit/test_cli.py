@@ -51,7 +51,8 @@ def test_generate_writes_a_video_model_mp4(tmp_path):
     assert frames.shape == (5, 64, 64, 3)
     still = runner.invoke(app, ["generate", "a cat", "--model", "tiny-wan", "--steps", "1", "-o",
                                 str(tmp_path / "out.png")])
-    assert still.exit_code == 1 and "-o" in still.output and ".mp4" in still.output
+    # refused as a wrong use of the command line, before the model loads
+    assert still.exit_code == 2 and "-o" in still.output and ".mp4" in still.output
 
 
 def test_generate_reads_flags_from_env(adapter_factory, tmp_path):
@@ -153,18 +154,21 @@ def test_serve_never_prints_keys(tmp_path):
     assert result.exit_code == 2 and "--max-queue" in result.output and "sk-" not in result.output
 
 
-def test_serve_builds_the_config_it_serves(monkeypatch):
+def test_serve_builds_the_config_it_serves(monkeypatch, tmp_path):
     import loraswap.cli.serve
 
     served = []
-    monkeypatch.setattr(loraswap.cli.serve, "_serve_http", served.append)
+    monkeypatch.setattr(loraswap.cli.serve, "_serve_http", lambda config, listening: served.append(config))
+    monkeypatch.setattr(loraswap.cli.serve, "bind_port", lambda host, port: None)
+    monkeypatch.chdir(tmp_path)  # the file's adapter folder, relative
+    (tmp_path / "demo-adapters").mkdir()
     examples = Path(__file__).parents[2] / "examples"
     result = runner.invoke(app, ["serve", "--config", str(examples / "serve.toml"), "--no-demo-adapters",
                                  "--swap-mode", "load-and-fuse", "--max-images", "2"],
                            env={"LORASWAP_API_KEY": "k1 k2", "LORASWAP_ADMIN_KEY": "a1"})
     assert result.exit_code == 0, result.output
     [config] = served
-    assert [e.model for e in config.engines] == ["tiny-sd", "tiny-sdxl"]
+    assert [e.model for e in config.engines] == ["demo", "demo-flux"]
     assert all(e.swap_mode == "load-and-fuse" and e.max_rank == 256 for e in config.engines)
     assert (config.scheduler.max_queue, config.max_images) == (64, 2)
     assert (config.api_keys, config.admin_keys) == (["k1", "k2"], ["a1"])

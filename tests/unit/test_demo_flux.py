@@ -9,26 +9,13 @@ import pytest
 import torch
 from safetensors import safe_open
 from support import shapes
+from support.demo_flux_scores import PROMPTS, SIZES, accuracy, prompt
 from support.numerics import assert_bitwise_equal, rel_err, weights_snapshot
 
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 from loraswap.models import load_pipeline
 from loraswap.models.families import demo_flux
-
-POSITIONS = ("left", "center", "right")
-GROUNDS = ("white", "black", "gray")
-SIZES = (None, "small", "large")
-TEXTURES = (None, "striped")
-# every colour with every shape, each twice; places, grounds, sizes and textures taken in turn
-PROMPTS = [dict(colour=colour, shape=shape, position=POSITIONS[i % 3], ground=GROUNDS[(i + j) % 3],
-                size=SIZES[(i + j // 3) % 3], texture=TEXTURES[j % 2])
-           for i, colour in enumerate(demo_flux.COLOURS) for j, shape in enumerate(demo_flux.SHAPES * 2)]
-
-
-def prompt(words: dict) -> str:
-    said = [w for w in (words["size"], words["texture"]) if w]
-    return " ".join(["a", *said, words["colour"], words["shape"], "at the", words["position"], "on", words["ground"]])
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +29,6 @@ def draw(engine, cases, loras=(), seed=1000) -> list[np.ndarray]:
     requests = [GenerateRequest(prompt=prompt(case), seed=seed + i, loras=list(loras)) for i, case in enumerate(cases)]
     with engine.lender.lease_now(list(loras)) as lease:
         return [np.asarray(result.image) for result in engine.generate_batch(requests, lease)]
-
-
-def accuracy(readings, cases) -> dict[str, float]:
-    """The share of pictures whose reading agrees with the prompt, per attribute."""
-    checks = {"colour": lambda r, c: r.hue == c["colour"], "shape": lambda r, c: r.shape == c["shape"],
-              "place": lambda r, c: abs(r.x - demo_flux.POSITIONS[c["position"]]) < 0.12,
-              "ground": lambda r, c: r.ground == c["ground"],
-              "texture": lambda r, c: (r.gap_rows > 0.2) == (c["texture"] == "striped")}
-    return {name: float(np.mean([check(r, c) for r, c in zip(readings, cases)])) for name, check in checks.items()}
 
 
 @pytest.fixture(scope="module")

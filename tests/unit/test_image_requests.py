@@ -214,7 +214,7 @@ class RecordingEngine:
     def __init__(self, config):
         pass
 
-    def generate(self, request):
+    def generate(self, request, on_step=None):
         RecordingEngine.requests.append(request)
         return GenerateResult(Image.new("RGB", (8, 8)), 1, 0.0, 0.01)
 

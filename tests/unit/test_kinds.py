@@ -176,6 +176,20 @@ def test_the_adapter_list_shows_each_adapters_kinds(tiny_sd):
     assert row["kinds"] == ["bias", "loha"]
 
 
+def test_a_lora_of_a_3x3_convolution_is_listed_as_locon(tiny_sd):
+    """kohya and LyCORIS call a LoRA of the 3x3 convolutions a LoCon; a 1x1 one stays a LoRA."""
+    engine, folder = tiny_sd
+    conv_in = engine.pipeline.unet.conv_in.weight  # [out, 4, 3, 3]
+    save_file({"lora_unet_conv_in.lora_down.weight": torch.ones(2, conv_in.shape[1], 3, 3),
+               "lora_unet_conv_in.lora_up.weight": torch.ones(conv_in.shape[0], 2, 1, 1),
+               "lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.ones(2, 16, 1, 1),
+               "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.ones(16, 2, 1, 1)},
+              str(folder / "locon.safetensors"))
+    engine.adapters.resolve("locon")
+    row = next(r for r in engine.adapters.rows() if r["id"] == "locon")
+    assert row["kinds"] == ["locon", "lora"]
+
+
 def test_a_peft_folder_is_scaled_by_its_adapter_config(tiny_sd):
     """A raw PEFT folder (adapter_model.safetensors, `base_model.model.` keys) takes its
     lora_alpha from adapter_config.json, not alpha = rank."""

@@ -120,7 +120,7 @@ def test_no_flag_or_help_names_the_seeds():
 def test_example_files_build_the_config(name):
     values = read_config_file(EXAMPLES / name)
     config = server_config(values)
-    assert [e.model for e in config.engines] == ["tiny-sd", "tiny-sdxl"]
+    assert [e.model for e in config.engines] == ["demo", "demo-flux"]
     engine = config.engines[1]  # engine settings go to every model
     assert engine.adapters == Path("demo-adapters") and engine.max_rank == 256
     assert (engine.cache.host_bytes, engine.cache.gpu_bytes) == (4096 * 2**20, 1024 * 2**20)

@@ -43,6 +43,8 @@ from ..errors import AdapterInvalid
 from .host_memory import byte_ranges, host_bytes, run_all
 
 ALLOWED_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+# an alpha may also be one integer: diffusers' `convert_state_dict_to_kohya` writes alpha = rank as int64
+ALPHA_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
 MAX_HEADER_BYTES = 32 * 2**20  # the most header bytes read, whatever --max-adapter-mb says
 MIN_HEADER_BYTES = 4 * 2**20
 HEADER_SHARE = 128  # a header may take 1/128 of the largest file
@@ -185,7 +187,7 @@ def view_tensor(data: torch.Tensor, info: dict) -> torch.Tensor:
     raw = data[start:end]
     if start % DTYPE_BYTES[info["dtype"]]:
         raw = raw.clone()
-    return raw.view(ALLOWED_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return raw.view((ALLOWED_DTYPES | ALPHA_DTYPES)[info["dtype"]]).reshape(info["shape"])
 
 
 def streamed_header(read: Callable[[int], bytes], limit: int, adapter_id: str, max_bytes: int) -> bytes | None:
@@ -233,7 +235,7 @@ def _check_entries(adapter_id: str, header: dict, data_len: int) -> None:
         if not _well_formed(info):
             raise AdapterInvalid(adapter_id, f"tensor '{name}' has a malformed header entry (dtype, shape and "
                                  "data_offsets must be a string, a list of sizes and two offsets)", _FIX_FILE)
-        if info["dtype"] not in ALLOWED_DTYPES:
+        if not _allowed_dtype(name, info):
             raise AdapterInvalid(adapter_id, f"tensor '{name}' has dtype {info['dtype']}; LoRA weights must be "
                                  "F16, BF16 or F32", "Convert the adapter to a floating-point dtype")
         start, end = info["data_offsets"]
@@ -242,6 +244,13 @@ def _check_entries(adapter_id: str, header: dict, data_len: int) -> None:
             raise AdapterInvalid(adapter_id, f"tensor '{name}' lies outside the file (truncated download?)",
                                  "Download the adapter again")
     _check_tiling(adapter_id, header, data_len)
+
+
+def _allowed_dtype(name: str, info: dict) -> bool:
+    """A float tensor, or an integer alpha (one value)."""
+    if info["dtype"] in ALLOWED_DTYPES:
+        return True
+    return name.endswith(".alpha") and info["dtype"] in ALPHA_DTYPES and math.prod(info["shape"]) == 1
 
 
 def _check_tiling(adapter_id: str, header: dict, data_len: int) -> None:

@@ -20,6 +20,7 @@ from typing import TypeVar
 import torch
 
 from ..errors import AdapterError, AdapterIncompatible, AdapterInvalid, AdapterNotFound, BadRequest
+from ..tracing import RequestContext, adapter_attributes, traced
 from .bound import BoundAdapter, ModelLayers, bind_adapter, fitted_layers
 from .cache import AdapterCache, CacheConfig, CacheEntry
 from .device_read import DeviceReadFailed, staging_buffers, with_index
@@ -105,8 +106,10 @@ class AdapterStore:
             done: Future = Future()
             done.set_result(Lease([]))
             return done
-        return self._pool.submit(self.lease_now, loras)
+        # in the request's context: the reading thread's log lines and spans are the request's
+        return self._pool.submit(RequestContext.capture().run, self.lease_now, loras)
 
+    @traced("read", lambda store, loras: adapter_attributes(loras))
     def lease_now(self, loras: list[tuple[str, float]]) -> Lease:
         """The adapters (id, weight) ready to swap in, read on this thread and held until the
         lease is given back."""

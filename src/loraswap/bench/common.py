@@ -72,6 +72,11 @@ def environment() -> dict:
     return info
 
 
+def on_device_column(env: dict) -> str:
+    """The column of swaps from adapters already on the device: named GPU only where there is one."""
+    return "swap GPU ms" if "gpu" in env else "swap ms"
+
+
 def write_results(out_dir: Path, name: str, results: dict) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"

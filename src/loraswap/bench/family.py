@@ -21,6 +21,7 @@ import torch
 from ..engine.compile import graph_count
 from ..engine.config import EngineConfig, GenerateRequest
 from ..engine.engine import Engine
+from ..progress import tracked
 from .common import environment, print_table, summary, timed, write_results
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def _fused_rounds(config: EngineConfig, request: GenerateRequest, ids: list[str]
         engine.set_adapters([(adapter_id, 1.0)])
     graphs = graph_count()
     rows = []
-    for r in range(rounds):
+    for r in tracked(range(rounds), "fused rounds"):
         for variant in ("base", "adapter") if r % 2 == 0 else ("adapter", "base"):
             loras = [(ids[r % len(ids)], 1.0)] if variant == "adapter" else []
             seconds, result = _image(engine, request, loras)
@@ -72,7 +73,7 @@ def _baseline_rounds(config: EngineConfig, request: GenerateRequest, ids: list[s
     _reset_peak()
     engine = Engine(config)
     rows = []
-    for r in range(rounds):
+    for r in tracked(range(rounds), "load-and-fuse rounds"):
         loras = [(ids[(r + 1) % len(ids)], 1.0)]  # a different adapter each request, as in the fused rounds
         seconds, result = _image(engine, request, loras)
         rows.append({"round": r, "variant": "load-and-fuse", "image_s": seconds, "swap_s": result.swap_seconds})

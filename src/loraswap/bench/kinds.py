@@ -18,7 +18,8 @@ from ..adapters.random import KINDS, make_random_adapter
 from ..engine.compile import graph_count
 from ..engine.swap import FusedSwapper
 from ..models import lora_components
-from .common import environment, print_table, summary, timed, write_results
+from ..progress import tracked
+from .common import environment, on_device_column, print_table, summary, timed, write_results
 from .swap import Denoise
 from .swap_setup import bound_reader, build_denoiser, denoiser_inputs
 
@@ -106,7 +107,7 @@ class KindsBench:
     def images(self, rounds: int) -> None:
         times: dict[str, list[float]] = {}
         variants = ["base", *self.gpu]
-        for r in range(rounds):
+        for r in tracked(range(rounds), "rounds"):
             for variant in variants[r % len(variants):] + variants[: r % len(variants)]:
                 self.fused.apply([] if variant == "base" else [(self.gpu[variant], 1.0)])
                 seconds, _ = timed(self.denoise)
@@ -143,5 +144,6 @@ def _report(results: dict) -> None:
         row.append(f"{errors[kind]:.2f}")
     print_table(f"{results['shape']} {results['width']}x{results['height']}, {results['steps']} steps, "
                 f"base image {base:.3f} s, {results['recompiles']} recompiles ({results['env'].get('gpu', 'cpu')})",
-                ["kind", "MiB", "swap host ms", "swap GPU ms", "GPU swap / LoRA's", "image s", "vs base",
+                ["kind", "MiB", "swap host ms", on_device_column(results["env"]),
+                 "GPU swap / LoRA's" if "gpu" in results["env"] else "swap / LoRA's", "image s", "vs base",
                  "max error (rounding steps)"], rows)

@@ -22,6 +22,7 @@ from ..engine.attention import AttentionBackend, check_backend_name
 from ..engine.compile import compile_denoiser, graph_count
 from ..engine.quantize import check_mode, quantize_module
 from ..engine.swap import FusedSwapper
+from ..progress import tracked
 from .common import environment, plot_bars, print_table, summary, timed, write_random_adapters, write_results
 from .swap import Denoise
 from .swap_setup import bound_reader, build_denoiser, denoiser_inputs
@@ -110,7 +111,7 @@ def run_options_bench(architecture: str = "sdxl",
     graphs, recorded = graph_count(), cuda_graphs_recorded()
     # 3. interleaved rounds, a swap before each image
     order = list(variants)
-    for r in range(rounds):
+    for r in tracked(range(rounds), "rounds"):
         for name in order[r % len(order):] + order[: r % len(order)]:
             variant = built[name]
             swap_s = variant.swapper.apply([(adapters[name][r % 2], 1.0)])

@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from ..engine.rank_processes import free_port
+from ..progress import tracked
 from .common import environment, plot_bars, print_table, summary, write_random_adapters, write_results
 
 logger = logging.getLogger(__name__)
@@ -268,7 +269,7 @@ def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: i
             results["modes"][mode] = {"ready_s": ready_s, "runs": []}
             _drive(url, [ids[0]], 1, params, seen[mode])
         # 2. the passes, round the servers in turn
-        for round_index in range(rounds):
+        for round_index in tracked(range(rounds), "rounds"):
             for clients in (1, concurrency):
                 for mode in modes:
                     run = _drive(servers[mode][1], stream, clients, params, seen[mode])

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..progress import tracked
 from .common import environment, plot_bars, print_table, write_results
 from .serve import start_server
 
@@ -40,7 +41,7 @@ def run_startup_bench(model: str = "sdxl-random", compile_cache: Path | None = N
     results = {"model": model, "device": device, "rounds": rounds, "steps": steps, "serve_args": serve_args,
                "compile_cache": str(root), "env": environment(), "runs": []}
     name = f"startup-{model}"
-    for round_ in range(rounds):
+    for round_ in tracked(range(rounds), "rounds"):
         cache_dir = root / f"round-{round_}"
         for start in STARTS:  # cold then warm on the same folder: the warm start is the restart
             run = _start_once(model, workdir, cache_dir, extra, steps, workdir / f"server-{round_}-{start}.log")

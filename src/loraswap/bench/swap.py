@@ -32,7 +32,8 @@ import torch
 from ..engine.compile import graph_count
 from ..engine.quantize import check_mode, quantize_module
 from ..engine.swap import FusedSwapper
-from .common import environment, plot_bars, print_table, summary, timed, write_results
+from ..progress import tracked
+from .common import environment, on_device_column, plot_bars, print_table, summary, timed, write_results
 from .swap_setup import DenoiserLoRA, bound_reader, build_denoiser, denoiser_inputs, make_adapters, make_baseline
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class SwapBench:
         """Interleaved rounds: each variant swaps (where it swaps) and makes an image."""
         order = [v for v in VARIANTS if v in self.variants]
         n = len(self.paths)
-        for r in range(rounds):
+        for r in tracked(range(rounds), "rounds"):
             rotated = order[r % len(order):] + order[: r % len(order)]
             for variant in rotated:
                 i = r % n
@@ -221,7 +222,8 @@ def _report(results: dict, out_dir: Path) -> None:
     name = f"swap-{results['shape']}{quantized}"
     title = (f"bench swap {results['shape']}{quantized} {results['width']}x{results['height']} {results['steps']} "
              f"steps, {results['rounds']} rounds ({results['env'].get('gpu', 'cpu')})")
-    results["table"] = print_table(title, ["variant", "swap disk ms p50 (range)", "swap host ms", "swap GPU ms",
+    results["table"] = print_table(title, ["variant", "swap disk ms p50 (range)", "swap host ms",
+                                           on_device_column(results["env"]),
                                            "image s p50", "vs compiled base"], rows)
     for key in ("swap_r64_all_host", "swap_r64_all_gpu", "swap_r64_all_host_addmm", "swap_r64_all_gpu_addmm",
                 "swap_r64_all_kohya_disk"):

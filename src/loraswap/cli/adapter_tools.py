@@ -1,4 +1,4 @@
-"""`loraswap adapters inspect` and `loraswap adapters make-random`."""
+"""`loraswap adapters list`, `loraswap adapters inspect` and `loraswap adapters make-random`."""
 
 import json
 from pathlib import Path
@@ -7,15 +7,33 @@ from typing import Annotated
 import typer
 
 from ..errors import LoraswapError
-from .options import setup_logging, with_settings
+from .adapter_family import UNLIMITED_BYTES, fits, known_models, route, target_model, what_it_says
+from .checks import check_adapters_folder, known_family
+from .group import PanelsCommand, PanelsGroup
+from .options import quiet_libraries, setup_logging, with_settings
 from .settings import defaults, one_model, pick
 
-adapters_app = typer.Typer(no_args_is_help=True, help="Inspect adapters and make random ones.")
+adapters_app = typer.Typer(cls=PanelsGroup, add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                           help="List, inspect and make adapters.")
 
 INSPECT_SETTINGS = [one_model(), *pick("adapters", "max-rank")]
 
 
-@adapters_app.command("inspect")
+@adapters_app.command("list", cls=PanelsCommand)
+@with_settings(*pick("adapters"))
+def list_adapters(*, given: dict) -> None:
+    """The ids of the adapters under --adapters, one a line (what --lora and the `lora` header take)."""
+    from ..adapters.source import LocalAdapterSource
+
+    folder = given.get("adapters")
+    if folder is None:
+        raise typer.BadParameter("give the folder of your .safetensors adapters", param_hint="--adapters")
+    check_adapters_folder(folder)
+    for adapter_id in LocalAdapterSource(folder).list_ids():
+        typer.echo(adapter_id)
+
+
+@adapters_app.command("inspect", cls=PanelsCommand)
 @with_settings(*INSPECT_SETTINGS)
 def inspect_adapter(
     path_or_id: Annotated[str, typer.Argument(help="A .safetensors file, or an id under --adapters.")],
@@ -23,25 +41,36 @@ def inspect_adapter(
     *,
     given: dict,
 ) -> None:
-    """Layout, kinds per component, base model, ranks, scales, what it changes where, size;
-    exit 1 if it does not fit --model (naming the first key it cannot apply and why)."""
+    """What an adapter is: the model family it is for (as a server routes it), layout, kinds, ranks, size.
+
+    Per component: its kinds, the parameters it changes, its base model, ranks and scales. Exit 1 if it does not
+    fit --model (naming the first key it cannot apply and why); without --model it is described against the
+    first preset or architecture whose layers it fits."""
     setup_logging(False)
     values = {**defaults(INSPECT_SETTINGS), **given}
+    model = given.get("model")
+    if model is not None:
+        known_family(model, bare_architectures=True)
+    check_adapters_folder(values["adapters"])
     location = _locate(path_or_id, values["adapters"])
-    report = _inspect(location, path_or_id, values["model"], values["adapters"], values["max-rank"])
+    report = _inspect(location, path_or_id, model, values["adapters"], values["max-rank"])
     if as_json:
         typer.echo(json.dumps(report, indent=1))
     else:
-        for key, value in report.items():
-            if key == "targets":
-                for component, names in value.items():
-                    typer.echo(f"targets.{component}: {len(names)} parameters, e.g. {', '.join(names[:3])}")
-            elif key == "kinds":
-                for component, counts in value.items():
-                    typer.echo(f"kinds.{component}: " + ", ".join(f"{k} x{n}" for k, n in sorted(counts.items())))
-            else:
-                typer.echo(f"{key}: {value}")
+        _print_report(report)
     raise typer.Exit(0 if report["fits"] else 1)
+
+
+def _print_report(report: dict) -> None:
+    for key, value in report.items():
+        if key == "targets":
+            for component, names in value.items():
+                typer.echo(f"targets.{component}: {len(names)} parameters, e.g. {', '.join(names[:3])}")
+        elif key == "kinds":
+            for component, counts in value.items():
+                typer.echo(f"kinds.{component}: " + ", ".join(f"{k} x{n}" for k, n in sorted(counts.items())))
+        else:
+            typer.echo(f"{key}: {value}")
 
 
 def _locate(path_or_id: str, adapters: Path | None):
@@ -53,34 +82,47 @@ def _locate(path_or_id: str, adapters: Path | None):
         return AdapterLocation(path.stem, path, path.parent if path.name == "pytorch_lora_weights.safetensors"
                                else None)
     if adapters is None:
-        typer.echo(f"error: {path_or_id} is not a file; give --adapters DIR to look up an id", err=True)
-        raise typer.Exit(2)
+        raise typer.BadParameter(f"{path_or_id} is not a file; give --adapters DIR to look up an id",
+                                 param_hint="PATH_OR_ID")
     return None
 
 
-def _inspect(location, path_or_id: str, model: str, adapters: Path | None, max_rank: int) -> dict:
-    """What the adapter is, and whether (else why not) it fits `model`: read as the server
-    reads it (`read_adapter`: converted, checked, bound), then described from what it became."""
-    from ..adapters.bound import ModelLayers
+def _inspect(location, path_or_id: str, model: str | None, adapters: Path | None, max_rank: int) -> dict:
+    """The family it is for, and what the adapter is and whether (else why not) it fits `model`
+    (None: the known model routing finds for it): read as the server reads it (`read_adapter`:
+    converted, checked, bound), then described from what it became."""
     from ..adapters.source import LocalAdapterSource
-    from ..adapters.store import StoreLimits, TargetModel, read_adapter
-    from ..models import lora_components
+    from ..adapters.store import StoreLimits, read_adapter
 
-    pipeline_cls, components = lora_components(model)
-    unet = components.get("unet")
-    target = TargetModel(model, pipeline_cls, ModelLayers(components), None, unet.config if unet else None)
-    # no size limit: a large file is one to inspect, not to refuse; read without a rank limit
-    # too, so that an adapter over --max-rank is still described, then refused in the server's words
-    unlimited = StoreLimits(max_adapter_bytes=2**40, max_rank=2**31)
     report: dict = {"adapter": path_or_id, "model": model}
     try:
         location = location or LocalAdapterSource(adapters).locate(path_or_id)
-        report.update(_describe(location, read_adapter(location, target, unlimited)))
+        report.update(_family(location, model))
+        model = report["model"]
+        if model is None:
+            return {**report, "fits": False, "problem": "give --model NAME to see why it does not fit that model"}
+        target = target_model(model)
+        # read without a rank limit, so that an adapter over --max-rank is still described,
+        # then refused in the server's words
+        report.update(_describe(location, read_adapter(location, target, StoreLimits(UNLIMITED_BYTES, 2**31))))
         if max(report["ranks"], default=0) > max_rank:
-            read_adapter(location, target, StoreLimits(max_adapter_bytes=2**40, max_rank=max_rank))
+            read_adapter(location, target, StoreLimits(max_adapter_bytes=UNLIMITED_BYTES, max_rank=max_rank))
     except LoraswapError as e:
         return {**report, "fits": False, "problem": e.message}
     return {**report, "fits": True, "problem": None}
+
+
+def _family(location, model: str | None) -> dict:
+    """model, family, and how the family was found: from what the file declares, else from the
+    known models whose layers it fits. With `model` given and fitting, that model's family
+    unless the file names another."""
+    declared, hint = what_it_says(location)
+    if model is not None and not declared and hint is None:
+        family = known_models().get(model) or known_models().get(f"{model}-random")
+        if family is not None and fits(location, model):
+            return {"model": model, "family": family, "family_from": f"its layers fit {model}"}
+    routed = route(location)
+    return {"model": model or routed.model, "family": routed.family, "family_from": routed.reason}
 
 
 def _describe(location, bound) -> dict:
@@ -112,7 +154,7 @@ def _describe(location, bound) -> dict:
     )
 
 
-@adapters_app.command("make-random")
+@adapters_app.command("make-random", cls=PanelsCommand)
 def make_random(
     model: Annotated[str, typer.Option("--model", help="Preset, or a real architecture: sd15, sdxl, flux-dev.")],
     rank: Annotated[int, typer.Option("--rank", min=1, help="LoRA rank.")],
@@ -134,6 +176,7 @@ def make_random(
     from ..engine.config import DTYPES
     from ..models import lora_components
 
+    quiet_libraries()
     for name, value, allowed in (("--targets", targets, ("attn", "all")), ("--format", fmt, ("diffusers", "kohya")),
                                  ("--dtype", dtype, tuple(DTYPES)), ("--kind", kind, KINDS)):
         if value not in allowed:

@@ -6,9 +6,11 @@ from typing import Annotated
 
 import typer
 
+from .group import PanelsCommand, PanelsGroup
 from .options import setup_logging
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (run them on a GPU).")
+bench_app = typer.Typer(cls=PanelsGroup, add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                        help="Benchmarks (run them on a GPU).")
 
 Out = Annotated[Path, typer.Option("--out", help="Folder for JSON and PNG.")]
 # `--shape`: the flag's earlier name, still accepted
@@ -35,7 +37,7 @@ def _parse_specs(text: str) -> list[tuple[int, str]]:
     return specs
 
 
-@bench_app.command("swap")
+@bench_app.command("swap", cls=PanelsCommand)
 def bench_swap(
     architecture: ArchitectureName = "flux-dev",
     width: Annotated[int, typer.Option("--width")] = 1024,
@@ -67,7 +69,7 @@ def bench_swap(
         raise typer.BadParameter(str(e)) from None
 
 
-@bench_app.command("kinds")
+@bench_app.command("kinds", cls=PanelsCommand)
 def bench_kinds(
     architecture: ArchitectureName = "flux-dev",
     width: Annotated[int, typer.Option("--width")] = 1024,
@@ -88,7 +90,7 @@ def bench_kinds(
     run_kinds_bench(architecture, width, height, steps, rank, swaps, rounds, out, workdir)
 
 
-@bench_app.command("family")
+@bench_app.command("family", cls=PanelsCommand)
 def bench_family(
     model: ServedModel = "flux-dev-random",
     rank: Annotated[int, typer.Option("--rank", help="Rank of the all-linear random adapters.")] = 32,
@@ -114,7 +116,7 @@ def bench_family(
                      workdir)
 
 
-@bench_app.command("options")
+@bench_app.command("options", cls=PanelsCommand)
 def bench_options(
     architecture: ArchitectureName = "sdxl",
     variants: Annotated[str, typer.Option("--variants", help="Comma-separated ATTENTION@MODE or "
@@ -140,7 +142,7 @@ def bench_options(
         raise typer.BadParameter(str(e)) from None
 
 
-@bench_app.command("serve")
+@bench_app.command("serve", cls=PanelsCommand)
 def bench_serve(
     model: ServedModel = "sdxl-random",
     num_ids: Annotated[int, typer.Option("--adapters-count", help="Adapter ids in the Zipf stream.")] = 2500,
@@ -169,7 +171,7 @@ def bench_serve(
                     fused_args=tuple(shlex.split(fused_args)), rounds=rounds)
 
 
-@bench_app.command("startup")
+@bench_app.command("startup", cls=PanelsCommand)
 def bench_startup(
     model: ServedModel = "sdxl-random",
     compile_cache: Annotated[Path | None, typer.Option("--compile-cache", help="An empty or new folder for the "

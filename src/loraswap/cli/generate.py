@@ -7,19 +7,21 @@ from typing import Annotated
 import typer
 
 from ..adapters.specs import parse_adapter_specs
-from ..errors import BadRequest, LoraswapError
+from ..errors import BadRequest
+from .checks import check_adapter_ids, check_adapters_folder, check_output, check_size, known_family
 from .options import Verbose, env_option, setup_logging, with_settings
-from .settings import engine_config, one_model, pick, server_config
+from .settings import SettingsError, defaults, engine_config, one_model, pick, server_config
 
 # the settings `serve` has that make sense for one image, from the same table: the engine's,
 # and the bounds of an input image (the server's checks, run here on --image and --mask)
 IMAGE_SETTINGS = pick("max-image-mb", "max-image-pixels")
 IMAGE_NAMES = {s.name for s in IMAGE_SETTINGS}
 REMOTE_SETTINGS = pick("url-allow", "civitai", "civitai-api", "civitai-token-file", "s3", "s3-endpoint-url",
-                       "download-dir")
-GENERATE_SETTINGS = [one_model(), *pick("adapters", "hub"), *REMOTE_SETTINGS,
+                       "download-dir", "download-cache-gb", "max-adapter-mb")
+GENERATE_SETTINGS = [one_model(), *pick("max-size", "adapters", "hub"), *REMOTE_SETTINGS,
                      *pick("device", "dtype", "compile", "compile-mode", "compile-vae", "attention", "quantize",
-                           "quantize-text-encoders", "max-gpu-memory-gb", "compile-cache"), *IMAGE_SETTINGS]
+                           "quantize-text-encoders", "max-gpu-memory-gb", "compile-cache", "step-cache",
+                           "step-cache-calibration"), *IMAGE_SETTINGS]
 
 
 def parse_loras(specs: list[str]) -> list[tuple[str, float]]:
@@ -61,25 +63,63 @@ def generate(
 ) -> None:
     """Generate one image (or repaint one: --image, --mask) or a video (-o out.mp4), with adapters fused the way
     the server fuses them."""
-    from ..engine.config import GenerateRequest
-    from ..engine.engine import Engine
-
     setup_logging(verbose)
+    values = {**defaults(GENERATE_SETTINGS), **given}
+    # 1. everything the command line can get wrong, refused before the model loads
+    family = known_family(values["model"])
+    check_output(output, family)
+    check_adapters_folder(values["adapters"])
+    inputs = read_image_inputs(image, mask, strength, width, height, given)
+    request = checked_request(dict(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
+                                   seed=seed, frames=frames, loras=parse_loras(lora or []), **inputs))
     try:
-        # the image inputs first: a bad file is refused before the model loads
-        inputs = read_image_inputs(image, mask, strength, width, height, given)
-        engine = Engine(engine_config(given, warmup=False))
-        request = GenerateRequest(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
-                                  seed=seed, frames=frames, loras=parse_loras(lora or []), **inputs)
-        result = engine.generate(request)
-        write_output(result, output)
-    except LoraswapError as e:
-        typer.echo(f"error: {e.message}", err=True)
-        raise typer.Exit(1) from None
-    except ValueError as e:  # a bad option value (SettingsError, attention backend)
+        config = engine_config(given, warmup=False)
+    except SettingsError as e:
         raise typer.BadParameter(str(e)) from None
+    check_size(request.width, request.height, values["model"], family, config.max_size)
+    check_adapter_ids(config, request.loras)
+    # 2. the model, then the image (LoraswapErrors become one line in `group.LazyGroup`)
+    result = _generate(config, request)
+    write_output(result, output)
+    skipped = f" steps_skipped={result.steps_skipped}/{result.steps_run}" if result.step_cache else ""
     typer.echo(f"{output}  seed={result.seed} swap={result.swap_seconds * 1e3:.1f}ms "
-               f"generate={result.generate_seconds:.2f}s")
+               f"generate={result.generate_seconds:.2f}s{skipped}")
+
+
+def _generate(config, request):
+    """Load the model (a spinner), then make the image (a bar of its steps), on a terminal."""
+    from ..engine.engine import Engine
+    from ..progress import counting, waiting
+
+    with waiting(f"loading {config.model}"):
+        try:
+            engine = Engine(config)
+        except ValueError as e:  # an option the model cannot take (an attention backend)
+            raise typer.BadParameter(str(e)) from None
+    with counting("steps") as on_step:
+        return engine.generate(request, on_step=on_step)
+
+
+# a request field -> the flag that sets it
+FIELD_FLAGS = {"prompt": "PROMPT", "loras": "--lora", "image": "--image", "mask": "--mask"}
+
+
+def checked_request(fields: dict):
+    """The engine's request, or BadParameter naming each flag out of its bounds in plain words
+    (the request schema's own bounds, checked before the model loads)."""
+    from pydantic import ValidationError
+
+    from ..engine.config import GenerateRequest
+
+    try:
+        return GenerateRequest(**fields)
+    except ValidationError as e:
+        flags, problems = [], []
+        for error in e.errors(include_url=False):
+            field = str(error["loc"][0])
+            flags.append(FIELD_FLAGS.get(field, "--" + field.replace("_", "-")))
+            problems.append(f"{error['msg'].replace('Input should be', 'must be')}, not {fields.get(field)!r}")
+        raise typer.BadParameter("; ".join(problems), param_hint=" / ".join(dict.fromkeys(flags))) from None
 
 
 def write_output(result, output: Path) -> None:

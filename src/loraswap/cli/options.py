@@ -2,11 +2,11 @@
 
 import functools
 import inspect
-import logging
 from typing import Annotated
 
 import typer
 
+from ..logs import configure_logging
 from .settings import Setting
 
 
@@ -58,9 +58,20 @@ def _source(ctx: typer.Context, param: str) -> str | None:
     return source.name if source is not None else None
 
 
-def setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(verbose: bool, level: str = "info", fmt: str = "text") -> None:
+    """Log lines at `level` (debug with `verbose`) as `fmt` says (`logs.configure_logging`)."""
+    configure_logging("debug" if verbose else level, fmt)
+    quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """Libraries' own warnings (dtype casts, load reports) are noise for users. Called by the
+    commands that load models: importing diffusers and transformers takes seconds."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.set_verbosity_error()
 
 
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log debug messages.")]

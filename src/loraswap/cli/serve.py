@@ -3,12 +3,15 @@
 import logging
 import shutil
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from ..tracing import configure_tracing
+from .checks import bind_port, check_adapters_folder, known_family
 from .options import Verbose, env_option, setup_logging, with_settings
 from .settings import SETTINGS, SettingsError, defaults, printable, read_config_file, server_config
 
@@ -22,7 +25,10 @@ PrintConfig = Annotated[bool, typer.Option("--print-config", help="Print the set
 @with_settings(*SETTINGS)
 def serve(config_file: ConfigFile = None, print_config: PrintConfig = False, verbose: Verbose = False, *,
           given: dict) -> None:
-    """Serve the model over HTTP (Hugging Face Inference API and OpenAI images API)."""
+    """Serve the model over HTTP (Hugging Face Inference API and OpenAI images API).
+
+    Every flag is also the LORASWAP_* variable shown with it, and a key of a --config file.
+    docs/settings.md has them all in one table."""
     # 1. the settings: the file's, then LORASWAP_* variables and flags over them
     try:
         given = {**(read_config_file(config_file) if config_file else {}), **given}
@@ -38,37 +44,53 @@ def serve(config_file: ConfigFile = None, print_config: PrintConfig = False, ver
     if print_config:
         typer.echo(printable(values), nl=False)
         return
-    setup_logging(verbose)
+    check_before_loading(config, values)
+    listening = None if cluster is not None else bind_port(config.host, config.port)
+    setup_logging(verbose, config.log_level, config.log_format)
+    configure_tracing(config.otel)
     if values["demo-adapters"]:
-        if values["adapters"] is None:
-            raise typer.BadParameter("--demo-adapters needs --adapters DIR to write into")
         write_demo_adapters(config.engines[0].model, values["adapters"])
     # 3. serve until stopped
     if cluster is not None:
         cluster.run(config, address=values["ray-address"])
         return
-    _serve_http(config)
+    _serve_http(config, listening)
 
 
-def _serve_http(config) -> None:
-    import uvicorn
+def check_before_loading(config, values: dict) -> None:
+    """What the command line can get wrong, refused before a model loads: the models' names, the
+    adapter folder (unless --demo-adapters makes it)."""
+    if values["demo-adapters"] and values["adapters"] is None:
+        raise typer.BadParameter("--demo-adapters needs --adapters DIR to write into")
+    for engine in config.engines:
+        known_family(engine.model)
+    if not values["demo-adapters"]:
+        check_adapters_folder(values["adapters"])
 
+
+def _serve_http(config, listening: socket.socket) -> None:
+    """Serve on the socket `bind_port` bound before the model loaded."""
     from ..engine.engine import Engine
     from ..server.access_log import log_config
     from ..server.app import create_app
+    from ..server.shutdown import serve_http
 
     ranks = _start_ranks(config)  # the other processes of a context-parallel engine, if any
-    # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal to the handler
-    # it found: make that one a clean exit, so a graceful stop exits 0
+    # on SIGTERM the server drains (`server/shutdown.py`), then uvicorn re-raises the signal to
+    # the handler it found: make that one a clean exit, so a graceful stop exits 0
     try:
         app = create_app(config, engine_factory=ranks.engine_factory if ranks else Engine)
     except ValueError as e:  # an unreadable keys file or a malformed key (the message never holds a key)
         raise typer.BadParameter(str(e)) from None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # uvicorn names its address only for a socket it binds itself
+    host, port = listening.getsockname()[:2]
+    logging.getLogger(__name__).info("serving on http://%s:%d (Ctrl-C to stop)", f"[{host}]" if ":" in host else host,
+                                     port)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level="info", log_config=log_config(),
-                    timeout_graceful_shutdown=60)
+        serve_http(app, config, sockets=[listening], log_config=log_config(config.log_format))
     finally:
+        listening.close()
         if ranks:
             ranks.stop()
 

@@ -115,6 +115,7 @@ class ModelReplica:
     async def generate(self, request: GenerateRequest, urls: dict[str, str] | None = None) -> GenerateResult:
         """`urls`: the URLs behind the request's `url:` ids (the ingress saw them; this replica's
         node may have to fetch them into its own download folder)."""
+        request = self.engine.calls.sized(request)  # beyond the model's largest size: 400 before anything is held
         # 1. hold the request's adapters in this replica's budget (Serve routed it here for them)
         received = time.perf_counter()
         remember_urls(urls or {})

@@ -34,6 +34,7 @@ from ..adapters.source import AdapterLocation, file_stamp
 from ..adapters.store import AdapterStore
 from ..errors import AdapterIncompatible, BadRequest
 from ..models import denoiser_name
+from ..tracing import RequestContext
 
 HOTSWAP_SLOT = "hotswap"  # the one adapter name every hotswap loads into
 
@@ -56,7 +57,7 @@ class LocatedFiles:
         self._pool = ThreadPoolExecutor(store.limits.prefetch_threads, thread_name_prefix="loraswap-locate")
 
     def lease(self, loras: list[tuple[str, float]]) -> Future:
-        return self._pool.submit(self.lease_now, loras)
+        return self._pool.submit(RequestContext.capture().run, self.lease_now, loras)  # the request's log lines
 
     def lease_now(self, loras: list[tuple[str, float]]) -> Lease:
         self.store.check_blend(loras)

@@ -18,6 +18,7 @@ from PIL import Image
 from ..errors import BadRequest, UnsupportedInput
 from ..models import Family
 from .config import GenerateRequest
+from .sizes import LargestSize
 
 TEXT, IMG2IMG, INPAINT = "text", "img2img", "inpaint"
 MOST_STEPS = next(rule.le for rule in GenerateRequest.model_fields["steps"].metadata if hasattr(rule, "le"))
@@ -37,9 +38,11 @@ def check_size_multiple(width: int | None, height: int | None, multiple: int, na
 class PipelineCalls:
     """The pipelines of one served model, keyed by the input they take, and their calls."""
 
-    def __init__(self, pipeline: DiffusionPipeline, family: Family | None, defaults: dict[str, float]):
+    def __init__(self, pipeline: DiffusionPipeline, family: Family | None, defaults: dict[str, float],
+                 largest: LargestSize | None = None):
         self.family = family
         self.defaults = defaults
+        self.largest = largest  # the largest image it serves, held by `sized` (None: no bound)
         self._pipelines = {TEXT: pipeline}
         self._parameters: dict[str, Mapping[str, inspect.Parameter]] = {}
 
@@ -50,12 +53,27 @@ class PipelineCalls:
         family = self.family
         return {"image_input": family.image_input if family else "none", "masks": bool(family and family.takes_masks()),
                 "output": family.output if family else "image", "defaults": dict(self.defaults),
-                "size_multiple": self.size_multiple}
+                "size_multiple": self.size_multiple,
+                "max_size": [self.largest.width, self.largest.height] if self.largest else None}
 
     @property
     def size_multiple(self) -> int:
         """What width and height must be multiples of: the family's, else the latents' 8."""
         return self.family.size_multiple if self.family else 8
+
+    def sized(self, request: GenerateRequest) -> GenerateRequest:
+        """`request` held to the model's largest size: a size asked beyond it is refused (400
+        naming the bound); one taken from the input image (no size asked) is scaled down to
+        fit, its shape kept, a multiple of `size_multiple`."""
+        if self.largest is None:
+            return request
+        width = request.width or self.defaults.get("width") or self.largest.native[0]
+        height = request.height or self.defaults.get("height") or self.largest.native[1]
+        if request.size_from_image:
+            width, height = self.largest.fit(width, height, self.size_multiple)
+            return request.model_copy(update={"width": width, "height": height})
+        self.largest.check(width, height)
+        return request
 
     # ------------------------------------------------------------ which pipeline
     def task(self, request: GenerateRequest) -> str:

@@ -15,6 +15,7 @@ from ..adapters.source import AdapterSources
 from ..adapters.store import make_remote, make_sources
 from ..flags import ADAPTERS, MODELS, SPEED, Flag
 from .quantize import QuantizeMode
+from .sizes import parse_size
 
 if TYPE_CHECKING:
     from .context_parallel import Parallelism
@@ -36,6 +37,10 @@ class EngineConfig(BaseModel):
         "auto", description="auto (bfloat16 on CUDA, float32 on CPU), float32, float16 or bfloat16.")
     warmup: Annotated[bool, Flag(MODELS)] = Field(
         True, description="Generate once at start-up, so that the first request finds the model compiled.")
+    max_size: Annotated[str | None, Flag(MODELS)] = Field(
+        None, description="The largest image the model makes, WIDTHxHEIGHT (either way round); "
+        "a larger size asked is refused (400), a larger input image with no size asked is scaled down to fit "
+        "(default: twice the model's native size a side, at least 128x128: the demo's 128x128, SDXL's 2048x2048).")
     adapters: Annotated[Path | None, Flag(ADAPTERS)] = Field(
         None, description="Folder of .safetensors adapters; an adapter's id is its path under it without the "
                           "suffix.")
@@ -146,6 +151,13 @@ class EngineConfig(BaseModel):
         None, description="MagCache's ratios for this model (a JSON list, one per step) instead of measuring them "
                           "at start-up.")
 
+    @field_validator("max_size")
+    @classmethod
+    def _a_size(cls, size: str | None) -> str | None:
+        if size is not None:
+            parse_size(size)
+        return size
+
     @field_validator("attention")
     @classmethod
     def _known_backend(cls, name: str | None) -> str | None:
@@ -243,5 +255,8 @@ class GenerateRequest(BaseModel):
     frames: int | None = Field(None, ge=1, le=1000)
     output: Literal["image", "video"] | None = None  # what the API asked for (None: what the model makes)
     max_frames: int | None = Field(None, ge=1)  # the server's limit, held against the model's default too
+    # width and height are the input image's (no size asked): a model whose largest size is
+    # smaller scales them down to fit rather than refusing them (`PipelineCalls.sized`)
+    size_from_image: bool = False
     # "off", a step cache setting in its canonical text (`step_cache.canonical`), or None: the server's default
     step_cache: str | None = None

@@ -36,6 +36,8 @@ from ..models import (
     model_name,
     resolve_device,
 )
+from ..models.family import native_size
+from ..tracing import adapter_attributes, generation_attributes, traced
 from .attention import AttentionBackend
 from .baselines import HotswapSwapper, LoadAndFuseSwapper
 from .calls import TEXT, PipelineCalls
@@ -43,6 +45,7 @@ from .cfg_parallel import GuidanceSplit, check_guided
 from .compile import graph_count
 from .config import EngineConfig, GenerateRequest
 from .context_parallel import Ranks, check_sequence, device_mesh, enable_context_parallel
+from .sizes import LargestSize
 from .startup import Startup
 from .step_cache import PROMPT, Skips, StepCache, read_ratios, shared
 from .swap import FusedSwapper
@@ -66,7 +69,8 @@ class GenerateResult:
     # on Ray `hold` (the replica taking the adapters into its budget) and `ray` (Serve's
     # routing and transport both ways); the server answers them in `Server-Timing`
     timings: dict[str, float] = field(default_factory=dict)
-    steps_skipped: int | None = None  # with a step cache: the steps whose blocks a cache stood in for
+    steps_skipped: int | None = None  # with a step cache: the steps whose blocks a cache stood in for,
+    steps_run: int | None = None  # of the steps the pipeline ran
     step_cache: str | None = None  # the step cache setting it ran with (None: none)
 
 
@@ -105,8 +109,9 @@ class Engine:
         self.lender = self.swapper.lender(self.adapters)
         self._applied: list[tuple[object, float]] = []  # what the swapper applied, as leased (on failure: base)
         # the family (None: a pipeline no family lists, served text to image) and its pipelines
-        self.calls = PipelineCalls(self.pipeline, family_for(config.model, self.pipeline),
-                                   generation_defaults(config.model))
+        defaults = generation_defaults(config.model)
+        largest = LargestSize.of(self.model_name, native_size(self.pipeline, defaults), config.max_size)
+        self.calls = PipelineCalls(self.pipeline, family_for(config.model, self.pipeline), defaults, largest)
         self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
         # several ranks: the denoiser split over them before the warm-up, which every rank makes in step
         self.parallelism = config.parallelism
@@ -116,7 +121,7 @@ class Engine:
             self._split_over_ranks()
         self.step_cache = StepCache([getattr(self.pipeline, n) for n in denoiser_names(self.pipeline)],
                                     self.model_name, config.step_cache, config.step_cache_allow,
-                                    self.parallelism.world)
+                                    self.parallelism.world, whole_graph=self._startup.compiles_whole_denoiser)
         self._recording: Skips | None = None  # set while MagCache's ratios are measured
         with on_device(self.device):
             self._startup.compile_and_warm_up(self.pipeline, self.swapper, self._warm_up_images)
@@ -149,8 +154,11 @@ class Engine:
     def _calibrate_step_cache(self) -> None:
         """MagCache's ratios, when the server may serve it: read from the operator's file, or
         measured now over one image of the base model (every process uses the first's)."""
-        wanted = "magcache" in self.config.step_cache_allow or self.config.step_cache.startswith("magcache")
-        if not wanted or not self.step_cache.takes or self.step_cache.ratios is not None:
+        config = self.config
+        wanted = "magcache" in config.step_cache_allow or config.step_cache.startswith("magcache") \
+            or config.step_cache_calibration is not None
+        if not wanted or not self.step_cache.takes or "magcache" in self.step_cache.refusals \
+                or self.step_cache.ratios is not None:
             return
         if self.config.step_cache_calibration is not None:
             ratios = read_ratios(self.config.step_cache_calibration)
@@ -179,6 +187,7 @@ class Engine:
     def applied_ids(self) -> tuple[tuple[str, float], ...]:
         return tuple((held.adapter_id, weight) for held, weight in self._applied)
 
+    @traced("swap", lambda engine, lease: adapter_attributes(lease.ids))
     @_on_its_device
     def apply(self, lease: Lease) -> float:
         """Put exactly the lease's adapters on the model; seconds spent swapping (0 if already
@@ -241,10 +250,12 @@ class Engine:
             return self.apply(lease)
 
     # ---------------------------------------------------------------- generation
-    def generate(self, request: GenerateRequest) -> GenerateResult:
-        """One image (or video) for a caller on one thread: its adapters leased for the call."""
+    def generate(self, request: GenerateRequest,
+                 on_step: Callable[[int, int], None] | None = None) -> GenerateResult:
+        """One image (or video) for a caller on one thread: its adapters leased for the call;
+        `on_step(done, total)` after each denoising step (a progress bar)."""
         with self.lender.lease_now(request.loras) as lease:
-            return self.generate_batch([request], lease)[0]
+            return self.generate_batch([request], lease, on_step=on_step)[0]
 
     @_on_its_device
     def generate_batch(self, requests: list[GenerateRequest], lease: Lease,
@@ -282,6 +293,7 @@ class Engine:
         def generators() -> list[torch.Generator]:
             return [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
 
+        @traced("generate", lambda: generation_attributes(self.model_name, requests, kwargs))
         def run() -> list[list[Image.Image]]:
             with (torch.inference_mode(), self.attention.context() if self.attention else contextlib.nullcontext(),
                   self._step_cache_for(task, kwargs, skips)):
@@ -297,8 +309,8 @@ class Engine:
             run, self.model_name, retry=self.parallelism.world == 1)
         seconds = time.perf_counter() - started
         fps = self.calls.family.fps if self.calls.is_video else None
-        cached = {"steps_skipped": skips.steps_skipped, "step_cache": str(skips.setting)} if skips and skips.setting \
-            else {}
+        cached = {"steps_skipped": skips.steps_skipped, "steps_run": skips.steps, "step_cache": str(skips.setting)} \
+            if skips and skips.setting else {}
         return [GenerateResult(frames[0], seed, swap_seconds, seconds, frames if fps else None, fps, **cached)
                 for frames, seed in zip(videos, seeds)]
 

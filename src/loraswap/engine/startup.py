@@ -164,6 +164,11 @@ class Startup:
         self.figures["warmup_s"] = time.perf_counter() - warming
 
     @property
+    def compiles_whole_denoiser(self) -> bool:
+        """Whether the denoiser is compiled whole (the CUDA-graph modes), not block by block."""
+        return self.compiled and self.config.compile_mode in CUDA_GRAPH_MODES
+
+    @property
     def first_image_done(self) -> bool:
         return "first_image_s" in self.figures
 

@@ -11,6 +11,8 @@ it stops at the next denoising step (`JobFuture.cancel`), unless another request
 batch still wants the images or the engine spans several ranks (which must stay in step).
 Should those ranks be lost (one died), every request held, queued or generating, and each new
 one, is failed at once with their error (a 503), before the process exits for a restart.
+A server shutting down `drain`s its worker (each queued request answered 503 now, new ones
+refused) and, once its drain time is up, `halt`s it (the running batch stops at its next step).
 
 Scheduling, among queued requests whose adapters are ready:
 1. a request waiting longer than `max_wait_s`, or passed over `max_skips` times, goes
@@ -34,6 +36,7 @@ from pydantic import BaseModel, Field
 
 from ..errors import LoraswapError, Overloaded
 from ..flags import SCHEDULING, Flag
+from ..tracing import RequestContext
 from .calls import Stopped
 from .config import GenerateRequest
 from .engine import Engine
@@ -50,6 +53,11 @@ class SchedulerConfig(BaseModel):
         30.0, gt=0, description="Fairness: a request waiting this long goes next, seconds.")
     max_skips: Annotated[int, Flag(SCHEDULING)] = Field(
         8, ge=0, description="Fairness: a request passed over this often goes next.")
+
+
+class ShuttingDown(Overloaded):
+    """503: the server is shutting down; the request was queued, or stopped at a step once the
+    drain time was up."""
 
 
 class JobFuture(Future):
@@ -73,12 +81,16 @@ class Job:
     skips: int = 0
     on_step: Callable[[int, int], None] | None = None  # progress: (steps done, steps in all)
     read_at: float | None = None  # when its adapters were in (the worker's clock)
+    # its request's id and span, entered on this thread while it is served (its log lines, its spans)
+    context: RequestContext = field(default_factory=RequestContext.capture)
 
     @property
     def batch_key(self) -> tuple:
         r = self.request
-        alone = id(r) if r.image is not None else None  # requests with an image input run alone
-        return (tuple(r.loras), r.steps, r.guidance, r.width, r.height, r.strength, r.frames, alone)
+        # requests with an image input run alone, and those with First-Block Cache, whose
+        # decision to skip a step reads the whole batch's residuals
+        alone = id(r) if r.image is not None or (r.step_cache or "").startswith("first-block") else None
+        return (tuple(r.loras), r.steps, r.guidance, r.width, r.height, r.strength, r.frames, r.step_cache, alone)
 
 
 class GpuWorker:
@@ -90,6 +102,7 @@ class GpuWorker:
         self._running: list[Job] = []  # the batch taken from the queue to generate
         self._cond = threading.Condition()
         self._stopping = False
+        self._halting = False  # the running batch is to stop at its next step (`halt`)
         self._lost: LoraswapError | None = None  # the engine's ranks lost: every request fails with it
         if engine.ranks is not None:
             engine.ranks.loss.when_lost(self._fail_all)
@@ -106,6 +119,8 @@ class GpuWorker:
     def submit(self, request: GenerateRequest, on_step: Callable[[int, int], None] | None = None) -> Future:
         """Queue a request and start reading its adapters; `on_step(done, total)` is called
         after each denoising step (a video job's progress)."""
+        # the step cache it runs with, the server's default filled in: a batch shares one
+        request = request.model_copy(update={"step_cache": self.engine.step_cache.effective(request.step_cache)})
         if self.engine.ranks is not None and request.loras:  # the other ranks read them now too
             self.engine.ranks.tell("read", request.loras)
         job = Job(request, self.engine.lender.lease(request.loras), self.clock(), on_step=on_step)
@@ -115,13 +130,14 @@ class GpuWorker:
                 raise type(self._lost)(self._lost.message)
             if self._stopping:
                 _give_back(job)
-                raise Overloaded("the server is shutting down")
+                raise ShuttingDown("the server is shutting down; retry on another server, or once it is back")
             if len(self._jobs) >= self.config.max_queue:
                 _give_back(job)
                 raise Overloaded(f"the queue is full ({self.config.max_queue} requests waiting); retry shortly")
             self._jobs.append(job)
             self._cond.notify_all()
         job.lease.add_done_callback(lambda _: self._adapters_read(job))
+        job.future.add_done_callback(lambda _: self._maybe_unqueue(job))
         return job.future
 
     @property
@@ -130,11 +146,44 @@ class GpuWorker:
             return len(self._jobs)
 
     def stop(self, timeout: float | None = None) -> None:
-        """Refuse new requests, finish the queued ones, then end the thread."""
+        """Refuse new requests, finish the queued ones (none after `drain`), then end the thread."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout)
+
+    def drain(self) -> int:
+        """Refuse new requests and answer each queued one now (`ShuttingDown`, a 503); the running
+        batch goes on. How many were queued."""
+        with self._cond:
+            self._stopping = True
+            queued, self._jobs = self._jobs, []
+            self._cond.notify_all()
+        for job in queued:
+            _give_back(job)
+            with contextlib.suppress(InvalidStateError):  # cancelled meanwhile: its client left
+                job.future.set_exception(ShuttingDown("the server is shutting down and this request was still "
+                                                      "queued; retry on another server, or once it is back"))
+        return len(queued)
+
+    def halt(self) -> int:
+        """Stop the running batch at its next denoising step, answered `ShuttingDown` (never on
+        several ranks, which must stay in step: that batch finishes). How many it stops."""
+        with self._cond:
+            self._halting = True
+            return len(self._running) if self.engine.ranks is None else 0
+
+    def _maybe_unqueue(self, job: Job) -> None:
+        """A job cancelled while queued (its client left) leaves the queue now, its adapters
+        given back, rather than when the worker next looks (after the running batch)."""
+        if not job.future.cancelled():
+            return
+        with self._cond:
+            if job not in self._jobs:  # taken by the worker already, which skips it
+                return
+            self._jobs.remove(job)
+            self.skipped_cancelled += 1
+        _give_back(job)
 
     def _wake(self) -> None:
         with self._cond:
@@ -204,7 +253,8 @@ class GpuWorker:
                 if job not in running:
                     _give_back(job)
             if running:
-                self._serve(running)
+                with RequestContext.joined([job.context for job in running]).entered():
+                    self._serve(running)
 
     def _serve(self, jobs: list[Job]) -> None:
         started = self.clock()
@@ -224,7 +274,8 @@ class GpuWorker:
                     job.future.set_result(result)
         except BaseException as e:  # delivered to the waiting handlers
             if isinstance(e, Stopped):  # no traceback: its frames would keep the call's tensors alive
-                e = Stopped(str(e))
+                e = ShuttingDown(f"the server is shutting down: this image was {e}; retry") if self._halting \
+                    else Stopped(str(e))
             for job in ready:
                 if not job.future.done():
                     job.future.set_exception(e)
@@ -257,6 +308,8 @@ class GpuWorker:
 
         def step_ended(done: int, total: int) -> None:
             _report_progress(hooks, done, total)
+            if stoppable and self._halting:
+                raise Stopped(f"stopped at step {done} of {total}")
             if stoppable and all(job.future.stop_asked.is_set() for job in jobs):
                 self.stopped += len(jobs)
                 raise Stopped(f"cancelled at step {done} of {total}")

@@ -4,6 +4,7 @@ and what it returns. `families/` holds one module per family; adding a family is
 module there, listed in `families/__init__.py`, and its tests.
 """
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -89,3 +90,28 @@ class Family:
 # generation defaults of the tiny presets: small images, few steps (pipelines' own defaults
 # are sized for the real models, e.g. FLUX.1's 1024x1024 and 28 steps)
 TINY_DEFAULTS = {"width": 64, "height": 64, "steps": 4}
+
+
+# the size a pipeline that says nothing of its own is taken to be made for: today's models'
+# (SDXL, FLUX.1, SD3, Qwen-Image, Z-Image)
+USUAL_NATIVE_SIDE = 1024
+
+
+def native_size(pipeline: DiffusionPipeline, defaults: Mapping[str, float]) -> tuple[int, int]:
+    """(width, height) the model was made for: a preset's default size, else what its pipeline
+    makes when asked for none: its call's own default (Wan's 832x480), its `default_sample_size`
+    (SDXL, SD3, FLUX.1, Qwen-Image) or its UNet's sample size (SD 1.5's 64, 512 px) in latents,
+    times the VAE's scale; else `USUAL_NATIVE_SIDE`."""
+    if "width" in defaults and "height" in defaults:
+        return int(defaults["width"]), int(defaults["height"])
+    call = inspect.signature(type(pipeline).__call__).parameters
+    width, height = (call[side].default if side in call else None for side in ("width", "height"))
+    if isinstance(width, int) and isinstance(height, int):
+        return width, height
+    unet = getattr(pipeline, "unet", None)
+    latents = getattr(pipeline, "default_sample_size", None) or getattr(getattr(unet, "config", None),
+                                                                         "sample_size", None)
+    scale = getattr(pipeline, "vae_scale_factor", None)
+    if isinstance(latents, int) and isinstance(scale, int):
+        return latents * scale, latents * scale
+    return USUAL_NATIVE_SIDE, USUAL_NATIVE_SIDE

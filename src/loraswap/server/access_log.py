@@ -6,12 +6,14 @@ request is refused. The routes read nothing from a query but `/v1/videos/{id}/co
 `variant`, so little is lost.
 
 uvicorn's access log goes through `HideQuery`; the app's own lines about a request
-(`app.ContainUnexpected`) through `loggable_path`."""
+(`app.ContainUnexpected`) and its span (`request_ids.py`) through `loggable_path`."""
 
 import copy
 import logging
 import re
 from urllib.parse import quote, unquote
+
+from ..logs import formatter
 
 HIDDEN = "?(query hidden)"
 MAX_DECODES = 4  # %-encoding of %-encoding of ...: a path is decoded until it stops changing, at most this often
@@ -45,11 +47,17 @@ class HideQuery(logging.Filter):
         return True
 
 
-def log_config() -> dict:
-    """uvicorn's default logging config, its access handler filtered by `HideQuery`."""
+def log_config(fmt: str = "text") -> dict:
+    """uvicorn's default logging config, its lines in the server's format (`logs.formatter`:
+    "text" or "json"; its access lines with its parts as fields) and at the server's level,
+    its access handler filtered by `HideQuery`."""
     from uvicorn.config import LOGGING_CONFIG
 
     config = copy.deepcopy(LOGGING_CONFIG)
+    config["formatters"] = {"default": {"()": formatter, "fmt": fmt},
+                            "access": {"()": formatter, "fmt": fmt, "access": True}}
+    for logger in config["loggers"].values():
+        logger.pop("level", None)  # the server's level (`logs.configure_logging`), not INFO always
     config.setdefault("filters", {})["hide_query"] = {"()": HideQuery}
     config["handlers"]["access"]["filters"] = ["hide_query"]
     return config

@@ -31,6 +31,7 @@ from .decode_budget import DecodeBudget
 from .kept_adapters import KeptAdapters
 from .metrics import Metrics
 from .openapi import document_api
+from .request_ids import RequestIds
 from .routes import ROUTERS
 from .routes.videos import video_maker
 from .schemas import invalid_request_message
@@ -62,11 +63,13 @@ def create_app(config: ServerConfig, engine_factory=Engine, backend: Backend | N
     app.state.keys = keys
     app.state.backend = backend or LocalBackend(app.state, config, engine_factory)
     app.state.metrics = Metrics()
+    app.state.shutting_down = False  # set by `shutdown.start_draining` at SIGTERM
     app.state.decode_budget = DecodeBudget(config.max_decode_bytes)
     app.state.videos = VideoStore(config)
     app.state.kept = KeptAdapters(app.state.videos.state.folder)  # the same claimed state folder
     _add_error_handlers(app)
     app.add_middleware(ContainUnexpected)
+    app.add_middleware(RequestIds)  # outermost: its id and span cover everything the request causes
     for router in ROUTERS:
         app.include_router(router)
     document_api(app, config, keys)
@@ -118,6 +121,16 @@ class ContainUnexpected:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            # uvicorn cancels what is left when its shutdown has waited long enough (`shutdown.py`):
+            # answered as any request the shutdown stopped, not a traceback and a plain-text 500
+            if not scope["app"].state.shutting_down:
+                raise
+            logger.info("%s %s: cancelled by the shutdown", scope["method"], loggable_path(scope["path"]))
+            if not started:
+                await JSONResponse({"error": "the server is shutting down; retry"}, status_code=503,
+                                   headers={"Retry-After": str(scope["app"].state.config.retry_after_s)})(
+                    scope, receive, send)
         except (ClientGone, ClientDisconnect):  # nobody to answer: no error of ours
             logger.info("%s %s: the client left", scope["method"], loggable_path(scope["path"]))
             if not started:

@@ -23,7 +23,7 @@ from ..engine.config import GenerateRequest
 from ..engine.engine import Engine, GenerateResult
 from ..engine.rank_loss import RanksLost
 from ..engine.startup import freeze_loaded_objects, unfreeze_objects
-from ..engine.worker import GpuWorker
+from ..engine.worker import GpuWorker, ShuttingDown
 from ..errors import AdapterIncompatible, AdapterInvalid, Overloaded
 from .config import ServerConfig
 from .fetch_pool import FetchPool
@@ -148,10 +148,24 @@ class LocalBackend:
     async def start(self) -> None:
         threading.Thread(target=self._load, name="loraswap-loader", daemon=True).start()
 
-    async def stop(self) -> None:
+    def drain(self) -> None:
+        """The start of a shutdown: new requests refused and queued ones answered now (503); those
+        running go on until `halt`."""
         for hosted in self.state.deployment.hosted:
-            logger.info("shutting down %s: finishing %d queued requests", hosted.engine.model_name,
-                        hosted.worker.queue_depth)
+            if queued := hosted.worker.drain():
+                logger.info("shutting down %s: %d queued requests answered 503", hosted.engine.model_name, queued)
+
+    def halt(self) -> None:
+        """The drain time is up: the running images stop at their next step (answered 503)."""
+        for hosted in self.state.deployment.hosted:
+            if running := hosted.worker.halt():
+                logger.info("shutting down %s: stopping %d running requests at their next step",
+                            hosted.engine.model_name, running)
+
+    async def stop(self) -> None:
+        self.drain()  # what is left once the connections have closed (a video stopping), or a test's app
+        self.halt()
+        for hosted in self.state.deployment.hosted:
             await run_in_threadpool(hosted.worker.stop)
             hosted.engine.adapters.close()
         self._fetch_pool.close()
@@ -212,10 +226,11 @@ class LocalBackend:
         # (downloads on their own pool; the files found are in use, never evicted, until answered)
         async with holding_downloads_in_coroutine():
             hosted = await self._find(request.loras, self._route, request.loras, model)
+            request = hosted.engine.calls.sized(request)  # beyond the model's largest size: 400 before queueing
             try:
                 future = hosted.worker.submit(request, on_step)
                 return await wait_for_result(asyncio.wrap_future(future), future.cancel, is_disconnected)
-            except RanksLost:  # the process exits for a restart in a moment
+            except (RanksLost, ShuttingDown):  # the process exits (for a restart) in a moment
                 if is_disconnected is None:  # a video job: left unfinished in its state, for the restart to make
                     await asyncio.Event().wait()
                 raise

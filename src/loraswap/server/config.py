@@ -1,7 +1,7 @@
 """The server's typed configuration: the engine's, plus the HTTP edge's limits and keys."""
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -23,6 +23,20 @@ class ServerConfig(BaseModel):
         2, ge=1, description="Retry-After sent with a 503, seconds.")
     host: Annotated[str, Flag(SERVER)] = Field("127.0.0.1", description="Interface to listen on.")
     port: Annotated[int, Flag(SERVER)] = Field(8888, ge=0, le=65535, description="TCP port (0: any free one).")
+    drain_s: Annotated[float, Flag(SERVER)] = Field(
+        10.0, ge=0, le=3600, description="On SIGTERM (or Ctrl-C): queued requests are answered 503 at once, running "
+        "ones have this long to finish, then stop at their next denoising step (answered 503), seconds. Not with "
+        "--ray: Ray Serve drains its replicas.")
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], Flag(SERVER)] = Field(
+        "info", description="The least important log lines written: debug, info, warning or error (debug also shows "
+                            "the libraries' warnings at start-up).")
+    log_format: Annotated[Literal["text", "json"], Flag(SERVER)] = Field(
+        "text", description="Log lines as text, or json: one object a line (time, level, logger, message, request_id "
+                            "on a request's lines, and their fields), the access log's too.")
+    otel: Annotated[bool, Flag(SERVER)] = Field(
+        False, description="Send OpenTelemetry traces of the requests (pip install 'loraswap[tracing]'), where the "
+                           "OTEL_* variables say (default: OTLP over HTTP to localhost:4318). Setting "
+                           "OTEL_TRACES_EXPORTER or OTEL_EXPORTER_OTLP_ENDPOINT turns it on too.")
     # repr=False: a config printed or logged never shows a key
     api_keys: Annotated[list[str], Flag(SERVER, name="api-key")] = Field(
         default_factory=list, repr=False,
@@ -80,8 +94,8 @@ class ServerConfig(BaseModel):
         "image, read from its header before any pixel is decoded.")
     auto_size_max_pixels: Annotated[int, Flag(SERVER)] = Field(
         1024 * 1024, ge=16 * 16, description="With an input image and no size asked, the size generated is the "
-        "image's, scaled down to at most this many pixels (its shape kept); asked for, a size is held only to "
-        "--max-width and --max-height.")
+        "image's, scaled down to at most this many pixels and to the model's --max-size (its shape kept); asked "
+        "for, a size is held to --max-width, --max-height and --max-size.")
     max_decode_bytes: Annotated[int, Flag(SERVER, name="max-decode-mb", unit="MiB", scale=2**20)] = Field(
         1024 * 2**20, ge=2**20, description="Input images and masks being decoded at once, all requests together, "
         "counted as their pixels' bytes (width x height x channels x bytes per channel, the copies a decode makes "

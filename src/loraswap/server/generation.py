@@ -14,6 +14,7 @@ from ..engine.config import GenerateRequest
 from ..engine.engine import GenerateResult
 from ..errors import LoraswapError, Overloaded
 from ..media.images import encode_image
+from ..tracing import traced
 from .backend import ClientGone, StepCallback
 
 logger = logging.getLogger("loraswap.server")
@@ -61,6 +62,10 @@ def _observe(metrics, route: str, status: int, gen: GenerateRequest, result: Gen
         if result.swap_seconds:
             metrics.swap_seconds.observe(result.swap_seconds)
         metrics.generate_seconds.observe(result.generate_seconds)
+        if result.step_cache is not None:
+            method = result.step_cache.partition(":")[0]
+            metrics.step_cache_steps.labels(method, "skipped").inc(result.steps_skipped)
+            metrics.step_cache_steps.labels(method, "computed").inc(result.steps_run - result.steps_skipped)
     logger.info("%s adapters=%s swap=%.1fms generate=%.2fs total=%.2fs status=%d", route,
                 ",".join(f"{a}:{w:g}" for a, w in gen.loras) or "-",
                 result.swap_seconds * 1e3 if result else 0.0, result.generate_seconds if result else 0.0,
@@ -73,11 +78,23 @@ TIMING_PHASES = ("parse", "ray", "hold", "read", "wait", "swap", "generate", "en
 def server_timing(result: GenerateResult, **measured: float) -> str:
     """A `Server-Timing` header (milliseconds) of where a request's time went: the phases the
     engine, worker and Ray measured (`GenerateResult.timings`), the swap and the generation,
-    and what the handler measured itself (`parse`, `encode`)."""
+    and what the handler measured itself (`parse`, `encode`); with a step cache, what it skipped."""
     seconds = {**result.timings, "swap": result.swap_seconds, "generate": result.generate_seconds, **measured}
-    return ", ".join(f"{phase};dur={seconds[phase] * 1e3:.1f}" for phase in TIMING_PHASES if phase in seconds)
+    phases = [f"{phase};dur={seconds[phase] * 1e3:.1f}" for phase in TIMING_PHASES if phase in seconds]
+    if result.step_cache is not None:
+        phases.append(f'step-cache;desc="{result.steps_skipped} of {result.steps_run} steps skipped, '
+                      f'{result.step_cache}"')
+    return ", ".join(phases)
 
 
+def step_cache_headers(results: list[GenerateResult]) -> dict[str, str]:
+    """`x-steps-skipped`: the steps a step cache skipped, per image in order (none: no cache)."""
+    if all(r.step_cache is None for r in results):
+        return {}
+    return {"x-steps-skipped": ",".join(str(r.steps_skipped or 0) for r in results)}
+
+
+@traced("encode", lambda image, accept: {"loraswap.width": image.width, "loraswap.height": image.height})
 async def encode(image, accept: str) -> tuple[bytes, str]:
     """The image in the first format `accept` names (PNG, WebP, JPEG), else JPEG; encoded off
     the event loop by `media.images.encode_image`."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.config import GenerateRequest
+from ..engine.sizes import check_fits
 from ..errors import BadRequest
 from ..media.images import ImageLimits
 from .config import ServerConfig
@@ -126,6 +127,15 @@ def check_limits(fields: dict[str, Any], config: ServerConfig) -> None:
         for name in limit.names:
             if fields.get(name) is not None:
                 limit.check(name, fields[name], config)
+
+
+def check_model_size(request: GenerateRequest, capabilities: dict, model: str) -> None:
+    """400 naming the bound for a size asked beyond the largest `model` makes (its capabilities'
+    `max_size`), where the model is known before the request reaches it (a video job, refused
+    now rather than failed later). A size taken from the input image is the model's to scale."""
+    bound = capabilities.get("max_size")
+    if bound and request.width and request.height and not request.size_from_image:
+        check_fits(model, (bound[0], bound[1]), request.width, request.height)
 
 
 def schema_limits(config: ServerConfig) -> dict[str, dict]:

@@ -80,6 +80,9 @@ class Metrics:
                                 ["route", "status"], registry=self.registry)
         self.swap_seconds = Histogram("loraswap_adapter_swap_seconds", "Time to put adapters on the model.",
                                       buckets=SWAP_BUCKETS, registry=self.registry)
+        self.step_cache_steps = Counter("loraswap_step_cache_steps", "Denoising steps run with a step cache, by "
+                                        "method and outcome (skipped: a cache stood in; computed).",
+                                        ["method", "outcome"], registry=self.registry)
         self.generate_seconds = Histogram("loraswap_generate_seconds", "Pipeline time per image.",
                                           buckets=GENERATE_BUCKETS, registry=self.registry)
         self._engines = _EngineCollector()

@@ -18,6 +18,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from ..adapters.references import NamedUrls
 from ..adapters.specs import adapter_with_weight, parse_adapter_specs
 from ..engine.config import GenerateRequest
+from ..engine.step_cache import canonical
 from ..errors import BadRequest
 from ..media.images import (
     ImageLimits,
@@ -28,6 +29,7 @@ from ..media.images import (
     read_inputs,
     require_image,
 )
+from ..tracing import traced
 from .auth import check_url_ids, url_owner
 from .backend import Backend
 from .config import ServerConfig
@@ -167,6 +169,7 @@ async def read_request(request: Request, api: type[ApiBody], config: ServerConfi
     return parsed
 
 
+@traced("parse")
 async def parse_request(request: Request, api: type[ApiBody], path_model: str | None = None) -> ParsedRequest:
     """The one parse of every generation route. `path_model`: the model id in the URL (HF `/models/{id}`)."""
     config, backend = request.app.state.config, request.app.state.backend
@@ -193,6 +196,7 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
     # 4. the image and the mask, decoded and checked (the costliest check, so the last);
     #    no size asked: the image's
     image, mask = await decode_inputs(request, fields.get("image"), fields.get("mask"), image_limits(config))
+    size_from_image = image is not None and fields.get("width") is None and fields.get("height") is None
     if image is not None:
         fields["width"], fields["height"] = output_size(image, fields.get("width"), fields.get("height"),
                                                         config.max_width, config.max_height,
@@ -204,7 +208,8 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
             steps=fields.get("num_inference_steps"), guidance=fields.get("guidance_scale"),
             width=fields.get("width"), height=fields.get("height"), seed=fields.get("seed"),
             loras=loras, image=image, mask=mask, strength=fields.get("strength"), frames=frames, output=api.output,
-            max_frames=config.max_video_frames if api.output == "video" else None)
+            max_frames=config.max_video_frames if api.output == "video" else None,
+            step_cache=canonical(fields.get("step_cache")), size_from_image=size_from_image)
     except ValidationError as e:
         raise BadRequest(invalid_request_message(e.errors())) from None
     return ParsedRequest(engine_request, model, count, fps)

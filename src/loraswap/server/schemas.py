@@ -64,6 +64,9 @@ class HFParameters(BaseModel):
     seed: int | None = None
     loras: list[LoraEntry] | None = Field(None, description="Adapters to blend, by id, URL, Civitai AIR or "
                                           "bucket: [{\"path\": ..., \"scale\": 1.0}] (an extension).")
+    step_cache: str | None = Field(None, description="Skip the steps a cache can stand in for: \"off\", or "
+                                   "METHOD[:key=value,...] (first-block:threshold=0.08, taylorseer:interval=4, "
+                                   "magcache) within what the server allows; default: the server's (an extension).")
 
 
 class ApiBody(BaseModel):
@@ -121,7 +124,8 @@ class HFRequest(ApiBody):
         return {"prompt": p.prompt if image_to_image else self.inputs, "negative_prompt": p.negative_prompt,
                 "width": size.width, "height": size.height, "num_inference_steps": p.num_inference_steps,
                 "guidance_scale": p.guidance_scale, "seed": p.seed, "strength": p.strength,
-                "image": self.inputs if image_to_image else None, "mask": p.mask, "loras": _loras(p.loras)}
+                "image": self.inputs if image_to_image else None, "mask": p.mask, "loras": _loras(p.loras),
+                "step_cache": p.step_cache}
 
 
 class OpenAIImageRequest(ApiBody):
@@ -143,6 +147,9 @@ class OpenAIImageRequest(ApiBody):
     loras: list[LoraEntry] | None = Field(None, description="Adapters to blend, by id, URL, Civitai AIR or "
                                           "bucket: [{\"path\": ..., \"scale\": 1.0}] (an extension).")
     image_loras: list[LoraEntry] | None = Field(None, description="The same list, as Together names it.")
+    step_cache: str | None = Field(None, description="Skip the steps a cache can stand in for: \"off\", or "
+                                   "METHOD[:key=value,...] (first-block:threshold=0.08, taylorseer:interval=4, "
+                                   "magcache) within what the server allows; default: the server's (an extension).")
 
     def fields(self) -> dict[str, Any]:
         return {**self.model_dump(exclude={"loras", "image_loras"}), "loras": _loras(self.loras, self.image_loras)}
@@ -199,6 +206,9 @@ class OpenAIVideoRequest(ApiBody):
     guidance_scale: float | None = None
     loras: list[LoraEntry] | None = Field(None, description="Adapters to blend, as JSON text: "
                                           "[{\"path\": ..., \"scale\": 1.0}] (an extension).")
+    step_cache: str | None = Field(None, description="Skip the steps a cache can stand in for: \"off\", or "
+                                   "METHOD[:key=value,...] (first-block:threshold=0.08, taylorseer:interval=4, "
+                                   "magcache) within what the server allows; default: the server's (an extension).")
 
     _loras_as_json = field_validator("loras", mode="before")(_json_list)
 

@@ -75,6 +75,10 @@ def is_video_id(text: object) -> bool:
     return isinstance(text, str) and VIDEO_ID.fullmatch(text) is not None
 
 
+class StateFolderTaken(OSError):
+    """The state folder is another running server's (it holds the folder's lock)."""
+
+
 def default_state_dir() -> Path:
     return user_cache("state")
 
@@ -94,7 +98,11 @@ class VideoState:
                 self._lock_file.close()
             self._open(Path(tempfile.mkdtemp(prefix="loraswap-state-")))
             self.temporary = True
-            logger.error("video jobs are kept in %s and lost at a restart: %s", self.folder, e)
+            if isinstance(e, StateFolderTaken):  # two servers on one machine: this one serves on, a warning
+                logger.warning("%s: this one keeps its video jobs in %s, lost at a restart; give each server its "
+                               "own --state-dir", e, self.folder)
+            else:
+                logger.error("video jobs are kept in %s and lost at a restart: %s", self.folder, e)
 
     def _open(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -113,8 +121,7 @@ class VideoState:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock_file.close()
-            raise OSError(f"{folder} is the state folder of another loraswap server; give each server its own "
-                          "--state-dir") from None
+            raise StateFolderTaken(f"{folder} is the state folder of another loraswap server") from None
         self._lock_file = lock_file
         return folder
 

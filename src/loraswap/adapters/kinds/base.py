@@ -95,6 +95,10 @@ class AdapterKind:
         """The factors the swap takes as matrices, viewed [rows, -1] when packed."""
         return frozenset()
 
+    def label_of(self, factors: dict, shape: tuple[int, ...]) -> str:
+        """What `inspect` and `/adapters` call a layer of this kind (`shape`: its parameter's, once bound)."""
+        return self.label
+
 
 @dataclass(frozen=True)
 class Layer:
@@ -131,7 +135,7 @@ class Layer:
         """What `inspect` and `/adapters` call this change of `param`: its kind, `+dora`, or `bias`."""
         if param.endswith(".bias"):
             return "bias"
-        return self.kind.label + ("+dora" if self.dora else "")
+        return self.kind.label_of(self.factors, self.shape) + ("+dora" if self.dora else "")
 
     def without_dora(self) -> "Layer":
         """The change alone, before DoRA's rescaling."""

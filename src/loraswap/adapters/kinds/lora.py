@@ -55,6 +55,12 @@ class LoRA(AdapterKind):
     def is_plain_pair(self, factors: dict) -> bool:
         return factors.keys() == {"down", "up"}
 
+    def label_of(self, factors: dict, shape: tuple[int, ...]) -> str:
+        """`locon` (LyCORIS's name) on a convolution wider than 1x1, else `lora`: kohya and
+        LyCORIS call a LoRA of the 3x3 convolutions a LoCon."""
+        kernel = shape[2:] if shape else factors.get("mid", factors["down"]).shape[2:]
+        return "locon" if any(k > 1 for k in kernel) else "lora"
+
     def matrix_factors(self, factors: dict) -> frozenset[str]:
         """down [rank, fan_in] and up [out, rank], conv factors included (not a Tucker
         LoCon's): the shapes `addmm` and the swap kernel take, so a swap reshapes nothing."""

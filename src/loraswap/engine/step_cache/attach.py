@@ -133,11 +133,12 @@ class StepCache:
     MagCache's ratios (`calibration.py`)."""
 
     def __init__(self, denoisers: Sequence[torch.nn.Module], model_name: str, default: str | None,
-                 allow: Sequence[str], world: int = 1):
+                 allow: Sequence[str], world: int = 1, whole_graph: bool = False):
         self.denoisers = list(denoisers)
         self.model_name = model_name
         self.allow = tuple(allow)
         self.world = world
+        self.whole_graph = whole_graph  # the whole denoiser compiled (CUDA graphs): no hook may sit between blocks
         self.ratios: list[float] | None = None  # MagCache's, for the model's default steps
         self.takes = all(takes_step_cache(d) for d in self.denoisers)
         self.default = parse_step_cache(default) if default else None
@@ -151,11 +152,16 @@ class StepCache:
             return self.default
         setting = parse_step_cache(asked)
         if setting is not None:
-            self._check_takes(setting)
             if setting.method not in self.allow and setting.method != getattr(self.default, "method", None):
                 allowed = ", ".join(("off",) + self.allow)
                 raise BadRequest(f"this server serves the step caches {allowed}, not {setting.method}")
+            self._check_takes(setting)
         return setting
+
+    def effective(self, asked: str | None) -> str:
+        """The setting's text a request runs with, unchecked (`choose` checks it): its own, else
+        the server's default, else `off`."""
+        return asked if asked is not None else str(self.default) if self.default is not None else "off"
 
     def _check_takes(self, setting: StepCacheSetting) -> None:
         if not self.takes:
@@ -163,7 +169,7 @@ class StepCache:
                                    f"families ({', '.join(transformer_families())}); ask for step_cache off")
         reason = self.refusals.get(setting.method)
         if reason is not None:
-            takes = [method for method in METHODS if method not in self.refusals]
+            takes = [method for method in METHODS if method not in self.refusals] or ["off"]
             raise UnsupportedInput(f"{self.model_name} cannot take {setting.method}: {reason}; it takes "
                                    f"{', '.join(takes)}")
         if setting.method == "magcache" and self.ratios is None and setting is not self.default:
@@ -173,6 +179,10 @@ class StepCache:
     @property
     def refusals(self) -> dict[str, str]:
         """The methods this model's blocks cannot take, and why (diffusers' hooks' limits)."""
+        if self.whole_graph:
+            reason = ("this server compiles the whole denoiser into CUDA graphs (--compile-mode reduce-overhead or "
+                      "max-autotune), where a cache cannot skip blocks; serve it with the default compile mode")
+            return dict.fromkeys(METHODS, reason)
         refused = {}
         if not all(_returns_every_stream(d) for d in self.denoisers):
             reason = "its last block returns no text stream, which the hooks need"
@@ -182,6 +192,8 @@ class StepCache:
                                               "and whose first and last return the same streams")
         if not all(hasattr(d, "proj_out") for d in self.denoisers):
             refused.setdefault("taylorseer", "it has no output projection (proj_out) to predict")
+        if len(self.denoisers) > 1:  # diffusers' MagCache counts steps per denoiser: the second would start at 0
+            refused["magcache"] = "MagCache counts the steps of each of its two experts from 0, off its ratios"
         return refused
 
     @contextlib.contextmanager

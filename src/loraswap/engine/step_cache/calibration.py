@@ -33,7 +33,9 @@ def read_ratios(path: Path) -> list[float]:
     except (OSError, ValueError) as e:
         raise BadCalibration(f"--step-cache-calibration {path}: {e}") from None
     ratios = data.get("ratios") if isinstance(data, dict) else data
-    if not (isinstance(ratios, list) and len(ratios) >= 2 and all(isinstance(r, (int, float)) for r in ratios)):
+    # JSON's true and false would pass as 1 and 0 (bool is an int): not ratios
+    numbers = isinstance(ratios, list) and all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in ratios)
+    if not (numbers and len(ratios) >= 2):
         raise BadCalibration(f"--step-cache-calibration {path}: give a JSON list of at least 2 numbers, one per "
                              'step, or {"ratios": [...]}')
     if not all(0 < r < 100 for r in ratios):

@@ -65,7 +65,7 @@ class StepCacheSetting:
         return dict(self.options)[key]
 
     def __str__(self) -> str:
-        return self.method + ":" + ",".join(f"{key}={value:g}" for key, value in self.options)
+        return self.method + ":" + ",".join(f"{key}={value:.10g}" for key, value in self.options)
 
 
 def parse_step_cache(text: str) -> StepCacheSetting | None:

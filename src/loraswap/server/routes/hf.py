@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from ..auth import Access, require_api_key
 from ..decode_budget import release_decoded
-from ..generation import IMAGE_RESPONSES, encode, generate, server_timing
+from ..generation import IMAGE_RESPONSES, encode, generate, server_timing, step_cache_headers
 from ..openapi import LORA_HEADER, json_body
 from ..requests import hold_named_urls, parse_request
 from ..schemas import HFRequest
@@ -49,4 +49,5 @@ async def generate_hf(request: Request, route: str, path_model: str | None) -> R
     timing = server_timing(result, parse=parsed_at - started, encode=time.perf_counter() - generated_at)
     return Response(data, media_type=media, headers={"x-compute-time": f"{total:.4f}",
                                                      "x-swap-ms": f"{result.swap_seconds * 1e3:.2f}",
-                                                     "x-seed": str(result.seed), "server-timing": timing})
+                                                     "x-seed": str(result.seed), "server-timing": timing,
+                                                     **step_cache_headers([result])})

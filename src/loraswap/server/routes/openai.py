@@ -5,10 +5,11 @@ import base64
 import time
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
 
 from ..auth import Access, require_api_key
 from ..decode_budget import release_decoded
-from ..generation import encode, generate
+from ..generation import encode, generate, step_cache_headers
 from ..openapi import LORA_HEADER, form_body, json_body
 from ..requests import hold_named_urls, parse_request
 from ..schemas import ApiBody, OpenAIEditRequest, OpenAIImageRequest
@@ -32,13 +33,14 @@ async def edit_openai(request: Request):
     return await _images(request, "/v1/images/edits", OpenAIEditRequest)
 
 
-async def _images(request: Request, route: str, api: type[ApiBody]) -> dict:
+async def _images(request: Request, route: str, api: type[ApiBody]) -> JSONResponse:
     # 1. parse (the body is read after the key check: no work for a request without a key)
     parsed = await parse_request(request, api)
     # 2. generate each image in turn (seed, seed + 1, ...), 3. encode as PNG
-    data = []
+    data, results = [], []
     for gen in parsed.per_image():
         result = await generate(request, route, gen, parsed.model)
         png, _ = await encode(result.image, "image/png")
         data.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": gen.prompt})
-    return {"created": int(time.time()), "data": data}
+        results.append(result)
+    return JSONResponse({"created": int(time.time()), "data": data}, headers=step_cache_headers(results))

@@ -1,0 +1,98 @@
+"""The GPU worker lets go of work at once: a request whose client left leaves the queue when it
+is cancelled, and a shutdown answers the queued requests now (`drain`) and stops the running
+batch at its next step (`halt`), each with a 503."""
+
+import threading
+from concurrent.futures import Future
+
+import pytest
+from PIL import Image
+
+from loraswap.adapters.lease import Lease
+from loraswap.engine.config import GenerateRequest
+from loraswap.engine.engine import GenerateResult
+from loraswap.engine.worker import GpuWorker, SchedulerConfig, ShuttingDown
+
+
+class Lender:
+    """Lends at once; records each adapter id given back."""
+
+    def __init__(self):
+        self.returned: list[str] = []
+
+    def lease(self, loras) -> Future:
+        future: Future = Future()
+        future.set_result(Lease([(adapter_id, weight) for adapter_id, weight in loras], self.returned.append))
+        return future
+
+
+class SteppingEngine:
+    """Runs `STEPS` steps calling `on_step` after each; holds at step 2 until `gate` opens."""
+
+    STEPS = 1000
+    applied_ids = ()
+    ranks = None
+
+    def __init__(self):
+        self.lender = Lender()
+        self.gate, self.started = threading.Event(), threading.Event()
+        self.steps_run = 0
+
+    def generate_batch(self, requests, lease, on_step=None):
+        for step in range(1, self.STEPS + 1):
+            self.steps_run = step
+            if step == 2:
+                self.started.set()
+                self.gate.wait(30)
+            on_step(step, self.STEPS)
+        return [GenerateResult(Image.new("RGB", (8, 8)), 0, 0.0, 0.0) for _ in requests]
+
+
+def _request(adapter_id: str) -> GenerateRequest:
+    return GenerateRequest(prompt="x", loras=[(adapter_id, 1.0)])
+
+
+@pytest.fixture
+def running():
+    """(worker, engine, future): a worker whose first request is generating, held at step 2."""
+    engine = SteppingEngine()
+    worker = GpuWorker(engine, SchedulerConfig(max_queue=4))
+    worker.start()
+    first = worker.submit(_request("running"))
+    assert engine.started.wait(30)
+    yield worker, engine, first
+    engine.gate.set()
+    worker.stop(30)
+    assert not worker._thread.is_alive()
+
+
+def test_a_request_cancelled_while_queued_leaves_the_queue_at_once(running):
+    worker, engine, first = running
+    queued = worker.submit(_request("queued"))
+    assert worker.queue_depth == 1
+    assert queued.cancel()
+    # the worker is still on the first request: the queue and the lease let go regardless
+    assert (worker.queue_depth, worker.skipped_cancelled, engine.lender.returned) == (0, 1, ["queued"])
+    assert not first.done()
+    engine.gate.set()
+    assert first.result(timeout=30).image.size == (8, 8)
+    assert engine.lender.returned == ["queued", "running"], "each lease given back once"
+
+
+def test_drain_answers_the_queued_now_and_halt_stops_the_running_at_its_next_step(running):
+    worker, engine, first = running
+    queued = [worker.submit(_request(f"queued-{i}")) for i in range(2)]
+    assert worker.drain() == 2
+    for future in queued:  # answered before the running request moves on
+        error = future.exception(timeout=0)
+        assert isinstance(error, ShuttingDown) and error.status == 503 and "still queued" in str(error)
+    with pytest.raises(ShuttingDown, match="shutting down"):
+        worker.submit(_request("late"))
+    assert worker.queue_depth == 0 and not first.done(), "the running request goes on through the drain"
+    assert worker.halt() == 1
+    engine.gate.set()
+    with pytest.raises(ShuttingDown, match="this image was stopped at step 2 of 1000; retry"):
+        first.result(timeout=30)
+    assert engine.steps_run == 2, "stopped at the step it was on"
+    worker.stop(30)
+    assert sorted(engine.lender.returned) == ["late", "queued-0", "queued-1", "running"]
