@@ -43,6 +43,24 @@ def known_family(model: str, bare_architectures: bool = False):
         "...), a hub id (owner/name) or a diffusers folder that exists", param_hint="--model")
 
 
+def check_step_cache(engine_config, family) -> None:
+    """A default step cache for a model whose family takes none (a UNet), and a MagCache
+    calibration file that does not read, refused before the model loads."""
+    from ..engine.step_cache import read_ratios, transformer_families
+    from ..errors import LoraswapError
+
+    if engine_config.step_cache != "off" and family is not None and family.name not in transformer_families():
+        raise typer.BadParameter(f"{engine_config.model} takes no step cache: step caching serves the transformer "
+                                 f"families ({', '.join(transformer_families())}); use --step-cache off",
+                                 param_hint="--step-cache")
+    if engine_config.step_cache_calibration is not None:
+        try:
+            read_ratios(engine_config.step_cache_calibration)
+        except LoraswapError as e:
+            raise typer.BadParameter(str(e).removeprefix("--step-cache-calibration "),
+                                     param_hint="--step-cache-calibration") from None
+
+
 def check_adapters_folder(folder: Path | None) -> None:
     if folder is not None and not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist"
@@ -113,5 +131,6 @@ def bind_port(host: str, port: int) -> socket.socket:
         reason = "another program listens on it" if e.errno == errno.EADDRINUSE else e.strerror
         raise Failure(f"cannot serve on {host}:{port}: {reason}. Stop that program, or serve on another port: "
                       "--port N (or LORASWAP_PORT=N)") from None
+    sock.listen(2048)  # held: a second server started meanwhile finds it in use (uvicorn's backlog)
     sock.set_inheritable(True)
     return sock

@@ -8,7 +8,14 @@ import typer
 
 from ..adapters.specs import parse_adapter_specs
 from ..errors import BadRequest
-from .checks import check_adapter_ids, check_adapters_folder, check_output, check_size, known_family
+from .checks import (
+    check_adapter_ids,
+    check_adapters_folder,
+    check_output,
+    check_size,
+    check_step_cache,
+    known_family,
+)
 from .options import Verbose, env_option, setup_logging, with_settings
 from .settings import SettingsError, defaults, engine_config, one_model, pick, server_config
 
@@ -76,7 +83,9 @@ def generate(
         config = engine_config(given, warmup=False)
     except SettingsError as e:
         raise typer.BadParameter(str(e)) from None
-    check_size(request.width, request.height, values["model"], family, config.max_size)
+    if not request.size_from_image:
+        check_size(request.width, request.height, values["model"], family, config.max_size)
+    check_step_cache(config, family)
     check_adapter_ids(config, request.loras)
     # 2. the model, then the image (LoraswapErrors become one line in `group.LazyGroup`)
     result = _generate(config, request)
@@ -96,6 +105,7 @@ def _generate(config, request):
             engine = Engine(config)
         except ValueError as e:  # an option the model cannot take (an attention backend)
             raise typer.BadParameter(str(e)) from None
+    request = engine.calls.sized(request)  # the model's largest size (a hub model's is known once loaded)
     with counting("steps") as on_step:
         return engine.generate(request, on_step=on_step)
 
@@ -154,8 +164,11 @@ def read_image_inputs(image: Path | None, mask: Path | None, strength: float | N
     picture, painted = read_inputs(_read_file(image, "image", limits), _read_file(mask, "mask", limits) if mask
                                    else None, limits)
     most = int(engine_bounds("width")[1])  # no server limits here: the engine's
+    # no size asked: the image's, scaled down to the model's largest size once it is loaded (`calls.sized`)
+    from_image = width is None and height is None
     width, height = output_size(picture, width, height, most, most)
-    return {"width": width, "height": height, "image": picture, "mask": painted, "strength": strength}
+    return {"width": width, "height": height, "image": picture, "mask": painted, "strength": strength,
+            "size_from_image": from_image}
 
 
 def _read_file(path: Path, what: str, limits) -> bytes:

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from ..tracing import configure_tracing
-from .checks import bind_port, check_adapters_folder, known_family
+from .checks import bind_port, check_adapters_folder, check_step_cache, known_family
 from .options import Verbose, env_option, setup_logging, with_settings
 from .settings import SETTINGS, SettingsError, defaults, printable, read_config_file, server_config
 
@@ -63,7 +63,7 @@ def check_before_loading(config, values: dict) -> None:
     if values["demo-adapters"] and values["adapters"] is None:
         raise typer.BadParameter("--demo-adapters needs --adapters DIR to write into")
     for engine in config.engines:
-        known_family(engine.model)
+        check_step_cache(engine, known_family(engine.model))
     if not values["demo-adapters"]:
         check_adapters_folder(values["adapters"])
 

@@ -110,12 +110,13 @@ class ModelReplica:
     async def info(self) -> dict:
         family = self.engine.calls.family
         return {"model": self.engine.model_name, "compiled": self.engine.compiled, "replica": self.replica_id,
-                "capabilities": self.engine.calls.capabilities(), "family": family.name if family else None}
+                "capabilities": self.engine.capabilities(), "family": family.name if family else None}
 
     async def generate(self, request: GenerateRequest, urls: dict[str, str] | None = None) -> GenerateResult:
         """`urls`: the URLs behind the request's `url:` ids (the ingress saw them; this replica's
         node may have to fetch them into its own download folder)."""
         request = self.engine.calls.sized(request)  # beyond the model's largest size: 400 before anything is held
+        request = self.engine.step_cache.resolved(request)  # and a step cache it cannot take
         # 1. hold the request's adapters in this replica's budget (Serve routed it here for them)
         received = time.perf_counter()
         remember_urls(urls or {})

@@ -127,13 +127,19 @@ def _clear_inductor_memory() -> None:
 
 
 def compile_denoiser(denoiser: torch.nn.Module, mode: str = "default") -> None:
-    """Regional compile by default; the whole denoiser in the CUDA-graph modes."""
+    """Regional compile by default; the whole denoiser in the CUDA-graph modes, or when it
+    names no repeated blocks (SD 3's transformer, the UNets)."""
     options = {} if mode == "default" else {"mode": mode}
-    cuda_graphs = mode in CUDA_GRAPH_MODES
-    if not cuda_graphs and getattr(denoiser, "_repeated_blocks", None):
-        compile_blocks(denoiser, **options)
-    else:
+    if compiles_whole(denoiser, mode):
         denoiser.compile(fullgraph=False, **options)
+    else:
+        compile_blocks(denoiser, **options)
+
+
+def compiles_whole(denoiser: torch.nn.Module, mode: str) -> bool:
+    """Whether `compile_denoiser` compiles `denoiser` whole (hooks put on its blocks later
+    would be traced into its graph), not block by block."""
+    return mode in CUDA_GRAPH_MODES or not getattr(denoiser, "_repeated_blocks", None)
 
 
 def compile_blocks(denoiser: torch.nn.Module, **options) -> None:

@@ -119,9 +119,9 @@ class Engine:
         self.guidance_split: GuidanceSplit | None = None  # --cfg-parallel: this rank's half of the passes
         if self.parallelism.world > 1:
             self._split_over_ranks()
-        self.step_cache = StepCache([getattr(self.pipeline, n) for n in denoiser_names(self.pipeline)],
-                                    self.model_name, config.step_cache, config.step_cache_allow,
-                                    self.parallelism.world, whole_graph=self._startup.compiles_whole_denoiser)
+        denoisers = [getattr(self.pipeline, n) for n in denoiser_names(self.pipeline)]
+        self.step_cache = StepCache(denoisers, self.model_name, config.step_cache, config.step_cache_allow,
+                                    self.parallelism.world, whole_graph=self._startup.compiles_whole(denoisers))
         self._recording: Skips | None = None  # set while MagCache's ratios are measured
         with on_device(self.device):
             self._startup.compile_and_warm_up(self.pipeline, self.swapper, self._warm_up_images)
@@ -165,7 +165,8 @@ class Engine:
         else:
             self._recording = Skips(setting=None)
             try:
-                self.generate(GenerateRequest(prompt=PROMPT, seed=0))
+                # the warm-up's last request (an edit model's has the image it needs), at the default steps
+                self.generate(self.calls.warm_up_requests()[-1].model_copy(update={"prompt": PROMPT, "steps": None}))
                 ratios = self._recording.computed[0].ratios
             finally:
                 self._recording = None
@@ -341,6 +342,10 @@ class Engine:
         self.ranks = ranks
 
     # ---------------------------------------------------------------- state
+    def capabilities(self) -> dict:
+        """What the model takes and makes (`PipelineCalls.capabilities`) and the step caches it serves."""
+        return self.calls.capabilities() | self.step_cache.capabilities()
+
     @property
     def denoiser(self) -> torch.nn.Module:
         return getattr(self.pipeline, denoiser_name(self.pipeline))

@@ -24,6 +24,7 @@ from .calls import Stopped
 from .compile import (
     CUDA_GRAPH_MODES,
     compile_pipeline,
+    compiles_whole,
     format_lookups,
     lookup_counts,
     lookups_since,
@@ -163,10 +164,9 @@ class Startup:
         warm_up_images()
         self.figures["warmup_s"] = time.perf_counter() - warming
 
-    @property
-    def compiles_whole_denoiser(self) -> bool:
-        """Whether the denoiser is compiled whole (the CUDA-graph modes), not block by block."""
-        return self.compiled and self.config.compile_mode in CUDA_GRAPH_MODES
+    def compiles_whole(self, denoisers) -> bool:
+        """Whether any of `denoisers` is compiled whole (`compile.compiles_whole`), not block by block."""
+        return self.compiled and any(compiles_whole(d, self.config.compile_mode) for d in denoisers)
 
     @property
     def first_image_done(self) -> bool:

@@ -119,8 +119,6 @@ class GpuWorker:
     def submit(self, request: GenerateRequest, on_step: Callable[[int, int], None] | None = None) -> Future:
         """Queue a request and start reading its adapters; `on_step(done, total)` is called
         after each denoising step (a video job's progress)."""
-        # the step cache it runs with, the server's default filled in: a batch shares one
-        request = request.model_copy(update={"step_cache": self.engine.step_cache.effective(request.step_cache)})
         if self.engine.ranks is not None and request.loras:  # the other ranks read them now too
             self.engine.ranks.tell("read", request.loras)
         job = Job(request, self.engine.lender.lease(request.loras), self.clock(), on_step=on_step)

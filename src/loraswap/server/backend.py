@@ -212,7 +212,7 @@ class LocalBackend:
             return None
         return {"model": self.state.engine.model_name, "models": self.state.deployment.names,
                 "compiled": self.state.engine.compiled,
-                "capabilities": {h.engine.model_name: h.engine.calls.capabilities()
+                "capabilities": {h.engine.model_name: h.engine.capabilities()
                                  for h in self.state.deployment.hosted}}
 
     def is_model(self, name: str) -> bool:
@@ -227,6 +227,7 @@ class LocalBackend:
         async with holding_downloads_in_coroutine():
             hosted = await self._find(request.loras, self._route, request.loras, model)
             request = hosted.engine.calls.sized(request)  # beyond the model's largest size: 400 before queueing
+            request = hosted.engine.step_cache.resolved(request)  # a step cache it cannot take: refused now too
             try:
                 future = hosted.worker.submit(request, on_step)
                 return await wait_for_result(asyncio.wrap_future(future), future.cancel, is_disconnected)

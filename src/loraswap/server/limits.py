@@ -11,7 +11,7 @@ from typing import Any
 
 from ..engine.config import GenerateRequest
 from ..engine.sizes import check_fits
-from ..errors import BadRequest
+from ..errors import BadRequest, UnsupportedInput
 from ..media.images import ImageLimits
 from .config import ServerConfig
 
@@ -136,6 +136,15 @@ def check_model_size(request: GenerateRequest, capabilities: dict, model: str) -
     bound = capabilities.get("max_size")
     if bound and request.width and request.height and not request.size_from_image:
         check_fits(model, (bound[0], bound[1]), request.width, request.height)
+
+
+def check_model_step_cache(request: GenerateRequest, capabilities: dict, model: str) -> None:
+    """422 for a step cache `model` does not serve (its capabilities' `step_caches`), where the
+    model is known before the request reaches it (a video job)."""
+    method = (request.step_cache or "off").partition(":")[0]
+    if method != "off" and "step_caches" in capabilities and method not in capabilities["step_caches"]:
+        served = ", ".join(["off", *capabilities["step_caches"]])
+        raise UnsupportedInput(f"{model} serves the step caches {served}, not {method}")
 
 
 def schema_limits(config: ServerConfig) -> dict[str, dict]:

@@ -158,10 +158,18 @@ class StepCache:
             self._check_takes(setting)
         return setting
 
-    def effective(self, asked: str | None) -> str:
-        """The setting's text a request runs with, unchecked (`choose` checks it): its own, else
-        the server's default, else `off`."""
-        return asked if asked is not None else str(self.default) if self.default is not None else "off"
+    def capabilities(self) -> dict:
+        """What a client may ask of this model: the step caches it takes and the server allows
+        (`step_caches`), and the server's default (`step_cache`)."""
+        allowed = set(self.allow) | ({self.default.method} if self.default else set())
+        takes = [m for m in METHODS if self.takes and m in allowed and m not in self.refusals]
+        return {"step_caches": takes, "step_cache": str(self.default) if self.default else "off"}
+
+    def resolved(self, request):
+        """`request` with the step cache it runs with (its own, else the server's default), checked
+        by `choose`: the worker batches by it (`Job.batch_key`), so a default is filled in."""
+        setting = self.choose(request.step_cache)
+        return request.model_copy(update={"step_cache": str(setting) if setting is not None else "off"})
 
     def _check_takes(self, setting: StepCacheSetting) -> None:
         if not self.takes:
@@ -180,8 +188,9 @@ class StepCache:
     def refusals(self) -> dict[str, str]:
         """The methods this model's blocks cannot take, and why (diffusers' hooks' limits)."""
         if self.whole_graph:
-            reason = ("this server compiles the whole denoiser into CUDA graphs (--compile-mode reduce-overhead or "
-                      "max-autotune), where a cache cannot skip blocks; serve it with the default compile mode")
+            reason = ("this server compiles the whole denoiser (the CUDA-graph modes --compile-mode reduce-overhead "
+                      "and max-autotune, or a transformer that names no repeated blocks), where a cache cannot skip "
+                      "blocks; serve it with the default compile mode, or --no-compile")
             return dict.fromkeys(METHODS, reason)
         refused = {}
         if not all(_returns_every_stream(d) for d in self.denoisers):

@@ -19,7 +19,7 @@ from ...errors import UnsupportedInput
 from ..auth import Access, request_key, require_api_key
 from ..backend import not_ready
 from ..generation import encode, run_generation
-from ..limits import check_model_size
+from ..limits import check_model_size, check_model_step_cache
 from ..openapi import LORA_HEADER, form_body
 from ..requests import hold_named_urls, parse_request
 from ..schemas import OpenAIVideoRequest
@@ -57,6 +57,7 @@ async def create_video(request: Request):
             check_size_multiple(parsed.engine_request.width, parsed.engine_request.height,
                                 capabilities["size_multiple"], model)
             check_model_size(parsed.engine_request, capabilities, model)
+            check_model_step_cache(parsed.engine_request, capabilities, model)
     await _check_adapters_make_videos(state, parsed.engine_request.loras, list(videos), target)
     # 2. start the job
     shown = parsed.model or _adapters_named(parsed.engine_request.loras) or target
