@@ -111,7 +111,8 @@ class Backend(LocalBackend):
         failed.set_exception(RanksLost("one of the processes failed"))
         hosted = SimpleNamespace(worker=SimpleNamespace(submit=lambda request, on_step: failed),
                                  engine=SimpleNamespace(adapters=SimpleNamespace(source=None),
-                                                        calls=SimpleNamespace(sized=lambda request: request)))
+                                                        calls=SimpleNamespace(sized=lambda request: request),
+                                                        step_cache=SimpleNamespace(resolved=lambda request: request)))
         self.state.worker = hosted.worker
         self.state.deployment = SimpleNamespace(route=lambda loras, model: hosted, hosted=[hosted])
 
