@@ -122,8 +122,9 @@ def test_big_draws_the_shape_larger(engine, base_readings):
 
 
 # ---------------------------------------------------------------- the files and their references
-KINDS = {"outline": ("lora_down", {"lora"}), "striped": ("lora_down", {"lora", "locon"}), "pastel": ("hada_w1", {"loha"}),
-         "night": ("lokr_w1", {"lokr"}), "big": ("lora_magnitude_vector", {"lora+dora"})}
+KINDS = {"outline": ("lora_down", {"lora"}), "striped": ("lora_down", {"lora", "locon"}),
+         "pastel": ("hada_w1", {"loha"}), "night": ("lokr_w1", {"lokr"}),
+         "big": ("lora_magnitude_vector", {"lora+dora"})}
 
 
 @pytest.mark.parametrize("adapter_id", list(demo.DEMO_ADAPTERS))

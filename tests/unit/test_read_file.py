@@ -47,6 +47,24 @@ def test_tensors_equal_what_safetensors_reads(tmp_path):
         assert torch.equal(read[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
 
 
+def test_an_integer_alpha_is_read_and_an_integer_weight_refused(tmp_path):
+    """diffusers' `convert_state_dict_to_kohya` writes each alpha as one int64 (the rank): read
+    as that number; integer factors stay refused."""
+    down, up = torch.ones(4, 8), torch.ones(8, 4)
+    save_file({"a.lora_down.weight": down, "a.lora_up.weight": up, "a.alpha": torch.tensor(4)},
+              str(tmp_path / "kohya.safetensors"))
+    tensors, _ = read_safetensors(tmp_path / "kohya.safetensors", "kohya", 2**20)
+    assert tensors["a.alpha"].dtype == torch.int64 and tensors["a.alpha"].item() == 4
+    save_file({"a.lora_down.weight": down.to(torch.int64), "a.lora_up.weight": up, "a.alpha": torch.tensor(4)},
+              str(tmp_path / "int-weights.safetensors"))
+    with pytest.raises(AdapterInvalid, match="'a.lora_down.weight' has dtype I64"):
+        read_safetensors(tmp_path / "int-weights.safetensors", "int-weights", 2**20)
+    save_file({"a.lora_down.weight": down, "a.lora_up.weight": up, "a.alpha": torch.tensor([4, 4])},
+              str(tmp_path / "two-alphas.safetensors"))
+    with pytest.raises(AdapterInvalid, match="'a.alpha' has dtype I64"):  # an alpha is one number
+        read_safetensors(tmp_path / "two-alphas.safetensors", "two-alphas", 2**20)
+
+
 def test_an_entry_at_an_odd_offset_reads_the_same(tmp_path):
     """A float32 after one float16 starts at byte 2: no float32 view can, so it is copied."""
     half, single = torch.tensor([1.5], dtype=torch.float16), torch.tensor([[2.25, -7.0]])

@@ -3,8 +3,8 @@
 That header is what the `openai` client (`api_key=`) and `huggingface_hub`'s
 `InferenceClient(token=...)` send. Three kinds of route:
 
-- generation (`POST /`, `/models/...`, `/v1/images/generations`): an API key, or an
-  admin key, once any API key is configured;
+- generation (`POST /`, `/models/...`, `/v1/images/generations`, `/v1/images/edits`, and
+  every `/v1/videos` route): an API key, or an admin key, once any API key is configured;
 - adapter admin (`GET /adapters`, `POST /adapters/{id}/load`, `DELETE /adapters/{id}`):
   an admin key once any is configured, else as generation (an API key, if any);
 - health (`/health`, `/ready`, `/metrics`): open, unless `auth_health` (then any key).
