@@ -4,6 +4,7 @@ Hugging Face image-to-image (the real `huggingface_hub` client), OpenAI edits (t
 
 import base64
 import io
+from types import SimpleNamespace
 
 import numpy as np
 import openai
@@ -212,7 +213,7 @@ class RecordingEngine:
     requests = []
 
     def __init__(self, config):
-        pass
+        self.calls = SimpleNamespace(sized=lambda request: request)  # no largest size to hold it to
 
     def generate(self, request, on_step=None):
         RecordingEngine.requests.append(request)

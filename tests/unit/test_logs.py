@@ -26,6 +26,7 @@ from loraswap.logs import (
     JsonAccessFormatter,
     JsonFormatter,
     LibraryNoise,
+    StderrHandler,
     TextFormatter,
     configure_logging,
     request_id,
@@ -99,7 +100,8 @@ def test_a_line_outside_a_request_has_no_id_and_a_traceback_is_one_field():
 
 def test_configure_logging_sets_the_level_and_format_and_replaces_only_its_own_handler():
     root = logging.getLogger()
-    level, others = root.level, list(root.handlers)
+    # others': a test's capture (one of ours an earlier CLI test left is replaced, as it should be)
+    level, others = root.level, [h for h in root.handlers if not isinstance(h, StderrHandler)]
     try:
         configure_logging("warning", "text")
         configure_logging("error", "json")
@@ -246,9 +248,10 @@ def test_library_noise_is_held_until_the_level_is_known_then_shown_at_debug_only
         def emit(self, record):
             lines.append(record.getMessage())
 
+    torchao = logging.getLogger("torchao")
+    earlier, torchao.filters = torchao.filters, []  # the filters an earlier CLI test left on it
     for show in (False, True):
         noise, lines[:] = LibraryNoise(), []
-        torchao = logging.getLogger("torchao")
         torchao.addFilter(noise)
         sink = Sink()
         torchao.addHandler(sink)
@@ -264,6 +267,7 @@ def test_library_noise_is_held_until_the_level_is_known_then_shown_at_debug_only
         finally:
             torchao.removeFilter(noise)
             torchao.removeHandler(sink)
+    torchao.filters = earlier
 
 
 NOISE = ("Failed to load", "register_constant()", "Unable to import `torchao` Tensor objects",
