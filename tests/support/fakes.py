@@ -89,18 +89,46 @@ def fake_app(**config):
     return create_app(ServerConfig(**config), backend=backend), backend
 
 
-@contextmanager
-def serve_on_loopback(app):
-    """The app served by uvicorn on a thread of this process, on 127.0.0.1: yields its URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+def start_on_thread(server: uvicorn.Server) -> threading.Thread:
+    """`server` run on a thread of this process; returns once it has started (its thread)."""
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive()
         time.sleep(0.02)
+    return thread
+
+
+@contextmanager
+def serve_on_loopback(app):
+    """The app served by uvicorn on a thread of this process, on 127.0.0.1: yields its URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = start_on_thread(server)
     try:
         yield f"http://127.0.0.1:{server.config.port}"
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+class SteppingEngine:
+    """Stands in for `Engine` in the GPU worker: `steps` steps calling `on_step` after each (as
+    the pipeline's step callback does), holding at step 2 until `gate` opens."""
+
+    applied_ids = ()
+    ranks = None
+
+    def __init__(self, lender, steps: int):
+        self.lender, self.steps = lender, steps
+        self.gate, self.started = threading.Event(), threading.Event()
+        self.steps_run = 0
+
+    def generate_batch(self, requests, lease, on_step=None):
+        for step in range(1, self.steps + 1):
+            self.steps_run = step
+            if step == 2:
+                self.started.set()
+                self.gate.wait(30)
+            on_step(step, self.steps)
+        return [GenerateResult(Image.new("RGB", (8, 8)), 0, 0.0, 0.0) for _ in requests]

@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from support.fakes import FakeBackend
+from support.fakes import FakeBackend, start_on_thread
 from support.servers import free_port
 
 from loraswap.server import shutdown
@@ -42,12 +42,7 @@ def test_a_request_open_past_the_drain_and_its_grace_is_a_json_503(tmp_path, mon
     config = ServerConfig(port=free_port(), drain_s=0.3, state_dir=tmp_path)
     app = create_app(config, backend=backend)
     server = shutdown.draining_server(app, config, log_level="info")
-    serving = threading.Thread(target=server.run, daemon=True)
-    serving.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and serving.is_alive()
-        time.sleep(0.02)
+    serving = start_on_thread(server)
     answers = []
     client = threading.Thread(target=lambda: answers.append(
         httpx.post(f"http://127.0.0.1:{config.port}/", json={"inputs": "x"}, timeout=30)))

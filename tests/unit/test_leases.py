@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 from PIL import Image
+from support.fakes import SteppingEngine
 
 from loraswap.adapters.lease import Lease
 from loraswap.engine.calls import Stopped
@@ -106,28 +107,12 @@ def test_the_worker_gives_back_every_lease_however_the_request_ends():
     assert sorted(item.adapter_id for item in engine.lender.returned) == sorted(lent), "each lease given back once"
 
 
-class SteppingEngine(FakeEngine):
-    """Calls `on_step` after each of `STEPS` steps, as the pipeline's step callback does."""
-
-    STEPS = 10_000
-
-    def __init__(self):
-        super().__init__()
-        self.steps_run = 0
-
-    def generate_batch(self, requests, lease, on_step=None):
-        for step in range(1, self.STEPS + 1):
-            self.steps_run = step
-            if step == 2:
-                self.started.set()
-                self.gate.wait(30)
-            on_step(step, self.STEPS)
-        return [GenerateResult(Image.new("RGB", (8, 8)), 0, 0.0, 0.0) for _ in requests]
+STEPS = 10_000
 
 
 @pytest.mark.parametrize("cancelled_in_batch", [1, 2])
 def test_a_running_request_stops_at_its_next_step_once_all_its_batch_is_cancelled(cancelled_in_batch):
-    engine = SteppingEngine()
+    engine = SteppingEngine(CountingLender(), STEPS)
     worker = GpuWorker(engine, SchedulerConfig(max_queue=4, max_batch=2))
     first, second = worker.submit(_request("x")), worker.submit(_request("x"))  # queued first: one batch
     worker.start()
@@ -142,7 +127,7 @@ def test_a_running_request_stops_at_its_next_step_once_all_its_batch_is_cancelle
             assert (worker.stopped, engine.steps_run) == (2, 2)
         else:
             assert second.result(timeout=30).image.size == (8, 8), "another request of the batch still wants it"
-            assert (worker.stopped, engine.steps_run) == (0, SteppingEngine.STEPS)
+            assert (worker.stopped, engine.steps_run) == (0, STEPS)
         assert worker.submit(_request("x", "after")).result(timeout=30), "the worker serves on"
     finally:
         worker.stop(30)

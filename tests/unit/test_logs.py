@@ -18,7 +18,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
-from support.fakes import fake_app
+from support.fakes import fake_app, start_on_thread
 from support.servers import free_port, wait_ready
 
 from loraswap.engine.config import EngineConfig
@@ -218,13 +218,8 @@ def test_uvicorns_access_line_carries_the_request_id():
     app, _ = fake_app()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="info",
                                            log_config=None, access_log=True))
-    thread = threading.Thread(target=server.run, daemon=True)
     with logged("uvicorn.access", JsonAccessFormatter(), HideQuery(), level=logging.INFO) as lines:
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.02)
+        thread = start_on_thread(server)
         try:
             url = f"http://127.0.0.1:{server.config.port}"
             assert httpx.get(url + "/health?api_key=SECRET", headers={"x-request-id": "access-1"}).status_code == 200

@@ -2,15 +2,13 @@
 is cancelled, and a shutdown answers the queued requests now (`drain`) and stops the running
 batch at its next step (`halt`), each with a 503."""
 
-import threading
 from concurrent.futures import Future
 
 import pytest
-from PIL import Image
+from support.fakes import SteppingEngine
 
 from loraswap.adapters.lease import Lease
 from loraswap.engine.config import GenerateRequest
-from loraswap.engine.engine import GenerateResult
 from loraswap.engine.worker import GpuWorker, SchedulerConfig, ShuttingDown
 
 
@@ -26,26 +24,7 @@ class Lender:
         return future
 
 
-class SteppingEngine:
-    """Runs `STEPS` steps calling `on_step` after each; holds at step 2 until `gate` opens."""
-
-    STEPS = 1000
-    applied_ids = ()
-    ranks = None
-
-    def __init__(self):
-        self.lender = Lender()
-        self.gate, self.started = threading.Event(), threading.Event()
-        self.steps_run = 0
-
-    def generate_batch(self, requests, lease, on_step=None):
-        for step in range(1, self.STEPS + 1):
-            self.steps_run = step
-            if step == 2:
-                self.started.set()
-                self.gate.wait(30)
-            on_step(step, self.STEPS)
-        return [GenerateResult(Image.new("RGB", (8, 8)), 0, 0.0, 0.0) for _ in requests]
+STEPS = 1000
 
 
 def _request(adapter_id: str) -> GenerateRequest:
@@ -55,7 +34,7 @@ def _request(adapter_id: str) -> GenerateRequest:
 @pytest.fixture
 def running():
     """(worker, engine, future): a worker whose first request is generating, held at step 2."""
-    engine = SteppingEngine()
+    engine = SteppingEngine(Lender(), STEPS)
     worker = GpuWorker(engine, SchedulerConfig(max_queue=4))
     worker.start()
     first = worker.submit(_request("running"))

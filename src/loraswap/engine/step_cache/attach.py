@@ -138,9 +138,10 @@ class StepCache:
         self.model_name = model_name
         self.allow = tuple(allow)
         self.world = world
-        self.whole_graph = whole_graph  # the whole denoiser compiled (CUDA graphs): no hook may sit between blocks
         self.ratios: list[float] | None = None  # MagCache's, for the model's default steps
         self.takes = all(takes_step_cache(d) for d in self.denoisers)
+        # the methods this model's blocks cannot take, and why (diffusers' hooks' limits), read once
+        self.refusals = _refusals(self.denoisers, whole_graph) if self.takes else {}
         self.default = parse_step_cache(default) if default else None
         if self.default is not None:
             self._check_takes(self.default)
@@ -183,27 +184,6 @@ class StepCache:
         if setting.method == "magcache" and self.ratios is None and setting is not self.default:
             raise BadRequest(f"{self.model_name} has no MagCache calibration: the operator names magcache in "
                              "--step-cache or --step-cache-allow to calibrate it at start-up")
-
-    @property
-    def refusals(self) -> dict[str, str]:
-        """The methods this model's blocks cannot take, and why (diffusers' hooks' limits)."""
-        if self.whole_graph:
-            reason = ("this server compiles the whole denoiser (the CUDA-graph modes --compile-mode reduce-overhead "
-                      "and max-autotune, or a transformer that names no repeated blocks), where a cache cannot skip "
-                      "blocks; serve it with the default compile mode, or --no-compile")
-            return dict.fromkeys(METHODS, reason)
-        refused = {}
-        if not all(_returns_every_stream(d) for d in self.denoisers):
-            reason = "its last block returns no text stream, which the hooks need"
-            refused |= {"first-block": reason, "taylorseer": reason}
-        if not all(_first_block_fits(d) for d in self.denoisers):
-            refused.setdefault("first-block", "diffusers' First-Block Cache needs blocks that take `hidden_states` "
-                                              "and whose first and last return the same streams")
-        if not all(hasattr(d, "proj_out") for d in self.denoisers):
-            refused.setdefault("taylorseer", "it has no output projection (proj_out) to predict")
-        if len(self.denoisers) > 1:  # diffusers' MagCache counts steps per denoiser: the second would start at 0
-            refused["magcache"] = "MagCache counts the steps of each of its two experts from 0, off its ratios"
-        return refused
 
     @contextlib.contextmanager
     def attached(self, setting: StepCacheSetting, steps: int, skips: Skips,
@@ -261,6 +241,27 @@ def _detach(denoiser: torch.nn.Module) -> None:
     remove(lists[0][1][0], FIRST_INPUT)
     remove(lists[-1][1][-1], COMPUTED)
     _set_cache_context(denoiser, None)
+
+
+def _refusals(denoisers: Sequence[torch.nn.Module], whole_graph: bool) -> dict[str, str]:
+    """The methods this model's blocks cannot take, and why (diffusers' hooks' limits)."""
+    if whole_graph:
+        reason = ("this server compiles the whole denoiser (the CUDA-graph modes --compile-mode reduce-overhead "
+                  "and max-autotune, or a transformer that names no repeated blocks), where a cache cannot skip "
+                  "blocks; serve it with the default compile mode, or --no-compile")
+        return dict.fromkeys(METHODS, reason)
+    refused = {}
+    if not all(_returns_every_stream(d) for d in denoisers):
+        reason = "its last block returns no text stream, which the hooks need"
+        refused |= {"first-block": reason, "taylorseer": reason}
+    if not all(_first_block_fits(d) for d in denoisers):
+        refused.setdefault("first-block", "diffusers' First-Block Cache needs blocks that take `hidden_states` "
+                                          "and whose first and last return the same streams")
+    if not all(hasattr(d, "proj_out") for d in denoisers):
+        refused.setdefault("taylorseer", "it has no output projection (proj_out) to predict")
+    if len(denoisers) > 1:  # diffusers' MagCache counts steps per denoiser: the second would start at 0
+        refused["magcache"] = "MagCache counts the steps of each of its two experts from 0, off its ratios"
+    return refused
 
 
 def _first_block_fits(denoiser: torch.nn.Module) -> bool:
