@@ -20,13 +20,13 @@ serve: $(STAMP)
 # the layering and the size of functions are checked before the tests run
 test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
-	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/ruff check src tests tools
 	$(VENV)/bin/python -m pytest -q tests
 
 # before every commit: everything but the soak, load, Ray, browser and slow tests (CI runs `make test`)
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
-	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/ruff check src tests tools
 	$(VENV)/bin/python -m pytest -q -m "not soak and not load and not ray and not browser and not slow" --durations=15 tests
 
 clean:

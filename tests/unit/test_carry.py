@@ -1,4 +1,4 @@
-"""scripts/carry_ray.sh and carry_select.py: which wheels travel to a machine without a package
+"""tools/ray/carry_ray.sh and carry_select.py: which wheels travel to a machine without a package
 index, judged by version requirements against the target's installed versions, not names."""
 
 import os
@@ -12,7 +12,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "tools" / "ray"
 sys.path.insert(0, str(SCRIPTS))
 import carry_select  # noqa: E402
 

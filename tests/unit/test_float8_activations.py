@@ -4,7 +4,7 @@ Triton's interpreter on CPU tensors, against torchao's own row-wise scaling.
 torchao refuses float8 activations without a GPU of compute capability 8.9; its hardware
 check is switched off here so that its configuration builds the same weights it builds on
 a GPU, and its CPU path (`Float8Tensor.from_hp` in torch ops, then `torch._scaled_mm`) is
-the reference. On a GPU, `scripts/float8_rows_bench.py` checks the compiled kernel against
+the reference. On a GPU, `tools/bench/float8_rows_bench.py` checks the compiled kernel against
 torchao at FLUX.1's shapes."""
 
 import numpy as np

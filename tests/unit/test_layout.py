@@ -18,8 +18,8 @@ def test_the_baselines_are_named_load_and_fuse_and_hotswap_everywhere():
     """"seed 1" / "seed 2" named the two baselines in an old write-up: nothing a user knows."""
     pattern = re.compile(r"\bseed[-_ ]?[12]\b", re.IGNORECASE)
     allowed = re.compile(r"--seed[ =]|seed=|manual_seed|\"seed\"")
-    files = [*(ROOT / "src").rglob("*.py"), *(ROOT / "scripts").glob("*"), *(ROOT / "docs").rglob("*.md"),
-             ROOT / "README.md"]
+    tools = [p for p in (ROOT / "tools").rglob("*") if p.suffix in {".py", ".sh", ".md"}]
+    files = [*(ROOT / "src").rglob("*.py"), *tools, *(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
             if pattern.search(allowed.sub("", line))]
     assert not hits, hits

@@ -230,7 +230,7 @@ def test_engine_config_errors_name_the_flags():
 
 
 def test_the_settings_page_is_current_and_names_every_serve_flag():
-    """docs/settings.md is written from the settings (scripts/settings_reference.py): a flag added
+    """docs/settings.md is written from the settings (tools/docs/settings_reference.py): a flag added
     or changed without writing the page again fails here."""
     import typer
 
@@ -238,7 +238,7 @@ def test_the_settings_page_is_current_and_names_every_serve_flag():
     from loraswap.cli.reference import settings_markdown
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "settings.md").read_text()
-    assert page == settings_markdown(), "run: PYTHONPATH=src python scripts/settings_reference.py"
+    assert page == settings_markdown(), "run: PYTHONPATH=src python tools/docs/settings_reference.py"
     serve = typer.main.get_command(app).commands["serve"]
     flags = {o for p in serve.params for o in p.opts + p.secondary_opts if o.startswith("--")} - {"--help"}
     assert flags and all(f"`{flag}`" in page for flag in flags), sorted(f for f in flags if f"`{f}`" not in page)

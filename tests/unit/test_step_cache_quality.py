@@ -1,4 +1,4 @@
-"""What step caching does to `demo-flux`'s pictures. `scripts/demo_flux_step_cache.py` measures
+"""What step caching does to `demo-flux`'s pictures. `tools/demo/demo_flux_step_cache.py` measures
 every method and setting over the 36 fixed prompts, without and with each trained adapter,
 and `docs/step-caching.md` names the setting that skips the most steps while every accuracy
 stays within 2 points of the cache off (or one picture's reading, where that is more) and

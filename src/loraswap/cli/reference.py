@@ -1,6 +1,6 @@
 """docs/settings.md, written from the settings (the config fields marked with a `Flag`):
 every `serve` flag, its variable, its default and its help, by panel.
-`scripts/settings_reference.py` writes the page and a test checks it is current, so the
+`tools/docs/settings_reference.py` writes the page and a test checks it is current, so the
 page cannot drift from the flags."""
 
 import textwrap
@@ -11,7 +11,7 @@ INTRO = ("Every flag is also an environment variable and a key of a `--config` f
          "or `max_queue`). The variable is `LORASWAP_<FLAG>` (`--max-queue`: `LORASWAP_MAX_QUEUE`){others}; the "
          "table names each. Precedence, lowest first: the defaults, the file, the variables, the flags. A repeatable "
          "flag takes a list in a file. This page is written from the config classes' fields (their `Flag` marks, "
-         "`src/loraswap/flags.py`) by `scripts/settings_reference.py`.")
+         "`src/loraswap/flags.py`) by `tools/docs/settings_reference.py`.")
 BESIDES = """Besides these: `--config FILE` (a TOML or YAML file of these settings; `examples/serve.toml`),
 `--print-config` (print the settings as a config file, API keys left out, and exit) and
 `--verbose` / `-v` (log debug messages).

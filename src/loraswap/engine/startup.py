@@ -231,7 +231,7 @@ def pin_by_registering() -> bool:
     The adapter cache pins each new adapter's host copy on a background thread. A
     `cudaHostAlloc` of a FLUX.1 rank-64 LoRA's 428 MiB holds the driver, and the GPU worker's
     swap, launching kernels meanwhile, waited it out: 187-206 ms for a cold request's swap
-    against 15 ms cached; registered, 15-26 ms (`scripts/pinning_stall_probe.py`,
+    against 15 ms cached; registered, 15-26 ms (`git show e3c5fe4:scripts/pinning_stall_probe.py`,
     bench/results/runs/2026-12-06-cold-path-h100.md)."""
     if "pinned_use_cuda_host_register" in _operators_settings():
         return False

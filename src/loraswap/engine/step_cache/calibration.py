@@ -6,7 +6,7 @@ operator gives.
 The ratios are measured once at start-up on the base model, with the model's default
 steps, one prompt and seed; a request with other steps interpolates them (diffusers'
 `nearest_interp`). What an adapter does to them is measured, not assumed:
-`scripts/demo_flux_step_cache.py` calibrates with each trained adapter of `demo-flux` and
+`tools/demo/demo_flux_step_cache.py` calibrates with each trained adapter of `demo-flux` and
 compares the steps each calibration would skip.
 """
 

@@ -2,7 +2,7 @@
 
 The real SD 1.5 pipeline classes at a size a laptop runs in a blink (32x32 images): a
 VAE of 32/64 channels, a UNet of 32/64 channels with one cross-attention level, and a
-frozen 2-layer CLIP text encoder, trained by `scripts/train_demo.py` on pictures it
+frozen 2-layer CLIP text encoder, trained by `tools/demo/train_demo.py` on pictures it
 draws itself. A prompt in its vocabulary ("a red circle at the left on white") draws
 what it says; `DEMO_ADAPTERS` each change the picture in the way their name says, one
 of each kind people share. The weights ship in the package (`demo_weights/`); the
@@ -65,7 +65,7 @@ def text_config() -> CLIPTextConfig:
 
 
 def untrained_demo() -> StableDiffusionPipeline:
-    """The demo architecture with fresh weights (what `scripts/train_demo.py` trains)."""
+    """The demo architecture with fresh weights (what `tools/demo/train_demo.py` trains)."""
     return StableDiffusionPipeline(unet=UNet2DConditionModel(**UNET), vae=AutoencoderKL(**VAE),
                                    text_encoder=CLIPTextModel(text_config()), tokenizer=demo_tokenizer(),
                                    scheduler=euler(), **NO_SAFETY_CHECKER)

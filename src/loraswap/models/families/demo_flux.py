@@ -4,7 +4,7 @@ The real FLUX.1 pipeline classes (`FluxPipeline`, a `FluxTransformer2DModel` wit
 and single-stream blocks, a 16-channel `AutoencoderKL` that downsamples by 8 as FLUX.1's
 does, a CLIP and a T5 text encoder, `FlowMatchEulerDiscreteScheduler` with FLUX.1-dev's
 shift) at a size a laptop's CPU runs: 128x128 pixels, 16x16 latents, 64 image tokens.
-`scripts/train_demo_flux.py` trains it with flow matching on pictures it draws itself, then
+`tools/demo/train_demo_flux.py` trains it with flow matching on pictures it draws itself, then
 distils classifier-free guidance into FLUX.1's guidance embedding, as FLUX.1-dev is: one
 pass a step, the guidance a number the model reads (3.5, 28 steps, as FLUX.1-dev is run).
 
