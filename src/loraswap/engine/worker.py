@@ -134,8 +134,10 @@ class GpuWorker:
                 raise Overloaded(f"the queue is full ({self.config.max_queue} requests waiting); retry shortly")
             self._jobs.append(job)
             self._cond.notify_all()
-        job.lease.add_done_callback(lambda _: self._adapters_read(job))
-        job.future.add_done_callback(lambda _: self._maybe_unqueue(job))
+        # bound methods, not closures over `job`: a future keeps its callbacks, and a cycle through
+        # the job would keep its request's decoded images until the garbage collector ran
+        job.lease.add_done_callback(self._adapters_read)
+        job.future.add_done_callback(self._unqueue_if_cancelled)
         return job.future
 
     @property
@@ -171,13 +173,14 @@ class GpuWorker:
             self._halting = True
             return len(self._running) if self.engine.ranks is None else 0
 
-    def _maybe_unqueue(self, job: Job) -> None:
+    def _unqueue_if_cancelled(self, future: Future) -> None:
         """A job cancelled while queued (its client left) leaves the queue now, its adapters
         given back, rather than when the worker next looks (after the running batch)."""
-        if not job.future.cancelled():
+        if not future.cancelled():
             return
         with self._cond:
-            if job not in self._jobs:  # taken by the worker already, which skips it
+            job = next((queued for queued in self._jobs if queued.future is future), None)
+            if job is None:  # taken by the worker already, which skips it
                 return
             self._jobs.remove(job)
             self.skipped_cancelled += 1
@@ -187,9 +190,12 @@ class GpuWorker:
         with self._cond:
             self._cond.notify_all()
 
-    def _adapters_read(self, job: Job) -> None:
-        job.read_at = self.clock()
-        self._wake()
+    def _adapters_read(self, lease: Future) -> None:
+        with self._cond:
+            for job in self._jobs:
+                if job.lease is lease:
+                    job.read_at = self.clock()
+            self._cond.notify_all()
 
     # ---------------------------------------------------------------- scheduling
     def _next_batch(self) -> list[Job] | None:
