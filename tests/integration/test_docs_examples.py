@@ -21,7 +21,8 @@ def test_the_readme_examples_run_as_written(tmp_path, monkeypatch):
 def test_the_http_api_examples_run_as_written(tmp_path, monkeypatch):
     pictures = run_page(ROOT / "docs" / "http-api.md", tmp_path, monkeypatch, make_serve_args())
     assert {"circle.jpg", "circle.png", "green.png", "edit.json", "green-circle.png", "blue-circle.png", "fox.mp4",
-            "fox.webp", "red-circle.png"} <= set(pictures), pictures
+            "fox.webp", "red-circle.png", "by-url.png", "square-by-url.png", "tagged.png", "txt2img.png",
+            "a1111-circle.png", "a1111-blue.png"} <= set(pictures), pictures
 
 
 def test_the_readme_names_the_kinds_the_adapter_list_shows():
@@ -80,6 +81,6 @@ def test_the_api_keys_section_names_every_route_that_takes_a_key():
     section = (ROOT / "docs" / "http-api.md").read_text().split("## API keys")[1]
     bullet = {flag: " ".join(section.split(f"- `{flag} KEY`")[1].split("\n- ")[0].split())
               for flag in ("--api-key", "--admin-key")}
-    assert len(routes[require_api_key]) == 8 and len(routes[require_admin_key]) == 3, routes
+    assert len(routes[require_api_key]) == 17 and len(routes[require_admin_key]) == 3, routes
     assert [r for r in routes[require_api_key] if r not in bullet["--api-key"]] == []
     assert [r for r in routes[require_admin_key] if r not in bullet["--admin-key"]] == []

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from PIL import Image
+from support.errors import error_message
 from support.fakes import serve_on_loopback
 from support.images import encode, noise, png16_rgba
 from support.numerics import assert_bitwise_equal, weights_snapshot
@@ -81,7 +82,7 @@ def test_bad_json_bodies_are_refused_saying_what_to_fix(server, path, body, phra
     url, _ = server
     response = raw(url, path, body)
     assert response.status_code == 400, response.text
-    assert phrase in response.json()["error"]
+    assert phrase in error_message(response)
 
 
 def test_an_edit_whose_strength_leaves_no_step_is_refused(server):
@@ -89,8 +90,8 @@ def test_an_edit_whose_strength_leaves_no_step_is_refused(server):
     response = httpx.post(url + "/v1/images/edits", headers=ONE, files={"image": ("a.png", PICTURE, "image/png")},
                           data={"prompt": "x", "strength": "1e-9", "num_inference_steps": "4"}, timeout=60)
     assert response.status_code == 400, response.text
-    assert "strength 1e-09 x 4 steps" in response.json()["error"]
-    assert "or at least" not in response.json()["error"], "1e9 steps is no advice"
+    assert "strength 1e-09 x 4 steps" in response.json()["error"]["message"]
+    assert "or at least" not in response.json()["error"]["message"], "1e9 steps is no advice"
 
 
 @pytest.mark.parametrize("fields,status,phrase", [
@@ -101,7 +102,7 @@ def test_bad_videos_are_refused_before_a_job_is_made(server, fields, status, phr
     url, app = server
     response = httpx.post(url + "/v1/videos", headers=ONE, files=form(prompt="x", model="tiny-wan", **fields))
     assert response.status_code == status, response.text
-    assert phrase in response.json()["error"]
+    assert phrase in response.json()["error"]["message"]
     assert len(app.state.videos) == 0
 
 

@@ -164,12 +164,12 @@ def test_malformed_bodies(server):
     for content, phrase in ((b"{not json", "must be JSON"), (b"x" * 5000, "limit is 4096")):
         response = httpx.post(server.url + "/", content=content, headers={"content-type": "application/json"})
         assert response.status_code == 400 and phrase in response.json()["error"]
-    openai = httpx.post(server.url + "/v1/images/generations", json={"prompt": "x", "response_format": "url"})
-    assert openai.status_code == 400 and "b64_json" in openai.json()["error"]
+    openai = httpx.post(server.url + "/v1/images/generations", json={"prompt": "x", "response_format": "link"})
+    assert openai.status_code == 400 and "'b64_json' or 'url'" in openai.json()["error"]["message"]
     size = httpx.post(server.url + "/v1/images/generations", json={"prompt": "x", "size": "big"})
-    assert size.status_code == 400 and "WIDTHxHEIGHT" in size.json()["error"]
+    assert size.status_code == 400 and "WIDTHxHEIGHT" in size.json()["error"]["message"]
     missing = httpx.post(server.url + "/v1/images/generations", json={"size": "64x64"})
-    assert missing.status_code == 400 and "prompt" in missing.json()["error"]
+    assert missing.status_code == 400 and "prompt" in missing.json()["error"]["message"]
     unknown_route = httpx.get(server.url + "/nope")
     assert unknown_route.status_code == 404 and "error" in unknown_route.json()
 

@@ -60,7 +60,8 @@ def test_the_page_is_served_and_ready_says_what_the_model_takes(server):
     assert (page.headers["x-frame-options"], page.headers["x-content-type-options"]) == ("DENY", "nosniff")
     assert httpx.get(server.url + "/ready").json()["capabilities"] == {"demo": {
         "image_input": "variants", "masks": True, "output": "image", "size_multiple": 8, "max_size": [128, 128],
-        "defaults": {"width": 32, "height": 32, "steps": 20, "guidance": 3.0}, "step_caches": [], "step_cache": "off"}}
+        "defaults": {"width": 32, "height": 32, "steps": 20, "guidance": 3.0}, "step_caches": [], "step_cache": "off",
+        "sampler": "EulerDiscreteScheduler"}}
 
 
 def test_pick_an_adapter_generate_and_see_the_image_with_its_timings(server, browser, tmp_path):

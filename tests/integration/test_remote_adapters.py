@@ -9,6 +9,7 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
+from support.images import pixels_of
 from support.servers import wait_ready
 from support.web import Web, body, send
 
@@ -69,9 +70,10 @@ def _cache_misses(client) -> float:
 
 
 def _image(client, **extra) -> bytes:
+    """The answer's pixels: the file's record names the adapter as the request did."""
     response = client.post("/v1/images/generations", json={**PROMPT, **extra})
     assert response.status_code == 200, response.text
-    return base64.b64decode(response.json()["data"][0]["b64_json"])
+    return pixels_of(base64.b64decode(response.json()["data"][0]["b64_json"])).tobytes()
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +111,8 @@ def test_a_civitai_air_is_resolved_downloaded_and_checked(served, web):
     rows = {row["id"]: row for row in client.get("/adapters").json()["adapters"]}
     assert rows["civitai:11@22"]["source"] == "civitai"
     refused = client.post("/v1/images/generations", json={**PROMPT, "loras": [{"path": "civitai:11@23"}]})
-    assert refused.status_code == 400 and "does not match the SHA256 Civitai lists" in refused.json()["error"]
+    assert refused.status_code == 400
+    assert "does not match the SHA256 Civitai lists" in refused.json()["error"]["message"]
     assert "civitai:11@23" not in {row["id"] for row in client.get("/adapters").json()["adapters"]}
 
 
@@ -137,7 +140,7 @@ def test_downloads_survive_a_restart_and_delete_removes_them(served, files, web)
 def test_bad_files_upstream_are_refused_and_the_server_keeps_serving(served, web, path, status, phrase):
     client, _ = served
     response = client.post("/v1/images/generations", json={**PROMPT, "loras": [{"path": web.url(path)}]})
-    assert response.status_code == status and phrase in response.json()["error"], response.text
+    assert response.status_code == status and phrase in response.json()["error"]["message"], response.text
     assert _image(client, model="style")
 
 
@@ -147,7 +150,7 @@ def test_each_source_is_refused_until_its_flag_names_it(files, web, tmp_path):
     try:
         for path, flag in ((web.url("/loras/style.safetensors"), "--url-allow"), ("civitai:11@22", "--civitai")):
             response = client.post("/v1/images/generations", json={**PROMPT, "loras": [{"path": path}]})
-            assert response.status_code == 403 and flag in response.json()["error"], response.text
+            assert response.status_code == 403 and flag in response.json()["error"]["message"], response.text
         anywhere = _client(files[0], tmp_path / "other", url_allow=["*"])
         try:  # `*` is any public host: never loopback
             response = anywhere.post("/v1/images/generations", json={**PROMPT, "loras": [

@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from support.errors import error_message
 from support.numerics import assert_bitwise_equal, weights_snapshot
 from support.servers import wait_ready
 from torch.overrides import TorchFunctionMode
@@ -156,7 +157,7 @@ def test_an_unknown_adapter_is_a_404_that_names_no_server_path(client, served_ad
                client.post("/adapters/nope/load"), client.delete("/adapters/nope")]
     for answer in answers:
         assert answer.status_code == 404, answer.text
-        error = answer.json()["error"]
+        error = error_message(answer)
         assert "no such adapter" in error and not any(folder in error for folder in folders), error
 
 

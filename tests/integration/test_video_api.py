@@ -68,7 +68,8 @@ def test_the_clients_errors_unknown_ids_early_downloads_and_delete(video_server)
     client, backend = video_server
     with pytest.raises(openai.NotFoundError) as missing:
         client.videos.retrieve("video_nope")
-    assert "no video 'video_nope'" in missing.value.response.json()["error"]
+    assert "no video 'video_nope'" in missing.value.response.json()["error"]["message"]
+    assert "no video 'video_nope'" in missing.value.message and "no video 'video_nope'" in str(missing.value)
     backend.hold_before_step = 0  # the next video waits before its first step: queued
     try:
         video = client.videos.create(prompt="a held fox", extra_body={"frames": 2})
@@ -82,7 +83,7 @@ def test_the_clients_errors_unknown_ids_early_downloads_and_delete(video_server)
         backend.hold_before_step = None
     with pytest.raises(openai.BadRequestError) as bad:
         client.videos.create(prompt="x", extra_body={"frames": 1000})
-    assert "frames 1000 must be between 1 and 121" in bad.value.response.json()["error"]
+    assert "frames 1000 must be between 1 and 121" in bad.value.response.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------- end to end: the real tiny-wan

@@ -5,16 +5,24 @@ import asyncio
 import threading
 import time
 from contextlib import contextmanager
+from hashlib import sha256
 
 import uvicorn
 from PIL import Image
 
+from loraswap.adapters.file_hashes import FileDigest
+from loraswap.engine.calls import AdapterRan, Ran
 from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 from loraswap.server.metrics import EngineFigures
 from support.servers import free_port
+
+
+def made_up_digest(adapter_id: str) -> FileDigest:
+    """The digests a fake adapter's file reports (no file behind it): of its name."""
+    return FileDigest(sha256(adapter_id.encode()).hexdigest(), sha256(b"tensors " + adapter_id.encode()).hexdigest())
 
 
 def frame_red(i: int) -> int:
@@ -47,7 +55,7 @@ class FakeBackend:
         # videos route reads `output`
         return {"model": "fake", "models": ["fake"], "compiled": False,
                 "capabilities": {"fake": {"image_input": "variants", "masks": True, "output": "video", "defaults": {},
-                                          "size_multiple": 8}}}
+                                          "size_multiple": 8, "sampler": "EulerDiscreteScheduler"}}}
 
     def is_model(self, name: str) -> bool:
         return name == "fake"
@@ -57,7 +65,10 @@ class FakeBackend:
         for text in (request.prompt, request.negative_prompt or ""):
             text.encode("utf-8")  # as a tokenizer reads it: text that is not Unicode raises here
         if request.frames is None:
-            return GenerateResult(Image.new("RGB", (8, 8), (200, 10, 10)), request.seed or 0, 0.0, 0.01)
+            ran = Ran("fake", "EulerDiscreteScheduler", request.steps or 2, request.guidance, request.strength,
+                      tuple(AdapterRan(adapter_id, weight, None, made_up_digest(adapter_id))
+                            for adapter_id, weight in request.loras))
+            return GenerateResult(Image.new("RGB", (8, 8), (200, 10, 10)), request.seed or 0, 0.0, 0.01, ran=ran)
         steps = request.steps or 2
         for step in range(steps):
             while step == self.hold_before_step and not self.resume.is_set():

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
+from support.errors import error_message
 from support.fakes import fake_app, serve_on_loopback
 
 from loraswap.server import auth
@@ -35,7 +36,10 @@ def call(client, route, key=None, headers=None):
 def assert_unauthorized(response):
     assert response.status_code == 401, response.text
     assert response.headers["www-authenticate"] == "Bearer"
-    assert "Authorization: Bearer" in response.json()["error"]
+    assert "Authorization: Bearer" in error_message(response)
+    if response.request.url.path.startswith("/v1/"):  # OpenAI's code for a wrong key; none for a missing one
+        wrong = "the key sent is not valid here" in error_message(response)
+        assert response.json()["error"]["code"] == ("invalid_api_key" if wrong else None)
 
 
 def test_generation_routes_ask_for_a_key_before_reading_the_body():

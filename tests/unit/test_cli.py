@@ -1,5 +1,7 @@
 """The `loraswap` command line: generate, adapters inspect, adapters make-random."""
 
+import hashlib
+import io
 import json
 import re
 from pathlib import Path
@@ -37,7 +39,13 @@ def test_generate_writes_the_engine_image(adapter_factory, tmp_path):
     result = runner.invoke(app, ["generate", "a cat", "--model", "tiny-sd", "--adapters", str(adapter_factory.root),
                                  "--lora", "cli-style:0.8", "--seed", "3", "--steps", "2", "-o", str(jpeg)])
     assert result.exit_code == 0, result.output
-    assert jpeg.read_bytes() == encode_image(expected, "JPEG")
+    # (the same pixels, and the record of what ran as the server's images carry it)
+    written_jpeg = Image.open(jpeg)
+    assert np.array_equal(np.asarray(written_jpeg), np.asarray(Image.open(io.BytesIO(encode_image(expected, "JPEG")))))
+    record = json.loads(written_jpeg.getexif()[0x010E])  # ImageDescription
+    assert (record["prompt"], record["seed"], record["steps"]) == ("a cat", 3, 2)
+    assert record["adapters"][0]["id"] == "cli-style" and record["adapters"][0]["sha256"] == \
+        hashlib.sha256((adapter_factory.root / "cli-style.safetensors").read_bytes()).hexdigest()
 
 
 def test_generate_writes_a_video_model_mp4(tmp_path):

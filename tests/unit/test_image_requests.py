@@ -11,6 +11,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
+from support.errors import error_message
 from support.fakes import fake_app, serve_on_loopback
 from support.images import REFUSALS, encode, noise, png_declaring
 from typer.testing import CliRunner
@@ -95,7 +96,7 @@ def test_openai_edits_with_image_and_mask_with_the_real_client(live):
     assert np.array_equal(pixels(request.image), pixels(PICTURE))
     with pytest.raises(openai.BadRequestError) as refused:
         client.images.edit(image=[encode(PICTURE), encode(PICTURE)], prompt="two")
-    assert "the form gives image more than once" in refused.value.body
+    assert "the form gives image more than once" in refused.value.message  # the client shows the server's words
 
 
 def test_the_json_body_may_carry_images_past_max_body_bytes_and_nothing_else():
@@ -122,7 +123,7 @@ def test_each_bad_image_is_a_400_on_both_apis_and_the_server_keeps_serving(data,
     hf = client.post("/", json={"inputs": b64(data), "parameters": {"prompt": "x"}})
     edit = client.post("/v1/images/edits", data={"prompt": "x"}, files={"image": ("in.png", data, "image/png")})
     for answer in (hf, edit):
-        assert answer.status_code == 400 and message in answer.json()["error"], answer.text
+        assert answer.status_code == 400 and message in error_message(answer), answer.text
     assert backend.generated == []
     assert client.post("/", json={"inputs": b64(encode(PICTURE)), "parameters": {"prompt": "x"}}).status_code == 200
 
@@ -155,13 +156,14 @@ def test_openai_edits_refusals_and_mask_as_in_hf():
             ({"data": {"prompt": "x"}, "files": {"mask": ("m.png", encode(MASK), "image/png")}},
              "image: Field required"),
             ({"data": {"prompt": "x", "n": "many"}, "files": image}, "n: Input should be a valid integer"),
-            ({"data": {"prompt": "x", "response_format": "url"}, "files": image}, "response_format must be 'b64_json'"),
+            ({"data": {"prompt": "x", "response_format": "link"}, "files": image},
+             "response_format must be 'b64_json' or 'url', not 'link'"),
             ({"data": {"prompt": "x", "size": "65x32"}, "files": image}, "width 65 must be a multiple of 8"),
             ({"data": {"prompt": "x", "strength": "2"}, "files": image}, "strength 2.0 must be more than 0"),
             ({"data": {"prompt": "x"}, "files": {**image, "mask": ("m.png", encode(noise(16, 16)), "image/png")}},
              "the mask is 16x16 but the image is 72x40")):
         answer = client.post("/v1/images/edits", **kwargs)
-        assert answer.status_code == 400 and message in answer.json()["error"], (message, answer.text)
+        assert answer.status_code == 400 and message in answer.json()["error"]["message"], (message, answer.text)
     assert backend.generated == []
     hf_mask = client.post("/", json={"inputs": b64(encode(PICTURE)), "parameters": {"prompt": "x",
                                                                                    "mask": b64(encode(MASK))}})
@@ -183,8 +185,9 @@ def test_a_model_that_takes_no_image_answers_the_engines_422():
     backend.generate = generate
     client = TestClient(app)
     answer = client.post("/v1/images/edits", data={"prompt": "x"}, files={"image": ("in.png", encode(PICTURE))})
-    assert answer.status_code == 422 and answer.json() == {"error": "the hosted model tiny-sd takes no image: send "
-                                                                    "a prompt alone"}
+    assert answer.status_code == 422 and answer.json() == {"error": {
+        "message": "the hosted model tiny-sd takes no image: send a prompt alone", "type": "invalid_request_error",
+        "param": None, "code": "unsupported_input"}}
     assert client.post("/", json={"inputs": "a fox"}).status_code == 200
 
 
@@ -199,7 +202,9 @@ def test_edits_are_documented_like_the_other_routes():
     assert form["schema"]["properties"]["n"]["maximum"] == 3
     assert form["schema"]["properties"]["strength"] == {**form["schema"]["properties"]["strength"],
                                                         "exclusiveMinimum": 0, "maximum": 1}
-    assert set(edits["responses"]) == {"200", "400", "403", "404", "422", "502", "503"}
+    assert set(edits["responses"]) == {"200", "400", "403", "404", "422", "502", "503", "507"}  # 507: a URL's image
+    assert edits["responses"]["404"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/OpenAIError"}
     hf = paths["/"]["post"]["requestBody"]["content"]["application/json"]["schema"]["anyOf"][1]
     assert {"prompt", "strength", "mask"} <= set(hf["properties"]["parameters"]["properties"])
 

@@ -8,6 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 from pydantic import ValidationError
+from support.errors import error_message
 from support.servers import wait_ready
 
 from loraswap.engine.calls import PipelineCalls
@@ -140,7 +141,7 @@ def demo_client(tmp_path_factory):
 def test_every_api_answers_a_size_beyond_the_demo_bound_with_a_400_naming_it(demo_client, path, body):
     response = demo_client.post(path, json=body)
     assert response.status_code == 400, response.text
-    assert "demo makes images of at most 128x128" in response.json()["error"]
+    assert "demo makes images of at most 128x128" in error_message(response)
 
 
 def test_an_edit_beyond_the_bound_is_refused_and_a_photo_with_no_size_scaled_to_fit(demo_client):
@@ -149,7 +150,7 @@ def test_an_edit_beyond_the_bound_is_refused_and_a_photo_with_no_size_scaled_to_
     form = {"prompt": "a red circle", "num_inference_steps": "2"}
     files = {"image": ("photo.png", photo.getvalue(), "image/png")}
     refused = demo_client.post("/v1/images/edits", data={**form, "size": "640x480"}, files=files)
-    assert refused.status_code == 400 and "at most 128x128, not 640x480" in refused.json()["error"]
+    assert refused.status_code == 400 and "at most 128x128, not 640x480" in refused.json()["error"]["message"]
     made = demo_client.post("/v1/images/edits", data=form, files=files)
     assert made.status_code == 200, made.text
     image = Image.open(io.BytesIO(base64.b64decode(made.json()["data"][0]["b64_json"])))

@@ -177,6 +177,6 @@ def test_through_the_routes_k2s_jobs_leave_k1s_video_and_a_full_server_answers_5
     assert all(view["status"] == "completed" for view in theirs)
     assert (polled.status_code, polled.json()["status"], content.status_code) == (200, "completed", 200)
     assert content.content == mp4, "the same bytes"
-    assert refused.status_code == 503 and "other API keys' until they expire" in refused.json()["error"]
+    assert refused.status_code == 503 and "other API keys' until they expire" in refused.json()["error"]["message"]
     assert 3590 <= int(refused.headers["retry-after"]) <= 3600, "when K1's video expires, not --retry-after-s"
     assert served.status_code == 200, "the server still serves"

@@ -81,7 +81,7 @@ def test_a_video_no_hosted_model_can_make_is_a_422_at_once(tmp_path, models, fie
     with TestClient(app) as client:
         refused = client.post("/v1/videos", files=form(prompt="a fox", frames=5, **fields))
         image = client.post("/", json={"inputs": "a fox"})
-    assert refused.status_code == 422 and refused.json()["error"] == message
+    assert refused.status_code == 422 and refused.json()["error"]["message"] == message
     assert [model for _, model in backend.generated] == [None], "no job queued; the server still serves"
     assert image.status_code == 200 and list((tmp_path / "videos").iterdir()) == []
 
@@ -113,8 +113,9 @@ def test_a_video_naming_an_image_models_adapter_is_a_422_at_once(sd_and_wan, ada
     client, state = sd_and_wan
     refused = client.post("/v1/videos", files=form(prompt="a fox", model=adapter, frames=5, size="32x32"))
     assert refused.status_code == 422, refused.text
-    assert refused.json()["error"] == (f"adapter '{adapter}': it is an adapter of tiny-sd, which makes images, not "
-                                       "videos. Name a video model (tiny-wan) or an adapter of one")
+    assert refused.json()["error"]["message"] == (
+        f"adapter '{adapter}': it is an adapter of tiny-sd, which makes images, not videos. Name a video model "
+        "(tiny-wan) or an adapter of one")
     assert list((state / "videos").iterdir()) == [], "no job queued"
     wan = client.post("/v1/videos", files=form(prompt="a fox", model="wan/motion", frames=5, size="32x32",
                                                 num_inference_steps=1))

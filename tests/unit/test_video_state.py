@@ -19,7 +19,7 @@ from loraswap.engine.engine import GenerateResult
 from loraswap.errors import AdapterNotFound
 from loraswap.server import videos
 from loraswap.server.config import ServerConfig
-from loraswap.server.video_state import COLUMNS
+from loraswap.server.video_state import ADDED_COLUMNS, COLUMNS
 from loraswap.server.videos import VideoNotFound, VideoStatus, VideoStore
 
 REQUEST = GenerateRequest(prompt="a fox running", negative_prompt="blur", steps=3, guidance=4.5, width=16,
@@ -375,7 +375,7 @@ def test_a_state_folder_that_cannot_be_made_does_not_stop_the_start(tmp_path, ca
 
 def test_a_database_from_before_jobs_had_owners_is_read_and_written(tmp_path):
     """A row an earlier version wrote (no `owner` column) is everyone's job; new rows keep their owner."""
-    old_columns = [c for c in COLUMNS if c not in ("owner", "urls")]  # both added since
+    old_columns = [c for c in COLUMNS if c not in ADDED_COLUMNS]  # owner, urls, ...: all added since
     db = sqlite3.connect(tmp_path / "videos.sqlite3")
     db.execute(f"CREATE TABLE videos ({', '.join(old_columns)}, PRIMARY KEY (id))")
     row = {"id": "video_" + "0" * 32, "request": REQUEST.model_dump_json(), "model": "m", "target": None, "fps": 8,

@@ -122,7 +122,7 @@ def test_an_id_with_a_pattern_reaches_no_file(tmp_path, caplog):
         left = files(tmp_path / "videos")
         serves = _still_serves(client)
     assert [r.status_code for r in deletes] == [404, 404, 404]
-    assert "no video 'video_*'" in deletes[0].json()["error"]
+    assert "no video 'video_*'" in deletes[0].json()["error"]["message"]
     assert "dropping video 'video_*': its row in the state folder cannot be read" in caplog.text
     assert left == before and served == ((200, 200, mp4), (200, 200, other_mp4)) and serves
 

@@ -328,7 +328,7 @@ def test_a_job_survives_the_client_that_made_it_and_reports_progress():
         in_progress = poll(client, job["id"], "in_progress")  # 1 of 2 steps reported, then held
         assert in_progress["progress"] == 50
         early = client.get(f"/v1/videos/{job['id']}/content")
-        assert early.status_code == 409 and "in_progress" in early.json()["error"]
+        assert early.status_code == 409 and "in_progress" in early.json()["error"]["message"]
         backend.resume.set()
         done = poll(client, job["id"], "completed")
         assert client.get(f"/v1/videos/{job['id']}").headers["openai-poll-after-ms"] == "1000"
@@ -375,7 +375,7 @@ def test_bad_video_requests_are_refused_with_what_to_fix(fields, status, phrase)
     with TestClient(app) as client:
         response = client.post("/v1/videos", files=form(**fields))
     assert response.status_code == status, response.text
-    assert phrase in response.json()["error"]
+    assert phrase in response.json()["error"]["message"]
     assert backend.generated == []
 
 
@@ -385,14 +385,15 @@ def test_unknown_ids_json_bodies_variants_and_the_pending_cap():
     with TestClient(app) as client:
         assert client.get("/v1/videos/video_nope").status_code == 404
         missing = client.get("/v1/videos/video_nope/content")
-        assert missing.status_code == 404 and "no video 'video_nope'" in missing.json()["error"]
+        assert missing.status_code == 404 and "no video 'video_nope'" in missing.json()["error"]["message"]
         as_json = client.post("/v1/videos", json={"prompt": "x"})
-        assert as_json.status_code == 400 and "multipart/form-data" in as_json.json()["error"]
+        assert as_json.status_code == 400 and "multipart/form-data" in as_json.json()["error"]["message"]
         job = client.post("/v1/videos", files=form(prompt="x", frames=2)).json()
         full = client.post("/v1/videos", files=form(prompt="x", frames=2))
         assert full.status_code == 503 and "retry-after" in full.headers
         spritesheet = client.get(f"/v1/videos/{job['id']}/content", params={"variant": "spritesheet"})
-        assert spritesheet.status_code == 400 and "variant" in spritesheet.json()["error"]
+        assert spritesheet.status_code == 400 and "variant" in spritesheet.json()["error"]["message"]
+        assert spritesheet.json()["error"]["param"] == "variant"
         deleted = client.delete(f"/v1/videos/{job['id']}")
         assert deleted.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
         assert client.get(f"/v1/videos/{job['id']}").status_code == 404

@@ -12,6 +12,7 @@ import fnmatch
 import ipaddress
 import socket
 import time
+from collections.abc import Callable
 from contextlib import suppress
 
 import httpcore
@@ -64,11 +65,21 @@ def address_kind(ip: str) -> str | None:
     return None
 
 
-def usable_addresses(host: str, port: int, allow: tuple[str, ...], adapter_id: str) -> list[str]:
-    """The addresses of `host` a fetch may connect to; AdapterForbidden when none may be, and
-    httpcore.ConnectError when the name does not resolve."""
-    try:  # no timeout of its own: the system resolver's
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+def system_lookup(host: str, port: int) -> list[tuple]:
+    """`socket.getaddrinfo`'s answer for a TCP connection to `host`: no timeout of its own,
+    the system resolver's."""
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+
+
+Lookup = Callable[[str, int], list[tuple]]  # (host, port) -> getaddrinfo's answer
+
+
+def usable_addresses(host: str, port: int, allow: tuple[str, ...], adapter_id: str,
+                     lookup: Lookup = system_lookup) -> list[str]:
+    """The addresses of `host` a fetch may connect to, resolved by `lookup`; AdapterForbidden
+    when none may be, and httpcore.ConnectError when the name does not resolve."""
+    try:
+        infos = lookup(host, port)
     except (OSError, UnicodeError) as exc:  # UnicodeError: a label IDNA cannot encode (empty, over 63 characters)
         raise httpcore.ConnectError(f"{host} did not resolve: {exc}") from exc
     ips = list(dict.fromkeys(info[4][0] for info in infos))
@@ -124,8 +135,8 @@ class CheckedBackend(httpcore.SyncBackend):
     """Opens sockets only to addresses the rules allow, checked as it connects (no rebinding
     window), each held to the fetch's `deadline` (a `time.monotonic()` instant)."""
 
-    def __init__(self, allow: tuple[str, ...], adapter_id: str, deadline: float):
-        self._allow, self._adapter_id, self._deadline = allow, adapter_id, deadline
+    def __init__(self, allow: tuple[str, ...], adapter_id: str, deadline: float, lookup: Lookup = system_lookup):
+        self._allow, self._adapter_id, self._deadline, self._lookup = allow, adapter_id, deadline, lookup
 
     def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
         left = self._deadline - time.monotonic()
@@ -141,7 +152,7 @@ class CheckedBackend(httpcore.SyncBackend):
         return _DeadlineStream(stream, self._deadline)
 
     def _connect(self, host, port, timeout, local_address, socket_options):
-        usable = usable_addresses(host, port, self._allow, self._adapter_id)
+        usable = usable_addresses(host, port, self._allow, self._adapter_id, self._lookup)
         for ip in usable[:-1]:  # the IP, never the name again: what was checked is what is connected to
             with suppress(httpcore.ConnectError, httpcore.ConnectTimeout):
                 return super().connect_tcp(ip, port, timeout, local_address, socket_options)

@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from ..flags import ADAPTERS, Flag
 from .bound import BoundAdapter
+from .file_hashes import FileDigest
 
 logger = logging.getLogger(__name__)
 GPU_READS = 2  # adapters read straight to the GPU at once, or waiting there for their host copy
@@ -66,6 +67,7 @@ class CacheEntry:
     in_use: int = 0
     last_used: int = 0
     cached: bool = True  # False: larger than the host budget, served once and dropped
+    digest: FileDigest | None = None  # the file's SHA-256, for the images' records (None: not known)
 
     @property
     def nbytes(self) -> int:

@@ -2,8 +2,9 @@
 which ones are kept.
 
 `AdapterStore` is the one object that owns them. It locates an adapter (local folder or
-hub), reads and converts it on its own thread pool (off the GPU worker's path), checks it
-against the model (`bind_adapter`), and holds it in the tiered cache (`cache.py`) while a
+hub), reads and converts it on its own thread pool (off the GPU worker's path), hashes its
+file meanwhile for the images' records (`file_hashes.py`), checks it against the model
+(`bind_adapter`), and holds it in the tiered cache (`cache.py`) while a
 request needs it: the store hands out a `Lease` (`lease.py`), and whoever takes a lease
 gives it back (the server's GPU worker, for every request). The engine swaps what a lease
 holds and never holds adapters itself.
@@ -27,6 +28,7 @@ from .device_read import DeviceReadFailed, staging_buffers, with_index
 from .download_locks import holding_downloads
 from .file_data import NotInFile
 from .file_facts import FileFacts
+from .file_hashes import hash_version
 from .formats import open_checked
 from .lease import Lease
 from .metadata import refuse_other_base
@@ -82,6 +84,8 @@ class AdapterStore:
         device = with_index(device)  # the store's threads do not share the caller's current GPU
         self.cache = AdapterCache(cache, device)
         self._fits: FileFacts[bool] = FileFacts()  # adapter id -> whether its file (as stamped) fits this model
+        # the SHA-256 of each file read, for the images' records: hashed alongside the read, not after it
+        self._hashing = ThreadPoolExecutor(limits.prefetch_threads, thread_name_prefix="loraswap-hash")
         # no other model of this server reads its downloads: a file this model refuses, none here
         # takes (a deployment of several models says otherwise: `routing.Deployment`)
         self.sole_model = True
@@ -149,12 +153,26 @@ class AdapterStore:
             stamp = file_stamp(location)
             entry = self.cache.lookup(adapter_id, stamp)
             if entry is None:
-                entry = self.cache.insert(adapter_id, self._read_or_drop(location, stamp_bytes(stamp)), stamp)
+                entry = self._read_and_hash(location, stamp)
         try:
             self.cache.maybe_copy_to_gpu(entry)
         except BaseException:
             self.cache.release(entry)  # (held by the lookup or insert above)
             raise
+        return entry
+
+    def _read_and_hash(self, location: AdapterLocation, stamp: tuple) -> CacheEntry:
+        """The adapter read into the cache, its file hashed on another thread meanwhile (the
+        digest kept with the entry: `CacheEntry.digest`)."""
+        hashing = self._hashing.submit(hash_version, location, stamp)
+        try:
+            bound = self._read_or_drop(location, stamp_bytes(stamp))
+        except BaseException:
+            hashing.cancel()
+            raise
+        entry = self.cache.insert(location.adapter_id, bound, stamp)
+        if entry.digest is None:  # (one read twice at once keeps the first entry, and its digest)
+            entry.digest = hashing.result()
         return entry
 
     def _read_or_drop(self, location: AdapterLocation, nbytes: int) -> BoundAdapter:
@@ -265,6 +283,7 @@ class AdapterStore:
     def close(self) -> None:
         """Stop the store's reading threads and the cache's pinner (the server's shutdown)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._hashing.shutdown(wait=False, cancel_futures=True)
         self.cache.close()
 
 

@@ -89,7 +89,7 @@ def generate(
     check_adapter_ids(config, request.loras)
     # 2. the model, then the image (LoraswapErrors become one line in `group.LazyGroup`)
     result = _generate(config, request)
-    write_output(result, output)
+    write_output(result, output, request)
     skipped = f" steps_skipped={result.steps_skipped}/{result.steps_run}" if result.step_cache else ""
     typer.echo(f"{output}  seed={result.seed} swap={result.swap_seconds * 1e3:.1f}ms "
                f"generate={result.generate_seconds:.2f}s{skipped}")
@@ -132,8 +132,10 @@ def checked_request(fields: dict):
         raise typer.BadParameter("; ".join(problems), param_hint=" / ".join(dict.fromkeys(flags))) from None
 
 
-def write_output(result, output: Path) -> None:
-    """The image, or a video model's frames as an MP4 (H.264, at the model's frame rate)."""
+def write_output(result, output: Path, request=None) -> None:
+    """The image, or a video model's frames as an MP4 (H.264, at the model's frame rate); an
+    image carries the record of what made it (`request`'s prompts, and what ran), as the
+    server's do."""
     wants_video = output.suffix.lower() == ".mp4"
     if result.frames is not None and not wants_video:
         raise BadRequest(f"this model makes videos: write one with -o {output.with_suffix('.mp4')}")
@@ -146,7 +148,16 @@ def write_output(result, output: Path) -> None:
     else:
         from ..media.images import encode_image, format_for_file
 
-        output.write_bytes(encode_image(result.image, format_for_file(output)))
+        output.write_bytes(encode_image(result.image, format_for_file(output), record=_record(request, result)))
+
+
+def _record(request, result):
+    """The image's record (`server.image_output.build_record`); None without what ran."""
+    if request is None or result.ran is None:
+        return None
+    from ..server.image_output import build_record
+
+    return build_record(request, result)
 
 
 def read_image_inputs(image: Path | None, mask: Path | None, strength: float | None, width: int | None,

@@ -9,19 +9,48 @@ modules, so a swap written into the weights serves them all, with no second copy
 import inspect
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
+from ..adapters.file_hashes import FileDigest
 from ..errors import BadRequest, UnsupportedInput
 from ..models import Family
 from .config import GenerateRequest
 from .sizes import LargestSize
 
 TEXT, IMG2IMG, INPAINT = "text", "img2img", "inpaint"
+SIGMA_SCHEDULES = ("karras", "exponential", "beta")  # diffusers' `use_NAME_sigmas` options
 MOST_STEPS = next(rule.le for rule in GenerateRequest.model_fields["steps"].metadata if hasattr(rule, "le"))
+
+
+@dataclass(frozen=True)
+class AdapterRan:
+    """One adapter of a call: its id, its weight, and the file it was read from (its stamp and
+    SHA-256, hashed by the store as it read it; None where not known, as for a baseline's file)."""
+
+    id: str
+    weight: float
+    stamp: tuple | None = None
+    digest: FileDigest | None = None
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What one pipeline call ran with, as each image's record tells it: the request's values,
+    else the model's defaults (the family's, else the pipeline's own)."""
+
+    model: str
+    sampler: str  # the scheduler's class, as diffusers names it
+    steps: int | None
+    guidance: float | None  # None: the pipeline takes no guidance
+    strength: float | None  # with an input image: how much of it was repainted
+    adapters: tuple[AdapterRan, ...] = ()
+    algorithm: str | None = None  # the scheduler's `algorithm_type`, where it has one (`sde-dpmsolver++`)
+    sigmas: str | None = None  # the noise schedule it was set to: `karras`, `exponential`, `beta` (None: its own)
 
 
 class Stopped(Exception):
@@ -49,12 +78,13 @@ class PipelineCalls:
     def capabilities(self) -> dict:
         """What the model takes and makes, for clients that build their form from it (the
         playground): image input (`none`, `variants`, `edit`, `required`), masks, output,
-        defaults, what width and height must be multiples of."""
-        family = self.family
+        defaults, what width and height must be multiples of, the sampler (its scheduler's class)."""
+        family, scheduler = self.family, getattr(self._pipelines[TEXT], "scheduler", None)
         return {"image_input": family.image_input if family else "none", "masks": bool(family and family.takes_masks()),
                 "output": family.output if family else "image", "defaults": dict(self.defaults),
                 "size_multiple": self.size_multiple,
-                "max_size": [self.largest.width, self.largest.height] if self.largest else None}
+                "max_size": [self.largest.width, self.largest.height] if self.largest else None,
+                "sampler": type(scheduler).__name__ if scheduler is not None else None}
 
     @property
     def size_multiple(self) -> int:
@@ -166,6 +196,24 @@ class PipelineCalls:
         adjust = self.family.adjust_call if self.family else None
         return adjust(kwargs) if adjust else kwargs
 
+    def ran(self, task: str, kwargs: dict, model: str, held: list[tuple[object, float]]) -> Ran:
+        """What the call made with `kwargs` (from `arguments`) runs with: the arguments, else
+        the pipeline's defaults; `held`: the lease's (cache entry, weight) pairs."""
+        def value(name: str):
+            name = (self.family.call_names if self.family else {}).get(name, name)
+            if name in kwargs:
+                return kwargs[name]
+            default = self.parameters(task)[name].default if name in self.parameters(task) else None
+            return None if default is inspect.Parameter.empty else default
+
+        adapters = tuple(AdapterRan(item.adapter_id, weight, getattr(item, "stamp", None),
+                                    getattr(item, "digest", None)) for item, weight in held)
+        scheduler = self.pipeline(task).scheduler
+        config = getattr(scheduler, "config", {})
+        sigmas = next((name for name in SIGMA_SCHEDULES if config.get(f"use_{name}_sigmas")), None)
+        return Ran(model, type(scheduler).__name__, value("num_inference_steps"), value("guidance_scale"),
+                   value("strength") if "image" in kwargs else None, adapters, config.get("algorithm_type"), sigmas)
+
     def _check_denoising_steps(self, task: str, kwargs: dict) -> None:
         """An image input's strength x steps of at least one where the family's pipelines round
         it down (`Family.strength_rounds_down`): with no step, their decode fails."""
@@ -200,14 +248,20 @@ class PipelineCalls:
             return image
         return image.resize(size, Image.Resampling.LANCZOS)
 
-    def progress(self, task: str, on_step) -> dict:
-        """The pipeline's per-step callback calling `on_step(done, total)`, where it takes one."""
-        if on_step is None or "callback_on_step_end" not in self.parameters(task):
+    def progress(self, task: str, on_step, on_latents=None) -> dict:
+        """The pipeline's per-step callback calling `on_step(done, total)`, then
+        `on_latents(done, total, latents, scheduler)` with the step's latents and the scheduler
+        that made them (for pictures of them: it reads them, never changes them), where the
+        pipeline takes one."""
+        if (on_step is None and on_latents is None) or "callback_on_step_end" not in self.parameters(task):
             return {}
 
         def step_ended(pipeline, step: int, timestep, tensors: dict) -> dict:
             total = getattr(pipeline, "num_timesteps", None) or len(pipeline.scheduler.timesteps)
-            on_step(step + 1, total)  # may raise `Stopped`, which ends the call
+            if on_step is not None:
+                on_step(step + 1, total)  # may raise `Stopped`, which ends the call
+            if on_latents is not None and "latents" in tensors:
+                on_latents(step + 1, total, tensors["latents"], pipeline.scheduler)
             return tensors
 
         return {"callback_on_step_end": step_ended}

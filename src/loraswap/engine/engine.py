@@ -40,11 +40,12 @@ from ..models.family import native_size
 from ..tracing import adapter_attributes, generation_attributes, traced
 from .attention import AttentionBackend
 from .baselines import HotswapSwapper, LoadAndFuseSwapper
-from .calls import TEXT, PipelineCalls
+from .calls import TEXT, PipelineCalls, Ran
 from .cfg_parallel import GuidanceSplit, check_guided
 from .compile import graph_count
 from .config import EngineConfig, GenerateRequest
 from .context_parallel import Ranks, check_sequence, device_mesh, enable_context_parallel
+from .previews import LatentPreviews
 from .sizes import LargestSize
 from .startup import Startup
 from .step_cache import PROMPT, Skips, StepCache, read_ratios, shared
@@ -72,6 +73,7 @@ class GenerateResult:
     steps_skipped: int | None = None  # with a step cache: the steps whose blocks a cache stood in for,
     steps_run: int | None = None  # of the steps the pipeline ran
     step_cache: str | None = None  # the step cache setting it ran with (None: none)
+    ran: Ran | None = None  # the model, sampler, steps, guidance and adapters it ran with (its record)
 
 
 def on_device(device: torch.device):
@@ -112,6 +114,9 @@ class Engine:
         defaults = generation_defaults(config.model)
         largest = LargestSize.of(self.model_name, native_size(self.pipeline, defaults), config.max_size)
         self.calls = PipelineCalls(self.pipeline, family_for(config.model, self.pipeline), defaults, largest)
+        # pictures of an image's steps, for the requests that ask (none for a video model)
+        self.previews = LatentPreviews(self.pipeline) if getattr(self.pipeline, "vae", None) is not None \
+            and not self.calls.is_video else None
         self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
         # several ranks: the denoiser split over them before the warm-up, which every rank makes in step
         self.parallelism = config.parallelism
@@ -260,9 +265,11 @@ class Engine:
 
     @_on_its_device
     def generate_batch(self, requests: list[GenerateRequest], lease: Lease,
-                       on_step: Callable[[int, int], None] | None = None) -> list[GenerateResult]:
+                       on_step: Callable[[int, int], None] | None = None,
+                       on_latents: Callable | None = None) -> list[GenerateResult]:
         """Images for requests sharing adapters and parameters, in one pipeline call, with the
-        adapters `lease` holds (the requests' own, from `lender`).
+        adapters `lease` holds (the requests' own, from `lender`); `on_step(done, total)` after
+        each denoising step, and `on_latents(done, total, previews.StepLatents)` for pictures of it.
 
         Each image has its own prompt and seed (a generator per image), so it is the image
         the request would get alone, up to the numerics of a larger batch.
@@ -273,8 +280,10 @@ class Engine:
             task = self.calls.task(requests[0])
             setting = self.step_cache.choose(requests[0].step_cache)
             skips = self._recording or (Skips(setting) if setting else None)
-            kwargs = self.calls.arguments(task, requests) | self.calls.progress(
-                task, skips.chain(on_step) if skips else on_step)
+            kwargs = self.calls.arguments(task, requests)
+            pictures = self.previews.hook(on_latents, kwargs, requests[0].image) if on_latents and self.previews \
+                else None
+            kwargs |= self.calls.progress(task, skips.chain(on_step) if skips else on_step, pictures)
             pipeline = self.pipeline if task == TEXT else self.calls.pipeline(task)  # the loaded one, for text
         except Exception as e:
             if self.ranks is not None and not self.ranks.leading:  # rank 0 waits for this rank's word
@@ -312,7 +321,8 @@ class Engine:
         fps = self.calls.family.fps if self.calls.is_video else None
         cached = {"steps_skipped": skips.steps_skipped, "steps_run": skips.steps, "step_cache": str(skips.setting)} \
             if skips and skips.setting else {}
-        return [GenerateResult(frames[0], seed, swap_seconds, seconds, frames if fps else None, fps, **cached)
+        ran = self.calls.ran(task, kwargs, self.model_name, lease.held)
+        return [GenerateResult(frames[0], seed, swap_seconds, seconds, frames if fps else None, fps, **cached, ran=ran)
                 for frames, seed in zip(videos, seeds)]
 
     def _step_cache_for(self, task: str, kwargs: dict, skips: Skips | None):

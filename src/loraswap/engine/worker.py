@@ -40,6 +40,7 @@ from ..tracing import RequestContext
 from .calls import Stopped
 from .config import GenerateRequest
 from .engine import Engine
+from .step_listener import previews_hook, tell_places
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class Job:
     enqueued: float  # when it was queued (the worker's clock)
     future: JobFuture = field(default_factory=JobFuture)
     skips: int = 0
-    on_step: Callable[[int, int], None] | None = None  # progress: (steps done, steps in all)
+    on_step: Callable[[int, int], None] | None = None  # progress: (steps done, steps in all); a StepListener hears more
     read_at: float | None = None  # when its adapters were in (the worker's clock)
     # its request's id and span, entered on this thread while it is served (its log lines, its spans)
     context: RequestContext = field(default_factory=RequestContext.capture)
@@ -118,7 +119,8 @@ class GpuWorker:
 
     def submit(self, request: GenerateRequest, on_step: Callable[[int, int], None] | None = None) -> Future:
         """Queue a request and start reading its adapters; `on_step(done, total)` is called
-        after each denoising step (a video job's progress)."""
+        after each denoising step (a video job's progress; a `StepListener` also hears its place
+        in the queue and gets the pictures of its steps it asks for)."""
         if self.engine.ranks is not None and request.loras:  # the other ranks read them now too
             self.engine.ranks.tell("read", request.loras)
         job = Job(request, self.engine.lender.lease(request.loras), self.clock(), on_step=on_step)
@@ -133,6 +135,7 @@ class GpuWorker:
                 _give_back(job)
                 raise Overloaded(f"the queue is full ({self.config.max_queue} requests waiting); retry shortly")
             self._jobs.append(job)
+            self._tell_places()
             self._cond.notify_all()
         # bound methods, not closures over `job`: a future keeps its callbacks, and a cycle through
         # the job would keep its request's decoded images until the garbage collector ran
@@ -184,7 +187,13 @@ class GpuWorker:
                 return
             self._jobs.remove(job)
             self.skipped_cancelled += 1
+            self._tell_places()
         _give_back(job)
+
+    def _tell_places(self) -> None:
+        """The queue changed: each listening job waiting with its adapters read hears its place
+        (under the lock). One whose adapters are still read, or failed, hears nothing yet."""
+        tell_places([job.on_step if _read_fine(job.lease) else None for job in self._jobs])
 
     def _wake(self) -> None:
         with self._cond:
@@ -195,6 +204,7 @@ class GpuWorker:
             for job in self._jobs:
                 if job.lease is lease:
                     job.read_at = self.clock()
+            self._tell_places()
             self._cond.notify_all()
 
     # ---------------------------------------------------------------- scheduling
@@ -208,15 +218,19 @@ class GpuWorker:
                 if batch:
                     for job in batch:
                         self._jobs.remove(job)
+                    self._tell_places()
                     self._running = batch
                     return batch
                 self._cond.wait(timeout=0.05)
 
     def _drop_cancelled(self) -> None:
-        for job in [j for j in self._jobs if j.future.cancelled()]:
+        cancelled = [j for j in self._jobs if j.future.cancelled()]
+        for job in cancelled:
             self._jobs.remove(job)
             self.skipped_cancelled += 1
             _give_back(job)
+        if cancelled:
+            self._tell_places()
 
     def _choose(self) -> list[Job]:
         if not self._jobs:
@@ -271,8 +285,10 @@ class GpuWorker:
                 job.future.set_exception(e)
         try:
             if ready:
+                pictures = previews_hook([job.on_step for job in ready])  # None: no job asks for previews
                 results = self.engine.generate_batch([job.request for job in ready], leases[0],
-                                                     on_step=self._step_hook(ready))
+                                                     on_step=self._step_hook(ready),
+                                                     **({"on_latents": pictures} if pictures else {}))
                 for job, result in zip(ready, results):
                     result.timings |= {"read": (job.read_at or started) - job.enqueued, "wait": started - job.enqueued}
                     job.future.set_result(result)
@@ -328,6 +344,11 @@ def _set_running(future: JobFuture) -> bool:
         return future.set_running_or_notify_cancel()
     except RuntimeError:  # failed already: its client has its answer
         return False
+
+
+def _read_fine(lease: Future) -> bool:
+    """Whether a job's adapters are read and held (its lease came, no error)."""
+    return lease.done() and not lease.cancelled() and lease.exception() is None
 
 
 def _give_back(job: Job) -> None:

@@ -8,7 +8,8 @@ file, a mask of another size. What passes is an RGB image (EXIF orientation appl
 mask of mode "L", white where the model repaints. Whether the hosted model takes an image or
 a mask at all is the engine's check (422).
 
-Out: `encode_image`, the one encoder of a generated image, whichever way it leaves.
+Out: `encode_image`, the one encoder of a generated image, whichever way it leaves, with the
+record of what made it (`metadata.py`) when the caller gives one.
 """
 import base64
 import io
@@ -17,11 +18,13 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from PIL import Image, ImageMode, ImageOps
 
 from ..errors import BadRequest
+from .metadata import JPEG_EXIF_BYTES, ImageRecord, exif, png_info
 
 logger = logging.getLogger("loraswap.media")
 
@@ -37,6 +40,8 @@ _DATA_URL = re.compile(r"^data:[\w/+.-]*;base64,")
 # quality 95, where a generated image's fine detail survives (PIL's own defaults, 75 and 80, blur it)
 OUTPUT_FORMATS = {"PNG": {}, "WEBP": {"quality": 95}, "JPEG": {"quality": 95}}
 _SUFFIXES = {".png": "PNG", ".webp": "WEBP", ".jpg": "JPEG", ".jpeg": "JPEG"}
+# how a mask's transparency reads: where it repaints (OpenAI's), or where it keeps (A1111's)
+MaskConvention = Literal["openai", "a1111"]
 
 
 @dataclass(frozen=True)
@@ -94,15 +99,27 @@ def read_image(data: bytes, what: str, limits: ImageLimits) -> Image.Image:
     return _decode(data, what, limits).convert("RGB")
 
 
-def read_mask(data: bytes, limits: ImageLimits) -> Image.Image:
+def read_mask(data: bytes, limits: ImageLimits, convention: MaskConvention = "openai") -> Image.Image:
     """The mask in `data` as mode "L", 255 where the model repaints. A mask with transparency
     repaints where it is transparent (OpenAI's convention); one without, where it is white
-    (diffusers'). A fully opaque alpha channel carries nothing: its grey is read instead."""
+    (diffusers'). A fully opaque alpha channel carries nothing: its grey is read instead.
+    `convention` "a1111": read as A1111 reads an inpainting mask (`create_binary_mask`)."""
     mask = _decode(data, "mask", limits)
+    if convention == "a1111":
+        return _a1111_mask(mask)
     if mask.mode in ("P", "PA"):  # a palette: its colours, and its transparency if it has one
         mask = mask.convert("RGBA" if mask.mode == "PA" or "transparency" in mask.info else "RGB")
     if mask.mode in ("RGBA", "LA") and mask.getchannel("A").getextrema() != (255, 255):
         return ImageOps.invert(mask.getchannel("A"))
+    return mask.convert("L")
+
+
+def _a1111_mask(mask: Image.Image) -> Image.Image:
+    """An RGBA mask whose alpha is not all opaque repaints where it is opaque (the alpha, cut at
+    128, as A1111 rounds it); any other, where it is white (its grey; an alpha besides RGBA's
+    is not read, as A1111 reads none)."""
+    if mask.mode == "RGBA" and mask.getchannel("A").getextrema() != (255, 255):
+        return mask.getchannel("A").point(lambda level: 255 if level > 128 else 0)
     return mask.convert("L")
 
 
@@ -145,21 +162,39 @@ def decode_cost(data: bytes, what: str, limits: ImageLimits) -> int:
     return header.width * header.height * (2 * per_pixel + 6)
 
 
-def read_inputs(image: bytes, mask: bytes | None, limits: ImageLimits) -> tuple[Image.Image, Image.Image | None]:
-    """The image (RGB) and the mask ("L", of the image's size), decoded and checked."""
+def read_inputs(image: bytes, mask: bytes | None, limits: ImageLimits,
+                mask_convention: MaskConvention = "openai") -> tuple[Image.Image, Image.Image | None]:
+    """The image (RGB) and the mask ("L", of the image's size, read by `mask_convention`:
+    `read_mask`), decoded and checked."""
     picture = read_image(image, "image", limits)
     if mask is None:
         return picture, None
-    painted = read_mask(mask, limits)
+    painted = read_mask(mask, limits, mask_convention)
     check_mask_fits(picture, painted)
     return picture, painted
 
 
-def encode_image(image: Image.Image, fmt: str) -> bytes:
+def encode_image(image: Image.Image, fmt: str, *, quality: int | None = None,
+                 record: ImageRecord | None = None) -> bytes:
     """A generated image as the bytes of a PNG, WebP or JPEG file (`fmt`, one of
-    `OUTPUT_FORMATS`): the one encoder, for the HTTP APIs and `loraswap generate -o` alike."""
+    `OUTPUT_FORMATS`): the one encoder, for the HTTP APIs and `loraswap generate -o` alike.
+    `quality` (0-100, WebP and JPEG): instead of 95. `record`: what made it, carried in the file
+    (PNG text chunks, EXIF for WebP and JPEG; `media/metadata.py`); the pixels are the same."""
+    options = dict(OUTPUT_FORMATS[fmt])
+    if quality is not None:
+        if fmt == "PNG":
+            raise ValueError("a PNG is lossless: it takes no quality")
+        options["quality"] = quality
+    if record is not None:
+        if fmt == "PNG":
+            options["pnginfo"] = png_info(record)
+        elif (tags := exif(record, fmt)) is not None:
+            options["exif"] = tags
+        else:
+            logger.warning("a %s goes without its record: its infotext is over the %s bytes a JPEG's EXIF holds",
+                           fmt, JPEG_EXIF_BYTES)
     buffer = io.BytesIO()
-    image.save(buffer, format=fmt, **OUTPUT_FORMATS[fmt])
+    image.save(buffer, format=fmt, **options)
     return buffer.getvalue()
 
 

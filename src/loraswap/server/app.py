@@ -3,34 +3,39 @@ adapters.
 
 `create_app` assembles it: the routers of `routes/` (module-level handlers that reach
 everything through `request.app.state`: `config`, `backend`, `metrics`, `keys`, `videos`,
-`kept`), the
+`kept`, `kept_images`), the
 error answers and the OpenAPI document. A backend (`backend.py`) routes and generates:
 the GPU workers of this process (`LocalBackend`), or model replicas on Ray Serve
 (`cluster.ingress.RayBackend`); handlers never run the pipeline. Known errors map to
-their status with `{"error": ...}`; anything else is logged with its traceback and
-answered with a plain 500.
+their status with an error body (`error_bodies.py`: OpenAI's shape on `/v1/*`,
+`{"error": ...}` elsewhere); anything else is logged with its traceback and answered with
+a plain 500.
 """
 
 import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..engine.engine import Engine
 from ..errors import LoraswapError
+from .a1111_loras import LoraListing
 from .access_log import loggable_path
 from .auth import Keys, maybe_warn_open
 from .backend import Backend, ClientGone, LocalBackend
 from .config import ServerConfig
 from .decode_budget import DecodeBudget
+from .error_bodies import error_code, error_response, invalid_param
 from .kept_adapters import KeptAdapters
+from .kept_images import KeptImages
 from .metrics import Metrics
 from .openapi import document_api
+from .progress_board import ProgressBoard
 from .request_ids import RequestIds
 from .routes import ROUTERS
 from .routes.videos import video_maker
@@ -47,8 +52,10 @@ async def _lifespan(app: FastAPI):
     # backend serves; /ready does not wait on them
     app.state.videos.start(video_maker(app.state), app.state.backend)
     keeping = asyncio.get_running_loop().create_task(app.state.kept.keep_again(app.state.backend))
+    sweeping = asyncio.get_running_loop().create_task(app.state.kept_images.sweep_every())  # expired image URLs
     yield
     keeping.cancel()
+    sweeping.cancel()
     await app.state.videos.stop()  # unfinished videos are cancelled; the state folder keeps them for the next start
     await app.state.backend.stop()
 
@@ -63,10 +70,15 @@ def create_app(config: ServerConfig, engine_factory=Engine, backend: Backend | N
     app.state.keys = keys
     app.state.backend = backend or LocalBackend(app.state, config, engine_factory)
     app.state.metrics = Metrics()
+    app.state.progress = ProgressBoard()  # the generations in flight, their steps and latest previews
     app.state.shutting_down = False  # set by `shutdown.start_draining` at SIGTERM
     app.state.decode_budget = DecodeBudget(config.max_decode_bytes)
     app.state.videos = VideoStore(config)
     app.state.kept = KeptAdapters(app.state.videos.state.folder)  # the same claimed state folder
+    app.state.a1111_loras = LoraListing(config)  # GET /sdapi/v1/loras
+    app.state.kept_images = KeptImages(app.state.videos.state.folder, config.image_url_ttl_s,
+                                       config.image_url_disk_bytes)
+    app.state.started_at = int(time.time())  # the `created` of GET /v1/models
     _add_error_handlers(app)
     app.add_middleware(ContainUnexpected)
     app.add_middleware(RequestIds)  # outermost: its id and span cover everything the request causes
@@ -85,17 +97,19 @@ def _add_error_handlers(app: FastAPI) -> None:
 async def _known_error(request: Request, exc: LoraswapError):
     retry = exc.status == 503  # busy, or (an adapter changed while read) worth asking again
     retry_after = getattr(exc, "retry_after_s", None) or request.app.state.config.retry_after_s  # the error's own
-    headers = {"Retry-After": str(retry_after)} if retry else None
-    return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
+    headers = ({"Retry-After": str(retry_after)} if retry else {}) | getattr(exc, "headers", {})  # (its own too)
+    return error_response(request, exc.status, exc.message, headers or None, code=error_code(exc),
+                          param=getattr(exc, "param", None))
 
 
 async def _invalid_request(request: Request, exc: RequestValidationError):
-    return JSONResponse({"error": invalid_request_message(exc.errors())}, status_code=400)
+    errors = exc.errors()
+    return error_response(request, 400, invalid_request_message(errors), param=invalid_param(errors))
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException):
     # 404 for an unknown route, 405, and the 401 of a missing key (with WWW-Authenticate)
-    return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+    return error_response(request, exc.status_code, str(exc.detail), exc.headers, code=getattr(exc, "code", None))
 
 
 class ContainUnexpected:
@@ -128,15 +142,15 @@ class ContainUnexpected:
                 raise
             logger.info("%s %s: cancelled by the shutdown", scope["method"], loggable_path(scope["path"]))
             if not started:
-                await JSONResponse({"error": "the server is shutting down; retry"}, status_code=503,
-                                   headers={"Retry-After": str(scope["app"].state.config.retry_after_s)})(
+                await error_response(scope, 503, "the server is shutting down; retry",
+                                     {"Retry-After": str(scope["app"].state.config.retry_after_s)})(
                     scope, receive, send)
         except (ClientGone, ClientDisconnect):  # nobody to answer: no error of ours
             logger.info("%s %s: the client left", scope["method"], loggable_path(scope["path"]))
             if not started:
-                await JSONResponse({"error": "the client closed the request"}, status_code=499)(scope, receive, send)
+                await error_response(scope, 499, "the client closed the request")(scope, receive, send)
         except Exception as exc:
             if started:
                 raise
             logger.error("unhandled error on %s %s", scope["method"], loggable_path(scope["path"]), exc_info=exc)
-            await JSONResponse({"error": "internal server error"}, status_code=500)(scope, receive, send)
+            await error_response(scope, 500, "internal server error")(scope, receive, send)

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
 
-from ..adapters.references import NamedUrls, url_owned_by
+from ..adapters.references import NamedUrls, is_remote, url_owned_by
 from ..errors import AdapterNotFound
 from .config import ServerConfig
+from .error_bodies import INVALID_API_KEY
 
 logger = logging.getLogger("loraswap.server")
 
@@ -115,8 +116,10 @@ def _check(request: Request, access: Access) -> None:
         return
     what = "an admin key" if access is Access.ADMIN and keys.admin else "an API key"
     problem = "no key was sent" if token is None else "the key sent is not valid here"
-    raise HTTPException(401, detail=f"this route needs {what}: {problem}. Send the header "
-                        "'Authorization: Bearer KEY'", headers={"WWW-Authenticate": "Bearer"})
+    refused = HTTPException(401, detail=f"this route needs {what}: {problem}. Send the header "
+                            "'Authorization: Bearer KEY'", headers={"WWW-Authenticate": "Bearer"})
+    refused.code = None if token is None else INVALID_API_KEY  # as OpenAI answers: no code for a missing key
+    raise refused
 
 
 def request_key(request: Request) -> bytes | None:
@@ -146,6 +149,18 @@ def sees_every_url_adapter(request: Request) -> bool:
 def may_use_url_id(request: Request, adapter_id: str) -> bool:
     """Whether the request's key may name the `url:` id `adapter_id` by its id (not its URL)."""
     return sees_every_url_adapter(request) or url_owned_by(adapter_id, url_owner(request))
+
+
+def visible_adapter_rows(request: Request, rows: list[dict]) -> list[dict]:
+    """The adapter rows (`id` each) a listing shows the request's key. Folder and hub adapters:
+    to every key. A file elsewhere (`url:`, `civitai:`, `s3:`) is one key's business: an
+    admin key (and any client of a server without API keys) sees them all; another key sees
+    the `url:` ids whose URL it named, and no `civitai:` or `s3:` id (which key named those is
+    not recorded: it names them again to use them)."""
+    if sees_every_url_adapter(request):
+        return rows
+    return [row for row in rows if not is_remote(row["id"])
+            or (row["id"].startswith("url:") and may_use_url_id(request, row["id"]))]
 
 
 def check_url_ids(request: Request, urls: NamedUrls | None) -> None:

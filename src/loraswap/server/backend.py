@@ -36,8 +36,9 @@ T = TypeVar("T")
 
 
 StepCallback = Callable[[int, int], None]
-"""A video job's progress hook (`videos.VideoJob.report_step`): (steps done, steps in all),
-called once per denoising step from the engine's thread."""
+"""A request's progress hook: (steps done, steps in all), called once per denoising step from the
+engine's thread (a video job's `videos.VideoJob.report_step`; the progress board's `Tracked`). An
+`engine.step_listener.StepListener` also hears its place in the queue and pictures of its steps."""
 
 
 class ClientGone(Exception):
@@ -92,8 +93,8 @@ class Backend(Protocol):
                        is_disconnected: Callable[[], Awaitable[bool]] | None,
                        on_step: StepCallback | None = None) -> GenerateResult:
         """Route by base model (or `model`), generate; `ClientGone` if the client left first
-        (`is_disconnected` None: nobody waits, nothing cancels). `on_step`: a video job's
-        progress hook, for the engine to call per denoising step."""
+        (`is_disconnected` None: nobody waits, nothing cancels). `on_step`: the request's
+        progress hook (`StepCallback`), for the engine to call per denoising step."""
 
     async def list_adapters(self) -> dict:
         """{"model", "models", "adapters"}: one row per adapter over every model (`merge_adapter_rows`)."""

@@ -8,7 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..engine.config import EngineConfig
 from ..engine.worker import SchedulerConfig
-from ..flags import SCHEDULING, SERVER, Flag
+from ..flags import ADAPTERS, SCHEDULING, SERVER, Flag
+from .webhook_rules import WebhookConfig
 
 
 class ServerConfig(BaseModel):
@@ -56,6 +57,9 @@ class ServerConfig(BaseModel):
     max_steps: Annotated[int, Flag(SERVER)] = Field(100, ge=1, description="Most denoising steps.")
     max_prompt_chars: Annotated[int, Flag(SERVER)] = Field(
         2000, ge=1, description="Longest prompt, characters.")
+    prompt_adapter_tags: Annotated[Literal["on", "off"], Flag(ADAPTERS)] = Field(
+        "on", description="on: `<lora:NAME:WEIGHT>` (and `<lyco:...>`) in a prompt names an adapter, as in A1111, "
+                          "and is cut out of the text; off: prompts go to the text encoder untouched.")
     max_body_bytes: Annotated[int, Flag(SERVER, name="max-body-kb", unit="KiB", scale=1024)] = Field(
         64 * 1024, ge=1024, description="Largest request body.")
     max_images: Annotated[int, Flag(SERVER)] = Field(
@@ -86,6 +90,24 @@ class ServerConfig(BaseModel):
     resume_videos: Annotated[bool, Flag(SERVER)] = Field(
         True, description="Make again, after a restart, the videos that were queued or being made; off: they "
                           "fail with the code server_restarted.")
+    webhooks: WebhookConfig = Field(default_factory=WebhookConfig, description="Video jobs' webhooks: secret, "
+                                    "allowed hosts, tries.")
+    image_url_ttl_s: Annotated[float, Flag(SERVER)] = Field(
+        3600.0, gt=0, description="How long an image answered by URL (OpenAI's response_format \"url\") is kept in "
+                                  "the state folder and served, seconds (across restarts too).")
+    image_url_disk_bytes: Annotated[int, Flag(SERVER, name="image-url-max-mb", unit="MiB", scale=2**20)] = Field(
+        1024 * 2**20, ge=2**20, description="Disk the images answered by URL may take, all keys together; past it "
+                                            "the key holding the most loses its oldest first.")
+    list_adapters_as_models: Annotated[bool, Flag(SERVER)] = Field(
+        False, description="List the adapters the server may serve in GET /v1/models (and GET /v1/models/{id}) "
+                           "beside the hosted models, and the adapter folders' in A1111's GET /sdapi/v1/loras with "
+                           "their files' metadata (which may name a trainer's paths); off: the hosted models only, "
+                           "and no LoRAs.")
+    image_metadata: Annotated[bool, Flag(SERVER)] = Field(
+        True, description="Write into each generated image what made it: A1111's infotext and a JSON record (prompt, "
+                          "negative prompt, steps, guidance, seed, size, model, each adapter's weight and SHA-256) in "
+                          "PNG text chunks, or in EXIF for JPEG and WebP; a request's \"metadata\": false leaves it "
+                          "out of its images.")
     max_image_bytes: Annotated[int, Flag(SERVER, name="max-image-mb", unit="MiB", scale=2**20)] = Field(
         20 * 2**20, ge=1024, description="Largest input image (or mask) file.")
     # at most PIL's own warning threshold: PIL never warns about (nor refuses) an image this server takes

@@ -14,6 +14,7 @@ from ..engine.config import GenerateRequest
 from ..engine.engine import GenerateResult
 from ..errors import LoraswapError, Overloaded
 from ..media.images import encode_image
+from ..media.metadata import ImageRecord
 from ..tracing import traced
 from .backend import ClientGone, StepCallback
 
@@ -34,12 +35,14 @@ async def run_generation(state, route: str, gen: GenerateRequest, model: str | N
                          is_disconnected: Callable[[], Awaitable[bool]] | None,
                          on_step: StepCallback | None = None) -> GenerateResult:
     """`generate` for any caller, counted, timed and logged; `is_disconnected` None: nobody
-    waits on it (a video job), so nothing cancels it. `on_step`: the job's progress hook."""
+    waits on it (a video job), so nothing cancels it. `on_step`: the job's progress hook (a
+    `StepListener` hears more), behind the app's progress board (`progress_board.py`)."""
     started = time.perf_counter()
     status = 500
     result = None
     try:
-        result = await state.backend.generate(gen, model, is_disconnected, on_step=on_step)
+        with state.progress.tracking(route, on_step) as on_step:
+            result = await state.backend.generate(gen, model, is_disconnected, on_step=on_step)
         status = 200
         return result
     except torch.OutOfMemoryError:
@@ -94,9 +97,23 @@ def step_cache_headers(results: list[GenerateResult]) -> dict[str, str]:
     return {"x-steps-skipped": ",".join(str(r.steps_skipped or 0) for r in results)}
 
 
-@traced("encode", lambda image, accept: {"loraswap.width": image.width, "loraswap.height": image.height})
-async def encode(image, accept: str) -> tuple[bytes, str]:
-    """The image in the first format `accept` names (PNG, WebP, JPEG), else JPEG; encoded off
-    the event loop by `media.images.encode_image`."""
+@traced("encode", lambda image, accept, *_, **__: {"loraswap.width": image.width, "loraswap.height": image.height})
+async def encode(image, accept: str, *, record: ImageRecord | None = None,
+                 quality: int | None = None) -> tuple[bytes, str]:
+    """The image in the first format `accept` names (PNG, WebP, JPEG), else JPEG, carrying
+    `record` (`image_output.record_for`) and at `quality` (JPEG, WebP; None: the encoder's);
+    encoded off the event loop by `media.images.encode_image`."""
     media, fmt = next(((m, f) for m, f in IMAGE_FORMATS if m in accept), ("image/jpeg", "JPEG"))
-    return await run_in_threadpool(encode_image, image, fmt), media
+    return await run_in_threadpool(_encode_with_record, image, fmt, quality, record), media
+
+
+def _encode_with_record(image, fmt: str, quality: int | None, record: ImageRecord | None) -> bytes:
+    """`encode_image`; a record that cannot be written is logged and left out (the image is
+    made: no 5xx for a client to retry)."""
+    try:
+        return encode_image(image, fmt, quality=quality, record=record)
+    except Exception:
+        if record is None:
+            raise
+        logger.exception("an image goes without its record: writing it into the %s failed", fmt)
+        return encode_image(image, fmt, quality=quality)

@@ -52,9 +52,10 @@ class Limit:
         return tuple(getattr(config, b) if isinstance(b, str) else b for b in (self.low, self.high))
 
     def check(self, name: str, value: Any, config: ServerConfig) -> None:
-        """BadRequest(message) when `value` is outside the bounds."""
+        """BadRequest(message) when `value` is outside the bounds, naming the field `name` as its
+        `param` (OpenAI's error body names the field it refuses)."""
         if self.blank is not None and not value.strip():
-            raise BadRequest(self.blank)
+            raise _naming(BadRequest(self.blank), name)
         low, high = self.bounds(config)
         number = len(value) if self.length else value
         refused = (
@@ -65,8 +66,8 @@ class Limit:
             or (self.multiple_of is not None and number % self.multiple_of)
         )
         if refused:
-            raise BadRequest(self.message.format(name=name, value=number if self.length else repr(value),
-                                                 low=low, high=high))
+            raise _naming(BadRequest(self.message.format(name=name, value=number if self.length else repr(value),
+                                                         low=low, high=high)), name)
 
     def schema(self, config: ServerConfig) -> dict:
         """The same bounds as JSON Schema keywords."""
@@ -87,6 +88,12 @@ class Limit:
         return schema
 
 
+def _naming(error: BadRequest, field: str) -> BadRequest:
+    """`error` with the field it refuses, for the error body's `param`."""
+    error.param = field
+    return error
+
+
 _GUIDANCE = engine_bounds("guidance")
 _SEED = engine_bounds("seed")
 _STRENGTH = engine_bounds("strength")
@@ -94,8 +101,8 @@ _BETWEEN = "{name} {value} must be between {low} and {high}"
 
 # in the order a request is checked: the first field out of bounds is the one named
 LIMITS = (
-    Limit(("response_format",), "response_format must be 'b64_json'; this server does not host image URLs",
-          choices=("b64_json",)),
+    Limit(("response_format",), "response_format must be 'b64_json' or 'url', not {value}",
+          choices=("b64_json", "url")),
     Limit(("n",), "n must be between {low} and {high}", low=1, high="max_images"),
     Limit(("size",), "size {value} must look like '1024x1024' (WIDTHxHEIGHT) or be 'auto'",
           pattern=r"^(auto|[0-9]{1,5}x[0-9]{1,5})$"),  # [0-9]: \d takes every script's digits
@@ -117,6 +124,9 @@ LIMITS = (
           low_exclusive=True),
     Limit(("frames", "num_frames"), _BETWEEN, low=1, high="max_video_frames"),
     Limit(("fps",), _BETWEEN, low=1, high="max_video_fps"),
+    Limit(("output_format",), "output_format must be 'png', 'jpeg' or 'webp', not {value}",
+          choices=("png", "jpeg", "webp")),
+    Limit(("output_compression",), _BETWEEN, low=0, high=100),
 )
 
 
@@ -154,7 +164,8 @@ def schema_limits(config: ServerConfig) -> dict[str, dict]:
 
 def constrain(node, limits: dict[str, dict]) -> None:
     """Add `limits` to every property of those names in a JSON Schema (the non-null branch of
-    an optional one), nested ones included (HF `target_size.width`)."""
+    an optional one), nested ones included (HF `target_size.width`); a bound the property sets
+    itself stays (A1111's `seed` takes -1)."""
     if isinstance(node, list):
         for item in node:
             constrain(item, limits)
@@ -165,6 +176,6 @@ def constrain(node, limits: dict[str, dict]) -> None:
         if name in limits and isinstance(prop, dict):
             for branch in prop.get("anyOf", [prop]):
                 if branch.get("type") != "null":
-                    branch.update(limits[name])
+                    branch.update({key: bound for key, bound in limits[name].items() if key not in branch})
     for value in node.values():
         constrain(value, limits)

@@ -4,7 +4,7 @@ form by one function (`parse_request`).
 """
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
+from ..adapters.prompt_tags import take_adapter_tags
 from ..adapters.references import NamedUrls
 from ..adapters.specs import adapter_with_weight, parse_adapter_specs
 from ..engine.config import GenerateRequest
@@ -22,6 +23,7 @@ from ..engine.step_cache import canonical
 from ..errors import BadRequest
 from ..media.images import (
     ImageLimits,
+    MaskConvention,
     decode_base64,
     decode_cost,
     looks_like_image,
@@ -34,6 +36,7 @@ from .auth import check_url_ids, url_owner
 from .backend import Backend
 from .config import ServerConfig
 from .decode_budget import DecodeBudget, decoded_bytes
+from .image_output import ImageOutput
 from .limits import check_limits, image_limits
 from .schemas import ApiBody, invalid_request_message, parse_size
 
@@ -42,12 +45,16 @@ from .schemas import ApiBody, invalid_request_message, parse_size
 class ParsedRequest:
     """What a generation route asked for, whichever API (images or videos): the engine's
     request, the hosted base model the route names (None: the one the adapters route to), how
-    many images (OpenAI `n`) and a video's frame rate, when the request gives one."""
+    many images (OpenAI `n`) and a video's frame rate, when the request gives one; how OpenAI's
+    images are answered (`response_format`: `b64_json`, or `url`)."""
 
     engine_request: GenerateRequest
     model: str | None = None
     count: int = 1
     fps: int | None = None
+    response_format: str = "b64_json"
+    body: ApiBody | None = None  # the typed body, for a route that answers with more of it (A1111's echo)
+    output: ImageOutput = ImageOutput()  # the images' format, quality and record (`image_output.py`)
 
     def per_image(self) -> list[GenerateRequest]:
         """One request per image; with a seed, image i gets seed + i (checked at parse)."""
@@ -76,7 +83,7 @@ async def read_body(request: Request, max_bytes: int, limit_words: str) -> bytes
 MAX_JSON_NESTING = 64  # arrays and objects in one another; a real body nests 4 or 5
 
 
-def _nesting(value: Any) -> int:
+def json_nesting(value: Any) -> int:
     """How deeply arrays and objects nest in a parsed JSON value (0 for a scalar), without
     recursion: one pass over its containers."""
     if not isinstance(value, dict | list):
@@ -103,7 +110,7 @@ def parse_json(body: bytes, api: type[ApiBody], max_bytes: int):
         if len(body) > max_bytes:
             raise BadRequest(f"the body is {len(body)} bytes; the limit is {max_bytes}") from None
         raise BadRequest(f"the body must be JSON: {api.example}") from None
-    if _nesting(value) > MAX_JSON_NESTING:  # (under the recursion limit torch.compile raised)
+    if json_nesting(value) > MAX_JSON_NESTING:  # (under the recursion limit torch.compile raised)
         raise _nested_too_deep(api)
     return value
 
@@ -169,17 +176,27 @@ async def read_request(request: Request, api: type[ApiBody], config: ServerConfi
     return parsed
 
 
+# a route's own say on the model, once the body's model and adapters are known and before any
+# image is decoded: (the body, the hosted model it names or None, its adapters) -> the model
+ChooseModel = Callable[[ApiBody, str | None, list[tuple[str, float]]], str | None]
+
+
 @traced("parse")
-async def parse_request(request: Request, api: type[ApiBody], path_model: str | None = None) -> ParsedRequest:
-    """The one parse of every generation route. `path_model`: the model id in the URL (HF `/models/{id}`)."""
+async def parse_request(request: Request, api: type[ApiBody], path_model: str | None = None,
+                        choose_model: ChooseModel | None = None) -> ParsedRequest:
+    """The one parse of every generation route. `path_model`: the model id in the URL (HF
+    `/models/{id}`); `choose_model`: the route's own check of the model (A1111's checkpoint)."""
     config, backend = request.app.state.config, request.app.state.backend
     # 1. the body, as the API's typed request (JSON, or a multipart form with files)
-    fields = (await read_request(request, api, config)).fields()
+    body = await read_request(request, api, config)
+    fields = body.fields()
     check_text(fields)
     named = path_model or fields.pop("model", None)
-    # 2. every field within its bounds (one table: limits.LIMITS), and the values they give:
-    #    OpenAI's size as a width and a height, the seed of the last of n images
-    check_limits(fields, config)
+    # 2. every field within its bounds (one table: limits.LIMITS; an empty prompt is judged in 3,
+    #    once its tags are cut out), and the values they give: OpenAI's size as a width and a
+    #    height, the seed of the last of n images
+    _check_bounds(fields, config)
+    output = ImageOutput.of(fields)
     if fields.get("size"):
         fields["width"], fields["height"] = parse_size(fields["size"])
     count = fields.get("n") or 1
@@ -187,15 +204,21 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
     check_limits({"width": fields.get("width"), "height": fields.get("height"), "seed": last_seed}, config)
     frames, fps = _video_frames(fields, config)
     require_image(fields.get("image") is not None, fields.get("mask") is not None, fields.get("strength"))
-    # 3. the name: a hosted base model, or adapters put before those of the body's `loras`
-    #    and the `lora` header
+    # 3. the prompt's A1111 tags (`<lora:NAME:WEIGHT>`) cut out of it; the name: a hosted base
+    #    model, or adapters put before those of the tags, the body's `loras` and the `lora`
+    #    header; then what the route says of the model
     urls = named_urls(request)
-    model, loras = _model_and_adapters(backend, named, api.names_blend, fields.get("loras") or [],
+    tagged = _prompt_adapters(fields, config, urls)
+    _check_prompt_given(fields["prompt"], api, tagged)
+    model, loras = _model_and_adapters(backend, named, api.names_blend, tagged, fields.get("loras") or [],
                                        request.headers.get("lora"), urls)
     check_url_ids(request, urls)
+    if choose_model is not None:
+        model = choose_model(body, model, loras)
     # 4. the image and the mask, decoded and checked (the costliest check, so the last);
     #    no size asked: the image's
-    image, mask = await decode_inputs(request, fields.get("image"), fields.get("mask"), image_limits(config))
+    image, mask = await decode_inputs(request, fields.get("image"), fields.get("mask"), image_limits(config),
+                                      api.mask_convention)
     size_from_image = image is not None and fields.get("width") is None and fields.get("height") is None
     if image is not None:
         fields["width"], fields["height"] = output_size(image, fields.get("width"), fields.get("height"),
@@ -212,7 +235,8 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
             step_cache=canonical(fields.get("step_cache")), size_from_image=size_from_image)
     except ValidationError as e:
         raise BadRequest(invalid_request_message(e.errors())) from None
-    return ParsedRequest(engine_request, model, count, fps)
+    return ParsedRequest(engine_request, model, count, fps, body=body, output=output,
+                         response_format=fields.get("response_format") or "b64_json")
 
 
 def check_text(value, name: str = "") -> None:
@@ -234,11 +258,12 @@ def check_text(value, name: str = "") -> None:
             check_text(item, name)
 
 
-async def decode_inputs(request: Request, image: bytes | str | None, mask: bytes | str | None,
-                        limits: ImageLimits) -> tuple[Image.Image | None, Image.Image | None]:
-    """The request's image and mask (raw bytes, or base64 text), decoded and checked off the
-    event loop (a large image takes a CPU for a while), once their cost fits the app's
-    `DecodeBudget`; the request then holds what they take until it is answered."""
+async def decode_inputs(request: Request, image: bytes | str | None, mask: bytes | str | None, limits: ImageLimits,
+                        mask_convention: MaskConvention = "openai") -> tuple[Image.Image | None, Image.Image | None]:
+    """The request's image and mask (raw bytes, or base64 text; the mask read by
+    `mask_convention`, `media.images.read_mask`), decoded and checked off the event loop (a
+    large image takes a CPU for a while), once their cost fits the app's `DecodeBudget`; the
+    request then holds what they take until it is answered."""
     require_image(image is not None, mask is not None, None)
     if image is None:
         return None, None
@@ -253,7 +278,7 @@ async def decode_inputs(request: Request, image: bytes | str | None, mask: bytes
     await budget.acquire(cost)
     kept = 0
     try:
-        decoded = await run_in_threadpool(read_inputs, image_bytes, mask_bytes, limits)
+        decoded = await run_in_threadpool(read_inputs, image_bytes, mask_bytes, limits, mask_convention)
         if hasattr(request.state, "decoded_bytes"):  # released once answered, by the route's `release_decoded`
             kept = min(cost, decoded_bytes(*decoded))
             request.state.decoded_bytes = kept
@@ -281,19 +306,54 @@ def _video_frames(fields: dict, config: ServerConfig) -> tuple[int | None, int |
     return frames, fps
 
 
-def _model_and_adapters(backend: Backend, named: str | None, blend: bool, listed: list[tuple[str, float]],
-                        header: str | None, urls: NamedUrls | None) -> tuple[str | None, list[tuple[str, float]]]:
+def _prompt_adapters(fields: dict, config: ServerConfig, urls: NamedUrls | None) -> list[tuple[str, float]]:
+    """The adapters the prompt's A1111 tags name, the tags cut out of `fields["prompt"]`
+    (`adapters/prompt_tags.py`); none with --prompt-adapter-tags off (the prompt untouched)."""
+    if config.prompt_adapter_tags == "off":
+        return []
+    fields["prompt"], tagged = take_adapter_tags(fields["prompt"], fields.get("negative_prompt"), urls)
+    return tagged
+
+
+def _check_bounds(fields: dict, config: ServerConfig) -> None:
+    """Every field within its bounds (`limits.check_limits`), but whether the prompt may be
+    empty, which is judged once its tags are cut out (`_check_prompt_given`): a blank prompt
+    (spaces at most) is held to its length alone here."""
+    prompt = fields["prompt"]
+    if prompt.strip():
+        return check_limits(fields, config)
+    check_limits({**fields, "prompt": None}, config)
+    if len(prompt) > config.max_prompt_chars:
+        raise BadRequest(f"the prompt has {len(prompt)} characters; the limit is {config.max_prompt_chars}")
+
+
+def _check_prompt_given(prompt: str, api: type[ApiBody], tagged: list[tuple[str, float]]) -> None:
+    """One rule for an empty prompt (or one of spaces), judged once its tags are cut out
+    (`<lora:x:1>` is as empty as ""): A1111's routes take it, as A1111 does (webuiapi sends ""
+    by default); the other APIs refuse it."""
+    if prompt.strip() or api.takes_empty_prompt:
+        return
+    if tagged:
+        raise BadRequest("the prompt is empty once its <lora:NAME:WEIGHT> tags are cut out: say what to draw "
+                         "beside them")
+    raise BadRequest("the prompt is empty")
+
+
+def _model_and_adapters(backend: Backend, named: str | None, blend: bool, tagged: list[tuple[str, float]],
+                        listed: list[tuple[str, float]], header: str | None,
+                        urls: NamedUrls | None) -> tuple[str | None, list[tuple[str, float]]]:
     """The hosted model `named` is, or the adapters it names (weight 1.0, or a blend when the API
-    allows one); then the body's `loras` list, then the header's. An adapter named in two of
-    them takes the later one's weight and place (the header's over the body's over the name's).
-    The URLs among them are held by `urls`, the request's."""
+    allows one); then the prompt's tags (`tagged`, ids already), the body's `loras` list, then the
+    header's. An adapter named in two of them takes the later one's weight and place (the
+    header's over the body's over the prompt's over the name's). The URLs among them are held by
+    `urls`, the request's."""
     body = [adapter_with_weight(name, weight, urls) for name, weight in listed]
     header_loras = parse_adapter_specs(header, urls)
     if named and backend.is_model(named):
-        return named, _merged(body, header_loras)
+        return named, _merged(tagged, body, header_loras)
     by_name = (parse_adapter_specs(named, urls) if blend else [adapter_with_weight(named, 1.0, urls)]) \
         if named else []
-    return None, _merged(by_name, body, header_loras)
+    return None, _merged(by_name, tagged, body, header_loras)
 
 
 async def hold_named_urls(request: Request) -> AsyncIterator[None]:

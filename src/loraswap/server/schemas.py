@@ -37,6 +37,12 @@ def _loras(loras: list[LoraEntry] | None, image_loras: list[LoraEntry] | None = 
     return [(entry.path, entry.scale) for entry in (loras if loras is not None else image_loras or [])]
 
 
+PREVIEW_FULL_DOC = ("Streamed: previews decoded by the VAE (the image as it would end at that step; each costs a "
+                    "decode) rather than sketched from the latents (an extension).")
+METADATA_DOC = ("false: the image carries no record of what made it (A1111's infotext and a JSON record, in PNG "
+                "text chunks or EXIF); default: the server's --image-metadata (an extension).")
+
+
 class TargetSize(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -67,6 +73,13 @@ class HFParameters(BaseModel):
     step_cache: str | None = Field(None, description="Skip the steps a cache can stand in for: \"off\", or "
                                    "METHOD[:key=value,...] (first-block:threshold=0.08, taylorseer:interval=4, "
                                    "magcache) within what the server allows; default: the server's (an extension).")
+    metadata: bool | None = Field(None, description=METADATA_DOC)
+    stream: bool | None = Field(None, description="true: answered as server-sent events (progress, previews, then "
+                                "the image), as `Accept: text/event-stream` asks; false: not, whatever it says "
+                                "(an extension).")
+    preview_every: int | None = Field(None, ge=1, description="Streamed: a preview of the image so far every N "
+                                      "steps (an extension).")
+    preview_full: bool | None = Field(None, description=PREVIEW_FULL_DOC)
 
 
 class ApiBody(BaseModel):
@@ -77,6 +90,8 @@ class ApiBody(BaseModel):
     takes_images: ClassVar[bool] = False  # the body may carry an image and a mask (beyond max_body_bytes)
     form: ClassVar[bool] = False  # the body is multipart/form-data, not JSON
     output: ClassVar[str] = "image"  # what the route answers with: "image" or "video"
+    takes_empty_prompt: ClassVar[bool] = False  # an empty prompt (its adapter tags cut out) is taken, not a 400
+    mask_convention: ClassVar[str] = "openai"  # how a mask's transparency reads (`media.images.read_mask`)
 
     @classmethod
     def parse(cls, body: Any) -> "ApiBody":
@@ -125,7 +140,7 @@ class HFRequest(ApiBody):
                 "width": size.width, "height": size.height, "num_inference_steps": p.num_inference_steps,
                 "guidance_scale": p.guidance_scale, "seed": p.seed, "strength": p.strength,
                 "image": self.inputs if image_to_image else None, "mask": p.mask, "loras": _loras(p.loras),
-                "step_cache": p.step_cache}
+                "step_cache": p.step_cache, "metadata": p.metadata}
 
 
 class OpenAIImageRequest(ApiBody):
@@ -139,7 +154,8 @@ class OpenAIImageRequest(ApiBody):
     model: str | None = None
     n: int = 1
     size: str | None = None
-    response_format: str = "b64_json"
+    response_format: str = Field("b64_json", description="b64_json: each image in the answer, base64; url: a URL "
+                                 "on this server, served to the same API key for --image-url-ttl-s.")
     seed: int | None = None
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
@@ -147,9 +163,18 @@ class OpenAIImageRequest(ApiBody):
     loras: list[LoraEntry] | None = Field(None, description="Adapters to blend, by id, URL, Civitai AIR or "
                                           "bucket: [{\"path\": ..., \"scale\": 1.0}] (an extension).")
     image_loras: list[LoraEntry] | None = Field(None, description="The same list, as Together names it.")
+    output_format: str = Field("png", description="The images' file format: png, jpeg or webp.")
+    output_compression: int | None = Field(None, description="jpeg and webp: the quality, 0-100 (higher: larger "
+                                           "files, finer detail); default 95.")
+    metadata: bool | None = Field(None, description=METADATA_DOC)
     step_cache: str | None = Field(None, description="Skip the steps a cache can stand in for: \"off\", or "
                                    "METHOD[:key=value,...] (first-block:threshold=0.08, taylorseer:interval=4, "
                                    "magcache) within what the server allows; default: the server's (an extension).")
+    stream: bool = Field(False, description="true: answered as server-sent events, OpenAI's partial_image events "
+                         "then completed (each image's b64_json).")
+    partial_images: int | None = Field(None, ge=0, le=3, description="Streamed: how many previews of each image "
+                                       "come before it, spread over its steps (fewer when it has too few steps).")
+    preview_full: bool | None = Field(None, description=PREVIEW_FULL_DOC)
 
     def fields(self) -> dict[str, Any]:
         return {**self.model_dump(exclude={"loras", "image_loras"}), "loras": _loras(self.loras, self.image_loras)}
@@ -209,6 +234,9 @@ class OpenAIVideoRequest(ApiBody):
     step_cache: str | None = Field(None, description="Skip the steps a cache can stand in for: \"off\", or "
                                    "METHOD[:key=value,...] (first-block:threshold=0.08, taylorseer:interval=4, "
                                    "magcache) within what the server allows; default: the server's (an extension).")
+    webhook_url: str | None = Field(None, max_length=2048, description="Called once when the job ends (completed, "
+                                    "failed or deleted), with the job as JSON, signed as Standard Webhooks (an "
+                                    "extension; the server's --webhook-secret and --webhook-allow).")
 
     _loras_as_json = field_validator("loras", mode="before")(_json_list)
 

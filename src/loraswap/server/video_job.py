@@ -18,6 +18,7 @@ that is a pattern) is refused whole rather than served.
 import asyncio
 import io
 import json
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -27,7 +28,10 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from ..engine.config import GenerateRequest
-from .video_state import is_video_id, read_plain_file
+from .state_files import read_plain_file
+from .video_ids import is_video_id
+
+RESTARTED = "server_restarted"  # the error code of a job the server's restart cost
 
 
 class VideoStatus(str, Enum):
@@ -59,6 +63,7 @@ class VideoJob:
     owner: str | None = None  # a digest of the API key that made it (`VideoStore.owner_of`); None: everyone's
     # the URLs behind its `url:` ids, signatures and all: what fetches them again after a restart
     urls: dict[str, str] = field(default_factory=dict)
+    webhook_url: str | None = None  # called once when it ends (`webhooks`); checked before it was made
     task: asyncio.Task | None = field(default=None, repr=False)
 
     def report_step(self, done: int, total: int) -> None:
@@ -98,16 +103,33 @@ class VideoJob:
         done, total = self.steps
         return min(99, 100 * done // total) if total else 0
 
-    def view(self) -> dict:
-        """The job as the OpenAI Video object."""
+    def view(self, now: float | None = None) -> dict:
+        """The job as the OpenAI Video object, with what a poller shows beside `progress`: the
+        denoising `step` done of `total_steps` (None until the first step says), and
+        `elapsed_s` since it was made (until it finished; `now`: the store's clock)."""
         def stamp(t: float | None) -> int | None:
             return None if t is None else int(t)
 
+        step, total = self.steps
+        until = self.finished_at if self.finished else (now if now is not None else self.created_at)
         return {"id": self.id, "object": "video", "model": self.model, "status": self.status.value,
                 "progress": self.progress, "created_at": stamp(self.created_at),
                 "completed_at": stamp(self.finished_at), "expires_at": stamp(self.expires_at),
                 "error": self.error, "prompt": self.request.prompt, "seconds": self.seconds, "size": self.size,
-                "remixed_from_video_id": None}
+                "remixed_from_video_id": None, "step": step, "total_steps": total or self.request.steps,
+                "elapsed_s": round(max(0.0, until - self.created_at), 3)}
+
+    def cancelled_view(self, now: float) -> dict:
+        """The Video object of a job deleted before it finished, as its webhook sends it: failed,
+        with the code `cancelled` (OpenAI's statuses have no other end)."""
+        return {**self.view(now), "status": "failed", "completed_at": int(now), "expires_at": int(now),
+                "error": {"code": "cancelled", "message": "the video was deleted before it finished"}}
+
+    def failure(self, code: str, message: str) -> dict:
+        """The error of this job failing now with `code`."""
+        if self.attempts > 1:  # made again after a restart, and failed again
+            return restarted(f"making it again failed: {message}")
+        return {"code": code, "message": message}
 
     def row(self) -> dict:
         """The job as the state folder keeps it (`video_state.COLUMNS`): enough to make it again."""
@@ -116,7 +138,8 @@ class VideoJob:
                 "finished_at": self.finished_at, "expires_at": self.expires_at,
                 "error": json.dumps(self.error) if self.error else None, "seconds": self.seconds,
                 "size": self.size, "attempts": self.attempts, "owner": self.owner,
-                "urls": json.dumps(self.urls) if self.urls else None}
+                "urls": json.dumps(self.urls) if self.urls else None, "step": self.steps[0],
+                "total_steps": self.steps[1], "webhook_url": self.webhook_url}
 
     @classmethod
     def from_row(cls, row: object) -> "VideoJob":
@@ -125,7 +148,19 @@ class VideoJob:
         request = GenerateRequest.model_validate_json(checked.request)
         error = JobError.model_validate_json(checked.error).model_dump() if checked.error is not None else None
         urls = JobUrls.validate_json(checked.urls) if checked.urls is not None else {}
-        return cls(**{**checked.model_dump(), "request": request, "error": error, "urls": urls})
+        fields = checked.model_dump(exclude={"step", "total_steps"})
+        steps = (checked.step or 0, checked.total_steps or 0)
+        return cls(**{**fields, "request": request, "error": error, "urls": urls, "steps": steps})
+
+
+def restarted(why: str) -> dict:
+    """The error of a job the server's restart cost."""
+    return {"code": RESTARTED, "message": f"the server restarted while this video was being made, and {why}"}
+
+
+def error_code(error: Exception) -> str:
+    """The error's class as a code: AdapterNotFound -> adapter_not_found."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(error).__name__).lower()
 
 
 FiniteTime = Annotated[float, Field(allow_inf_nan=False)]
@@ -163,6 +198,9 @@ class JobRow(BaseModel):
     attempts: Annotated[int, Field(ge=0)]
     owner: str | None
     urls: str | None = None  # JobUrls as JSON
+    step: Annotated[int, Field(ge=0)] | None = None  # steps done, of total_steps, when it was kept
+    total_steps: Annotated[int, Field(ge=0)] | None = None
+    webhook_url: str | None = None
 
     @field_validator("id")
     @classmethod

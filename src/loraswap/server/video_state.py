@@ -3,7 +3,8 @@
 The state folder (`--state-dir`, default ~/.cache/loraswap/state):
 
     lock                  held (flock) by the one server using the folder
-    videos.sqlite3        one row a job (SQLite, WAL mode), with -wal and -shm beside it
+    videos.sqlite3        one row a job (SQLite, WAL mode), with -wal and -shm beside it;
+                          and a row a webhook owed (`webhooks.Delivery`), until delivered
     owner-secret          the key of the digests naming the API key that made each job,
     owner-secret.copy     and its copy, from which a damaged one is written again
     videos/ID.json        the job's row again (its record), from which a lost row is rebuilt
@@ -27,11 +28,9 @@ import fcntl
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import sqlite3
-import stat
 import tempfile
 import threading
 import time
@@ -41,6 +40,8 @@ from PIL import Image
 
 from ..paths import user_cache
 from .kept_adapters import RECORD as KEPT_ADAPTERS
+from .state_files import plain_file, read_plain_file
+from .video_ids import is_video_id
 
 logger = logging.getLogger("loraswap.server")
 
@@ -54,8 +55,10 @@ MAX_RECORD_BYTES = 2**20  # a record holds a request: a few KiB
 # what a failed write raises: the disk (full, gone, read-only) or the database on it
 WRITE_ERRORS = (OSError, sqlite3.Error)
 COLUMNS = ("id", "request", "model", "target", "fps", "created_at", "finished_at", "expires_at", "error",
-           "seconds", "size", "attempts", "owner", "urls")
-ADDED_COLUMNS = ("owner", "urls")  # columns a database made by an earlier version lacks: added when it is opened
+           "seconds", "size", "attempts", "owner", "urls", "step", "total_steps", "webhook_url")
+# columns a database made by an earlier version lacks: added when it is opened
+ADDED_COLUMNS = ("owner", "urls", "step", "total_steps", "webhook_url")
+DELIVERY_COLUMNS = ("id", "video_id", "url", "payload", "attempts", "next_at", "owner")
 OWNER_SECRET = "owner-secret"  # the key of the digests that say which API key made a job
 OWNER_SECRET_COPY = "owner-secret.copy"
 SECRET_BYTES = 32
@@ -63,18 +66,7 @@ SECRET_BYTES = 32
 OWN_ENTRIES = ("lock", FILES, ORPHANS, DATABASE, f"{DATABASE}-wal", f"{DATABASE}-shm", OWNER_SECRET,
                OWNER_SECRET_COPY, KEPT_ADAPTERS)
 SCHEMA = f"CREATE TABLE IF NOT EXISTS videos ({', '.join(COLUMNS)}, PRIMARY KEY (id))"
-VIDEO_ID = re.compile(r"video_[0-9a-f]{32}")  # what `new_video_id` makes; nothing else names a job
-
-
-def new_video_id() -> str:
-    return "video_" + secrets.token_hex(16)
-
-
-def is_video_id(text: object) -> bool:
-    """Whether `text` is a job id: checked before an id names a file."""
-    return isinstance(text, str) and VIDEO_ID.fullmatch(text) is not None
-
-
+DELIVERY_SCHEMA = f"CREATE TABLE IF NOT EXISTS webhooks ({', '.join(DELIVERY_COLUMNS)}, PRIMARY KEY (id))"
 class StateFolderTaken(OSError):
     """The state folder is another running server's (it holds the folder's lock)."""
 
@@ -145,11 +137,12 @@ class VideoState:
             found = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM videos ORDER BY created_at").fetchall()
         return [dict(zip(COLUMNS, values)) for values in found]
 
-    def save(self, row: dict) -> None:
+    def save(self, row: dict, delivery: dict | None = None) -> None:
         """Insert or replace the job's row, and write it as the job's record beside its files,
         from which the row is rebuilt when the database loses it. Both are tried; the first
         failure is raised. The record is renamed into place whole but not forced to disk: as
-        the database's commits (synchronous=NORMAL), it survives a crash of the process."""
+        the database's commits (synchronous=NORMAL), it survives a crash of the process. With
+        `delivery` (the webhook its end owes), its row too, in the job's transaction."""
         try:
             data = json.dumps(row).encode()
             _write_whole(self.record_path(row["id"]), lambda f: _write_private(f, data), sync=False)
@@ -157,6 +150,27 @@ class VideoState:
             with self._lock, self._db:
                 self._db.execute(f"INSERT OR REPLACE INTO videos ({', '.join(COLUMNS)}) "
                                  f"VALUES ({', '.join('?' * len(COLUMNS))})", [row[column] for column in COLUMNS])
+                if delivery is not None:
+                    self._insert_delivery(delivery)
+
+    # ---------------------------------------------------------------- webhooks owed
+    def deliveries(self) -> list[dict]:
+        """Every webhook owed, the oldest due first."""
+        with self._lock:
+            found = self._db.execute(f"SELECT {', '.join(DELIVERY_COLUMNS)} FROM webhooks ORDER BY next_at").fetchall()
+        return [dict(zip(DELIVERY_COLUMNS, values)) for values in found]
+
+    def save_delivery(self, delivery: dict) -> None:
+        with self._lock, self._db:
+            self._insert_delivery(delivery)
+
+    def _insert_delivery(self, delivery: dict) -> None:
+        self._db.execute(f"INSERT OR REPLACE INTO webhooks ({', '.join(DELIVERY_COLUMNS)}) VALUES "
+                         f"({', '.join('?' * len(DELIVERY_COLUMNS))})", [delivery[c] for c in DELIVERY_COLUMNS])
+
+    def remove_delivery(self, delivery_id: object) -> None:
+        with self._lock, self._db:
+            self._db.execute("DELETE FROM webhooks WHERE id = ?", (delivery_id,))
 
     def remove(self, video_id: str) -> None:
         """The job's files, then its row: a crash between leaves a row whose MP4 is missing,
@@ -268,11 +282,6 @@ def _refuse_links(folder: Path) -> None:
                           "(or point --state-dir at the folder wanted)")
 
 
-def plain_file(path: Path) -> bool:
-    """A regular file, not a link."""
-    return not path.is_symlink() and path.is_file()
-
-
 def _owner_secret(folder: Path) -> bytes:
     """32 random bytes kept in the folder (owner-only), made once: a job's owner is an HMAC of
     its API key under them, so the database alone cannot be used to guess a short key. Kept
@@ -332,13 +341,16 @@ def _connect(path: Path) -> sqlite3.Connection:
 
 
 def _add_columns(db: sqlite3.Connection, path: Path, present: set[str]) -> None:
-    """The columns a database made by an earlier version lacks, added; OSError (the folder is
-    then not used, and the database kept as it is) when it cannot be changed now (locked,
-    read-only): that is no sign of a corrupt database."""
+    """The columns (and the webhooks table) a database made by an earlier version lacks, added;
+    OSError (the folder is then not used, and the database kept as it is) when it cannot be
+    changed now (locked, read-only): that is no sign of a corrupt database."""
     try:
         for column in ADDED_COLUMNS:
             if column not in present:
                 db.execute(f"ALTER TABLE videos ADD COLUMN {column}")
+        db.execute(DELIVERY_SCHEMA)
+        if "owner" not in {row[1] for row in db.execute("PRAGMA table_info(webhooks)")}:
+            db.execute("ALTER TABLE webhooks ADD COLUMN owner")
     except sqlite3.OperationalError as e:
         db.close()
         raise OSError(f"the video jobs database {path} cannot be updated: {e}") from None
@@ -363,16 +375,3 @@ def _write_whole(path: Path, write, sync: bool = True) -> None:
         os.replace(part, path)
     finally:
         part.unlink(missing_ok=True)
-
-
-def read_plain_file(path: Path, limit: int | None = None) -> bytes:
-    """The bytes of a regular file, never read through a link (OSError), nor a FIFO or a device
-    that could block; ValueError past `limit` bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        data = f.read() if limit is None else f.read(limit + 1)
-    if limit is not None and len(data) > limit:
-        raise ValueError(f"{path.name} is over {limit} bytes")
-    return data

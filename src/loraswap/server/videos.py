@@ -8,9 +8,9 @@ is never cancelled for a client that left; only `DELETE` (or the server stopping
 call and every `SWEEP_EVERY_S` in the background), within caps in total and per API key
 (`video_caps`: past them a key's own oldest finished job is dropped, never another key's,
 or the new job is refused with 503), a deleted job still counted until its generation has
-stopped (on Ray: until the replica has been told). Ids are random (`video_` and 32 hex
-digits, checked before they name a file), and a job belongs to the API key that made it:
-another key is answered 404 as for an unknown id (`owner_of`, when the server has API keys).
+stopped (on Ray: until the replica has been told). Ids: `video_ids`. A job belongs to the
+API key that made it: another key is answered 404 as for an unknown id (`owner_of`, when
+the server has API keys), and lists only its own.
 
 The jobs and their MP4s are kept in the state folder (`video_state.VideoState`, one row a
 job and the same as a record beside its files, written before it runs and when it
@@ -20,6 +20,10 @@ interrupted ones made again once the backend serves (`resume`, at most once: a j
 being made at two restarts may be what kills the server) or, with `resume_videos` off,
 failed with the code `server_restarted`. A row the database lost, or that cannot be read, is
 rebuilt from the job's record; files of no job are set aside, never deleted, at a start.
+
+A job that gave a `webhook_url` holds a webhook's slot from when it is made (503 if none is
+left) and owes it when it ends (completed, failed, or deleted unfinished): kept with its
+final row, sent and retried by `webhooks.WebhookSender`.
 """
 
 import asyncio
@@ -27,7 +31,6 @@ import contextlib
 import hashlib
 import hmac
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -41,15 +44,17 @@ from ..errors import LoraswapError, UnsupportedInput
 from ..media.mp4 import encode_mp4
 from .backend import until_served
 from .config import ServerConfig
+from .state_files import plain_file
 from .video_caps import room_for
-from .video_job import VideoJob, VideoStatus
-from .video_state import MEDIA, ORPHANS, WRITE_ERRORS, VideoState, is_video_id, new_video_id, plain_file
+from .video_ids import is_video_id, new_video_id, sort_key
+from .video_job import VideoJob, VideoStatus, error_code, restarted
+from .video_state import MEDIA, ORPHANS, WRITE_ERRORS, VideoState
+from .webhooks import Delivery, WebhookSender, owed
 
 logger = logging.getLogger("loraswap.server")
 
 SWEEP_EVERY_S = 30.0  # an idle server still frees expired videos this often
 MAX_ATTEMPTS = 2  # a job is made again after one restart, not after a second
-RESTARTED = "server_restarted"  # the error code of a job the server's restart cost
 
 
 class VideoNotFound(LoraswapError):
@@ -83,22 +88,27 @@ class VideoStore:
         self._tasks: list[asyncio.Task] = []  # the sweeper, the resumer
         self._stopping: dict[asyncio.Task, str | None] = {}  # deleted jobs not stopped yet, and their owners
         self.state = VideoState(config.state_dir)
+        self.webhooks = WebhookSender(config.webhooks, self.state, clock)  # the webhooks jobs owe at their end
         self._load()
 
     # ---------------------------------------------------------------- jobs
     def submit(self, request: GenerateRequest, model: str, fps: int | None, make: MakeVideo,
-               target: str | None = None, owner: str | None = None) -> VideoJob:
+               target: str | None = None, owner: str | None = None, webhook_url: str | None = None) -> VideoJob:
         """A new job of `owner`'s, started now on the running event loop; `make(job)` generates
-        its frames. VideoJobsFull (503) when the caps leave no room (`video_caps.room_for`)."""
-        # 1. forget expired jobs; make room within the caps, dropping only finished jobs this key may drop
+        its frames; `webhook_url` (checked) is called when it ends. 503 when the caps leave no
+        room (`video_caps.room_for`) or no webhook may be owed (`WebhookSender.reserve`)."""
+        # 1. its webhook's slot; forget expired jobs; make room, dropping only finished jobs this key may drop
+        now = self.clock()
+        video_id = new_video_id(now)
         self.sweep()
-        for old in room_for(owner, list(self._jobs.values()), list(self._stopping.values()), self.config,
-                            self.clock()):
+        with self.webhooks.reserving(video_id, owner, webhook_url is not None):
+            dropped = room_for(owner, list(self._jobs.values()), list(self._stopping.values()), self.config, now)
+        for old in dropped:
             logger.info("dropping video %s to make room for a new one: %d jobs kept", old.id, len(self._jobs))
             self._forget(old.id)
         # 2. start it; nothing waits on it, so it runs whether or not its client stays
-        job = VideoJob(new_video_id(), request, model, fps, self.clock(), target, owner=owner,
-                       urls=urls_of(adapter_id for adapter_id, _ in request.loras))
+        job = VideoJob(video_id, request, model, fps, now, target, owner=owner,
+                       urls=urls_of(adapter_id for adapter_id, _ in request.loras), webhook_url=webhook_url)
         job.size = f"{request.width}x{request.height}" if request.width and request.height else "auto"
         if request.frames and fps:  # the length is known now only when the rate it plays at is
             job.seconds = f"{request.frames / fps:g}"
@@ -128,10 +138,10 @@ class VideoStore:
             job.size = "{}x{}".format(*result.frames[0].size)
             self._finish(job)
         except LoraswapError as e:  # refused (bad adapter, not a video model, ...), overloaded, disk full
-            self._finish(job, _error(job, _code(e), e.message))
+            self._finish(job, job.failure(error_code(e), e.message))
         except Exception:
             logger.exception("video %s failed", job.id)
-            self._finish(job, _error(job, "internal_error", "internal server error"))
+            self._finish(job, job.failure("internal_error", "internal server error"))
 
     async def _keep_files(self, job: VideoJob, mp4: bytes, thumbnail: Image.Image) -> None:
         try:
@@ -147,17 +157,28 @@ class VideoStore:
         job.mp4_path, job.thumbnail_path = self.state.mp4_path(job.id), self.state.thumbnail_path(job.id)
 
     def _finish(self, job: VideoJob, error: dict | None = None) -> None:
-        """Completed (no error) or failed, now: it expires `video_ttl_s` from now."""
+        """Completed (no error) or failed, now: it expires `video_ttl_s` from now; its webhook,
+        if any, is owed from the same write on."""
         job.error = error
         job.finished_at = self.clock()
         job.expires_at = job.finished_at + self.config.video_ttl_s
-        self._save(job)
+        if job.webhook_url is None:
+            self._save(job)
+            return
+        delivery = owed(job.id, job.webhook_url, job.view(), job.finished_at, job.owner)
+        self.webhooks.send(delivery, kept=self._save(job, delivery))
 
-    def _save(self, job: VideoJob) -> None:
+    def _save(self, job: VideoJob, delivery: Delivery | None = None) -> bool:
+        """Whether the job's row (and `delivery`'s, in the same transaction) was written."""
         try:
-            self.state.save(job.row())
+            if delivery is None:
+                self.state.save(job.row())
+            else:
+                self.state.save(job.row(), delivery.model_dump())
         except WRITE_ERRORS as e:  # the job goes on; it is only not kept across a restart
             logger.error("video %s is not kept across a restart: writing its row failed: %s", job.id, e)
+            return False
+        return True
 
     def owner_of(self, key: bytes | None) -> str | None:
         """The owner a job made with API key `key` records (an HMAC under the state folder's
@@ -192,6 +213,9 @@ class VideoStore:
         costs no GPU work, a running one stops at its next denoising step."""
         job = self.get(video_id, owner)
         self._forget(video_id)
+        if not job.finished and job.webhook_url is not None:
+            now = self.clock()
+            self.webhooks.send(owed(job.id, job.webhook_url, job.cancelled_view(now), now, job.owner))
         if job.task is not None and not job.task.done():
             job.task.cancel()
             self._stopping[job.task] = job.owner
@@ -217,6 +241,12 @@ class VideoStore:
             self._forget(video_id)
         return expired
 
+    def visible(self, owner: str | None = None) -> list[VideoJob]:
+        """`owner`'s jobs, oldest first (`video_ids.sort_key`); without API keys, every job."""
+        self.sweep()
+        return sorted((job for job in self._jobs.values() if job.owner == owner or owner is None),
+                      key=lambda job: sort_key(job.id, job.created_at))
+
     def __len__(self) -> int:
         return len(self._jobs)
 
@@ -240,8 +270,8 @@ class VideoStore:
             self._fail_interrupted("resuming is off (--no-resume-videos)")
         for job in [job for job in self._interrupted if job.attempts >= MAX_ATTEMPTS]:
             self._interrupted.remove(job)
-            self._finish(job, _restarted("it was being made again after an earlier restart; it is not made a "
-                                         "third time"))
+            self._finish(job, restarted("it was being made again after an earlier restart; it is not made a "
+                                        "third time"))
 
     def _load_row(self, row: dict) -> None:
         try:
@@ -264,6 +294,8 @@ class VideoStore:
         elif not job.finished:
             self._interrupted.append(job)
             _recall_urls(job)
+            if job.webhook_url is not None:  # owed when it ends, past the caps or not
+                self.webhooks.reserve(job.id, job.owner, capped=False)
 
     def _rebuild(self) -> None:
         """The jobs whose row the database lost (moved aside, replaced, a row dropped), made again
@@ -310,7 +342,7 @@ class VideoStore:
     def _fail_interrupted(self, why: str) -> None:
         for job in self._interrupted:
             if self._jobs.get(job.id) is job:
-                self._finish(job, _restarted(why))
+                self._finish(job, restarted(why))
         self._interrupted = []
 
     async def resume(self, make: MakeVideo, backend=None) -> None:
@@ -331,6 +363,7 @@ class VideoStore:
         resume the interrupted jobs once `backend` serves."""
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._sweep_forever(), name="loraswap-video-sweeper"))
+        self.webhooks.start()
         if make is not None and self._interrupted:
             self._tasks.append(loop.create_task(self.resume(make, backend), name="loraswap-video-resume"))
 
@@ -353,13 +386,8 @@ class VideoStore:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.webhooks.stop()  # what they owe stays in the state folder
         self.state.close()
-
-
-def _error(job: VideoJob, code: str, message: str) -> dict:
-    if job.attempts > 1:  # made again after a restart, and failed again
-        return _restarted(f"making it again failed: {message}")
-    return {"code": code, "message": message}
 
 
 def _recall_urls(job: VideoJob) -> None:
@@ -369,12 +397,3 @@ def _recall_urls(job: VideoJob) -> None:
         remember_urls(job.urls)
     except LoraswapError as e:  # a row changed by hand: the job fails then, naming its adapter
         logger.error("video %s: the URLs of its adapters cannot be used: %s", job.id, e)
-
-
-def _restarted(why: str) -> dict:
-    return {"code": RESTARTED, "message": f"the server restarted while this video was being made, and {why}"}
-
-
-def _code(error: LoraswapError) -> str:
-    """The error's class as a code: AdapterNotFound -> adapter_not_found."""
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(error).__name__).lower()

@@ -6,7 +6,7 @@ listing leaves it out, and its `url:` id is unknown (404) to that key's load and
 from fastapi import APIRouter, Depends, Request
 
 from ...adapters.references import adapter_id_of, pin_url, unpin_url
-from ..auth import Access, check_url_ids, may_use_url_id, require_admin_key, sees_every_url_adapter
+from ..auth import Access, check_url_ids, require_admin_key, visible_adapter_rows
 from ..requests import hold_named_urls, named_urls
 
 router = APIRouter(tags=[Access.ADMIN.value], dependencies=[Depends(require_admin_key), Depends(hold_named_urls)])
@@ -16,11 +16,9 @@ router = APIRouter(tags=[Access.ADMIN.value], dependencies=[Depends(require_admi
 async def list_adapters(request: Request):
     """Every adapter in the folder, downloaded or in a cache tier: id, `source` (folder, hub,
     url, civitai), where cached, whether kept and applied, and once read its base model, rank
-    and size; `model` names the model holding it. Adapters named by URL: those of this key."""
+    and size; `model` names the model holding it. Files elsewhere: as `auth.visible_adapter_rows` says."""
     listing = await request.app.state.backend.list_adapters()
-    if not sees_every_url_adapter(request):
-        listing["adapters"] = [row for row in listing["adapters"]
-                               if not row["id"].startswith("url:") or may_use_url_id(request, row["id"])]
+    listing["adapters"] = visible_adapter_rows(request, listing["adapters"])
     return listing
 
 

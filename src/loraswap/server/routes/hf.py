@@ -8,9 +8,11 @@ from fastapi import APIRouter, Depends, Request, Response
 from ..auth import Access, require_api_key
 from ..decode_budget import release_decoded
 from ..generation import IMAGE_RESPONSES, encode, generate, server_timing, step_cache_headers
+from ..image_output import record_for
 from ..openapi import LORA_HEADER, json_body
 from ..requests import hold_named_urls, parse_request
 from ..schemas import HFRequest
+from ..streaming import hf_stream_asked, stream_hf
 
 router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key), Depends(release_decoded),
                                                                  Depends(hold_named_urls)])
@@ -40,11 +42,14 @@ async def generate_hf(request: Request, route: str, path_model: str | None) -> R
     #    and the path's model id when it names an adapter
     started = time.perf_counter()
     parsed = await parse_request(request, HFRequest, path_model)
+    if hf_stream_asked(request, parsed):  # server-sent events: progress, previews, then the image
+        return await stream_hf(request, route, parsed, started)
     parsed_at = time.perf_counter()
-    # 2. generate on the GPU worker, 3. encode as the client accepts
+    # 2. generate on the GPU worker, 3. encode as the client accepts, with the image's record
     result = await generate(request, route, parsed.engine_request, parsed.model)
     generated_at = time.perf_counter()
-    data, media = await encode(result.image, request.headers.get("accept", ""))
+    record = await record_for(request, parsed.output, parsed.engine_request, result)
+    data, media = await encode(result.image, request.headers.get("accept", ""), record=record)
     total = result.swap_seconds + result.generate_seconds
     timing = server_timing(result, parse=parsed_at - started, encode=time.perf_counter() - generated_at)
     return Response(data, media_type=media, headers={"x-compute-time": f"{total:.4f}",

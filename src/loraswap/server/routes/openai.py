@@ -1,7 +1,7 @@
 """OpenAI images API: `POST /v1/images/generations` and `POST /v1/images/edits`, images as
-base64 PNG."""
+base64 files (PNG, JPEG or WebP: `output_format`), or as URLs on this server
+(`response_format: "url"`: `image_files.py`)."""
 
-import base64
 import time
 
 from fastapi import APIRouter, Depends, Request
@@ -10,9 +10,12 @@ from fastapi.responses import JSONResponse
 from ..auth import Access, require_api_key
 from ..decode_budget import release_decoded
 from ..generation import encode, generate, step_cache_headers
+from ..image_output import record_for
+from ..openai_stream import openai_stream_asked, stream_openai
 from ..openapi import LORA_HEADER, form_body, json_body
 from ..requests import hold_named_urls, parse_request
 from ..schemas import ApiBody, OpenAIEditRequest, OpenAIImageRequest
+from .image_files import check_url_room, forget_kept, image_data
 
 router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key), Depends(release_decoded),
                                                                  Depends(hold_named_urls)])
@@ -36,11 +39,22 @@ async def edit_openai(request: Request):
 async def _images(request: Request, route: str, api: type[ApiBody]) -> JSONResponse:
     # 1. parse (the body is read after the key check: no work for a request without a key)
     parsed = await parse_request(request, api)
-    # 2. generate each image in turn (seed, seed + 1, ...), 3. encode as PNG
+    if openai_stream_asked(parsed):  # `stream: true`: server-sent events in OpenAI's shapes
+        return await stream_openai(request, route, parsed)
+    # 2. generate each image in turn (seed, seed + 1, ...), 3. encode as `output_format` asks (PNG by
+    #    default) with its record, 4. answered inline or by URL
+    await check_url_room(request, parsed.response_format)
     data, results = [], []
-    for gen in parsed.per_image():
-        result = await generate(request, route, gen, parsed.model)
-        png, _ = await encode(result.image, "image/png")
-        data.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": gen.prompt})
-        results.append(result)
+    try:
+        for gen in parsed.per_image():
+            result = await generate(request, route, gen, parsed.model)
+            record = await record_for(request, parsed.output, gen, result)
+            file, media = await encode(result.image, parsed.output.accept("image/png"), record=record,
+                                       quality=parsed.output.quality)
+            data.append({**await image_data(request, parsed.response_format, file, media),
+                         "revised_prompt": gen.prompt})
+            results.append(result)
+    except Exception:
+        await forget_kept(request, data)  # a failed request leaves no image behind for URLs it never answered
+        raise
     return JSONResponse({"created": int(time.time()), "data": data}, headers=step_cache_headers(results))

@@ -1,7 +1,8 @@
-"""OpenAI videos API: `POST /v1/videos` starts a job, `GET /v1/videos/{id}` polls it,
-`GET /v1/videos/{id}/content` downloads the MP4, `DELETE /v1/videos/{id}` forgets (or
-cancels) it. The jobs live in `app.state.videos` (`videos.VideoStore`); each belongs to the
-key that made it (another key's request is answered 404)."""
+"""OpenAI videos API: `POST /v1/videos` starts a job, `GET /v1/videos` lists them,
+`GET /v1/videos/{id}` polls one, `GET /v1/videos/{id}/content` downloads the MP4,
+`DELETE /v1/videos/{id}` forgets (or cancels) it. The jobs live in `app.state.videos`
+(`videos.VideoStore`); each belongs to the key that made it (another key's request is
+answered 404, and its list leaves it out). A job may ask for a webhook (`webhooks`)."""
 
 from typing import Literal
 
@@ -15,7 +16,7 @@ from ...adapters.references import check_id
 from ...adapters.remote import may_download
 from ...engine.calls import check_size_multiple
 from ...engine.engine import GenerateResult
-from ...errors import UnsupportedInput
+from ...errors import BadRequest, UnsupportedInput
 from ..auth import Access, request_key, require_api_key
 from ..backend import not_ready
 from ..generation import encode, run_generation
@@ -23,7 +24,9 @@ from ..limits import check_model_size, check_model_step_cache
 from ..openapi import LORA_HEADER, form_body
 from ..requests import hold_named_urls, parse_request
 from ..schemas import OpenAIVideoRequest
+from ..video_ids import cursor_key, sort_key
 from ..videos import MakeVideo, VideoJob
+from ..webhook_rules import check_webhook_url
 
 router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key),
                                                                  Depends(hold_named_urls)])
@@ -33,6 +36,7 @@ VIDEO_OPENAPI = {"requestBody": form_body(OpenAIVideoRequest.model_json_schema()
 # how long the openai client's `poll` waits between polls (its header); a video takes seconds at least
 POLL_AFTER_MS = 1000
 CONTENT_RESPONSES = {200: {"content": {"video/mp4": {}, "image/webp": {}}}}
+LIST_LIMIT = (1, 100, 20)  # the fewest and most jobs a page of the list holds, and its default (OpenAI's)
 
 
 @router.post(ROUTE, openapi_extra=VIDEO_OPENAPI)
@@ -59,10 +63,14 @@ async def create_video(request: Request):
             check_model_size(parsed.engine_request, capabilities, model)
             check_model_step_cache(parsed.engine_request, capabilities, model)
     await _check_adapters_make_videos(state, parsed.engine_request.loras, list(videos), target)
+    webhook_url = getattr(parsed.body, "webhook_url", None)
+    if webhook_url is not None:  # refused now (no secret, a host not allowed), not at the job's end
+        check_webhook_url(webhook_url, state.config.webhooks)  # its text only: no DNS lookup
     # 2. start the job
     shown = parsed.model or _adapters_named(parsed.engine_request.loras) or target
-    return state.videos.submit(parsed.engine_request, shown, parsed.fps, video_maker(state), target,
-                               owner=_owner(request)).view()
+    job = state.videos.submit(parsed.engine_request, shown, parsed.fps, video_maker(state), target,
+                              owner=_owner(request), webhook_url=webhook_url)
+    return job.view(state.videos.clock())
 
 
 def _video_model(named: str | None, loras: list[tuple[str, float]], videos: dict, hosted: list[str]) -> str | None:
@@ -122,12 +130,49 @@ def _adapters_named(loras: list[tuple[str, float]]) -> str:
     return ", ".join(a if w == 1 else f"{a}:{w:g}" for a, w in loras)
 
 
+@router.get(ROUTE)
+async def list_videos(request: Request, after: str | None = Query(None, max_length=80),
+                      limit: int = Query(LIST_LIMIT[2], ge=LIST_LIMIT[0], le=LIST_LIMIT[1]),
+                      order: Literal["asc", "desc"] = Query("desc")):
+    """This API key's jobs (without keys: every job), newest first (`order=asc`: oldest), a
+    page of at most `limit` after the job `after` (the `last_id` of the page before, placed by
+    the time its id carries even once that job is gone), as OpenAI lists: `{"object": "list",
+    "data", "first_id", "last_id", "has_more"}`. 400 for an `after` that is no video id."""
+    videos = request.app.state.videos
+    now = videos.clock()
+    jobs = videos.visible(_owner(request))
+    if order == "desc":
+        jobs.reverse()
+    if after is not None:
+        jobs = _after(jobs, after, order, now)
+    page = [job.view(now) for job in jobs[:limit]]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(jobs) > limit}
+
+
+def _after(jobs: list[VideoJob], after: str, order: str, now: float) -> list[VideoJob]:
+    """The jobs (in `order`) that follow the job `after`: found among them, or, gone since (expired,
+    deleted), placed by its id (`video_ids.cursor_key`), so a client paging through the list
+    loses no page to a job that went meanwhile."""
+    at = next((i for i, job in enumerate(jobs) if job.id == after), None)
+    if at is not None:
+        return jobs[at + 1:]
+    placed = cursor_key(after, now)
+    if placed is None:
+        raise BadRequest(f"after: {after!r} is no video id of this server's (video_ and 32 hex digits, the "
+                         "last_id of a page); list again without after")
+    follows = (lambda key: key > placed) if order == "asc" else (lambda key: key < placed)
+    return [job for job in jobs if follows(sort_key(job.id, job.created_at))]
+
+
 @router.get(ROUTE + "/{video_id}")
 async def retrieve_video(video_id: str, request: Request):
-    """The job: `status` (queued, in_progress, completed, failed), `progress` (percent),
-    `error` once failed; 404 for an unknown or expired id."""
-    job = request.app.state.videos.get(video_id, _owner(request))
-    return JSONResponse(job.view(), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
+    """The job: `status` (queued, in_progress, completed, failed), `progress` (percent), the
+    denoising `step` of `total_steps` and `elapsed_s`, `error` once failed; 404 for an
+    unknown or expired id."""
+    videos = request.app.state.videos
+    job = videos.get(video_id, _owner(request))
+    return JSONResponse(job.view(videos.clock()), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
 
 
 @router.get(ROUTE + "/{video_id}/content", response_class=Response, responses=CONTENT_RESPONSES)

@@ -1,0 +1,190 @@
+"""Streamed generations against the demo model served on loopback: the Hugging Face routes'
+server-sent events (place in the queue, steps, previews, then the image, bitwise the plain
+answer's), OpenAI's `stream=True` read by the real openai client (partial images, then
+completed, bitwise the non-streamed `b64_json`; edits in their own shapes), refusals before the
+stream with their status, an error in the stream, a client that leaves, and the progress board."""
+
+import base64
+import io
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from support.fakes import serve_on_loopback
+
+from loraswap.engine.config import EngineConfig
+from loraswap.errors import Overloaded
+from loraswap.server.app import create_app
+from loraswap.server.config import ServerConfig
+
+PROMPT = "a red circle at the left on white"
+STREAM = {"accept": "text/event-stream, image/png"}
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(url, app): the demo model on loopback."""
+    app = create_app(ServerConfig(engines=[EngineConfig(model="demo", compile=False, warmup=False)]))
+    with serve_on_loopback(app) as url:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            while client.get("/ready").status_code != 200:
+                time.sleep(0.05)
+        yield url, app
+
+
+@pytest.fixture
+def openai_client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def events(response: httpx.Response) -> list[tuple[str, dict]]:
+    """The (event, data) pairs of a server-sent event stream; comment lines skipped."""
+    found, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            found.append((name, json.loads(line.removeprefix("data: "))))
+    return found
+
+
+def streamed(url: str, body: dict, headers=STREAM) -> tuple[httpx.Response, list[tuple[str, dict]]]:
+    with httpx.stream("POST", url + "/", json=body, headers=headers, timeout=60) as response:
+        return response, events(response) if response.status_code == 200 else response.read()
+
+
+def pixels(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def test_hf_stream_is_steps_previews_then_the_image_of_the_plain_answer(served):
+    url, _ = served
+    body = {"inputs": PROMPT, "parameters": {"seed": 5, "preview_every": 5}}
+    response, got = streamed(url, body)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    names = [name for name, _ in got]
+    assert names[-1] == "image" and set(names) <= {"queued", "progress", "preview", "image"}
+    steps = [data["step"] for name, data in got if name == "progress"]
+    assert steps == sorted(steps) and steps[-1] == 20 and {data["total"] for n, data in got if n == "progress"} == {20}
+    elapsed = [data["elapsed"] for name, data in got if name in ("progress", "preview")]
+    assert elapsed == sorted(elapsed) and elapsed[0] >= 0
+    previews = [data for name, data in got if name == "preview"]
+    assert previews and {p["step"] for p in previews} <= {5, 10, 15}, "every 5 steps, none after the last"
+    for preview in previews:
+        assert preview["content_type"] == "image/png"
+        assert pixels(base64.b64decode(preview["image"])).shape == (32, 32, 3), "at the image's size"
+    final = got[-1][1]
+    plain = httpx.post(url + "/", json=body, headers={"accept": "image/png"}, timeout=60)
+    assert base64.b64decode(final["image"]) == plain.content, "bitwise the plain answer's file"
+    assert final["content_type"] == "image/png" and final["seed"] == int(plain.headers["x-seed"]) == 5
+    assert final["compute_time"] > 0 and "generate;dur=" in final["server_timing"]
+
+
+def test_parameters_stream_asks_for_events_and_false_refuses_them(served):
+    url, _ = served
+    response, got = streamed(url, {"inputs": PROMPT, "parameters": {"seed": 1, "stream": True,
+                                                                    "num_inference_steps": 4}}, {})
+    assert [name for name, _ in got][-1] == "image" and got[-1][1]["content_type"] == "image/jpeg", "JPEG by default"
+    plain = httpx.post(url + "/", json={"inputs": PROMPT, "parameters": {"seed": 1, "stream": False,
+                                                                         "num_inference_steps": 4}},
+                       headers=STREAM, timeout=60)
+    assert plain.headers["content-type"] == "image/png" and plain.content[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(("parameters", "headers", "status", "named"), [
+    ({"preview_every": 0}, {}, 400, "preview_every"),
+    ({"num_inference_steps": 4}, {"lora": "no-such-adapter"}, 404, "no-such-adapter")])
+def test_a_refusal_before_the_queue_is_answered_with_its_status(served, parameters, headers, status, named):
+    response, body = streamed(served[0], {"inputs": PROMPT, "parameters": parameters}, {**STREAM, **headers})
+    assert response.status_code == status and response.headers["content-type"] == "application/json"
+    assert named in json.loads(body)["error"]
+
+
+def test_openai_client_streams_partial_images_then_the_completed_image(openai_client):
+    stream = openai_client.images.generate(model="demo", prompt=PROMPT, stream=True, partial_images=2,
+                                           extra_body={"seed": 9})
+    got = list(stream)
+    assert [e.type for e in got] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    assert [e.partial_image_index for e in got[:2]] == [0, 1]
+    assert {(e.size, e.output_format) for e in got} == {("32x32", "png")}
+    assert got[-1].usage.total_tokens == 0 and all(e.created_at > 1.7e9 for e in got)
+    plain = openai_client.images.generate(model="demo", prompt=PROMPT, extra_body={"seed": 9})
+    assert got[-1].b64_json == plain.data[0].b64_json, "bitwise the non-streamed image"
+    assert pixels(base64.b64decode(got[0].b64_json)).shape == (32, 32, 3)
+
+
+def test_openai_edits_stream_in_their_own_shapes(openai_client):
+    source = io.BytesIO()
+    Image.new("RGB", (32, 32), (240, 240, 240)).save(source, "PNG")
+    got = list(openai_client.images.edit(image=("in.png", source.getvalue(), "image/png"), prompt=PROMPT, model="demo",
+                                         stream=True, partial_images=1, extra_body={"seed": 2, "strength": 0.9}))
+    assert [e.type for e in got] == ["image_edit.partial_image", "image_edit.completed"]
+
+
+def test_no_partial_images_is_one_completed_event_and_more_than_three_are_refused(openai_client):
+    got = list(openai_client.images.generate(model="demo", prompt=PROMPT, stream=True, partial_images=0,
+                                             extra_body={"seed": 1, "num_inference_steps": 4}))
+    assert [e.type for e in got] == ["image_generation.completed"]
+    with pytest.raises(openai.BadRequestError, match="partial_images"):
+        list(openai_client.images.generate(model="demo", prompt=PROMPT, stream=True, partial_images=4))
+
+
+def test_an_error_after_the_stream_began_is_an_error_event(served, openai_client, monkeypatch):
+    url, app = served
+    engine = app.state.engine
+
+    def fails_at_step_one(requests, lease, on_step=None, **_):
+        on_step(1, 20)
+        raise Overloaded("the GPU is busy elsewhere; retry")
+
+    monkeypatch.setattr(engine, "generate_batch", fails_at_step_one)
+    _, got = streamed(url, {"inputs": PROMPT})
+    assert got[-1] == ("error", {"error": "the GPU is busy elsewhere; retry"}) and ("progress" in got[-2][0])
+    with pytest.raises(openai.APIError, match="the GPU is busy elsewhere"):
+        list(openai_client.images.generate(model="demo", prompt=PROMPT, stream=True, partial_images=1))
+    monkeypatch.undo()
+    assert streamed(url, {"inputs": PROMPT, "parameters": {"num_inference_steps": 2}})[1][-1][0] == "image"
+
+
+def _running_in_thread(url: str, body: dict) -> threading.Thread:
+    thread = threading.Thread(target=httpx.post, args=(url + "/",), kwargs={"json": body, "timeout": 60})
+    thread.start()
+    return thread
+
+
+def _until(condition, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+    return value
+
+
+def test_a_waiting_request_hears_its_place_and_the_board_shows_a_plain_one(served):
+    url, app = served
+    board = app.state.progress
+    first = _running_in_thread(url, {"inputs": PROMPT, "parameters": {"num_inference_steps": 100}})
+    now = _until(lambda: (p := board.current()) and p.step > 0 and p)
+    assert (now.route, now.total, now.queued, now.preview) == ("/", 100, None, None) and now.elapsed > 0
+    _, got = streamed(url, {"inputs": PROMPT, "parameters": {"num_inference_steps": 2}})
+    assert got[0] == ("queued", {"position": 0}), "behind the running request, first in the queue"
+    first.join(60)
+    assert board.in_flight() == []
+
+
+def test_a_client_that_leaves_stops_its_image(served):
+    url, app = served
+    worker, board = app.state.worker, app.state.progress
+    stopped = worker.stopped
+    with httpx.stream("POST", url + "/", json={"inputs": PROMPT, "parameters": {"num_inference_steps": 100}},
+                      headers=STREAM, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("event: progress"):
+                break
+    _until(lambda: worker.stopped == stopped + 1)
+    _until(lambda: board.in_flight() == [])
