@@ -81,6 +81,6 @@ def test_the_api_keys_section_names_every_route_that_takes_a_key():
     section = (ROOT / "docs" / "http-api.md").read_text().split("## API keys")[1]
     bullet = {flag: " ".join(section.split(f"- `{flag} KEY`")[1].split("\n- ")[0].split())
               for flag in ("--api-key", "--admin-key")}
-    assert len(routes[require_api_key]) == 17 and len(routes[require_admin_key]) == 3, routes
+    assert len(routes[require_api_key]) == 18 and len(routes[require_admin_key]) == 3, routes
     assert [r for r in routes[require_api_key] if r not in bullet["--api-key"]] == []
     assert [r for r in routes[require_admin_key] if r not in bullet["--admin-key"]] == []

@@ -188,3 +188,27 @@ def test_a_client_that_leaves_stops_its_image(served):
                 break
     _until(lambda: worker.stopped == stopped + 1)
     _until(lambda: board.in_flight() == [])
+
+
+def test_a1111_clients_read_the_progress_of_a_running_image_and_its_latest_preview(served):
+    """webuiapi's `get_progress` (A1111's `/sdapi/v1/progress`): nothing in flight, then a plain
+    request at its steps (no picture: it asked for none), then a streamed one with previews."""
+    import webuiapi
+
+    url, _ = served
+    host, port = url.removeprefix("http://").split(":")
+    a1111 = webuiapi.WebUIApi(host=host, port=int(port))
+    idle = a1111.get_progress()
+    assert (idle["progress"], idle["state"]["job_count"], idle["current_image"]) == (0.0, 0, None)
+    first = _running_in_thread(url, {"inputs": PROMPT, "parameters": {"num_inference_steps": 100}})
+    now = _until(lambda: (p := a1111.get_progress())["state"]["sampling_step"] > 0 and p)
+    assert now["state"]["sampling_steps"] == 100 and now["progress"] == now["state"]["sampling_step"] / 100
+    assert now["eta_relative"] > 0 and now["current_image"] is None and now["state"]["job_count"] == 1
+    first.join(60)
+    body = {"inputs": PROMPT, "parameters": {"num_inference_steps": 40, "stream": True, "preview_every": 1}}
+    streaming = threading.Thread(target=streamed, args=(url, body))
+    streaming.start()
+    now = _until(lambda: (p := a1111.get_progress())["current_image"] and p)
+    picture = Image.open(io.BytesIO(base64.b64decode(now["current_image"])))
+    assert picture.format == "PNG" and picture.size == (32, 32)
+    streaming.join(60)

@@ -222,3 +222,16 @@ def test_the_worker_tells_a_waiting_job_its_place(demo):
         worker.stop(10)
     assert waiting[1].places == [1, 0], "told again as the queue moves"
     assert all(w.steps == 2 for w in waiting)
+
+
+def test_the_progress_board_shows_a_key_only_its_own_requests():
+    from loraswap.server.progress_board import ProgressBoard
+
+    board = ProgressBoard()
+    with board.tracking("/", None, owner="key-a") as a, board.tracking("/", None, owner="key-b"):
+        a(3, 10)
+        assert [p.owner for p in board.in_flight("key-a")] == ["key-a"]
+        assert board.current("key-b").step == 0 and board.current("key-a").step == 3
+        assert board.current("key-c") is None
+        assert len(board.in_flight()) == 2, "a server without keys: everyone's"
+    assert board.in_flight() == []

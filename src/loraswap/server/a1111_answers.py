@@ -78,3 +78,23 @@ def sd_models(models: Sequence[str]) -> list[dict]:
     `override_settings.sd_model_checkpoint` takes); no file hash, as none is one file here."""
     return [{"title": name, "model_name": name, "hash": None, "sha256": None, "filename": name, "config": None}
             for name in models]
+
+
+def progress_answer(progress, image: str | None) -> dict:
+    """`GET /sdapi/v1/progress` as A1111 answers it, for `progress` (a `progress_board.Progress`,
+    or None when nothing of the caller's is in flight): the fraction done, the seconds left
+    estimated from the pace so far, the sampling step, and `image` (base64 PNG) when the request
+    asked for previews."""
+    if progress is None:
+        return {"progress": 0.0, "eta_relative": 0.0, "state": _state(0, 0, 0), "current_image": None,
+                "textinfo": None}
+    fraction = progress.fraction
+    eta = progress.elapsed / fraction - progress.elapsed if fraction > 0 else 0.0
+    return {"progress": fraction, "eta_relative": eta, "state": _state(1, progress.step, progress.total or 0),
+            "current_image": image, "textinfo": None}
+
+
+def _state(jobs: int, step: int, steps: int) -> dict:
+    return {"skipped": False, "interrupted": False, "stopping_generation": False, "job": "", "job_count": jobs,
+            "job_timestamp": time.strftime("%Y%m%d%H%M%S"), "job_no": 0, "sampling_step": step,
+            "sampling_steps": steps}

@@ -16,6 +16,7 @@ from ..errors import LoraswapError, Overloaded
 from ..media.images import encode_image
 from ..media.metadata import ImageRecord
 from ..tracing import traced
+from .auth import url_owner
 from .backend import ClientGone, StepCallback
 
 logger = logging.getLogger("loraswap.server")
@@ -28,20 +29,22 @@ IMAGE_RESPONSES = {200: {"content": {"image/jpeg": {}, "image/png": {}, "image/w
 async def generate(request: Request, route: str, gen: GenerateRequest, model: str | None) -> GenerateResult:
     """One image from the backend: routed to the engine hosting the adapters' base model (or
     `model`), generated on its GPU worker; a client that leaves first cancels it."""
-    return await run_generation(request.app.state, route, gen, model, request.is_disconnected)
+    return await run_generation(request.app.state, route, gen, model, request.is_disconnected,
+                                owner=url_owner(request))
 
 
 async def run_generation(state, route: str, gen: GenerateRequest, model: str | None,
                          is_disconnected: Callable[[], Awaitable[bool]] | None,
-                         on_step: StepCallback | None = None) -> GenerateResult:
+                         on_step: StepCallback | None = None, owner: str | None = None) -> GenerateResult:
     """`generate` for any caller, counted, timed and logged; `is_disconnected` None: nobody
     waits on it (a video job), so nothing cancels it. `on_step`: the job's progress hook (a
-    `StepListener` hears more), behind the app's progress board (`progress_board.py`)."""
+    `StepListener` hears more), behind the app's progress board (`progress_board.py`), where
+    `owner` (its key's fingerprint, `auth.url_owner`) alone reads it."""
     started = time.perf_counter()
     status = 500
     result = None
     try:
-        with state.progress.tracking(route, on_step) as on_step:
+        with state.progress.tracking(route, on_step, owner) as on_step:
             result = await state.backend.generate(gen, model, is_disconnected, on_step=on_step)
         status = 200
         return result

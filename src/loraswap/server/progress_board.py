@@ -25,6 +25,7 @@ class Progress:
 
     route: str
     request_id: str | None
+    owner: str | None  # whose request it is (`auth.url_owner`: a fingerprint of its key; None without keys)
     queued: int | None  # requests ahead of it while it waits; None once it generates (or before it is queued)
     step: int  # denoising steps done (0 until the first ends)
     total: int | None  # steps in all, once the first step has ended
@@ -41,8 +42,8 @@ class Tracked(StepListener):
     """A request's progress hook on the board: notes what it hears and hands it on to `inner`
     (the request's own hook, if any: a stream's feed, a video job's percentage)."""
 
-    def __init__(self, route: str, inner: Callable[[int, int], None] | None):
-        self.route, self.inner = route, inner
+    def __init__(self, route: str, inner: Callable[[int, int], None] | None, owner: str | None = None):
+        self.route, self.inner, self.owner = route, inner, owner
         self.request_id = request_id.get()
         self.started = time.monotonic()
         self.listener = inner if isinstance(inner, StepListener) else None
@@ -70,7 +71,7 @@ class Tracked(StepListener):
         self.listener.preview(done, total, picture)
 
     def now(self) -> Progress:
-        return Progress(self.route, self.request_id, self.ahead, self.step, self.total,
+        return Progress(self.route, self.request_id, self.owner, self.ahead, self.step, self.total,
                         time.monotonic() - self.started, self.latest)
 
 
@@ -82,9 +83,10 @@ class ProgressBoard:
         self._lock = threading.Lock()
 
     @contextmanager
-    def tracking(self, route: str, on_step: Callable[[int, int], None] | None) -> Iterator[Tracked]:
+    def tracking(self, route: str, on_step: Callable[[int, int], None] | None,
+                 owner: str | None = None) -> Iterator[Tracked]:
         """The request on the board until the block ends; yields the hook to hand the backend."""
-        tracked = Tracked(route, on_step)
+        tracked = Tracked(route, on_step, owner)
         with self._lock:
             self._tracked.append(tracked)
         try:
@@ -93,13 +95,14 @@ class ProgressBoard:
             with self._lock:
                 self._tracked.remove(tracked)
 
-    def in_flight(self) -> list[Progress]:
-        """Every generation in flight, oldest first."""
+    def in_flight(self, owner: str | None = None) -> list[Progress]:
+        """Every generation in flight, oldest first; with `owner`, only that key's."""
         with self._lock:
-            tracked = list(self._tracked)
+            tracked = [t for t in self._tracked if owner is None or t.owner == owner]
         return [t.now() for t in tracked]
 
-    def current(self) -> Progress | None:
-        """The oldest generation that has begun its steps, else the oldest in flight; None when idle."""
-        everything = self.in_flight()
+    def current(self, owner: str | None = None) -> Progress | None:
+        """The oldest generation that has begun its steps, else the oldest in flight (of `owner`'s,
+        when given); None when idle."""
+        everything = self.in_flight(owner)
         return next((p for p in everything if p.step > 0), everything[0] if everything else None)

@@ -39,6 +39,7 @@ from ..engine.previews import Preview
 from ..engine.step_listener import StepListener, every_steps
 from ..errors import LoraswapError
 from ..media.images import encode_image
+from .auth import url_owner
 from .error_bodies import error_body, error_code, route_path
 from .generation import IMAGE_FORMATS, encode, run_generation, server_timing, step_cache_headers
 from .image_output import record_for
@@ -132,7 +133,7 @@ async def start_job(request: Request, route: str, gen, model: str | None, feed: 
     event), or has ended; a request refused before raises its error here, to be answered with
     its status as without streaming."""
     task = asyncio.create_task(run_generation(request.app.state, route, gen, model, request.is_disconnected,
-                                              on_step=feed))
+                                              on_step=feed, owner=url_owner(request)))
     task.add_done_callback(lambda _: feed.wake_soon())
     try:
         while not task.done() and not feed.has_events():

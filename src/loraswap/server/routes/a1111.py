@@ -1,6 +1,6 @@
 """A1111's API (stable-diffusion-webui, Forge, SD.Next), as the `webuiapi` client and the
 front-ends that speak it call it: `POST /sdapi/v1/txt2img`, `POST /sdapi/v1/img2img`,
-`GET /sdapi/v1/loras`, `GET /sdapi/v1/sd-models`, and `GET /sdapi/v1/scripts` (which webuiapi
+`GET /sdapi/v1/loras`, `GET /sdapi/v1/sd-models`, `GET /sdapi/v1/progress`, and `GET /sdapi/v1/scripts` (which webuiapi
 asks for when it starts: no scripts here). The bodies and what each field means here:
 `a1111_requests.py`; the answers: `a1111_answers.py`. Behind the API key, as every generation
 route."""
@@ -12,9 +12,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 
 from ...errors import BadRequest
-from ..a1111_answers import fallback_record, images_answer, model_samplers, sd_models
+from ..a1111_answers import fallback_record, images_answer, model_samplers, progress_answer, sd_models
 from ..a1111_requests import A1111Img2Img, A1111Txt2Img, check_sampler
-from ..auth import Access, require_api_key
+from ..auth import Access, require_api_key, url_owner
 from ..backend import not_ready
 from ..decode_budget import release_decoded
 from ..generation import encode, generate
@@ -102,6 +102,19 @@ async def models(request: Request) -> list[dict]:
     if info is None:
         raise not_ready(request.app.state.backend.load_error)
     return sd_models(info["models"])
+
+
+@router.get(PREFIX + "/progress")
+async def progress(request: Request, skip_current_image: bool = False) -> dict:
+    """A1111's progress of the caller's oldest generation in flight: `progress` (0 to 1),
+    `eta_relative` (seconds), `state.sampling_step` of `sampling_steps`, and `current_image`
+    (base64 PNG) when that request streams previews (`current_image` is null otherwise)."""
+    now = request.app.state.progress.current(url_owner(request))
+    image = None
+    if now is not None and now.preview is not None and not skip_current_image:
+        picture = await run_in_threadpool(now.preview.image)  # it may wait for a copy from the GPU
+        image = base64.b64encode((await encode(picture, "image/png"))[0]).decode()
+    return progress_answer(now, image)
 
 
 @router.get(PREFIX + "/scripts")
