@@ -30,7 +30,7 @@ def client(served_adapters):
 def test_unexpected_error_is_a_plain_500_logged_with_its_traceback(client, monkeypatch, caplog):
     client, app = client
 
-    def boom(requests, lease, on_step=None):
+    def boom(requests, lease, on_step=None, on_latents=None):
         raise RuntimeError("boom in the pipeline")
 
     monkeypatch.setattr(app.state.engine, "generate_batch", boom)

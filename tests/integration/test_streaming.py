@@ -7,17 +7,21 @@ stream with their status, an error in the stream, a client that leaves, and the 
 import base64
 import io
 import json
+import logging
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 from PIL import Image
 from support.fakes import serve_on_loopback
 
 from loraswap.engine.config import EngineConfig
+from loraswap.engine.previews import Preview
 from loraswap.errors import Overloaded
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
@@ -42,15 +46,21 @@ def openai_client(served):
     return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", timeout=60, max_retries=0)
 
 
-def events(response: httpx.Response) -> list[tuple[str, dict]]:
-    """The (event, data) pairs of a server-sent event stream; comment lines skipped."""
-    found, name = [], None
-    for line in response.iter_lines():
+def each_event(response: httpx.Response) -> Iterator[tuple[str, dict]]:
+    """The (event, data) pairs of a server-sent event stream as they come; comment lines skipped
+    (the first line is the `: started` comment, sent at once)."""
+    name = None
+    lines = response.iter_lines()
+    assert next(lines) == ": started"
+    for line in lines:
         if line.startswith("event: "):
             name = line.removeprefix("event: ")
         elif line.startswith("data: "):
-            found.append((name, json.loads(line.removeprefix("data: "))))
-    return found
+            yield name, json.loads(line.removeprefix("data: "))
+
+
+def events(response: httpx.Response) -> list[tuple[str, dict]]:
+    return list(each_event(response))
 
 
 def streamed(url: str, body: dict, headers=STREAM) -> tuple[httpx.Response, list[tuple[str, dict]]]:
@@ -79,13 +89,14 @@ def test_hf_stream_is_steps_previews_then_the_image_of_the_plain_answer(served):
         assert preview["content_type"] == "image/png"
         assert pixels(base64.b64decode(preview["image"])).shape == (32, 32, 3), "at the image's size"
     final = got[-1][1]
-    plain = httpx.post(url + "/", json=body, headers={"accept": "image/png"}, timeout=60)
+    plain = httpx.post(url + "/", json={"inputs": PROMPT, "parameters": {"seed": 5}}, headers={"accept": "image/png"},
+                       timeout=60)
     assert base64.b64decode(final["image"]) == plain.content, "bitwise the plain answer's file"
     assert final["content_type"] == "image/png" and final["seed"] == int(plain.headers["x-seed"]) == 5
     assert final["compute_time"] > 0 and "generate;dur=" in final["server_timing"]
 
 
-def test_parameters_stream_asks_for_events_and_false_refuses_them(served):
+def test_parameters_stream_true_streams_without_accept_and_false_answers_the_plain_image(served):
     url, _ = served
     response, got = streamed(url, {"inputs": PROMPT, "parameters": {"seed": 1, "stream": True,
                                                                     "num_inference_steps": 4}}, {})
@@ -98,6 +109,11 @@ def test_parameters_stream_asks_for_events_and_false_refuses_them(served):
 
 @pytest.mark.parametrize(("parameters", "headers", "status", "named"), [
     ({"preview_every": 0}, {}, 400, "preview_every"),
+    ({"preview_every": 101}, {}, 400, "preview_every"),
+    ({"preview_every": 2, "preview_full": True, "num_inference_steps": 20}, {}, 400, "preview_every"),
+    ({"preview_every": 4, "preview_full": True}, {}, 400, "preview_every"),  # up to 100 steps: 24
+    ({"preview_full": True}, {}, 400, "preview_full"),
+    ({"preview_every": 5}, {"accept": "image/png"}, 400, "text/event-stream"),
     ({"num_inference_steps": 4}, {"lora": "no-such-adapter"}, 404, "no-such-adapter")])
 def test_a_refusal_before_the_queue_is_answered_with_its_status(served, parameters, headers, status, named):
     response, body = streamed(served[0], {"inputs": PROMPT, "parameters": parameters}, {**STREAM, **headers})
@@ -118,12 +134,45 @@ def test_openai_client_streams_partial_images_then_the_completed_image(openai_cl
     assert pixels(base64.b64decode(got[0].b64_json)).shape == (32, 32, 3)
 
 
-def test_openai_edits_stream_in_their_own_shapes(openai_client):
+def _source_png() -> bytes:
     source = io.BytesIO()
     Image.new("RGB", (32, 32), (240, 240, 240)).save(source, "PNG")
-    got = list(openai_client.images.edit(image=("in.png", source.getvalue(), "image/png"), prompt=PROMPT, model="demo",
-                                         stream=True, partial_images=1, extra_body={"seed": 2, "strength": 0.9}))
+    return source.getvalue()
+
+
+def test_openai_edits_stream_in_their_own_shapes_and_complete_with_the_plain_edit(openai_client):
+    edit = {"image": ("in.png", _source_png(), "image/png"), "prompt": PROMPT, "model": "demo",
+            "extra_body": {"seed": 2, "strength": 0.9}}
+    got = list(openai_client.images.edit(**edit, stream=True, partial_images=1))
     assert [e.type for e in got] == ["image_edit.partial_image", "image_edit.completed"]
+    assert got[0].size == got[1].size == "32x32"
+    assert pixels(base64.b64decode(got[0].b64_json)).shape == (32, 32, 3)
+    plain = openai_client.images.edit(**edit)
+    assert got[1].b64_json == plain.data[0].b64_json, "bitwise the non-streamed edit"
+
+
+def test_a_stream_cannot_answer_by_url(openai_client):
+    with pytest.raises(openai.BadRequestError, match="response_format") as caught:
+        openai_client.images.generate(model="demo", prompt=PROMPT, stream=True, response_format="url")
+    assert "stream" in str(caught.value)
+    with pytest.raises(openai.BadRequestError, match="preview_full"):
+        openai_client.images.generate(model="demo", prompt=PROMPT, extra_body={"preview_full": True})
+
+
+def test_a_streamed_edit_gives_its_decoded_input_back_once_its_image_is_made(served):
+    """The decode budget holds the edit's input while it generates, and nothing once its image
+    is made (before the stream ends), or once its client has left."""
+    url, app = served
+    budget = app.state.decode_budget
+    body = {"inputs": base64.b64encode(_source_png()).decode(),
+            "parameters": {"prompt": PROMPT, "num_inference_steps": 30, "strength": 0.9}}
+    for leaves in (False, True):
+        with httpx.stream("POST", url + "/", json=body, headers=STREAM, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("event: progress")) and budget.held > 0
+            if not leaves:
+                assert next(line for line in lines if line.startswith("event: image")) and budget.held == 0
+        _until(lambda: budget.held == 0)
 
 
 def test_no_partial_images_is_one_completed_event_and_more_than_three_are_refused(openai_client):
@@ -134,21 +183,56 @@ def test_no_partial_images_is_one_completed_event_and_more_than_three_are_refuse
         list(openai_client.images.generate(model="demo", prompt=PROMPT, stream=True, partial_images=4))
 
 
-def test_an_error_after_the_stream_began_is_an_error_event(served, openai_client, monkeypatch):
-    url, app = served
-    engine = app.state.engine
+class OnePicture:
+    """Stands in for a step's latents: a grey picture of each image asked for."""
 
-    def fails_at_step_one(requests, lease, on_step=None, **_):
-        on_step(1, 20)
+    def pictures(self, indices, full):
+        return [Preview(torch.full((3, 32, 32), 128, dtype=torch.uint8)) for _ in indices]
+
+
+def test_an_error_after_the_stream_began_is_an_error_event(served, openai_client, monkeypatch):
+    """The job fails only once the client has read its first event: the answer was 200 and
+    under way, so the error can only be an event in it."""
+    url, app = served
+    first_read = threading.Event()
+
+    def fails_after_the_first_event(requests, lease, on_step=None, on_latents=None):
+        on_step(10, 20)
+        if on_latents is not None:
+            on_latents(10, 20, OnePicture())
+        assert first_read.wait(30), "the client never read its first event"
         raise Overloaded("the GPU is busy elsewhere; retry")
 
-    monkeypatch.setattr(engine, "generate_batch", fails_at_step_one)
-    _, got = streamed(url, {"inputs": PROMPT})
-    assert got[-1] == ("error", {"error": "the GPU is busy elsewhere; retry"}) and ("progress" in got[-2][0])
-    with pytest.raises(openai.APIError, match="the GPU is busy elsewhere"):
-        list(openai_client.images.generate(model="demo", prompt=PROMPT, stream=True, partial_images=1))
+    monkeypatch.setattr(app.state.engine, "generate_batch", fails_after_the_first_event)
+    got = []
+    with httpx.stream("POST", url + "/", json={"inputs": PROMPT}, headers=STREAM, timeout=60) as response:
+        for name, data in each_event(response):
+            got.append((name, data))
+            first_read.set()
+    assert response.status_code == 200 and "progress" in [name for name, _ in got]
+    assert got[-1] == ("error", {"error": "the GPU is busy elsewhere; retry"})
+    first_read.clear()
+    stream = iter(openai_client.images.generate(model="demo", prompt=PROMPT, stream=True, partial_images=1))
+    assert next(stream).type == "image_generation.partial_image"
+    first_read.set()
+    with pytest.raises(openai.APIError, match="the GPU is busy elsewhere") as caught:
+        list(stream)
+    assert not isinstance(caught.value, openai.APIStatusError), "an event in the stream, not an error status"
     monkeypatch.undo()
     assert streamed(url, {"inputs": PROMPT, "parameters": {"num_inference_steps": 2}})[1][-1][0] == "image"
+
+
+def test_a_failure_encoding_the_image_is_an_error_event_and_a_failed_preview_is_skipped(served, monkeypatch, caplog):
+    import loraswap.server.streaming as streaming
+
+    url, _ = served
+    monkeypatch.setattr(streaming, "INLINE_PIXELS", 0)  # every preview encoded on a thread, through `encoded`
+    monkeypatch.setattr(streaming, "encode_image", lambda *a, **k: 1 / 0)  # the previews' encoder
+    monkeypatch.setattr(streaming, "encode", lambda *a, **k: 1 / 0)  # the image's
+    with caplog.at_level(logging.WARNING, logger="loraswap.server"):
+        response, got = streamed(url, {"inputs": PROMPT, "parameters": {"num_inference_steps": 4, "preview_every": 1}})
+    assert response.status_code == 200 and "preview" not in [name for name, _ in got]
+    assert got[-1] == ("error", {"error": "internal server error"}) and "could not be encoded" in caplog.text
 
 
 def _running_in_thread(url: str, body: dict) -> threading.Thread:
@@ -177,7 +261,8 @@ def test_a_waiting_request_hears_its_place_and_the_board_shows_a_plain_one(serve
     assert board.in_flight() == []
 
 
-def test_a_client_that_leaves_stops_its_image(served):
+def test_a_client_that_leaves_stops_its_image_and_no_error_is_logged(served, caplog):
+    caplog.set_level(logging.INFO)
     url, app = served
     worker, board = app.state.worker, app.state.progress
     stopped = worker.stopped
@@ -188,6 +273,7 @@ def test_a_client_that_leaves_stops_its_image(served):
                 break
     _until(lambda: worker.stopped == stopped + 1)
     _until(lambda: board.in_flight() == [])
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_a1111_clients_read_the_progress_of_a_running_image_and_its_latest_preview(served):

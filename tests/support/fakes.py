@@ -135,7 +135,7 @@ class SteppingEngine:
         self.gate, self.started = threading.Event(), threading.Event()
         self.steps_run = 0
 
-    def generate_batch(self, requests, lease, on_step=None):
+    def generate_batch(self, requests, lease, on_step=None, on_latents=None):
         for step in range(1, self.steps + 1):
             self.steps_run = step
             if step == 2:

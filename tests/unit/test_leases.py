@@ -56,7 +56,7 @@ class FakeEngine:
         self.gate = threading.Event()
         self.started = threading.Event()
 
-    def generate_batch(self, requests, lease, on_step=None):
+    def generate_batch(self, requests, lease, on_step=None, on_latents=None):
         assert isinstance(lease, Lease) and lease.ids == tuple(requests[0].loras)
         if requests[0].prompt == "wait":
             self.started.set()

@@ -4,6 +4,7 @@ demo's VAE well enough to be the picture; the step's estimate of the final laten
 get pictures; an image made with previews is bitwise the one made without, and nothing is
 computed for a request that asks for none; batches; the worker's queue places."""
 
+import math
 import threading
 from concurrent.futures import Future
 
@@ -154,20 +155,100 @@ def test_an_image_with_previews_is_bitwise_the_image_without(demo):
 
 
 def test_nothing_is_computed_for_a_request_that_asks_for_no_pictures(demo, monkeypatch):
+    """Through the server's own wrapper (the progress board's `Tracked`), and in a batch of
+    plain requests: no picture, no step asked about, no map fitted."""
+    from loraswap.server.progress_board import Tracked
+
     fresh = LatentPreviews(demo.pipeline)
     monkeypatch.setattr(demo, "previews", fresh)
     monkeypatch.setattr(fresh, "pictures", lambda *a, **k: pytest.fail("a picture was made"))
-    assert previews_hook([None, lambda d, t: None, StepListener()]) is None
-    request = GenerateRequest(prompt=DEMO_PROMPTS[1], seed=2, steps=4)
-    worker = GpuWorker(demo, SchedulerConfig())
+    assert previews_hook([None, lambda d, t: None, StepListener(), Tracked("/", None)]) is None
+    listener = StepListener()
+    listener.wants_preview = lambda d, t: pytest.fail("asked at a step")
+    hooks = [Tracked("/", listener), Tracked("/", None), Tracked("/", lambda d, t: None)]
+    worker = GpuWorker(demo, SchedulerConfig(max_batch=3))
     worker.start()
+    held = Held()
     try:
-        listener = StepListener()
-        listener.wants_preview = lambda d, t: pytest.fail("asked at a step")
-        worker.submit(request, listener).result(60)
+        running = worker.submit(GenerateRequest(prompt="x", seed=9, steps=2), held)
+        assert held.started.wait(30)  # the three below wait together, then run as one batch
+        futures = [worker.submit(GenerateRequest(prompt=DEMO_PROMPTS[i], seed=i, steps=4), hook)
+                   for i, hook in enumerate(hooks)]
+        held.gate.set()
+        for future in [running, *futures]:
+            future.result(60)
     finally:
         worker.stop(10)
+    assert worker.batches == 2 and all(hook.step == 4 for hook in hooks)
     assert fresh._map is None, "the sketch's map is fitted only when a sketch is asked for"
+
+
+def test_requests_asking_for_full_pictures_are_batched_apart():
+    """A full picture is a VAE decode of the whole batch's step: it would slow the plain requests."""
+    from loraswap.engine.worker import Job
+    from loraswap.server.progress_board import Tracked
+
+    request = GenerateRequest(prompt="x", seed=1, steps=4)
+    keys = [Job(request, Future(), 0.0, on_step=hook).batch_key for hook in
+            (None, lambda d, t: None, Tracked("/", None), Pictures(every=2), Pictures(every=3),
+             Tracked("/", Pictures(every=2, full=True)))]
+    assert keys[0] == keys[1] == keys[2], "no pictures: one kind"
+    assert keys[3] == keys[4], "sketches together, whatever their interval"
+    assert len({keys[0], keys[3], keys[5]}) == 3
+
+
+def test_the_estimate_is_made_only_after_an_euler_step(demo):
+    """Another scheduler's step is not the one the estimate inverts: its pictures show the latents."""
+    previews = LatentPreviews(demo.pipeline)
+    seen = []
+    previews.pictures = lambda latents, full, size: seen.append(latents) or []
+
+    class DPMSolverMultistepScheduler:  # a scheduler with sigmas, stepped, not Euler
+        sigmas, step_index = torch.tensor([2.0, 1.0, 0.0]), 1
+
+    class EulerDiscreteScheduler(DPMSolverMultistepScheduler):
+        pass
+
+    before, after = torch.randn(1, 4, 16, 16), torch.randn(1, 4, 16, 16)
+    for scheduler in (DPMSolverMultistepScheduler(), EulerDiscreteScheduler()):
+        hook = previews.hook(lambda done, total, step: step.pictures([0], full=False), {"width": 32, "height": 32},
+                             None)
+        hook(1, 2, before, scheduler)
+        hook(2, 2, after, scheduler)
+    assert torch.equal(seen[1], after), "the latents as they are"
+    assert not torch.allclose(seen[3], after), "Euler's estimate of the final latents"
+
+
+def test_a_map_that_is_not_finite_leaves_no_sketches(monkeypatch, caplog):
+    import loraswap.engine.previews as previews_module
+
+    previews = LatentPreviews(load_pipeline("demo"))
+    monkeypatch.setattr(previews_module, "fit_linear_map", lambda vae, scale: (torch.full((3, 4), math.nan),
+                                                                                torch.zeros(3)))
+    assert previews.pictures(torch.zeros(1, 4, 16, 16), full=False, size=(32, 32)) == []
+    assert "could not be fitted" in caplog.text
+
+
+def test_a_slow_reader_holds_the_latest_step_and_a_few_pictures(monkeypatch):
+    """200 steps, each with a picture, none read: one progress event and `PENDING_PICTURES` pictures."""
+    import asyncio
+
+    from loraswap.engine.previews import Preview
+    from loraswap.server.stream_feed import PENDING_PICTURES, StreamFeed
+
+    async def fed():
+        feed = StreamFeed(lambda done, total: True)
+        for step in range(1, 201):
+            feed(step, 200)
+            feed.preview(step, 200, Preview(torch.zeros(3, 4, 4, dtype=torch.uint8)))
+        feed.queued(0)
+        return feed.pending(), feed.take()
+
+    pending, taken = asyncio.run(fed())
+    assert pending == 2 + PENDING_PICTURES
+    assert len(taken) == pending and [e.ahead for e in taken if e.kind == "queued"] == [0]
+    assert [e.step for e in taken if e.kind == "preview"] == list(range(201 - PENDING_PICTURES, 201))
+    assert [e.step for e in taken if e.kind == "progress"] == [200]
 
 
 def test_in_a_batch_each_image_gets_its_own_pictures(demo):

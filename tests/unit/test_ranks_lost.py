@@ -64,7 +64,7 @@ class StuckEngine:
         self.lender = Lender()
         self.gate, self.started = threading.Event(), threading.Event()
 
-    def generate_batch(self, requests, lease, on_step=None):
+    def generate_batch(self, requests, lease, on_step=None, on_latents=None):
         self.started.set()
         self.gate.wait(30)
         return [GenerateResult(Image.new("RGB", (8, 8)), 0, 0.0, 0.0) for _ in requests]

@@ -155,6 +155,8 @@ class Engine:
         self._calibrate_step_cache()  # first: a MagCache default needs its ratios for the warm-up
         for request in self.calls.warm_up_requests():
             self.generate(request)
+        if self.previews is not None:  # the sketches' map fitted now, not inside a batch that asks for one
+            self.previews.linear_map()
 
     def _calibrate_step_cache(self) -> None:
         """MagCache's ratios, when the server may serve it: read from the operator's file, or
@@ -281,9 +283,9 @@ class Engine:
             setting = self.step_cache.choose(requests[0].step_cache)
             skips = self._recording or (Skips(setting) if setting else None)
             kwargs = self.calls.arguments(task, requests)
-            pictures = self.previews.hook(on_latents, kwargs, requests[0].image) if on_latents and self.previews \
-                else None
-            kwargs |= self.calls.progress(task, skips.chain(on_step) if skips else on_step, pictures)
+            latents_hook = self.previews.hook(on_latents, kwargs, requests[0].image) \
+                if on_latents and self.previews else None
+            kwargs |= self.calls.progress(task, skips.chain(on_step) if skips else on_step, latents_hook)
             pipeline = self.pipeline if task == TEXT else self.calls.pipeline(task)  # the loaded one, for text
         except Exception as e:
             if self.ranks is not None and not self.ranks.leading:  # rank 0 waits for this rank's word

@@ -18,9 +18,10 @@ Nothing here runs for a request that asks for no previews; what runs for one tha
 latents and changes nothing, so its image is bitwise the one made without.
 """
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 FIT_IMAGES = 8  # synthetic pictures the linear map is fitted on
 FIT_LATENT_SIDE = 8  # their side in latents (64 px on an 8x VAE)
+# the schedulers whose step is the Euler step `StepLatents` inverts to estimate the final latents
+EULER_SCHEDULERS = ("EulerDiscreteScheduler", "FlowMatchEulerDiscreteScheduler")
 
 
 @dataclass
@@ -41,26 +44,32 @@ class Preview:
 
     pixels: torch.Tensor
     ready: "torch.cuda.Event | None" = None
-    size: tuple[int, int] | None = None
+    image_size: tuple[int, int] | None = None
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) of the picture `image` makes: the image's, else the pixels'."""
+        return self.image_size or (self.pixels.shape[2], self.pixels.shape[1])
 
     def image(self) -> Image.Image:
         """As a PIL image of the image's size; waits for the copy (off the event loop, then)."""
         if self.ready is not None:
             self.ready.synchronize()
         image = Image.fromarray(self.pixels.permute(1, 2, 0).contiguous().numpy())
-        if self.size is None or image.size == self.size:
+        if image.size == self.size:
             return image
         return image.resize(self.size, Image.Resampling.BILINEAR)
 
 
 class LatentPreviews:
-    """One model's pictures of its latents: the linear map (fitted on the first sketch asked
-    for, once), and its VAE for full pictures."""
+    """One model's pictures of its latents: the linear map (fitted at the engine's warm-up, or
+    on the first sketch asked for without one), and its VAE for full pictures."""
 
     def __init__(self, pipeline):
         self.pipeline = pipeline
         self._map: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight: RGB x channels, bias)
         self._unfit = False  # the fit failed (logged): no sketches
+        self.constants = DeviceConstants()  # the VAE's mean and std, FLUX.2's latent ids: copied to the GPU once
 
     def hook(self, on_latents: Callable, kwargs: dict, image: Image.Image | None) -> Callable:
         """The latents hook of a call with arguments `kwargs` (and input `image`) for the
@@ -71,12 +80,13 @@ class LatentPreviews:
                 kwargs.get("height") or (image.height if image else None))
         before: list[torch.Tensor | None] = [None]
 
-        def latents_ready(done: int, total: int, latents: torch.Tensor, scheduler) -> None:
-            step = StepLatents(self, latents, size, before[0], sigmas_of(scheduler))
+        def step_latents_ready(done: int, total: int, latents: torch.Tensor, scheduler) -> None:
+            euler = type(scheduler).__name__ in EULER_SCHEDULERS  # another step: its estimate is not this one
+            step = StepLatents(self, latents, size, before[0], sigmas_of(scheduler) if euler else None)
             before[0] = latents
             on_latents(done, total, step)
 
-        return latents_ready
+        return step_latents_ready
 
     def pictures(self, latents: torch.Tensor, full: bool, size: tuple[int | None, int | None]) -> list[Preview]:
         """A picture of each of `latents` (a batch in the pipeline's layout); none when the
@@ -84,7 +94,7 @@ class LatentPreviews:
         if not full and self.linear_map() is None:
             return []
         with torch.inference_mode(), torch.compiler.set_stance("force_eager"):  # a compiled VAE: never recompiled
-            vae_in = vae_latents(self.pipeline, latents, size)
+            vae_in = vae_latents(self.pipeline, latents, size, self.constants)
             rgb = decode(self.pipeline.vae, vae_in) if full else self._sketch(vae_in)
             pixels = (rgb.float() * 255).round().to(torch.uint8)
             host = pixels.to("cpu", non_blocking=True)  # pinned: the worker does not wait for it
@@ -100,7 +110,10 @@ class LatentPreviews:
         a second: a few small pictures encoded and decoded); None for a VAE it cannot fit."""
         if self._map is None and not self._unfit:
             try:
-                self._map = fit_linear_map(self.pipeline.vae, self.pipeline.vae_scale_factor)
+                fitted = fit_linear_map(self.pipeline.vae, self.pipeline.vae_scale_factor)
+                if not all(torch.isfinite(part).all() for part in fitted):
+                    raise ValueError("the fitted map is not finite")
+                self._map = fitted
             except Exception:
                 self._unfit = True
                 logger.warning("%s: no preview sketches: its VAE could not be fitted", type(self.pipeline).__name__,
@@ -157,33 +170,62 @@ def sigmas_of(scheduler) -> tuple | None:
 
 
 # ---------------------------------------------------------------- the pipeline's layout
-def vae_latents(pipeline, latents: torch.Tensor, size: tuple[int | None, int | None]) -> torch.Tensor:
+class DeviceConstants:
+    """Tensors made on the host once and kept on the device they are used on, by name, device,
+    dtype and size: a copy from the host is a wait for the GPU, at every picture otherwise.
+    Written on the worker's thread only."""
+
+    def __init__(self):
+        self._kept: dict[tuple, torch.Tensor] = {}
+
+    def get(self, key: tuple, like: torch.Tensor, make: Callable[[], torch.Tensor], same_dtype: bool = True):
+        """`make()` on `like`'s device (and in its dtype, unless `same_dtype` is False)."""
+        full_key = (*key, like.device, like.dtype if same_dtype else None)
+        if full_key not in self._kept:
+            made = make()
+            self._kept[full_key] = made.to(like.device, like.dtype if same_dtype else made.dtype)
+        return self._kept[full_key]
+
+
+def vae_latents(pipeline, latents: torch.Tensor, size: tuple[int | None, int | None],
+                constants: DeviceConstants | None = None) -> torch.Tensor:
     """`latents` as the pipeline hands them to its VAE's `decode` (its own code before the
-    decode, op for op). `size`: the image's (width, height), to unpack a sequence of patches."""
+    decode, op for op). `size`: the image's (width, height), to unpack a sequence of patches;
+    `constants`: where the tensors it needs are kept on the device between calls."""
     config, vae_scale = pipeline.vae.config, pipeline.vae_scale_factor
+    constants = constants or DeviceConstants()
     if hasattr(pipeline, "_unpack_latents_with_ids"):  # FLUX.2: patch tokens, batch-normed
-        rows, columns = token_grid(latents.shape[1], size, vae_scale * 2)
-        ids = pipeline._prepare_latent_ids(latents.new_empty(latents.shape[0], 0, rows, columns)).to(latents.device)
-        patches = pipeline._unpack_latents_with_ids(latents, ids)
-        bn = pipeline.vae.bn
-        mean = bn.running_mean.view(1, -1, 1, 1).to(patches.device, patches.dtype)
-        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + config.batch_norm_eps).to(patches.device, patches.dtype)
-        return pipeline._unpatchify_latents(patches * std + mean)
+        return _flux2_vae_latents(pipeline, latents, size, constants)
     if latents.dim() == 3:  # FLUX.1, Kontext, Qwen-Image: 2x2 patches packed as tokens
         rows, columns = token_grid(latents.shape[1], size, vae_scale * 2)
         latents = pipeline._unpack_latents(latents, rows * vae_scale * 2, columns * vae_scale * 2, vae_scale)
     if latents.dim() == 5:  # Qwen-Image's VAE: per-channel mean and std
         latents = latents.to(pipeline.vae.dtype)
-        mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1).to(latents.device, latents.dtype)
-        std = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1).to(latents.device, latents.dtype)
+        mean = constants.get(("mean5",), latents, lambda: torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1))
+        std = constants.get(("std5",), latents,
+                            lambda: 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1))
         return latents / std + mean
     if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
-        mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1).to(latents.device, latents.dtype)
-        std = torch.tensor(config.latents_std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        mean = constants.get(("mean",), latents, lambda: torch.tensor(config.latents_mean).view(1, -1, 1, 1))
+        std = constants.get(("std",), latents, lambda: torch.tensor(config.latents_std).view(1, -1, 1, 1))
         return latents * std / config.scaling_factor + mean  # SDXL with a mean and std
     shift = getattr(config, "shift_factor", None)
     latents = latents / config.scaling_factor
     return latents + shift if shift is not None else latents
+
+
+def _flux2_vae_latents(pipeline, latents: torch.Tensor, size: tuple[int | None, int | None],
+                       constants: DeviceConstants) -> torch.Tensor:
+    """FLUX.2's patch tokens unpacked by their ids, the VAE's batch norm undone, the patches unfolded."""
+    rows, columns = token_grid(latents.shape[1], size, pipeline.vae_scale_factor * 2)
+    ids = constants.get(("ids", latents.shape[0], rows, columns), latents,
+                        lambda: pipeline._prepare_latent_ids(torch.empty(latents.shape[0], 0, rows, columns)),
+                        same_dtype=False)
+    patches = pipeline._unpack_latents_with_ids(latents, ids)
+    bn, eps = pipeline.vae.bn, pipeline.vae.config.batch_norm_eps
+    mean = constants.get(("bn mean",), patches, lambda: bn.running_mean.view(1, -1, 1, 1))
+    std = constants.get(("bn std",), patches, lambda: torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps))
+    return pipeline._unpatchify_latents(patches * std + mean)
 
 
 def token_grid(tokens: int, size: tuple[int | None, int | None], pixels_per_token: int) -> tuple[int, int]:
@@ -200,10 +242,25 @@ def token_grid(tokens: int, size: tuple[int | None, int | None], pixels_per_toke
     return min(pairs, key=lambda rc: abs(math.log(rc[1] / rc[0] / aspect)))
 
 
+@contextlib.contextmanager
+def upcast(vae) -> Iterator[None]:
+    """The VAE in float32 for the block where its config says float16 overflows (SDXL's
+    `force_upcast`), as the pipeline decodes its last step; back in float16 after."""
+    needed = vae.dtype == torch.float16 and getattr(vae.config, "force_upcast", False)
+    if needed:
+        vae.to(dtype=torch.float32)
+    try:
+        yield
+    finally:
+        if needed:
+            vae.to(dtype=torch.float16)
+
+
 def decode(vae, vae_in: torch.Tensor) -> torch.Tensor:
     """The VAE's picture of `vae_in`, in [0, 1] (batch, 3, height, width), as the pipeline's
-    image processor makes it."""
-    image = vae.decode(vae_in.to(vae.dtype), return_dict=False)[0]
+    image processor makes it (upcast where the pipeline upcasts)."""
+    with upcast(vae):
+        image = vae.decode(vae_in.to(vae.dtype), return_dict=False)[0]
     if image.dim() == 5:
         image = image[:, :, 0]
     return (image * 0.5 + 0.5).clamp(0, 1)
@@ -215,10 +272,10 @@ def fit_linear_map(vae, scale: int) -> tuple[torch.Tensor, torch.Tensor]:
     decode of them, averaged over the pixels each latent covers. The latents are the VAE's
     encoding of synthetic pictures (plain grounds with coloured shapes), so that they are like
     the ones its model makes. `scale`: how many pixels a latent spans, a side."""
-    parameter = next(vae.parameters())
     video = "z_dim" in vae.config  # Qwen-Image's and Wan's VAEs take (batch, channels, frames, h, w)
     pictures = synthetic_pictures(FIT_IMAGES, FIT_LATENT_SIDE * scale)
-    with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
+    with torch.inference_mode(), torch.compiler.set_stance("force_eager"), upcast(vae):
+        parameter = next(vae.parameters())
         x = (pictures * 2 - 1).to(parameter.device, parameter.dtype)
         latents = vae.encode(x.unsqueeze(2) if video else x).latent_dist.mode()
         decoded = decode(vae, latents).float().cpu()

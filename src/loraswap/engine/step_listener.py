@@ -65,6 +65,14 @@ def tell_places(hooks: list[Callable | None]) -> None:
             _heard(hook.tell_place, ahead)
 
 
+def pictures_asked(hook: Callable | None) -> str | None:
+    """What pictures a job's progress hook asks for: None, "sketch" or "full" (the VAE's), which
+    the worker batches apart: a full picture's decode slows every image of its batch."""
+    if not isinstance(hook, StepListener) or not hook.asks_previews:
+        return None
+    return "full" if hook.preview_full else "sketch"
+
+
 def previews_hook(hooks: list[Callable | None]) -> Callable | None:
     """The engine's latents hook for a batch whose jobs' progress hooks are `hooks` (in the
     batch's order): `(done, total, step_latents)` making the pictures the listeners want at that
@@ -73,7 +81,7 @@ def previews_hook(hooks: list[Callable | None]) -> Callable | None:
     if not asking:
         return None
 
-    def latents_ready(done: int, total: int, step_latents) -> None:
+    def pictures_wanted(done: int, total: int, step_latents) -> None:
         for full in (False, True):
             wanted = [(i, hook) for i, hook in asking if hook.preview_full == full and hook.wants_preview(done, total)]
             if not wanted:
@@ -86,7 +94,7 @@ def previews_hook(hooks: list[Callable | None]) -> Callable | None:
             for (_, hook), picture in zip(wanted, pictures):
                 _heard(hook.preview, done, total, picture)
 
-    return latents_ready
+    return pictures_wanted
 
 
 def _heard(method: Callable, *args) -> None:

@@ -20,7 +20,8 @@ Scheduling, among queued requests whose adapters are ready:
 2. otherwise a request for the adapters already fused goes first (no swap at all);
 3. otherwise the oldest ready request.
 The chosen request takes along up to `max_batch - 1` ready requests with the same
-adapters and parameters: one pipeline call for all of them.
+adapters and parameters, asking for the same kind of step pictures (none, sketches, or the
+VAE's, which would slow the others' steps): one pipeline call for all of them.
 """
 
 import contextlib
@@ -40,7 +41,7 @@ from ..tracing import RequestContext
 from .calls import Stopped
 from .config import GenerateRequest
 from .engine import Engine
-from .step_listener import previews_hook, tell_places
+from .step_listener import pictures_asked, previews_hook, tell_places
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ class Job:
         # requests with an image input run alone, and those with First-Block Cache, whose
         # decision to skip a step reads the whole batch's residuals
         alone = id(r) if r.image is not None or (r.step_cache or "").startswith("first-block") else None
-        return (tuple(r.loras), r.steps, r.guidance, r.width, r.height, r.strength, r.frames, r.step_cache, alone)
+        return (tuple(r.loras), r.steps, r.guidance, r.width, r.height, r.strength, r.frames, r.step_cache, alone,
+                pictures_asked(self.on_step))
 
 
 class GpuWorker:
@@ -287,8 +289,7 @@ class GpuWorker:
             if ready:
                 pictures = previews_hook([job.on_step for job in ready])  # None: no job asks for previews
                 results = self.engine.generate_batch([job.request for job in ready], leases[0],
-                                                     on_step=self._step_hook(ready),
-                                                     **({"on_latents": pictures} if pictures else {}))
+                                                     on_step=self._step_hook(ready), on_latents=pictures)
                 for job, result in zip(ready, results):
                     result.timings |= {"read": (job.read_at or started) - job.enqueued, "wait": started - job.enqueued}
                     job.future.set_result(result)

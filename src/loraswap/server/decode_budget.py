@@ -88,4 +88,11 @@ async def release_decoded(request: Request) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await request.app.state.decode_budget.release(request.state.decoded_bytes)
+        await release_decoded_now(request)
+
+
+async def release_decoded_now(request: Request) -> None:
+    """Give back what the request's decoded images hold now (a stream, once its image is made,
+    before a slow client has read it), once: `release_decoded` then gives back nothing."""
+    held, request.state.decoded_bytes = getattr(request.state, "decoded_bytes", 0), 0
+    await request.app.state.decode_budget.release(held)

@@ -367,7 +367,8 @@ async def hold_named_urls(request: Request) -> AsyncIterator[None]:
     except BaseException:
         urls.release(accepted=False)
         raise
-    urls.release(accepted=True)
+    # a stream answered 200 may still have ended in an error event (`streaming.error_event`)
+    urls.release(accepted=not getattr(request.state, "stream_failed", False))
 
 
 def named_urls(request: Request) -> NamedUrls | None:
