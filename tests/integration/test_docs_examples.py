@@ -14,7 +14,7 @@ from support.servers import ServerProcess
 @pytest.mark.slow
 def test_the_readme_examples_run_as_written(tmp_path, monkeypatch):
     pictures = run_page(ROOT / "README.md", tmp_path, monkeypatch, make_serve_args())
-    assert {"circle.png", "outline.png", "square.jpg", "square.png", "edit.json"} <= set(pictures), pictures
+    assert {"circle.png", "outline.png", "square.jpg", "square.png", "edit.json", "txt2img.json"} <= set(pictures), pictures
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ _ERRORS = {"/": _ERRORS_GENERATE, "/models/{model_id}": _ERRORS_GENERATE,
            "/v1/videos": ("400", "422", "503"), "/v1/videos/{video_id}": ("404",),
            "/v1/videos/{video_id}/content": ("400", "404", "409"),
            "/sdapi/v1/txt2img": _ERRORS_GENERATE, "/sdapi/v1/img2img": _ERRORS_GENERATE,
-           "/sdapi/v1/sd-models": ("503",)}
+           "/sdapi/v1/sd-models": ("503",), "/sdapi/v1/progress": ("400",)}
 _ERROR_TEXT = {"400": "Bad request: the message says what to fix.", "401": "No key, or a wrong one: send "
                "`Authorization: Bearer KEY`.",
                "403": "An adapter refused: a hub id by allow/deny, or a URL, Civitai AIR or bucket this server "
