@@ -183,6 +183,9 @@ def _check_outputs(folder: Path, before: dict[Path, int], block: Block) -> list[
         elif path.suffix == ".json" and "b64_json" in (text := data.decode()):
             for item in json.loads(text)["data"]:
                 decodes(base64.b64decode(item["b64_json"]), f"{path.name} (line {block.line})")
+        elif path.suffix == ".json" and isinstance(answer := json.loads(text), dict) and "images" in answer:  # A1111
+            for item in answer["images"]:
+                decodes(base64.b64decode(item), f"{path.name} (line {block.line})")
         else:
             continue
         checked.append(path.name)
