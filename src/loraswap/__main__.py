@@ -1,3 +1,3 @@
-from .cli import app
+from loraswap.cli import app
 
 app(prog_name="loraswap")

@@ -29,8 +29,8 @@ from importlib.metadata import entry_points
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
-from .errors import LoraswapError
-from .logs import request_id
+from loraswap.errors import LoraswapError
+from loraswap.logs import request_id
 
 TRACER_NAME = "loraswap"
 # the variables that name where spans go: any of them set turns tracing on

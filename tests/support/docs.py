@@ -30,7 +30,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from .servers import ServerProcess
+from support.servers import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC_PORT = 8888  # the port `loraswap serve` listens on when none is named

@@ -17,7 +17,7 @@ from contextlib import suppress
 
 import httpcore
 
-from ..errors import AdapterForbidden
+from loraswap.errors import AdapterForbidden
 
 _METADATA = frozenset(map(ipaddress.ip_address, ("169.254.169.254", "fd00:ec2::254", "100.100.100.200")))
 _SHARED = ipaddress.ip_network("100.64.0.0/10")  # CGNAT; Alibaba's metadata (100.100.100.200) lives there

@@ -28,9 +28,9 @@ from typing import Annotated
 import torch
 from pydantic import BaseModel, Field, model_validator
 
-from ..flags import ADAPTERS, Flag
-from .bound import BoundAdapter
-from .file_hashes import FileDigest
+from loraswap.adapters.bound import BoundAdapter
+from loraswap.adapters.file_hashes import FileDigest
+from loraswap.flags import ADAPTERS, Flag
 
 logger = logging.getLogger(__name__)
 GPU_READS = 2  # adapters read straight to the GPU at once, or waiting there for their host copy

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .file_data import FileData, NotInFile
-from .formats import read_range
-from .host_memory import COPY_THREADS, run_all
+from loraswap.adapters.file_data import FileData, NotInFile
+from loraswap.adapters.formats import read_range
+from loraswap.adapters.host_memory import COPY_THREADS, run_all
 
 CHUNK_BYTES = 8 * 2**20  # one staging buffer: a pread and a copy each, small enough to overlap the two
 STAGING_BUFFERS = 2 * COPY_THREADS  # each reading thread fills one while the GPU copies its last

@@ -35,9 +35,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import AdapterInvalid, AdapterUnavailable, Overloaded
-from ..paths import user_cache
-from .download_locks import (
+from loraswap.adapters.download_locks import (
     POLL_S,
     drop_if_last,
     drop_unheld,
@@ -48,7 +46,9 @@ from .download_locks import (
     open_shared,
     same_file,
 )
-from .download_waits import FetchInFlight, fresh_failure, waits_handed_back
+from loraswap.adapters.download_waits import FetchInFlight, fresh_failure, waits_handed_back
+from loraswap.errors import AdapterInvalid, AdapterUnavailable, Overloaded
+from loraswap.paths import user_cache
 
 logger = logging.getLogger(__name__)
 

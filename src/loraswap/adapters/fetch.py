@@ -24,9 +24,9 @@ from pathlib import Path
 import httpcore
 import httpx
 
-from ..errors import AdapterError, AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable
-from .addresses import CheckedBackend, Overdue, allowed_host, named, usable_addresses
-from .formats import streamed_header
+from loraswap.adapters.addresses import CheckedBackend, Overdue, allowed_host, named, usable_addresses
+from loraswap.adapters.formats import streamed_header
+from loraswap.errors import AdapterError, AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ no view of the file: packing it raises `NotInFile`, and the caller reads the fil
 
 import torch
 
-from .formats import ALLOWED_DTYPES, DTYPE_BYTES, CheckedFile, open_checked, read_range, view_tensor
+from loraswap.adapters.formats import ALLOWED_DTYPES, DTYPE_BYTES, CheckedFile, open_checked, read_range, view_tensor
 
 LARGE = 64 * 2**10  # bytes: a tensor this large stands in until packed; smaller ones are read at once
 

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .source import AdapterLocation, file_stamp
+from loraswap.adapters.source import AdapterLocation, file_stamp
 
 logger = logging.getLogger(__name__)
 

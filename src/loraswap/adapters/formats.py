@@ -39,8 +39,8 @@ from stat import S_ISREG
 
 import torch
 
-from ..errors import AdapterInvalid
-from .host_memory import byte_ranges, host_bytes, run_all
+from loraswap.adapters.host_memory import byte_ranges, host_bytes, run_all
+from loraswap.errors import AdapterInvalid
 
 ALLOWED_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 # an alpha may also be one integer: diffusers' `convert_state_dict_to_kohya` writes alpha = rank as int64

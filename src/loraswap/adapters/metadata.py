@@ -16,7 +16,7 @@ from pathlib import Path
 
 from huggingface_hub.repocard import metadata_load
 
-from ..errors import AdapterIncompatible
+from loraswap.errors import AdapterIncompatible
 
 METADATA_KEYS = ("base_model", "base_model_name_or_path", "modelspec.base_model")
 FAMILY_KEYS = ("modelspec.architecture", "ss_base_model_version")

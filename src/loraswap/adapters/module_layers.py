@@ -2,11 +2,11 @@
 (any kind, with a DoRA magnitude or not) and its bias, scaled as the trainer scales them."""
 
 
-from ..errors import AdapterInvalid
-from .kinds import FILE_KINDS, FULL, KINDS, AdapterKind, Layer
-from .kinds.base import Rows
-from .kinds.dora import magnitude_rows, with_dora
-from .layout import Place
+from loraswap.adapters.kinds import FILE_KINDS, FULL, KINDS, AdapterKind, Layer
+from loraswap.adapters.kinds.base import Rows
+from loraswap.adapters.kinds.dora import magnitude_rows, with_dora
+from loraswap.adapters.layout import Place
+from loraswap.errors import AdapterInvalid
 
 WEIGHT_KINDS = FILE_KINDS  # the kinds a file's module may hold, by name
 

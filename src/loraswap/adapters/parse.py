@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 import torch
 from diffusers import DiffusionPipeline
 
-from ..errors import AdapterIncompatible, AdapterInvalid
-from .file_data import FileData, open_in_place
-from .formats import read_safetensors
-from .kinds import KINDS, Layer, delta_shape
-from .layout import KOHYA_PROBE, PEFT_PROBE, DiffusersProbe, ModuleNames, Place, ProbeKeys
-from .metadata import declared_base_models
-from .module_layers import WEIGHT_KINDS, complete, module_layers
+from loraswap.adapters.file_data import FileData, open_in_place
+from loraswap.adapters.formats import read_safetensors
+from loraswap.adapters.kinds import KINDS, Layer, delta_shape
+from loraswap.adapters.layout import KOHYA_PROBE, PEFT_PROBE, DiffusersProbe, ModuleNames, Place, ProbeKeys
+from loraswap.adapters.metadata import declared_base_models
+from loraswap.adapters.module_layers import WEIGHT_KINDS, complete, module_layers
+from loraswap.errors import AdapterIncompatible, AdapterInvalid
 
 LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # what diffusers' save_lora_weights writes
 _FIX_FILE = "Re-export it as a LoRA in safetensors format (diffusers save_lora_weights or kohya sd-scripts)"

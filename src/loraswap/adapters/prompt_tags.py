@@ -18,9 +18,9 @@ words: here a tag in the negative prompt is refused.
 
 import re
 
-from ..errors import BadRequest
-from .references import CIVITAI, S3, URL_ID, NamedUrls
-from .specs import NUMBER, adapter_with_weight
+from loraswap.adapters.references import CIVITAI, S3, URL_ID, NamedUrls
+from loraswap.adapters.specs import NUMBER, adapter_with_weight
+from loraswap.errors import BadRequest
 
 ADAPTER_KINDS = ("lora", "lyco")  # lyco: the LyCORIS extension's tag, an alias of lora in A1111
 TAG = re.compile(r"<(\w+):([^>]+)>")  # A1111's `re_extra_net`, so the same text is a tag in both

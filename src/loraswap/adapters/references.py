@@ -27,9 +27,9 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from ..errors import BadRequest
-from .source import check_adapter_id
-from .url_book import UrlBook
+from loraswap.adapters.source import check_adapter_id
+from loraswap.adapters.url_book import UrlBook
+from loraswap.errors import BadRequest
 
 MAX_URL_CHARS = 2048
 # ids are ASCII: [0-9], not \d, which takes every script's digits (civitai:١@١ is no civitai:1@1)

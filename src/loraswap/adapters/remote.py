@@ -23,12 +23,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..errors import AdapterError, AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable, LoraswapError
-from .download_waits import asked_at
-from .downloads import Download, DownloadCache, Reserve
-from .fetch import FetchRules, check_url, display_url, fetch_file, fetch_json
-from .references import CivitaiReference, S3Reference, check_id, is_remote, reference_of, source_of
-from .source import AdapterLocation
+from loraswap.adapters.download_waits import asked_at
+from loraswap.adapters.downloads import Download, DownloadCache, Reserve
+from loraswap.adapters.fetch import FetchRules, check_url, display_url, fetch_file, fetch_json
+from loraswap.adapters.references import CivitaiReference, S3Reference, check_id, is_remote, reference_of, source_of
+from loraswap.adapters.source import AdapterLocation
+from loraswap.errors import (
+    AdapterError,
+    AdapterForbidden,
+    AdapterInvalid,
+    AdapterNotFound,
+    AdapterUnavailable,
+    LoraswapError,
+)
 
 CIVITAI_API = "https://civitai.com/api"
 ENABLED_BY = {"url": "--url-allow HOST", "civitai": "--civitai", "s3": "--s3"}
@@ -223,7 +230,7 @@ class RemoteSources:
     def _fetch_s3(self, adapter_id: str, reference: S3Reference, dest: Path, reserve: Reserve,
                   deadline: float) -> Download:
         # boto3 is imported here, not at start-up: it costs ~0.3 s to import and only `--s3` needs it
-        from .s3 import S3Settings, fetch_s3
+        from loraswap.adapters.s3 import S3Settings, fetch_s3
         s = self.settings
         settings = S3Settings(endpoint_url=s.s3_endpoint_url, max_bytes=s.max_bytes,
                               connect_timeout=s.connect_timeout, read_timeout=s.read_timeout,

@@ -36,8 +36,8 @@ import botocore.config
 import botocore.exceptions as boto_errors
 from botocore.awsrequest import AWSHTTPConnection, AWSHTTPConnectionPool, AWSHTTPSConnection, AWSHTTPSConnectionPool
 
-from ..errors import AdapterError, AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable
-from .formats import streamed_header
+from loraswap.adapters.formats import streamed_header
+from loraswap.errors import AdapterError, AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable
 
 logger = logging.getLogger(__name__)
 

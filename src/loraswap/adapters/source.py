@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import AdapterChanged, AdapterForbidden, AdapterInvalid, AdapterNotFound, BadRequest
+from loraswap.errors import AdapterChanged, AdapterForbidden, AdapterInvalid, AdapterNotFound, BadRequest
 
 ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,127}){0,7}"
                         r"(@[A-Za-z0-9][A-Za-z0-9_.-]{0,127})?$")

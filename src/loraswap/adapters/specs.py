@@ -18,8 +18,8 @@ from the next adapter by `, `. Its weight follows a colon after its path
 import math
 import re
 
-from ..errors import BadRequest
-from .references import NamedUrls, adapter_id_of, looks_like_reference, shown
+from loraswap.adapters.references import NamedUrls, adapter_id_of, looks_like_reference, shown
+from loraswap.errors import BadRequest
 
 MAX_WEIGHT = 10.0  # a weight past this is a typo, not a blend
 # a decimal number in ASCII (float() also takes '١.٥', '1_0' and ' 1 '); inf and nan are

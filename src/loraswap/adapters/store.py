@@ -20,22 +20,29 @@ from typing import TypeVar
 
 import torch
 
-from ..errors import AdapterError, AdapterIncompatible, AdapterInvalid, AdapterNotFound, BadRequest
-from ..tracing import RequestContext, adapter_attributes, traced
-from .bound import BoundAdapter, ModelLayers, bind_adapter, fitted_layers
-from .cache import AdapterCache, CacheConfig, CacheEntry
-from .device_read import DeviceReadFailed, staging_buffers, with_index
-from .download_locks import holding_downloads
-from .file_data import NotInFile
-from .file_facts import FileFacts
-from .file_hashes import hash_version
-from .formats import open_checked
-from .lease import Lease
-from .metadata import refuse_other_base
-from .parse import ParsedAdapter, check_key_kinds, load_adapter
-from .references import check_id
-from .remote import RemoteSettings, RemoteSources
-from .source import AdapterLocation, AdapterSources, HubAdapterSource, LocalAdapterSource, file_stamp, stamp_bytes
+from loraswap.adapters.bound import BoundAdapter, ModelLayers, bind_adapter, fitted_layers
+from loraswap.adapters.cache import AdapterCache, CacheConfig, CacheEntry
+from loraswap.adapters.device_read import DeviceReadFailed, staging_buffers, with_index
+from loraswap.adapters.download_locks import holding_downloads
+from loraswap.adapters.file_data import NotInFile
+from loraswap.adapters.file_facts import FileFacts
+from loraswap.adapters.file_hashes import hash_version
+from loraswap.adapters.formats import open_checked
+from loraswap.adapters.lease import Lease
+from loraswap.adapters.metadata import refuse_other_base
+from loraswap.adapters.parse import ParsedAdapter, check_key_kinds, load_adapter
+from loraswap.adapters.references import check_id
+from loraswap.adapters.remote import RemoteSettings, RemoteSources
+from loraswap.adapters.source import (
+    AdapterLocation,
+    AdapterSources,
+    HubAdapterSource,
+    LocalAdapterSource,
+    file_stamp,
+    stamp_bytes,
+)
+from loraswap.errors import AdapterError, AdapterIncompatible, AdapterInvalid, AdapterNotFound, BadRequest
+from loraswap.tracing import RequestContext, adapter_attributes, traced
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

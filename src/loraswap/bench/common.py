@@ -119,8 +119,8 @@ def plot_bars(path: Path, title: str, labels: list[str], values: list[float], yl
 def write_random_adapters(model: str, specs, folder: Path, fmt: str = "diffusers", seed: int = 0) -> list[Path]:
     """Real-size random adapters for the denoiser of `model`, one per (rank, targets) spec;
     files already there are reused."""
-    from ..adapters.random import make_random_adapter
-    from ..models import lora_components
+    from loraswap.adapters.random import make_random_adapter
+    from loraswap.models import lora_components
 
     _, components = lora_components(model)
     denoiser = {k: v for k, v in components.items() if not k.startswith("text_encoder")}

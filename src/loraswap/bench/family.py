@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from ..engine.compile import graph_count
-from ..engine.config import EngineConfig, GenerateRequest
-from ..engine.engine import Engine
-from ..progress import tracked
-from .common import environment, print_table, summary, timed, write_results
+from loraswap.bench.common import environment, print_table, summary, timed, write_results
+from loraswap.engine.compile import graph_count
+from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.engine import Engine
+from loraswap.progress import tracked
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def run_family_bench(model: str, rank: int = 32, adapters: int = 3, rounds: int 
                      width: int | None = None, height: int | None = None, frames: int | None = None,
                      quantize: str = "none", compile: bool | None = None, load_and_fuse: bool = True,
                      out_dir: Path = Path("bench/results"), workdir: Path | None = None) -> dict:
-    from .common import write_random_adapters
+    from loraswap.bench.common import write_random_adapters
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="loraswap-bench-"))
     paths = write_random_adapters(model, [(rank, "all")] * adapters, workdir)

@@ -13,15 +13,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..adapters import kinds
-from ..adapters.random import KINDS, make_random_adapter
-from ..engine.compile import graph_count
-from ..engine.swap import FusedSwapper
-from ..models import lora_components
-from ..progress import tracked
-from .common import environment, on_device_column, print_table, summary, timed, write_results
-from .swap import Denoise
-from .swap_setup import bound_reader, build_denoiser, denoiser_inputs
+from loraswap.adapters import kinds
+from loraswap.adapters.random import KINDS, make_random_adapter
+from loraswap.bench.common import environment, on_device_column, print_table, summary, timed, write_results
+from loraswap.bench.swap import Denoise
+from loraswap.bench.swap_setup import bound_reader, build_denoiser, denoiser_inputs
+from loraswap.engine.compile import graph_count
+from loraswap.engine.swap import FusedSwapper
+from loraswap.models import lora_components
+from loraswap.progress import tracked
 
 logger = logging.getLogger(__name__)
 

@@ -18,14 +18,22 @@ from pathlib import Path
 
 import torch
 
-from ..engine.attention import AttentionBackend, check_backend_name
-from ..engine.compile import compile_denoiser, graph_count
-from ..engine.quantize import check_mode, quantize_module
-from ..engine.swap import FusedSwapper
-from ..progress import tracked
-from .common import environment, plot_bars, print_table, summary, timed, write_random_adapters, write_results
-from .swap import Denoise
-from .swap_setup import bound_reader, build_denoiser, denoiser_inputs
+from loraswap.bench.common import (
+    environment,
+    plot_bars,
+    print_table,
+    summary,
+    timed,
+    write_random_adapters,
+    write_results,
+)
+from loraswap.bench.swap import Denoise
+from loraswap.bench.swap_setup import bound_reader, build_denoiser, denoiser_inputs
+from loraswap.engine.attention import AttentionBackend, check_backend_name
+from loraswap.engine.compile import compile_denoiser, graph_count
+from loraswap.engine.quantize import check_mode, quantize_module
+from loraswap.engine.swap import FusedSwapper
+from loraswap.progress import tracked
 
 logger = logging.getLogger(__name__)
 

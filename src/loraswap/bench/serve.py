@@ -31,9 +31,9 @@ from pathlib import Path
 
 import httpx
 
-from ..engine.rank_processes import free_port
-from ..progress import tracked
-from .common import environment, plot_bars, print_table, summary, write_random_adapters, write_results
+from loraswap.bench.common import environment, plot_bars, print_table, summary, write_random_adapters, write_results
+from loraswap.engine.rank_processes import free_port
+from loraswap.progress import tracked
 
 logger = logging.getLogger(__name__)
 

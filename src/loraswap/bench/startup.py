@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..progress import tracked
-from .common import environment, plot_bars, print_table, write_results
-from .serve import start_server
+from loraswap.bench.common import environment, plot_bars, print_table, write_results
+from loraswap.bench.serve import start_server
+from loraswap.progress import tracked
 
 logger = logging.getLogger(__name__)
 

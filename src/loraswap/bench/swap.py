@@ -29,12 +29,19 @@ from pathlib import Path
 
 import torch
 
-from ..engine.compile import graph_count
-from ..engine.quantize import check_mode, quantize_module
-from ..engine.swap import FusedSwapper
-from ..progress import tracked
-from .common import environment, on_device_column, plot_bars, print_table, summary, timed, write_results
-from .swap_setup import DenoiserLoRA, bound_reader, build_denoiser, denoiser_inputs, make_adapters, make_baseline
+from loraswap.bench.common import environment, on_device_column, plot_bars, print_table, summary, timed, write_results
+from loraswap.bench.swap_setup import (
+    DenoiserLoRA,
+    bound_reader,
+    build_denoiser,
+    denoiser_inputs,
+    make_adapters,
+    make_baseline,
+)
+from loraswap.engine.compile import graph_count
+from loraswap.engine.quantize import check_mode, quantize_module
+from loraswap.engine.swap import FusedSwapper
+from loraswap.progress import tracked
 
 logger = logging.getLogger(__name__)
 

@@ -5,14 +5,14 @@ from pathlib import Path
 
 import torch
 
-from ..adapters.bound import ModelLayers
-from ..adapters.source import AdapterLocation
-from ..adapters.store import StoreLimits, TargetModel, read_adapter
-from ..engine.baselines import HotswapSwapper, LoadAndFuseSwapper
-from ..models import ARCHITECTURE_FAMILIES, architecture_denoiser, denoiser_name
-from ..models.architectures import build_architecture_component
-from ..models.presets import PRESETS, build_preset
-from .common import write_random_adapters
+from loraswap.adapters.bound import ModelLayers
+from loraswap.adapters.source import AdapterLocation
+from loraswap.adapters.store import StoreLimits, TargetModel, read_adapter
+from loraswap.bench.common import write_random_adapters
+from loraswap.engine.baselines import HotswapSwapper, LoadAndFuseSwapper
+from loraswap.models import ARCHITECTURE_FAMILIES, architecture_denoiser, denoiser_name
+from loraswap.models.architectures import build_architecture_component
+from loraswap.models.presets import PRESETS, build_preset
 
 
 def build_denoiser(architecture: str, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, str, type]:

@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from ..logs import hide_library_noise
-from .group import LazyCommand, LazyGroup
+from loraswap.cli.group import LazyCommand, LazyGroup
+from loraswap.logs import hide_library_noise
 
 # before any command imports torch, diffusers or transformers: their start-up warnings are
 # held until the log level is known (shown at debug)

@@ -11,7 +11,7 @@ among the models loraswap knows without a download: the presets and the real arc
 import functools
 from dataclasses import dataclass
 
-from ..errors import AdapterError
+from loraswap.errors import AdapterError
 
 UNLIMITED_BYTES = 2**40  # a large file is one to inspect, not to refuse
 
@@ -25,8 +25,8 @@ class Route:
 
 def known_models() -> dict[str, str]:
     """{model name as --model takes it: family name}: the presets, then `<architecture>-random`."""
-    from ..models.architectures import RANDOM_SUFFIX
-    from ..models.families import ARCHITECTURE_FAMILIES, PRESET_FAMILIES
+    from loraswap.models.architectures import RANDOM_SUFFIX
+    from loraswap.models.families import ARCHITECTURE_FAMILIES, PRESET_FAMILIES
 
     return {**{name: family.name for name, family in PRESET_FAMILIES.items()},
             **{name + RANDOM_SUFFIX: family.name for name, family in ARCHITECTURE_FAMILIES.items()}}
@@ -35,9 +35,9 @@ def known_models() -> dict[str, str]:
 @functools.cache  # one command looks at a model more than once (where it fits, then what it does there)
 def target_model(model: str, name: str | None = None):
     """What the store checks an adapter against for `model` (named `name`, default `model`)."""
-    from ..adapters.bound import ModelLayers
-    from ..adapters.store import TargetModel
-    from ..models import lora_components
+    from loraswap.adapters.bound import ModelLayers
+    from loraswap.adapters.store import TargetModel
+    from loraswap.models import lora_components
 
     pipeline_cls, components = lora_components(model)
     unet = components.get("unet")
@@ -47,8 +47,8 @@ def target_model(model: str, name: str | None = None):
 def what_it_says(location) -> tuple[list[str], str | None]:
     """The base models the adapter declares, and the family its metadata or source names
     (read from its header and side files, as routing reads them)."""
-    from ..adapters.formats import open_checked
-    from ..adapters.metadata import declared_base_models, family_hint
+    from loraswap.adapters.formats import open_checked
+    from loraswap.adapters.metadata import declared_base_models, family_hint
 
     file = open_checked(location.weights, location.adapter_id, UNLIMITED_BYTES)
     file.close()
@@ -58,7 +58,7 @@ def what_it_says(location) -> tuple[list[str], str | None]:
 def route(location) -> Route:
     """The known model (and family) a server would send the adapter to; a file's own defect
     (not safetensors, no adapter keys) is raised as it is."""
-    from ..adapters.metadata import family_hint
+    from loraswap.adapters.metadata import family_hint
 
     models = known_models()
     declared, hint = what_it_says(location)
@@ -80,7 +80,7 @@ def route(location) -> Route:
 
 def fits(location, model: str, name: str | None = None) -> bool:
     """Whether the adapter's keys and shapes fit `model`'s layers (checked as if `model` were named `name`)."""
-    from ..adapters.store import StoreLimits, check_fit, has_own_defect
+    from loraswap.adapters.store import StoreLimits, check_fit, has_own_defect
 
     try:
         check_fit(location, target_model(model, name), StoreLimits(max_adapter_bytes=UNLIMITED_BYTES, max_rank=2**31))

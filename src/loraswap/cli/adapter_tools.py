@@ -6,12 +6,12 @@ from typing import Annotated
 
 import typer
 
-from ..errors import LoraswapError
-from .adapter_family import UNLIMITED_BYTES, fits, known_models, route, target_model, what_it_says
-from .checks import check_adapters_folder, known_family
-from .group import PanelsCommand, PanelsGroup
-from .options import quiet_libraries, setup_logging, with_settings
-from .settings import defaults, one_model, pick
+from loraswap.cli.adapter_family import UNLIMITED_BYTES, fits, known_models, route, target_model, what_it_says
+from loraswap.cli.checks import check_adapters_folder, known_family
+from loraswap.cli.group import PanelsCommand, PanelsGroup
+from loraswap.cli.options import quiet_libraries, setup_logging, with_settings
+from loraswap.cli.settings import defaults, one_model, pick
+from loraswap.errors import LoraswapError
 
 adapters_app = typer.Typer(cls=PanelsGroup, add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                            help="List, inspect and make adapters.")
@@ -23,7 +23,7 @@ INSPECT_SETTINGS = [one_model(), *pick("adapters", "max-rank")]
 @with_settings(*pick("adapters"))
 def list_adapters(*, given: dict) -> None:
     """The ids of the adapters under --adapters, one a line (what --lora and the `lora` header take)."""
-    from ..adapters.source import LocalAdapterSource
+    from loraswap.adapters.source import LocalAdapterSource
 
     folder = given.get("adapters")
     if folder is None:
@@ -75,7 +75,7 @@ def _print_report(report: dict) -> None:
 
 def _locate(path_or_id: str, adapters: Path | None):
     """The location of a file given by path; None for an id (looked up under `adapters` later)."""
-    from ..adapters.source import AdapterLocation
+    from loraswap.adapters.source import AdapterLocation
 
     path = Path(path_or_id)
     if path.is_file():
@@ -91,8 +91,8 @@ def _inspect(location, path_or_id: str, model: str | None, adapters: Path | None
     """The family it is for, and what the adapter is and whether (else why not) it fits `model`
     (None: the known model routing finds for it): read as the server reads it (`read_adapter`:
     converted, checked, bound), then described from what it became."""
-    from ..adapters.source import LocalAdapterSource
-    from ..adapters.store import StoreLimits, read_adapter
+    from loraswap.adapters.source import LocalAdapterSource
+    from loraswap.adapters.store import StoreLimits, read_adapter
 
     report: dict = {"adapter": path_or_id, "model": model}
     try:
@@ -130,7 +130,7 @@ def _describe(location, bound) -> dict:
     then per component its kinds, modules and parameters changed, and its ranks and scales."""
     from safetensors import safe_open
 
-    from ..adapters.parse import detect_layout
+    from loraswap.adapters.parse import detect_layout
 
     files = [f for f in (location.weights, location.second_expert) if f]
     keys = []
@@ -172,9 +172,9 @@ def make_random(
     """Write a random adapter with a real key layout, for tests and benchmarks."""
     from safetensors.torch import save_file
 
-    from ..adapters.random import KINDS, make_random_adapter
-    from ..engine.config import DTYPES
-    from ..models import lora_components
+    from loraswap.adapters.random import KINDS, make_random_adapter
+    from loraswap.engine.config import DTYPES
+    from loraswap.models import lora_components
 
     quiet_libraries()
     for name, value, allowed in (("--targets", targets, ("attn", "all")), ("--format", fmt, ("diffusers", "kohya")),

@@ -6,8 +6,8 @@ from typing import Annotated
 
 import typer
 
-from .group import PanelsCommand, PanelsGroup
-from .options import setup_logging
+from loraswap.cli.group import PanelsCommand, PanelsGroup
+from loraswap.cli.options import setup_logging
 
 bench_app = typer.Typer(cls=PanelsGroup, add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                         help="Benchmarks (run them on a GPU).")
@@ -59,7 +59,7 @@ def bench_swap(
     workdir: Annotated[Path | None, typer.Option("--workdir", help="Where adapters are written.")] = None,
 ) -> None:
     """Swap time and per-image time: load-and-fuse, hotswap, fused (loraswap), compiled base."""
-    from ..bench.swap import run_swap_bench
+    from loraswap.bench.swap import run_swap_bench
 
     setup_logging(False)
     try:
@@ -84,7 +84,7 @@ def bench_kinds(
 ) -> None:
     """Each adapter kind (LoRA, LoHa, LoKr, DoRA) on every linear layer: swap time from host RAM and from the
     GPU, and the image time against the compiled base."""
-    from ..bench.kinds import run_kinds_bench
+    from loraswap.bench.kinds import run_kinds_bench
 
     setup_logging(False)
     run_kinds_bench(architecture, width, height, steps, rank, swaps, rounds, out, workdir)
@@ -109,7 +109,7 @@ def bench_family(
 ) -> None:
     """Any family's full pipeline (images or videos): a LoRA swapped per request against the compiled base, and
     against load-and-fuse per request."""
-    from ..bench.family import run_family_bench
+    from loraswap.bench.family import run_family_bench
 
     setup_logging(False)
     run_family_bench(model, rank, 3, rounds, steps, width, height, frames, quantize, None, load_and_fuse, out,
@@ -133,7 +133,7 @@ def bench_options(
 ) -> None:
     """Per-image time under attention backends, compile modes and float8 quantization, a LoRA swapped before each
     image."""
-    from ..bench.options import run_options_bench
+    from loraswap.bench.options import run_options_bench
 
     setup_logging(False)
     try:
@@ -164,7 +164,7 @@ def bench_serve(
 ) -> None:
     """Latency and throughput of the HTTP server under a Zipf stream, against the load-and-fuse
     baseline and on Ray Serve."""
-    from ..bench.serve import run_serve_bench
+    from loraswap.bench.serve import run_serve_bench
 
     setup_logging(False)
     run_serve_bench(model, num_ids, requests, concurrency, steps, width, height, workdir, out, _split(modes),
@@ -185,7 +185,7 @@ def bench_startup(
     workdir: Annotated[Path | None, typer.Option("--workdir", help="Server logs and the default cache.")] = None,
 ) -> None:
     """Time to the first image after a restart: cold, then with the compile cache the cold start filled."""
-    from ..bench.startup import run_startup_bench
+    from loraswap.bench.startup import run_startup_bench
 
     setup_logging(False)
     try:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import typer
 
-from ..errors import LoraswapError
-from .group import Failure
+from loraswap.cli.group import Failure
+from loraswap.errors import LoraswapError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the hub spells repository ids
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -22,9 +22,9 @@ def known_family(model: str, bare_architectures: bool = False):
     """The family of a preset or an `<architecture>-random` (None for a hub id or a folder,
     whose family is known once loaded), or BadParameter for a name that is none of these.
     `bare_architectures`: `sdxl` names the architecture too (where only its layers are needed)."""
-    from ..models import ARCHITECTURES, PRESETS
-    from ..models.architectures import RANDOM_SUFFIX
-    from ..models.families import ARCHITECTURE_FAMILIES, PRESET_FAMILIES
+    from loraswap.models import ARCHITECTURES, PRESETS
+    from loraswap.models.architectures import RANDOM_SUFFIX
+    from loraswap.models.families import ARCHITECTURE_FAMILIES, PRESET_FAMILIES
 
     if model in PRESETS:
         return PRESET_FAMILIES[model]
@@ -46,8 +46,8 @@ def known_family(model: str, bare_architectures: bool = False):
 def check_step_cache(engine_config, family) -> None:
     """A default step cache for a model whose family takes none (a UNet), and a MagCache
     calibration file that does not read, refused before the model loads."""
-    from ..engine.step_cache import read_ratios, transformer_families
-    from ..errors import LoraswapError
+    from loraswap.engine.step_cache import read_ratios, transformer_families
+    from loraswap.errors import LoraswapError
 
     if engine_config.step_cache != "off" and family is not None and family.name not in transformer_families():
         raise typer.BadParameter(f"{engine_config.model} takes no step cache: step caching serves the transformer "
@@ -72,7 +72,7 @@ def check_adapter_ids(config, loras: list[tuple[str, float]]) -> None:
     """Each adapter id found in --adapters, as the engine will look it up (AdapterNotFound,
     or a pickle file refused); hub ids and files elsewhere (URLs, Civitai, S3) are fetched
     when the model is loaded, as the server fetches them."""
-    from ..errors import AdapterNotFound
+    from loraswap.errors import AdapterNotFound
 
     sources = config.adapter_sources()
     for adapter_id, _ in loras:
@@ -103,9 +103,9 @@ def check_size(width: int | None, height: int | None, model: str, family, max_si
     """Width and height against what the model needs and the largest size it makes (the
     engine's own checks, run before loading where the name tells the model: a preset's
     native size is its family's default)."""
-    from ..engine.calls import check_size_multiple
-    from ..engine.sizes import LargestSize
-    from ..models import PRESETS
+    from loraswap.engine.calls import check_size_multiple
+    from loraswap.engine.sizes import LargestSize
+    from loraswap.models import PRESETS
 
     if family is None:
         return

@@ -6,9 +6,8 @@ from typing import Annotated
 
 import typer
 
-from ..adapters.specs import parse_adapter_specs
-from ..errors import BadRequest
-from .checks import (
+from loraswap.adapters.specs import parse_adapter_specs
+from loraswap.cli.checks import (
     check_adapter_ids,
     check_adapters_folder,
     check_output,
@@ -16,8 +15,9 @@ from .checks import (
     check_step_cache,
     known_family,
 )
-from .options import Verbose, env_option, setup_logging, with_settings
-from .settings import SettingsError, defaults, engine_config, one_model, pick, server_config
+from loraswap.cli.options import Verbose, env_option, setup_logging, with_settings
+from loraswap.cli.settings import SettingsError, defaults, engine_config, one_model, pick, server_config
+from loraswap.errors import BadRequest
 
 # the settings `serve` has that make sense for one image, from the same table: the engine's,
 # and the bounds of an input image (the server's checks, run here on --image and --mask)
@@ -97,8 +97,8 @@ def generate(
 
 def _generate(config, request):
     """Load the model (a spinner), then make the image (a bar of its steps), on a terminal."""
-    from ..engine.engine import Engine
-    from ..progress import counting, waiting
+    from loraswap.engine.engine import Engine
+    from loraswap.progress import counting, waiting
 
     with waiting(f"loading {config.model}"):
         try:
@@ -119,7 +119,7 @@ def checked_request(fields: dict):
     (the request schema's own bounds, checked before the model loads)."""
     from pydantic import ValidationError
 
-    from ..engine.config import GenerateRequest
+    from loraswap.engine.config import GenerateRequest
 
     try:
         return GenerateRequest(**fields)
@@ -142,11 +142,11 @@ def write_output(result, output: Path, request=None) -> None:
     if wants_video and result.frames is None:
         raise BadRequest("this model makes images: write a png, jpg or webp")
     if wants_video:
-        from ..media.mp4 import encode_mp4
+        from loraswap.media.mp4 import encode_mp4
 
         output.write_bytes(encode_mp4(result.frames, result.fps))
     else:
-        from ..media.images import encode_image, format_for_file
+        from loraswap.media.images import encode_image, format_for_file
 
         output.write_bytes(encode_image(result.image, format_for_file(output), record=_record(request, result)))
 
@@ -155,7 +155,7 @@ def _record(request, result):
     """The image's record (`server.image_output.build_record`); None without what ran."""
     if request is None or result.ran is None:
         return None
-    from ..server.image_output import build_record
+    from loraswap.server.image_output import build_record
 
     return build_record(request, result)
 
@@ -165,8 +165,8 @@ def read_image_inputs(image: Path | None, mask: Path | None, strength: float | N
     """The request's image fields, with the server's checks (media/images.py): the image as
     RGB, the mask as "L", the size to generate (the image's, rounded down to a multiple of 16,
     when --width and --height are not given)."""
-    from ..media.images import output_size, read_inputs, require_image
-    from ..server.limits import engine_bounds, image_limits
+    from loraswap.media.images import output_size, read_inputs, require_image
+    from loraswap.server.limits import engine_bounds, image_limits
 
     require_image(image is not None, mask is not None, strength)
     if image is None:
@@ -184,7 +184,7 @@ def read_image_inputs(image: Path | None, mask: Path | None, strength: float | N
 
 def _read_file(path: Path, what: str, limits) -> bytes:
     """The file's bytes, refused by its size before it is read."""
-    from ..media.images import check_file_bytes
+    from loraswap.media.images import check_file_bytes
 
     check_file_bytes(path.stat().st_size, what, limits)
     return path.read_bytes()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from ..errors import LoraswapError
+from loraswap.errors import LoraswapError
 
 
 class Failure(Exception):

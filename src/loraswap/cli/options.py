@@ -6,8 +6,8 @@ from typing import Annotated
 
 import typer
 
-from ..logs import configure_logging
-from .settings import Setting
+from loraswap.cli.settings import Setting
+from loraswap.logs import configure_logging
 
 
 def env_option(*names: str, help: str, env: str | None = None, **kwargs):

@@ -5,7 +5,7 @@ page cannot drift from the flags."""
 
 import textwrap
 
-from .settings import SETTINGS, Setting
+from loraswap.cli.settings import SETTINGS, Setting
 
 INTRO = ("Every flag is also an environment variable and a key of a `--config` file (TOML or YAML; `max-queue` "
          "or `max_queue`). The variable is `LORASWAP_<FLAG>` (`--max-queue`: `LORASWAP_MAX_QUEUE`){others}; the "

@@ -10,10 +10,10 @@ from typing import Annotated
 
 import typer
 
-from ..tracing import configure_tracing
-from .checks import bind_port, check_adapters_folder, check_step_cache, known_family
-from .options import Verbose, env_option, setup_logging, with_settings
-from .settings import SETTINGS, SettingsError, defaults, printable, read_config_file, server_config
+from loraswap.cli.checks import bind_port, check_adapters_folder, check_step_cache, known_family
+from loraswap.cli.options import Verbose, env_option, setup_logging, with_settings
+from loraswap.cli.settings import SETTINGS, SettingsError, defaults, printable, read_config_file, server_config
+from loraswap.tracing import configure_tracing
 
 ConfigFile = Annotated[Path | None, env_option(
     "--config", help="A TOML or YAML file of these settings: its keys are the flags' names (max-queue = 64; "
@@ -70,10 +70,10 @@ def check_before_loading(config, values: dict) -> None:
 
 def _serve_http(config, listening: socket.socket) -> None:
     """Serve on the socket `bind_port` bound before the model loaded."""
-    from ..engine.engine import Engine
-    from ..server.access_log import log_config
-    from ..server.app import create_app
-    from ..server.shutdown import serve_http
+    from loraswap.engine.engine import Engine
+    from loraswap.server.access_log import log_config
+    from loraswap.server.app import create_app
+    from loraswap.server.shutdown import serve_http
 
     ranks = _start_ranks(config)  # the other processes of a context-parallel engine, if any
     # on SIGTERM the server drains (`server/shutdown.py`), then uvicorn re-raises the signal to
@@ -103,7 +103,7 @@ def _start_ranks(config):
     if len(config.engines) > 1:
         raise typer.BadParameter("--ulysses-degree, --ring-degree and --cfg-parallel serve one model per server: "
                                  "give one --model")
-    from ..engine.rank_processes import RankProcesses
+    from loraswap.engine.rank_processes import RankProcesses
 
     try:
         return RankProcesses(parallel[0])
@@ -137,7 +137,7 @@ def deploy(
 def _import_cluster():
     """loraswap's Ray Serve application (`run`, `load_config`), or exit 2 saying how to install Ray."""
     try:
-        from ..cluster import app as cluster
+        from loraswap.cluster import app as cluster
     except ImportError as e:
         typer.echo(f"error: Ray Serve is not installed ({e}); pip install 'loraswap[ray]'", err=True)
         raise typer.Exit(2) from None
@@ -151,7 +151,7 @@ def write_demo_adapters(model: str, folder: Path) -> None:
     """Adapters to try the server with, put into `folder`: a demo model's trained ones
     (those missing are copied), or for another model a few random ones, written once (a
     folder with adapters is left alone)."""
-    from ..models.families import demo, demo_flux
+    from loraswap.models.families import demo, demo_flux
 
     log = logging.getLogger(__name__)
     trained = {"demo": demo, "demo-flux": demo_flux}.get(model)
@@ -172,8 +172,8 @@ def write_demo_adapters(model: str, folder: Path) -> None:
 def _write_random_adapters(model: str, folder: Path) -> None:
     from safetensors.torch import save_file
 
-    from ..adapters.random import make_random_adapter
-    from ..models import lora_components
+    from loraswap.adapters.random import make_random_adapter
+    from loraswap.models import lora_components
 
     _, components = lora_components(model)
     for i, (adapter_id, rank, targets) in enumerate(RANDOM_ADAPTERS):

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from ..cluster.config import ClusterConfig, ModelDeploymentConfig
-from ..engine.config import EngineConfig
-from ..flags import ADAPTERS, PANELS, RAY, Flag
-from ..server.config import ServerConfig
+from loraswap.cluster.config import ClusterConfig, ModelDeploymentConfig
+from loraswap.engine.config import EngineConfig
+from loraswap.flags import ADAPTERS, PANELS, RAY, Flag
+from loraswap.server.config import ServerConfig
 
 
 @dataclass(frozen=True)

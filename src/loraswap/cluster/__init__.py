@@ -8,14 +8,14 @@ The config classes import without Ray (the CLI builds the `--ray` flags from the
 the application, which needs Ray, is imported when first asked for.
 """
 
-from .config import ClusterConfig, ModelDeploymentConfig
+from loraswap.cluster.config import ClusterConfig, ModelDeploymentConfig
 
 __all__ = ["ClusterConfig", "ModelDeploymentConfig", "app_builder", "build_app", "load_config", "run"]
 
 
 def __getattr__(name: str):
     if name in ("app_builder", "build_app", "load_config", "run"):
-        from . import app
+        from loraswap.cluster import app
 
         return getattr(app, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

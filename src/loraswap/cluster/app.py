@@ -19,11 +19,11 @@ import yaml
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from .config import ClusterConfig, ModelDeploymentConfig
-from .ingress import Ingress
-from .replica import ModelReplica
-from .reports import Reports
-from .request_router import RETRY_BACKOFF, LeastBusyAdapterRouter
+from loraswap.cluster.config import ClusterConfig, ModelDeploymentConfig
+from loraswap.cluster.ingress import Ingress
+from loraswap.cluster.replica import ModelReplica
+from loraswap.cluster.reports import Reports
+from loraswap.cluster.request_router import RETRY_BACKOFF, LeastBusyAdapterRouter
 
 logger = logging.getLogger("loraswap.cluster")
 

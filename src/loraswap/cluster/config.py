@@ -12,9 +12,9 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from ..engine.config import EngineConfig
-from ..flags import RAY, Flag
-from ..server.config import ServerConfig
+from loraswap.engine.config import EngineConfig
+from loraswap.flags import RAY, Flag
+from loraswap.server.config import ServerConfig
 
 
 class ModelDeploymentConfig(EngineConfig):

@@ -18,20 +18,20 @@ from fastapi.concurrency import run_in_threadpool
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from ..adapters.metadata import same_model
-from ..adapters.references import urls_of
-from ..adapters.source import AdapterSources
-from ..engine.config import GenerateRequest
-from ..engine.engine import GenerateResult
-from ..engine.rank_loss import RanksLost
-from ..errors import LoraswapError, Overloaded
-from ..server.app import create_app
-from ..server.auth import Access, require_admin_key
-from ..server.backend import StepCallback, wait_for_result
-from ..server.metrics import EngineFigures
-from ..server.routing import HostedModel, merge_adapter_rows, route_by_base_model
-from .config import ClusterConfig
-from .replica import adapter_key, log_to_stderr
+from loraswap.adapters.metadata import same_model
+from loraswap.adapters.references import urls_of
+from loraswap.adapters.source import AdapterSources
+from loraswap.cluster.config import ClusterConfig
+from loraswap.cluster.replica import adapter_key, log_to_stderr
+from loraswap.engine.config import GenerateRequest
+from loraswap.engine.engine import GenerateResult
+from loraswap.engine.rank_loss import RanksLost
+from loraswap.errors import LoraswapError, Overloaded
+from loraswap.server.app import create_app
+from loraswap.server.auth import Access, require_admin_key
+from loraswap.server.backend import StepCallback, wait_for_result
+from loraswap.server.metrics import EngineFigures
+from loraswap.server.routing import HostedModel, merge_adapter_rows, route_by_base_model
 
 logger = logging.getLogger("loraswap.cluster")
 

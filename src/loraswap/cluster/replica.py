@@ -24,14 +24,14 @@ import ray
 import torch
 from ray import serve
 
-from ..adapters.references import remember_urls
-from ..engine.config import GenerateRequest
-from ..engine.engine import Engine, GenerateResult
-from ..engine.rank_processes import RankProcesses
-from ..engine.startup import freeze_loaded_objects
-from ..engine.worker import GpuWorker, SchedulerConfig
-from ..server.metrics import EngineFigures, gpu_memory
-from .config import ModelDeploymentConfig
+from loraswap.adapters.references import remember_urls
+from loraswap.cluster.config import ModelDeploymentConfig
+from loraswap.engine.config import GenerateRequest
+from loraswap.engine.engine import Engine, GenerateResult
+from loraswap.engine.rank_processes import RankProcesses
+from loraswap.engine.startup import freeze_loaded_objects
+from loraswap.engine.worker import GpuWorker, SchedulerConfig
+from loraswap.server.metrics import EngineFigures, gpu_memory
 
 logger = logging.getLogger("loraswap.cluster")
 

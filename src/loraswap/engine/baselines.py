@@ -25,16 +25,16 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors import safe_open
 
-from ..adapters.file_facts import FileFacts
-from ..adapters.formats import open_checked
-from ..adapters.lease import Lease
-from ..adapters.parse import split_key
-from ..adapters.random import make_random_adapter
-from ..adapters.source import AdapterLocation, file_stamp
-from ..adapters.store import AdapterStore
-from ..errors import AdapterIncompatible, BadRequest
-from ..models import denoiser_name
-from ..tracing import RequestContext
+from loraswap.adapters.file_facts import FileFacts
+from loraswap.adapters.formats import open_checked
+from loraswap.adapters.lease import Lease
+from loraswap.adapters.parse import split_key
+from loraswap.adapters.random import make_random_adapter
+from loraswap.adapters.source import AdapterLocation, file_stamp
+from loraswap.adapters.store import AdapterStore
+from loraswap.errors import AdapterIncompatible, BadRequest
+from loraswap.models import denoiser_name
+from loraswap.tracing import RequestContext
 
 HOTSWAP_SLOT = "hotswap"  # the one adapter name every hotswap loads into
 

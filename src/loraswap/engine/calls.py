@@ -16,11 +16,11 @@ from diffusers import DiffusionPipeline
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
-from ..adapters.file_hashes import FileDigest
-from ..errors import BadRequest, UnsupportedInput
-from ..models import Family
-from .config import GenerateRequest
-from .sizes import LargestSize
+from loraswap.adapters.file_hashes import FileDigest
+from loraswap.engine.config import GenerateRequest
+from loraswap.engine.sizes import LargestSize
+from loraswap.errors import BadRequest, UnsupportedInput
+from loraswap.models import Family
 
 TEXT, IMG2IMG, INPAINT = "text", "img2img", "inpaint"
 SIGMA_SCHEDULES = ("karras", "exponential", "beta")  # diffusers' `use_NAME_sigmas` options

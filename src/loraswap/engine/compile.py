@@ -46,7 +46,7 @@ import torch._functorch.config
 import torch._inductor.config
 from torch._dynamo.utils import counters
 
-from ..models import denoiser_names
+from loraswap.models import denoiser_names
 
 logger = logging.getLogger(__name__)
 

@@ -8,17 +8,17 @@ import torch
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..adapters.cache import CacheConfig
-from ..adapters.downloads import default_download_dir
-from ..adapters.remote import CIVITAI_API, RemoteSettings
-from ..adapters.source import AdapterSources
-from ..adapters.store import make_remote, make_sources
-from ..flags import ADAPTERS, MODELS, SPEED, Flag
-from .quantize import QuantizeMode
-from .sizes import parse_size
+from loraswap.adapters.cache import CacheConfig
+from loraswap.adapters.downloads import default_download_dir
+from loraswap.adapters.remote import CIVITAI_API, RemoteSettings
+from loraswap.adapters.source import AdapterSources
+from loraswap.adapters.store import make_remote, make_sources
+from loraswap.engine.quantize import QuantizeMode
+from loraswap.engine.sizes import parse_size
+from loraswap.flags import ADAPTERS, MODELS, SPEED, Flag
 
 if TYPE_CHECKING:
-    from .context_parallel import Parallelism
+    from loraswap.engine.context_parallel import Parallelism
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -161,21 +161,21 @@ class EngineConfig(BaseModel):
     @field_validator("attention")
     @classmethod
     def _known_backend(cls, name: str | None) -> str | None:
-        from .attention import check_backend_name
+        from loraswap.engine.attention import check_backend_name
 
         return check_backend_name(name)
 
     @field_validator("step_cache")
     @classmethod
     def _known_step_cache(cls, text: str) -> str:
-        from .step_cache import canonical
+        from loraswap.engine.step_cache import canonical
 
         return _or_value_error(canonical, text)
 
     @field_validator("step_cache_allow")
     @classmethod
     def _known_methods(cls, methods: list[str]) -> list[str]:
-        from .step_cache import METHODS
+        from loraswap.engine.step_cache import METHODS
 
         unknown = [m for m in methods if m not in METHODS]
         if unknown:
@@ -185,13 +185,13 @@ class EngineConfig(BaseModel):
     @property
     def parallelism(self) -> "Parallelism":
         """How the engine's sequence is split over processes (`world` 1: it is not)."""
-        from .context_parallel import Parallelism
+        from loraswap.engine.context_parallel import Parallelism
 
         return Parallelism(self.ulysses_degree, self.ring_degree, 2 if self.cfg_parallel else 1)
 
     @model_validator(mode="after")
     def _ring_merges_with_the_log_sum_exp(self):
-        from .context_parallel import check_ring_attention
+        from loraswap.engine.context_parallel import check_ring_attention
 
         check_ring_attention(self.parallelism, self.attention)
         return self
@@ -226,7 +226,7 @@ class EngineConfig(BaseModel):
 
 def _or_value_error(read, text: str):
     """`read(text)`, its BadRequest a ValueError (what a config's validator raises)."""
-    from ..errors import BadRequest
+    from loraswap.errors import BadRequest
 
     try:
         return read(text)

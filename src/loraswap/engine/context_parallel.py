@@ -41,13 +41,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..adapters.references import remember_urls, urls_of
-from ..errors import AdapterChanged, BadRequest, LoraswapError
-from ..models.family import Family
-from .rank_loss import RankLoss
+from loraswap.adapters.references import remember_urls, urls_of
+from loraswap.engine.rank_loss import RankLoss
+from loraswap.errors import AdapterChanged, BadRequest, LoraswapError
+from loraswap.models.family import Family
 
 if TYPE_CHECKING:
-    from ..adapters.store import AdapterStore
+    from loraswap.adapters.store import AdapterStore
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

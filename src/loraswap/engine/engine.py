@@ -24,10 +24,22 @@ from dataclasses import dataclass, field
 import torch
 from PIL import Image
 
-from ..adapters.bound import BoundAdapter, ModelLayers
-from ..adapters.lease import Lease
-from ..adapters.store import AdapterStore, StoreLimits, TargetModel
-from ..models import (
+from loraswap.adapters.bound import BoundAdapter, ModelLayers
+from loraswap.adapters.lease import Lease
+from loraswap.adapters.store import AdapterStore, StoreLimits, TargetModel
+from loraswap.engine.attention import AttentionBackend
+from loraswap.engine.baselines import HotswapSwapper, LoadAndFuseSwapper
+from loraswap.engine.calls import TEXT, PipelineCalls, Ran
+from loraswap.engine.cfg_parallel import GuidanceSplit, check_guided
+from loraswap.engine.compile import graph_count
+from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.context_parallel import Ranks, check_sequence, device_mesh, enable_context_parallel
+from loraswap.engine.previews import LatentPreviews
+from loraswap.engine.sizes import LargestSize
+from loraswap.engine.startup import Startup
+from loraswap.engine.step_cache import PROMPT, Skips, StepCache, read_ratios, shared
+from loraswap.engine.swap import FusedSwapper
+from loraswap.models import (
     adapter_targets,
     denoiser_name,
     denoiser_names,
@@ -36,20 +48,8 @@ from ..models import (
     model_name,
     resolve_device,
 )
-from ..models.family import native_size
-from ..tracing import adapter_attributes, generation_attributes, traced
-from .attention import AttentionBackend
-from .baselines import HotswapSwapper, LoadAndFuseSwapper
-from .calls import TEXT, PipelineCalls, Ran
-from .cfg_parallel import GuidanceSplit, check_guided
-from .compile import graph_count
-from .config import EngineConfig, GenerateRequest
-from .context_parallel import Ranks, check_sequence, device_mesh, enable_context_parallel
-from .previews import LatentPreviews
-from .sizes import LargestSize
-from .startup import Startup
-from .step_cache import PROMPT, Skips, StepCache, read_ratios, shared
-from .swap import FusedSwapper
+from loraswap.models.family import native_size
+from loraswap.tracing import adapter_attributes, generation_attributes, traced
 
 logger = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from diffusers.models.activations import GELU
 from diffusers.models.attention import FeedForward
 from torch import nn
 
-from .float8_rounding import float8_rounding, float8_runs_on
-from .kernels import triton_cdiv
+from loraswap.engine.float8_rounding import float8_rounding, float8_runs_on
+from loraswap.engine.kernels import triton_cdiv
 
 logger = logging.getLogger(__name__)
 

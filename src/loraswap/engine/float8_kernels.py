@@ -26,10 +26,10 @@ from functools import cache
 
 import torch
 
-from . import kernels
-from .float8_rounding import float8_rounding, float8_runs_on, interpreting
-from .kernels import BLOCK_K, triton_cdiv
-from .triton_compile import launch
+from loraswap.engine import kernels
+from loraswap.engine.float8_rounding import float8_rounding, float8_runs_on, interpreting
+from loraswap.engine.kernels import BLOCK_K, triton_cdiv
+from loraswap.engine.triton_compile import launch
 
 FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # CUDA's `stats / 448` multiplies by the fp32 reciprocal of 448: the per-row kernel does the same

@@ -7,9 +7,9 @@ from functools import partial
 
 import torch
 
-from .float8_kernels import DoraRows, requantize_into, row_tiles
-from .kernels import BLOCK_K, triton_cdiv, variants
-from .triton_compile import compiled_in_parallel
+from loraswap.engine.float8_kernels import DoraRows, requantize_into, row_tiles
+from loraswap.engine.kernels import BLOCK_K, triton_cdiv, variants
+from loraswap.engine.triton_compile import compiled_in_parallel
 
 # one rank per variant of the per-row kernel past one block of 16 ranks: `BLOCK_K` ranks a block,
 # blocks unrolled one, two or four times (`row_plan`), the rank a multiple of 16 (whole blocks)

@@ -5,9 +5,9 @@ import functools
 
 import torch
 
-from ..adapters import kinds
-from .float8_kernels import DoraRows, float8_kernel_available, requantize_into
-from .kernels import BLOCK_K, triton_cdiv
+from loraswap.adapters import kinds
+from loraswap.engine.float8_kernels import DoraRows, float8_kernel_available, requantize_into
+from loraswap.engine.kernels import BLOCK_K, triton_cdiv
 
 
 class Fp8Weight:

@@ -16,8 +16,8 @@ from functools import cache
 
 import torch
 
-from .float8_rounding import interpreting
-from .triton_compile import compiled_in_parallel, launch
+from loraswap.engine.float8_rounding import interpreting
+from loraswap.engine.triton_compile import compiled_in_parallel, launch
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 32
 NUM_WARPS = 4

@@ -6,7 +6,7 @@ kind's own write in torch (`kinds.write_change`)."""
 
 import torch
 
-from .kernels import fuse_into, fuse_loha_into
+from loraswap.engine.kernels import fuse_into, fuse_loha_into
 
 
 def _write_low_rank(weight: torch.Tensor, source: torch.Tensor, operands: tuple, alpha: float, runs: bool) -> bool:

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models.architectures import default_dtype_set_to
-from .attention import AttentionBackend
-from .compile import compile_denoiser
-from .quantize import quantize_module
-from .swap import FusedSwapper
+from loraswap.engine.attention import AttentionBackend
+from loraswap.engine.compile import compile_denoiser
+from loraswap.engine.quantize import quantize_module
+from loraswap.engine.swap import FusedSwapper
+from loraswap.models.architectures import default_dtype_set_to
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Literal, get_args
 
 from torch import nn
 
-from .float8_activations import use_float8_rows
+from loraswap.engine.float8_activations import use_float8_rows
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-from ..errors import LoraswapError
+from loraswap.errors import LoraswapError
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from .config import EngineConfig
-from .context_parallel import Ranks, follow
-from .rank_loss import exit_for_restart
+from loraswap.engine.config import EngineConfig
+from loraswap.engine.context_parallel import Ranks, follow
+from loraswap.engine.rank_loss import exit_for_restart
 
 logger = logging.getLogger(__name__)
 WATCH_S = 0.5  # how often rank 0 looks for a rank that exited
@@ -77,7 +77,7 @@ class RankProcesses:
             raise RuntimeError("rank 0 could not join the process group (its error is logged above)")
 
     def engine_factory(self, config: EngineConfig):
-        from .engine import Engine
+        from loraswap.engine.engine import Engine
 
         engine = Engine(config)
         self.ranks = Ranks(config.rank_wait_s)
@@ -132,8 +132,8 @@ def _join(config: EngineConfig, rank: int, world: int, port: int) -> None:
 def _follower(config_json: dict, rank: int, port: int) -> None:
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
-    from .engine import Engine
-    from .startup import freeze_loaded_objects
+    from loraswap.engine.engine import Engine
+    from loraswap.engine.startup import freeze_loaded_objects
 
     config = EngineConfig.model_validate(config_json)
     _join(config, rank, config.parallelism.world, port)

@@ -6,7 +6,7 @@ one whose size comes from its input image (no size asked) is scaled down to fit.
 import re
 from dataclasses import dataclass
 
-from ..errors import BadRequest
+from loraswap.errors import BadRequest
 
 SMALLEST_BOUND_SIDE = 128
 SMALLEST_SIDE = 8  # a request's smallest width or height (`GenerateRequest`)

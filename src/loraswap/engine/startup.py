@@ -18,10 +18,8 @@ from typing import TypeVar
 
 import torch
 
-from ..models import denoiser_names, load_pipeline
-from ..models.staged import build_pipeline, fill_pipeline, plan_fill
-from .calls import Stopped
-from .compile import (
+from loraswap.engine.calls import Stopped
+from loraswap.engine.compile import (
     CUDA_GRAPH_MODES,
     compile_pipeline,
     compiles_whole,
@@ -32,9 +30,11 @@ from .compile import (
     use_fresh_compile_cache,
     wants_compiled_vae,
 )
-from .config import EngineConfig
-from .prewarm import Prewarm, denoiser_config
-from .quantize import quantize_module, quantize_text_encoders
+from loraswap.engine.config import EngineConfig
+from loraswap.engine.prewarm import Prewarm, denoiser_config
+from loraswap.engine.quantize import quantize_module, quantize_text_encoders
+from loraswap.models import denoiser_names, load_pipeline
+from loraswap.models.staged import build_pipeline, fill_pipeline, plan_fill
 
 logger = logging.getLogger(__name__)
 

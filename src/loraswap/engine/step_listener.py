@@ -14,7 +14,7 @@ Every method runs on the worker's thread, between steps: it must be quick and ne
 import logging
 from collections.abc import Callable
 
-from .previews import Preview
+from loraswap.engine.previews import Preview
 
 logger = logging.getLogger(__name__)
 

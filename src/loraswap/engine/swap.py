@@ -22,15 +22,15 @@ from typing import Literal, Protocol
 import torch
 from torch import nn
 
-from ..adapters import kinds
-from ..adapters.bound import BoundAdapter, LayerKey, ModelLayers, packed_spans, with_buffer
-from ..adapters.cache import CacheEntry
-from ..adapters.store import AdapterStore
-from .float8_kernels import float8_kernel_available
-from .float8_warm_up import warm_up_float8
-from .float8_weights import Fp8Weight
-from .kernels import fuse_dora_into, kernel_available, warm_up
-from .kind_kernels import KIND_KERNELS
+from loraswap.adapters import kinds
+from loraswap.adapters.bound import BoundAdapter, LayerKey, ModelLayers, packed_spans, with_buffer
+from loraswap.adapters.cache import CacheEntry
+from loraswap.adapters.store import AdapterStore
+from loraswap.engine.float8_kernels import float8_kernel_available
+from loraswap.engine.float8_warm_up import warm_up_float8
+from loraswap.engine.float8_weights import Fp8Weight
+from loraswap.engine.kernels import fuse_dora_into, kernel_available, warm_up
+from loraswap.engine.kind_kernels import KIND_KERNELS
 
 logger = logging.getLogger(__name__)
 

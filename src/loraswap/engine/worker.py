@@ -35,13 +35,13 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field
 
-from ..errors import LoraswapError, Overloaded
-from ..flags import SCHEDULING, Flag
-from ..tracing import RequestContext
-from .calls import Stopped
-from .config import GenerateRequest
-from .engine import Engine
-from .step_listener import pictures_asked, previews_hook, tell_places
+from loraswap.engine.calls import Stopped
+from loraswap.engine.config import GenerateRequest
+from loraswap.engine.engine import Engine
+from loraswap.engine.step_listener import pictures_asked, previews_hook, tell_places
+from loraswap.errors import LoraswapError, Overloaded
+from loraswap.flags import SCHEDULING, Flag
+from loraswap.tracing import RequestContext
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Literal
 import numpy as np
 from PIL import Image, ImageMode, ImageOps
 
-from ..errors import BadRequest
-from .metadata import JPEG_EXIF_BYTES, ImageRecord, exif, png_info
+from loraswap.errors import BadRequest
+from loraswap.media.metadata import JPEG_EXIF_BYTES, ImageRecord, exif, png_info
 
 logger = logging.getLogger("loraswap.media")
 

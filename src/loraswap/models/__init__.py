@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 from diffusers import DiffusionPipeline
 
-from .architectures import ARCHITECTURES, RANDOM_SUFFIX, build_architecture_pipeline
-from .families import ARCHITECTURE_FAMILIES, PRESET_FAMILIES, architecture, family_for, family_of
-from .family import Family
-from .presets import PRESETS, build_preset
+from loraswap.models.architectures import ARCHITECTURES, RANDOM_SUFFIX, build_architecture_pipeline
+from loraswap.models.families import ARCHITECTURE_FAMILIES, PRESET_FAMILIES, architecture, family_for, family_of
+from loraswap.models.family import Family
+from loraswap.models.presets import PRESETS, build_preset
 
 __all__ = ["ARCHITECTURES", "PRESETS", "Family", "adapter_targets", "architecture_denoiser", "default_dtype",
            "denoiser_names", "family_for", "family_of", "generation_defaults", "load_pipeline", "lora_components",
@@ -104,7 +104,7 @@ def lora_components(name_or_path: str) -> tuple[type[DiffusionPipeline], dict[st
 @cache
 def _architecture_components(name: str) -> tuple[type[DiffusionPipeline], dict[str, torch.nn.Module]]:
     """A real architecture's components on the meta device (built once: they hold no memory)."""
-    from .architectures import build_architecture_component
+    from loraswap.models.architectures import build_architecture_component
 
     cls = ARCHITECTURE_FAMILIES[name].pipeline_class
     names = [n for n in adapter_target_names(cls) if n in architecture(name).components]

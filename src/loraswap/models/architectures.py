@@ -11,7 +11,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import PretrainedConfig
 
-from .families import ARCHITECTURE_FAMILIES, architecture
+from loraswap.models.families import ARCHITECTURE_FAMILIES, architecture
 
 ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)  # the real architectures' names (`sd15`, `sdxl`, `flux-dev`, ...)
 

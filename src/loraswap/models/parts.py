@@ -9,7 +9,7 @@ weights has the real compute.
 from diffusers import AutoencoderKL, EulerDiscreteScheduler
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from .tokenizers import CLIP_VOCAB_SIZE, T5_VOCAB_SIZE
+from loraswap.models.tokenizers import CLIP_VOCAB_SIZE, T5_VOCAB_SIZE
 
 # A VAE with four blocks downsamples by 8, as the real ones do, so image sizes and
 # latent shapes follow the same rules as on SD 1.5, SDXL and FLUX.1.

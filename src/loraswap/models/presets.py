@@ -10,7 +10,7 @@ layouts) is the real one.
 import torch
 from diffusers import DiffusionPipeline
 
-from .families import PRESET_FAMILIES
+from loraswap.models.families import PRESET_FAMILIES
 
 SEED = 0
 

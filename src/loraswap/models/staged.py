@@ -28,7 +28,7 @@ from diffusers import DiffusionPipeline, ModelMixin
 from safetensors import safe_open
 from transformers import PreTrainedModel
 
-from .architectures import default_dtype_set_to
+from loraswap.models.architectures import default_dtype_set_to
 
 INDEX_SUFFIX = ".safetensors.index.json"
 

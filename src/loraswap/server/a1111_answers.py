@@ -8,10 +8,10 @@ import json
 import time
 from collections.abc import Sequence
 
-from ..engine.config import GenerateRequest
-from ..engine.engine import GenerateResult
-from ..media.metadata import SAMPLER_NAMES, AdapterUse, ImageRecord
-from .a1111_requests import A1111Txt2Img
+from loraswap.engine.config import GenerateRequest
+from loraswap.engine.engine import GenerateResult
+from loraswap.media.metadata import SAMPLER_NAMES, AdapterUse, ImageRecord
+from loraswap.server.a1111_requests import A1111Txt2Img
 
 
 def sampler_name(scheduler_class: str | None) -> str | None:

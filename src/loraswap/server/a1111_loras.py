@@ -17,12 +17,12 @@ of the file (`FileFacts`, keyed by the file's stamp), off the event loop by the 
 import json
 import logging
 
-from ..adapters.file_facts import FileFacts
-from ..adapters.formats import open_checked
-from ..adapters.source import AdapterLocation, LocalAdapterSource, file_stamp
-from ..errors import AdapterError
-from .config import ServerConfig
-from .requests import MAX_JSON_NESTING, json_nesting
+from loraswap.adapters.file_facts import FileFacts
+from loraswap.adapters.formats import open_checked
+from loraswap.adapters.source import AdapterLocation, LocalAdapterSource, file_stamp
+from loraswap.errors import AdapterError
+from loraswap.server.config import ServerConfig
+from loraswap.server.requests import MAX_JSON_NESTING, json_nesting
 
 logger = logging.getLogger("loraswap.server")
 

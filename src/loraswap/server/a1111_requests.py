@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 
 from pydantic import ConfigDict, Field
 
-from ..errors import BadRequest
-from .schemas import ApiBody
+from loraswap.errors import BadRequest
+from loraswap.server.schemas import ApiBody
 
 # the sampler and scheduler clients send when they ask for none in particular: A1111's default
 # sampler, as webuiapi sends it, and A1111's "Automatic" scheduler (the sampler's own)

@@ -13,7 +13,7 @@ import logging
 import re
 from urllib.parse import quote, unquote
 
-from ..logs import formatter
+from loraswap.logs import formatter
 
 HIDDEN = "?(query hidden)"
 MAX_DECODES = 4  # %-encoding of %-encoding of ...: a path is decoded until it stops changing, at most this often

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
 
-from ..adapters.references import NamedUrls, is_remote, url_owned_by
-from ..errors import AdapterNotFound
-from .config import ServerConfig
-from .error_bodies import INVALID_API_KEY
+from loraswap.adapters.references import NamedUrls, is_remote, url_owned_by
+from loraswap.errors import AdapterNotFound
+from loraswap.server.config import ServerConfig
+from loraswap.server.error_bodies import INVALID_API_KEY
 
 logger = logging.getLogger("loraswap.server")
 

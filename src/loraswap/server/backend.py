@@ -18,17 +18,17 @@ from typing import Protocol, TypeVar
 
 from fastapi.concurrency import run_in_threadpool
 
-from ..adapters.download_locks import holding_downloads_in_coroutine
-from ..engine.config import GenerateRequest
-from ..engine.engine import Engine, GenerateResult
-from ..engine.rank_loss import RanksLost
-from ..engine.startup import freeze_loaded_objects, unfreeze_objects
-from ..engine.worker import GpuWorker, ShuttingDown
-from ..errors import AdapterIncompatible, AdapterInvalid, Overloaded
-from .config import ServerConfig
-from .fetch_pool import FetchPool
-from .metrics import EngineFigures
-from .routing import Deployment, Hosted, merge_adapter_rows
+from loraswap.adapters.download_locks import holding_downloads_in_coroutine
+from loraswap.engine.config import GenerateRequest
+from loraswap.engine.engine import Engine, GenerateResult
+from loraswap.engine.rank_loss import RanksLost
+from loraswap.engine.startup import freeze_loaded_objects, unfreeze_objects
+from loraswap.engine.worker import GpuWorker, ShuttingDown
+from loraswap.errors import AdapterIncompatible, AdapterInvalid, Overloaded
+from loraswap.server.config import ServerConfig
+from loraswap.server.fetch_pool import FetchPool
+from loraswap.server.metrics import EngineFigures
+from loraswap.server.routing import Deployment, Hosted, merge_adapter_rows
 
 logger = logging.getLogger("loraswap.server")
 

@@ -6,10 +6,10 @@ from typing import Annotated, Literal
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..engine.config import EngineConfig
-from ..engine.worker import SchedulerConfig
-from ..flags import ADAPTERS, SCHEDULING, SERVER, Flag
-from .webhook_rules import WebhookConfig
+from loraswap.engine.config import EngineConfig
+from loraswap.engine.worker import SchedulerConfig
+from loraswap.flags import ADAPTERS, SCHEDULING, SERVER, Flag
+from loraswap.server.webhook_rules import WebhookConfig
 
 
 class ServerConfig(BaseModel):

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from PIL import Image
 
-from ..errors import BadRequest, Overloaded
+from loraswap.errors import BadRequest, Overloaded
 
 WAIT_S = 30.0
 TRIM_EVERY_S = 5.0  # at most this often, freed image memory is handed back to the system

@@ -18,7 +18,7 @@ import re
 
 from fastapi.responses import JSONResponse
 
-from ..errors import LoraswapError
+from loraswap.errors import LoraswapError
 
 OPENAI_PREFIX = "/v1/"
 INVALID_API_KEY = "invalid_api_key"  # OpenAI's code for the 401 of a wrong key (a missing one has none)

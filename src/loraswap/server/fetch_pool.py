@@ -28,10 +28,10 @@ from typing import TypeVar
 
 from fastapi.concurrency import run_in_threadpool
 
-from ..adapters.download_waits import FetchInFlight, fetch_pool_context, fresh_failure
-from ..adapters.downloads import FOLLOW_GRACE_S
-from ..adapters.remote import download_deadline, may_download
-from ..errors import AdapterUnavailable, Overloaded
+from loraswap.adapters.download_waits import FetchInFlight, fetch_pool_context, fresh_failure
+from loraswap.adapters.downloads import FOLLOW_GRACE_S
+from loraswap.adapters.remote import download_deadline, may_download
+from loraswap.errors import AdapterUnavailable, Overloaded
 
 T = TypeVar("T")
 

@@ -10,14 +10,14 @@ import torch
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 
-from ..engine.config import GenerateRequest
-from ..engine.engine import GenerateResult
-from ..errors import LoraswapError, Overloaded
-from ..media.images import encode_image
-from ..media.metadata import ImageRecord
-from ..tracing import traced
-from .auth import url_owner
-from .backend import ClientGone, StepCallback
+from loraswap.engine.config import GenerateRequest
+from loraswap.engine.engine import GenerateResult
+from loraswap.errors import LoraswapError, Overloaded
+from loraswap.media.images import encode_image
+from loraswap.media.metadata import ImageRecord
+from loraswap.server.auth import url_owner
+from loraswap.server.backend import ClientGone, StepCallback
+from loraswap.tracing import traced
 
 logger = logging.getLogger("loraswap.server")
 

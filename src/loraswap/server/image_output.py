@@ -14,10 +14,10 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import Request
 
-from ..engine.config import GenerateRequest
-from ..engine.engine import GenerateResult
-from ..errors import BadRequest
-from ..media.metadata import AdapterUse, ImageRecord
+from loraswap.engine.config import GenerateRequest
+from loraswap.engine.engine import GenerateResult
+from loraswap.errors import BadRequest
+from loraswap.media.metadata import AdapterUse, ImageRecord
 
 logger = logging.getLogger("loraswap.server")
 

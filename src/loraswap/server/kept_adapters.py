@@ -15,8 +15,8 @@ import os
 import threading
 from pathlib import Path
 
-from ..errors import LoraswapError
-from .backend import until_served
+from loraswap.errors import LoraswapError
+from loraswap.server.backend import until_served
 
 logger = logging.getLogger("loraswap.server")
 

@@ -33,8 +33,8 @@ from typing import ClassVar
 
 from fastapi.concurrency import run_in_threadpool
 
-from ..errors import LoraswapError
-from .state_files import read_plain_file
+from loraswap.errors import LoraswapError
+from loraswap.server.state_files import read_plain_file
 
 logger = logging.getLogger("loraswap.server")
 

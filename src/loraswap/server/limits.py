@@ -9,11 +9,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.config import GenerateRequest
-from ..engine.sizes import check_fits
-from ..errors import BadRequest, UnsupportedInput
-from ..media.images import ImageLimits
-from .config import ServerConfig
+from loraswap.engine.config import GenerateRequest
+from loraswap.engine.sizes import check_fits
+from loraswap.errors import BadRequest, UnsupportedInput
+from loraswap.media.images import ImageLimits
+from loraswap.server.config import ServerConfig
 
 Bound = int | float | str | None  # str: the ServerConfig field that sets it
 

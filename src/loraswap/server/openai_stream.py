@@ -27,14 +27,14 @@ from functools import partial
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..engine.step_listener import spread_steps
-from ..errors import BadRequest
-from .generation import encode
-from .image_output import record_for
-from .requests import ParsedRequest
-from .schemas import OpenAIEditRequest
-from .stream_feed import StreamFeed
-from .streaming import (
+from loraswap.engine.step_listener import spread_steps
+from loraswap.errors import BadRequest
+from loraswap.server.generation import encode
+from loraswap.server.image_output import record_for
+from loraswap.server.requests import ParsedRequest
+from loraswap.server.schemas import OpenAIEditRequest
+from loraswap.server.stream_feed import StreamFeed
+from loraswap.server.streaming import (
     KEEP_ALIVE,
     EventStream,
     error_event,

@@ -6,10 +6,10 @@ fuzz test) see the contract."""
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from .auth import Access, Keys
-from .config import ServerConfig
-from .error_bodies import ERROR_SCHEMA, OPENAI_ERROR_SCHEMA, is_openai_path
-from .limits import constrain, schema_limits
+from loraswap.server.auth import Access, Keys
+from loraswap.server.config import ServerConfig
+from loraswap.server.error_bodies import ERROR_SCHEMA, OPENAI_ERROR_SCHEMA, is_openai_path
+from loraswap.server.limits import constrain, schema_limits
 
 LORA_HEADER = {"name": "lora", "in": "header", "required": False, "schema": {"type": "string"},
                "description": "Adapter id (or URL, Civitai AIR, s3://bucket/key), or several with weights: "

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..engine.previews import Preview
-from ..engine.step_listener import StepListener
-from ..logs import request_id
+from loraswap.engine.previews import Preview
+from loraswap.engine.step_listener import StepListener
+from loraswap.logs import request_id
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ import uuid
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from .. import tracing
-from ..logs import request_id
-from .access_log import loggable_path
+from loraswap import tracing
+from loraswap.logs import request_id
+from loraswap.server.access_log import loggable_path
 
 HEADER = b"x-request-id"
 MAX_ID_CHARS = 128

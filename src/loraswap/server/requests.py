@@ -15,13 +15,13 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from ..adapters.prompt_tags import take_adapter_tags
-from ..adapters.references import NamedUrls
-from ..adapters.specs import adapter_with_weight, parse_adapter_specs
-from ..engine.config import GenerateRequest
-from ..engine.step_cache import canonical
-from ..errors import BadRequest
-from ..media.images import (
+from loraswap.adapters.prompt_tags import take_adapter_tags
+from loraswap.adapters.references import NamedUrls
+from loraswap.adapters.specs import adapter_with_weight, parse_adapter_specs
+from loraswap.engine.config import GenerateRequest
+from loraswap.engine.step_cache import canonical
+from loraswap.errors import BadRequest
+from loraswap.media.images import (
     ImageLimits,
     MaskConvention,
     decode_base64,
@@ -31,14 +31,14 @@ from ..media.images import (
     read_inputs,
     require_image,
 )
-from ..tracing import traced
-from .auth import check_url_ids, url_owner
-from .backend import Backend
-from .config import ServerConfig
-from .decode_budget import DecodeBudget, decoded_bytes
-from .image_output import ImageOutput
-from .limits import check_limits, image_limits
-from .schemas import ApiBody, invalid_request_message, parse_size
+from loraswap.server.auth import check_url_ids, url_owner
+from loraswap.server.backend import Backend
+from loraswap.server.config import ServerConfig
+from loraswap.server.decode_budget import DecodeBudget, decoded_bytes
+from loraswap.server.image_output import ImageOutput
+from loraswap.server.limits import check_limits, image_limits
+from loraswap.server.schemas import ApiBody, invalid_request_message, parse_size
+from loraswap.tracing import traced
 
 
 @dataclass(frozen=True)

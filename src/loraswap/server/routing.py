@@ -20,12 +20,12 @@ it when it reads the file, never taken for a file that fits no hosted model.
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ..adapters.formats import open_checked
-from ..adapters.metadata import declared_base_models, family_hint, refuse_other_base, same_model
-from ..adapters.source import AdapterLocation
-from ..engine.engine import Engine
-from ..engine.worker import GpuWorker
-from ..errors import AdapterIncompatible, BadRequest
+from loraswap.adapters.formats import open_checked
+from loraswap.adapters.metadata import declared_base_models, family_hint, refuse_other_base, same_model
+from loraswap.adapters.source import AdapterLocation
+from loraswap.engine.engine import Engine
+from loraswap.engine.worker import GpuWorker
+from loraswap.errors import AdapterIncompatible, BadRequest
 
 
 @dataclass

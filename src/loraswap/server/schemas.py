@@ -6,8 +6,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..errors import BadRequest, UnsupportedInput
-from ..media.images import looks_like_image
+from loraswap.errors import BadRequest, UnsupportedInput
+from loraswap.media.images import looks_like_image
 
 
 class LoraEntry(BaseModel):

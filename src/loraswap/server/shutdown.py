@@ -18,7 +18,7 @@ import sys
 import uvicorn
 from fastapi import FastAPI
 
-from .config import ServerConfig
+from loraswap.server.config import ServerConfig
 
 logger = logging.getLogger("loraswap.server")
 

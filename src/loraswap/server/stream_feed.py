@@ -13,8 +13,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine.previews import Preview
-from ..engine.step_listener import StepListener
+from loraswap.engine.previews import Preview
+from loraswap.engine.step_listener import StepListener
 
 PENDING_PICTURES = 2  # pictures a slow client may have waiting; older ones are dropped
 

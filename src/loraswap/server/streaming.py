@@ -39,19 +39,19 @@ from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from ..engine.calls import Stopped
-from ..engine.previews import Preview
-from ..engine.step_listener import every_steps
-from ..errors import BadRequest, LoraswapError
-from ..media.images import encode_image
-from .auth import url_owner
-from .backend import ClientGone
-from .decode_budget import release_decoded_now
-from .error_bodies import error_body, error_code, route_path
-from .generation import IMAGE_FORMATS, encode, run_generation, server_timing, step_cache_headers
-from .image_output import record_for
-from .requests import ParsedRequest
-from .stream_feed import FeedEvent, StreamFeed
+from loraswap.engine.calls import Stopped
+from loraswap.engine.previews import Preview
+from loraswap.engine.step_listener import every_steps
+from loraswap.errors import BadRequest, LoraswapError
+from loraswap.media.images import encode_image
+from loraswap.server.auth import url_owner
+from loraswap.server.backend import ClientGone
+from loraswap.server.decode_budget import release_decoded_now
+from loraswap.server.error_bodies import error_body, error_code, route_path
+from loraswap.server.generation import IMAGE_FORMATS, encode, run_generation, server_timing, step_cache_headers
+from loraswap.server.image_output import record_for
+from loraswap.server.requests import ParsedRequest
+from loraswap.server.stream_feed import FeedEvent, StreamFeed
 
 logger = logging.getLogger("loraswap.server")
 

@@ -11,9 +11,9 @@ never dropped.
 
 import math
 
-from ..errors import Overloaded
-from .config import ServerConfig
-from .video_job import VideoJob
+from loraswap.errors import Overloaded
+from loraswap.server.config import ServerConfig
+from loraswap.server.video_job import VideoJob
 
 
 class VideoJobsFull(Overloaded):

@@ -27,9 +27,9 @@ from typing import Annotated
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from ..engine.config import GenerateRequest
-from .state_files import read_plain_file
-from .video_ids import is_video_id
+from loraswap.engine.config import GenerateRequest
+from loraswap.server.state_files import read_plain_file
+from loraswap.server.video_ids import is_video_id
 
 RESTARTED = "server_restarted"  # the error code of a job the server's restart cost
 

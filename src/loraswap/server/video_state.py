@@ -38,10 +38,10 @@ from pathlib import Path
 
 from PIL import Image
 
-from ..paths import user_cache
-from .kept_adapters import RECORD as KEPT_ADAPTERS
-from .state_files import plain_file, read_plain_file
-from .video_ids import is_video_id
+from loraswap.paths import user_cache
+from loraswap.server.kept_adapters import RECORD as KEPT_ADAPTERS
+from loraswap.server.state_files import plain_file, read_plain_file
+from loraswap.server.video_ids import is_video_id
 
 logger = logging.getLogger("loraswap.server")
 

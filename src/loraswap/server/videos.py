@@ -37,19 +37,19 @@ from collections.abc import Awaitable, Callable
 from fastapi.concurrency import run_in_threadpool
 from PIL import Image
 
-from ..adapters.references import remember_urls, urls_of
-from ..engine.config import GenerateRequest
-from ..engine.engine import GenerateResult
-from ..errors import LoraswapError, UnsupportedInput
-from ..media.mp4 import encode_mp4
-from .backend import until_served
-from .config import ServerConfig
-from .state_files import plain_file
-from .video_caps import room_for
-from .video_ids import is_video_id, new_video_id, sort_key
-from .video_job import VideoJob, VideoStatus, error_code, restarted
-from .video_state import MEDIA, ORPHANS, WRITE_ERRORS, VideoState
-from .webhooks import Delivery, WebhookSender, owed
+from loraswap.adapters.references import remember_urls, urls_of
+from loraswap.engine.config import GenerateRequest
+from loraswap.engine.engine import GenerateResult
+from loraswap.errors import LoraswapError, UnsupportedInput
+from loraswap.media.mp4 import encode_mp4
+from loraswap.server.backend import until_served
+from loraswap.server.config import ServerConfig
+from loraswap.server.state_files import plain_file
+from loraswap.server.video_caps import room_for
+from loraswap.server.video_ids import is_video_id, new_video_id, sort_key
+from loraswap.server.video_job import VideoJob, VideoStatus, error_code, restarted
+from loraswap.server.video_state import MEDIA, ORPHANS, WRITE_ERRORS, VideoState
+from loraswap.server.webhooks import Delivery, WebhookSender, owed
 
 logger = logging.getLogger("loraswap.server")
 

@@ -23,10 +23,10 @@ from typing import Annotated
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..adapters.addresses import address_kind, allowed_host, named
-from ..adapters.fetch import display_url
-from ..errors import BadRequest
-from ..flags import SERVER, Flag
+from loraswap.adapters.addresses import address_kind, allowed_host, named
+from loraswap.adapters.fetch import display_url
+from loraswap.errors import BadRequest
+from loraswap.flags import SERVER, Flag
 
 SECRET_PREFIX = "whsec_"
 SECRET_BYTES = (24, 64)  # what Standard Webhooks asks of a secret

@@ -44,10 +44,10 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 from standardwebhooks import Webhook
 
-from ..adapters.addresses import CheckedBackend, Lookup, system_lookup
-from ..errors import LoraswapError, Overloaded
-from .video_state import WRITE_ERRORS
-from .webhook_rules import WebhookConfig, checked_url, origin
+from loraswap.adapters.addresses import CheckedBackend, Lookup, system_lookup
+from loraswap.errors import LoraswapError, Overloaded
+from loraswap.server.video_state import WRITE_ERRORS
+from loraswap.server.webhook_rules import WebhookConfig, checked_url, origin
 
 logger = logging.getLogger("loraswap.server")
 

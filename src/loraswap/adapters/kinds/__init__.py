@@ -14,13 +14,13 @@ Adding a kind: a file here with its `AdapterKind` subclass and instance, the ins
 
 from types import MappingProxyType
 
-from .base import AdapterKind, FastWrite, Layer, delta, delta_shape, write_change
-from .dora import dora_change_weight, dora_factors, dora_magnitude_shape, rescale_dora, write
-from .full import FULL
-from .loha import LOHA
-from .lokr import LOKR
-from .lokr_rows import LOKR_ROWS
-from .lora import LORA
+from loraswap.adapters.kinds.base import AdapterKind, FastWrite, Layer, delta, delta_shape, write_change
+from loraswap.adapters.kinds.dora import dora_change_weight, dora_factors, dora_magnitude_shape, rescale_dora, write
+from loraswap.adapters.kinds.full import FULL
+from loraswap.adapters.kinds.loha import LOHA
+from loraswap.adapters.kinds.lokr import LOKR
+from loraswap.adapters.kinds.lokr_rows import LOKR_ROWS
+from loraswap.adapters.kinds.lora import LORA
 
 # name -> kind; the parser tries the kinds read from files in this order
 KINDS: MappingProxyType[str, AdapterKind] = MappingProxyType(

@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from ...errors import AdapterInvalid
-from .base import Layer, Rows, delta_shape, write_change
+from loraswap.adapters.kinds.base import Layer, Rows, delta_shape, write_change
+from loraswap.errors import AdapterInvalid
 
 
 def write(target: torch.Tensor, source: torch.Tensor, layer: Layer, blend: float) -> None:

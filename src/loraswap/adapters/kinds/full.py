@@ -3,7 +3,7 @@ a block's modulation table), written as it is."""
 
 import torch
 
-from .base import AdapterKind, Rows
+from loraswap.adapters.kinds.base import AdapterKind, Rows
 
 
 class Full(AdapterKind):

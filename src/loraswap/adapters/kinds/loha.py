@@ -3,7 +3,7 @@
 
 import torch
 
-from .base import AdapterKind, FastWrite, Layer, Rows, matrix, tucker
+from loraswap.adapters.kinds.base import AdapterKind, FastWrite, Layer, Rows, matrix, tucker
 
 
 class LoHa(AdapterKind):

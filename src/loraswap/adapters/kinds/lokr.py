@@ -3,9 +3,9 @@ rows on a module the model splits are `lokr-rows` (`lokr_rows.py`)."""
 
 import torch
 
-from ...errors import AdapterInvalid
-from .base import AdapterKind, Layer, Rows, add_product_in_place, delta, matrix, tucker
-from .lokr_rows import LOKR_ROWS
+from loraswap.adapters.kinds.base import AdapterKind, Layer, Rows, add_product_in_place, delta, matrix, tucker
+from loraswap.adapters.kinds.lokr_rows import LOKR_ROWS
+from loraswap.errors import AdapterInvalid
 
 
 class LoKr(AdapterKind):

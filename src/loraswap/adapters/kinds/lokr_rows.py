@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .base import AdapterKind, Layer, add_product_in_place, matrix
+from loraswap.adapters.kinds.base import AdapterKind, Layer, add_product_in_place, matrix
 
 
 class LoKrRows(AdapterKind):

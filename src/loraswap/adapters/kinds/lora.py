@@ -7,7 +7,7 @@ import math
 import torch
 from peft.utils.other import get_pattern_key
 
-from .base import AdapterKind, FastWrite, Rows, matrix, tucker
+from loraswap.adapters.kinds.base import AdapterKind, FastWrite, Rows, matrix, tucker
 
 _SWAPPED = {"down": "up", "up": "down", "lora_A": "lora_B", "lora_B": "lora_A"}
 

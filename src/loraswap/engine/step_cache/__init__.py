@@ -2,9 +2,9 @@
 for (`settings`: what a setting is; `attach`: the hooks on the model for one call;
 `calibration`: MagCache's ratios)."""
 
-from .attach import Skips, StepCache, takes_step_cache, transformer_families
-from .calibration import PROMPT, read_ratios, shared
-from .settings import METHODS, OFF, StepCacheSetting, canonical, parse_step_cache
+from loraswap.engine.step_cache.attach import Skips, StepCache, takes_step_cache, transformer_families
+from loraswap.engine.step_cache.calibration import PROMPT, read_ratios, shared
+from loraswap.engine.step_cache.settings import METHODS, OFF, StepCacheSetting, canonical, parse_step_cache
 
 __all__ = ["METHODS", "OFF", "PROMPT", "Skips", "StepCache", "StepCacheSetting", "canonical", "parse_step_cache",
            "read_ratios", "shared", "takes_step_cache", "transformer_families"]

@@ -36,9 +36,18 @@ from diffusers.hooks.hooks import _set_cache_context
 from diffusers.hooks.mag_cache import _MAG_CACHE_BLOCK_HOOK, _MAG_CACHE_LEADER_BLOCK_HOOK
 from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
 
-from ...errors import BadRequest, UnsupportedInput
-from .hooks import COMPUTED, FIRST_INPUT, PASS_NAMES, Computed, FirstInput, PassNames, register_first, remove
-from .settings import METHODS, StepCacheSetting, parse_step_cache
+from loraswap.engine.step_cache.hooks import (
+    COMPUTED,
+    FIRST_INPUT,
+    PASS_NAMES,
+    Computed,
+    FirstInput,
+    PassNames,
+    register_first,
+    remove,
+)
+from loraswap.engine.step_cache.settings import METHODS, StepCacheSetting, parse_step_cache
+from loraswap.errors import BadRequest, UnsupportedInput
 
 # diffusers' own functions, as `CacheMixin.enable_cache` calls them: applied directly, they also
 # serve the transformers that do not mix `CacheMixin` in (SD 3's, Z-Image's)
@@ -86,7 +95,7 @@ class Skips:
 def transformer_families() -> list[str]:
     """The families whose denoiser is a transformer (those that take a step cache; FLUX.2
     takes taylorseer and magcache)."""
-    from ...models.families import FAMILIES
+    from loraswap.models.families import FAMILIES
 
     names = [f.name for f in FAMILIES if "transformer" in inspect.signature(f.pipeline_class.__init__).parameters]
     return list(dict.fromkeys(names))

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ...errors import LoraswapError
+from loraswap.errors import LoraswapError
 
 PROMPT = "a photograph of a red circle on a white ground"  # any prompt: ratios vary little with it
 

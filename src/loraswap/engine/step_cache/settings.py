@@ -18,7 +18,7 @@ written two ways is one setting (one batch, one label in the metrics).
 
 from dataclasses import dataclass
 
-from ...errors import BadRequest
+from loraswap.errors import BadRequest
 
 OFF = "off"
 

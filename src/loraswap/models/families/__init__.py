@@ -7,8 +7,21 @@ record.
 
 from diffusers import DiffusionPipeline
 
-from ..family import Architecture, Family
-from . import demo, demo_flux, flux, flux2, flux_kontext, qwen_image, qwen_image_edit, sd3, sd15, sdxl, wan, z_image
+from loraswap.models.families import (
+    demo,
+    demo_flux,
+    flux,
+    flux2,
+    flux_kontext,
+    qwen_image,
+    qwen_image_edit,
+    sd3,
+    sd15,
+    sdxl,
+    wan,
+    z_image,
+)
+from loraswap.models.family import Architecture, Family
 
 # `demo` after `sd15` and `demo_flux` after `flux`: each pair share a pipeline class, and
 # `family_of` takes the first (a demo preset's own record comes through `family_for`)

@@ -16,10 +16,10 @@ from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionMod
 from safetensors.torch import load_file
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-from ..family import Family
-from ..parts import euler
-from ..tokenizers import word_clip_tokenizer, word_clip_vocabulary
-from .sd15 import NO_SAFETY_CHECKER
+from loraswap.models.families.sd15 import NO_SAFETY_CHECKER
+from loraswap.models.family import Family
+from loraswap.models.parts import euler
+from loraswap.models.tokenizers import word_clip_tokenizer, word_clip_vocabulary
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "demo_weights"
 ADAPTERS = WEIGHTS / "adapters"

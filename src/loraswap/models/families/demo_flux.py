@@ -23,9 +23,9 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from safetensors.torch import load_file
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from ..family import Family
-from ..tokenizers import word_clip_tokenizer, word_clip_vocabulary, word_t5_tokenizer
-from . import demo
+from loraswap.models.families import demo
+from loraswap.models.family import Family
+from loraswap.models.tokenizers import word_clip_tokenizer, word_clip_vocabulary, word_t5_tokenizer
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "demo_flux_weights"
 ADAPTERS = WEIGHTS / "adapters"

@@ -7,9 +7,9 @@ weights; FLUX.1 Kontext, the edit model, is its own family (`flux_kontext.py`).
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel, T5EncoderModel
 
-from ..family import TINY_DEFAULTS, Architecture, Family
-from ..parts import CLIP_L, T5_XXL, VAE_FLUX, tiny_clip, tiny_flux_vae, tiny_t5
-from ..tokenizers import make_clip_tokenizer, make_t5_tokenizer
+from loraswap.models.family import TINY_DEFAULTS, Architecture, Family
+from loraswap.models.parts import CLIP_L, T5_XXL, VAE_FLUX, tiny_clip, tiny_flux_vae, tiny_t5
+from loraswap.models.tokenizers import make_clip_tokenizer, make_t5_tokenizer
 
 TINY_TRANSFORMER = dict(patch_size=1, in_channels=16,  # 4 latent channels packed 2x2
                         num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,

@@ -12,8 +12,8 @@ from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PreTrainedTokenizerFast
 
-from ..family import TINY_DEFAULTS, Architecture, Family
-from ..parts import TINY_VAE_BLOCKS
+from loraswap.models.family import TINY_DEFAULTS, Architecture, Family
+from loraswap.models.parts import TINY_VAE_BLOCKS
 
 # Tekken's (Mistral's tokenizer's) first special tokens, at their real ids, so the image
 # token (10) and the padding token (11) are those the real Mistral3 config names.

@@ -7,8 +7,8 @@ VAE and attended to beside the latents), so it is an edit family without image p
 from diffusers import FluxKontextPipeline
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
-from ..family import TINY_DEFAULTS, Architecture, Family
-from .flux import FLUX_DEV_ARCHITECTURE, flux_dev_extras, tiny_flux_components
+from loraswap.models.families.flux import FLUX_DEV_ARCHITECTURE, flux_dev_extras, tiny_flux_components
+from loraswap.models.family import TINY_DEFAULTS, Architecture, Family
 
 
 def _tiny_flux_kontext() -> FluxKontextPipeline:

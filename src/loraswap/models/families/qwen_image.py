@@ -18,8 +18,7 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from ..family import TINY_DEFAULTS, Architecture, Family
-from .qwen_tokenizer import (
+from loraswap.models.families.qwen_tokenizer import (
     ENDOFTEXT_ID,
     IM_END_ID,
     IMAGE_PAD_ID,
@@ -29,6 +28,7 @@ from .qwen_tokenizer import (
     VISION_START_ID,
     make_qwen_tokenizer,
 )
+from loraswap.models.family import TINY_DEFAULTS, Architecture, Family
 
 # The text encoder is 32 wide (the transformer's context width); 4 latent channels, packed
 # 2x2 into 16. Rope over (frame, height, width) splits the head as the real one's 16/56/56.

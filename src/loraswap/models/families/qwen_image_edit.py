@@ -10,14 +10,14 @@ limits 1369 vision tokens in the prompt. Guidance is `true_cfg_scale`, as Qwen-I
 
 from diffusers import QwenImageEditPipeline
 
-from ..family import TINY_DEFAULTS, Architecture, Family
-from .qwen_image import (
+from loraswap.models.families.qwen_image import (
     QWEN_IMAGE_COMPONENTS,
     guided_with_a_negative_prompt,
     qwen_image_extras,
     tiny_qwen_image_components,
 )
-from .qwen_tokenizer import make_qwen2_vl_processor
+from loraswap.models.families.qwen_tokenizer import make_qwen2_vl_processor
+from loraswap.models.family import TINY_DEFAULTS, Architecture, Family
 
 # The tiny processor caps the image at 112x112 for the vision tower (16 tokens), where the
 # real one takes it as it comes (up to 12.8 megapixels)

@@ -3,9 +3,9 @@
 from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
 from transformers import CLIPTextModel
 
-from ..family import TINY_DEFAULTS, Architecture, Family
-from ..parts import CLIP_L, TINY_VAE_BLOCKS, VAE_SD, euler, tiny_clip
-from ..tokenizers import make_clip_tokenizer
+from loraswap.models.family import TINY_DEFAULTS, Architecture, Family
+from loraswap.models.parts import CLIP_L, TINY_VAE_BLOCKS, VAE_SD, euler, tiny_clip
+from loraswap.models.tokenizers import make_clip_tokenizer
 
 # what the tiny UNets of SD 1.5 and SDXL share: two levels, one layer each, 8x8 latents (64x64 images)
 TINY_UNET = dict(block_out_channels=(16, 32), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,

@@ -10,9 +10,9 @@ SD3's img2img and inpainting pipelines, which share the loaded weights.
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
-from ..family import TINY_DEFAULTS, Architecture, Family
-from ..parts import CLIP_BIGG, CLIP_L, T5_XXL, TINY_VAE_BLOCKS, VAE_SD, tiny_clip_config, tiny_t5
-from ..tokenizers import make_clip_tokenizer, make_t5_tokenizer
+from loraswap.models.family import TINY_DEFAULTS, Architecture, Family
+from loraswap.models.parts import CLIP_BIGG, CLIP_L, T5_XXL, TINY_VAE_BLOCKS, VAE_SD, tiny_clip_config, tiny_t5
+from loraswap.models.tokenizers import make_clip_tokenizer, make_t5_tokenizer
 
 # Two 32-wide CLIPs: a 64-wide pooled projection and a 64-wide context, T5's width (the
 # real model pads CLIP's 2048 to T5's 4096). One dual-attention block and RMS q/k norms,

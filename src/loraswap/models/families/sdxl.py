@@ -3,10 +3,10 @@
 from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-from ..family import TINY_DEFAULTS, Architecture, Family
-from ..parts import CLIP_BIGG, CLIP_L, TINY_VAE_BLOCKS, VAE_SD, euler, tiny_clip, tiny_clip_config
-from ..tokenizers import make_clip_tokenizer
-from .sd15 import TINY_UNET
+from loraswap.models.families.sd15 import TINY_UNET
+from loraswap.models.family import TINY_DEFAULTS, Architecture, Family
+from loraswap.models.parts import CLIP_BIGG, CLIP_L, TINY_VAE_BLOCKS, VAE_SD, euler, tiny_clip, tiny_clip_config
+from loraswap.models.tokenizers import make_clip_tokenizer
 
 UNET_SDXL = dict(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2,
                  block_out_channels=(320, 640, 1280), cross_attention_dim=2048, attention_head_dim=(5, 10, 20),

@@ -12,8 +12,8 @@ Wan 2.1 has one transformer. Image to video (`WanImageToVideoPipeline`) is not s
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from transformers import UMT5Config, UMT5EncoderModel
 
-from ..family import TINY_DEFAULTS, Architecture, Family
-from ..tokenizers import T5_VOCAB_SIZE, make_t5_tokenizer
+from loraswap.models.family import TINY_DEFAULTS, Architecture, Family
+from loraswap.models.tokenizers import T5_VOCAB_SIZE, make_t5_tokenizer
 
 # the prompt length Wan pads to (the pipeline's max_sequence_length)
 TEXT_LENGTH = 512

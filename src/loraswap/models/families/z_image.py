@@ -13,9 +13,15 @@ and inpainting pipelines, which share the loaded weights.
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 from transformers import Qwen3Config, Qwen3Model
 
-from ..family import TINY_DEFAULTS, Architecture, Family
-from ..parts import VAE_FLUX, tiny_flux_vae
-from .qwen_tokenizer import ENDOFTEXT_ID, IM_END_ID, QWEN3_CHAT_TEMPLATE, QWEN_VOCAB_SIZE, make_qwen_tokenizer
+from loraswap.models.families.qwen_tokenizer import (
+    ENDOFTEXT_ID,
+    IM_END_ID,
+    QWEN3_CHAT_TEMPLATE,
+    QWEN_VOCAB_SIZE,
+    make_qwen_tokenizer,
+)
+from loraswap.models.family import TINY_DEFAULTS, Architecture, Family
+from loraswap.models.parts import VAE_FLUX, tiny_flux_vae
 
 # 4 latent channels (the tiny FLUX.1 VAE's), patchified 2x2 by the transformer itself;
 # the caption width is the text encoder's. Rope splits the head over (caption position or

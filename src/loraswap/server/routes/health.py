@@ -4,7 +4,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..auth import Access, require_health_key
+from loraswap.server.auth import Access, require_health_key
 
 router = APIRouter(tags=[Access.HEALTH.value], dependencies=[Depends(require_health_key)])
 

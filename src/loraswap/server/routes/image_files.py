@@ -8,9 +8,9 @@ import base64
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from ..auth import Access, request_key, require_api_key
-from ..generation import IMAGE_RESPONSES
-from ..kept_images import EXTENSIONS
+from loraswap.server.auth import Access, request_key, require_api_key
+from loraswap.server.generation import IMAGE_RESPONSES
+from loraswap.server.kept_images import EXTENSIONS
 
 router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key)])
 

@@ -12,9 +12,9 @@ from typing import ClassVar
 
 from fastapi import APIRouter, Depends, Request
 
-from ...errors import LoraswapError
-from ..auth import Access, require_api_key, visible_adapter_rows
-from ..backend import not_ready
+from loraswap.errors import LoraswapError
+from loraswap.server.auth import Access, require_api_key, visible_adapter_rows
+from loraswap.server.backend import not_ready
 
 router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key)])
 

@@ -7,15 +7,15 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from ..auth import Access, require_api_key
-from ..decode_budget import release_decoded
-from ..generation import encode, generate, step_cache_headers
-from ..image_output import record_for
-from ..openai_stream import openai_stream_asked, stream_openai
-from ..openapi import LORA_HEADER, form_body, json_body
-from ..requests import hold_named_urls, parse_request
-from ..schemas import ApiBody, OpenAIEditRequest, OpenAIImageRequest
-from .image_files import check_url_room, forget_kept, image_data
+from loraswap.server.auth import Access, require_api_key
+from loraswap.server.decode_budget import release_decoded
+from loraswap.server.generation import encode, generate, step_cache_headers
+from loraswap.server.image_output import record_for
+from loraswap.server.openai_stream import openai_stream_asked, stream_openai
+from loraswap.server.openapi import LORA_HEADER, form_body, json_body
+from loraswap.server.requests import hold_named_urls, parse_request
+from loraswap.server.routes.image_files import check_url_room, forget_kept, image_data
+from loraswap.server.schemas import ApiBody, OpenAIEditRequest, OpenAIImageRequest
 
 router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key), Depends(release_decoded),
                                                                  Depends(hold_named_urls)])
