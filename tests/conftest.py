@@ -19,7 +19,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from loraswap.adapters.random import make_random_adapter  # noqa: E402
 from loraswap.models import lora_components  # noqa: E402
-from loraswap.server import video_state  # noqa: E402
+from loraswap.server.videos import state as video_state  # noqa: E402
 
 torch.set_num_threads(2)
 

@@ -18,7 +18,7 @@ from PIL.PngImagePlugin import PngInfo
 from support.fakes import fake_app, serve_on_loopback
 from support.servers import wait_ready
 
-from loraswap.adapters.formats import open_checked
+from loraswap.adapters.files.formats import open_checked
 from loraswap.engine.config import EngineConfig
 from loraswap.models.families import demo
 from loraswap.server.app import create_app
@@ -293,7 +293,7 @@ DEEP = '{"a":' * 600 + "1" + "}" * 600  # JSON nested past any request body's bo
 def test_the_lora_listing_reads_each_file_once_per_version_and_shows_no_server_path(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
-    from loraswap.server import a1111_loras
+    from loraswap.server.a1111 import loras as a1111_loras
 
     folder = tmp_path / "adapters"
     (folder / "styles").mkdir(parents=True)

@@ -24,7 +24,7 @@ from support.images import encode, noise, pixels_of
 from support.servers import free_port, wait_ready
 from support.web import Web, body
 
-from loraswap.adapters.references import UrlReference, reference_of, url_book
+from loraswap.adapters.naming.references import UrlReference, reference_of, url_book
 from loraswap.engine.config import EngineConfig
 from loraswap.server.access_log import HideQuery
 from loraswap.server.app import create_app

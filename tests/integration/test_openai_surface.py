@@ -17,14 +17,14 @@ from PIL import Image
 from support.fakes import FakeBackend, serve_on_loopback
 from support.images import encode, noise
 
-from loraswap.adapters.references import NamedUrls, parse_reference
+from loraswap.adapters.naming.references import NamedUrls, parse_reference
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import GenerateResult
 from loraswap.errors import Overloaded
 from loraswap.models.families import demo
-from loraswap.server import kept_images
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
+from loraswap.server.images import kept as kept_images
 
 K1, K2, ADMIN = "sk-one-0123456789", "sk-two-0123456789", "sk-admin-0123456789"
 TTL = 600.0

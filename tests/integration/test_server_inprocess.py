@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
-from loraswap.engine.swap import FusedSwapper
+from loraswap.engine.swap.fused import FusedSwapper
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 

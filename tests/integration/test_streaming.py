@@ -223,7 +223,7 @@ def test_an_error_after_the_stream_began_is_an_error_event(served, openai_client
 
 
 def test_a_failure_encoding_the_image_is_an_error_event_and_a_failed_preview_is_skipped(served, monkeypatch, caplog):
-    import loraswap.server.streaming as streaming
+    import loraswap.server.streaming.events as streaming
 
     url, _ = served
     monkeypatch.setattr(streaming, "INLINE_PIXELS", 0)  # every preview encoded on a thread, through `encoded`

@@ -10,7 +10,7 @@ from hashlib import sha256
 import uvicorn
 from PIL import Image
 
-from loraswap.adapters.file_hashes import FileDigest
+from loraswap.adapters.files.hashes import FileDigest
 from loraswap.engine.calls import AdapterRan, Ran
 from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from loraswap.bench.serve import RAY_ENV
-from loraswap.engine.rank_processes import free_port  # noqa: F401  (the tests' too)
+from loraswap.engine.parallel.processes import free_port  # noqa: F401  (the tests' too)
 
 
 def form(**fields) -> dict:

@@ -4,7 +4,7 @@ and only where the operator's environment names none."""
 import pytest
 import torch
 
-from loraswap.engine import startup
+from loraswap.engine.startup import bring_up as startup
 
 
 @pytest.fixture

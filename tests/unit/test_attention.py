@@ -6,9 +6,9 @@ import torch
 from pydantic import ValidationError
 from support.numerics import rel_err
 
-from loraswap.engine.compile import compile_pipeline
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
+from loraswap.engine.startup.compile import compile_pipeline
 
 
 @pytest.fixture(autouse=True)

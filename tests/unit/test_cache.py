@@ -72,9 +72,9 @@ def test_a_failed_gpu_read_is_read_on_the_host_and_gives_its_turn_back(tmp_path,
 
     from loraswap.adapters import store as store_module
     from loraswap.adapters.bound import ModelLayers
-    from loraswap.adapters.device_read import DeviceReadFailed
+    from loraswap.adapters.files.device_read import DeviceReadFailed
     from loraswap.adapters.random import make_random_adapter
-    from loraswap.adapters.source import AdapterSources, LocalAdapterSource
+    from loraswap.adapters.sources.local import AdapterSources, LocalAdapterSource
     from loraswap.models import lora_components
 
     cls, components = lora_components("tiny-sd")

@@ -211,7 +211,7 @@ def test_help_names_no_seed(command):
                                           ("style:x", "must be a number"), ("a:0.5:0.3", "must be a number")])
 def test_lora_flag_refuses_what_the_lora_header_refuses(spec, message, tmp_path):
     """One reader for `--lora`, the `lora` header and `model`: the same specs pass and fail."""
-    from loraswap.adapters.specs import parse_adapter_specs
+    from loraswap.adapters.naming.specs import parse_adapter_specs
     from loraswap.errors import BadRequest
 
     with pytest.raises(BadRequest) as header:

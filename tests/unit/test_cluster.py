@@ -13,7 +13,7 @@ import yaml
 from ray.exceptions import ActorDiedError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from loraswap.adapters.references import adapter_id_of
+from loraswap.adapters.naming.references import adapter_id_of
 from loraswap.cluster.app import build_app, load_config, replica_gpus
 from loraswap.cluster.config import ClusterConfig, ModelDeploymentConfig
 from loraswap.cluster.ingress import RayBackend

@@ -5,9 +5,9 @@ import torch
 import torch._dynamo
 from support.numerics import image_array, rel_err
 
-from loraswap.engine.compile import graph_count
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
+from loraswap.engine.startup.compile import graph_count
 
 SPECS = [(4, "attn"), (64, "all"), (16, "attn"), (128, "all"), (8, "all"), (32, "attn")]
 
@@ -45,7 +45,7 @@ def test_twelve_swaps_of_mixed_ranks_and_targets_never_recompile(adapter_factory
 @pytest.mark.slow  # compiles
 def test_a_flux_warm_up_compiles_one_graph_per_block_kind_and_layout():
     """The double block once, the single block once per input layout (contiguous after the
-    double blocks, a slice after a single block: see engine/compile.py); nothing else, and
+    double blocks, a slice after a single block: see engine/startup/compile.py); nothing else, and
     nothing more on a second image."""
     torch._dynamo.reset()
     before = graph_count()

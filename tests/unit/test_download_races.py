@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from support.web import Web, stream
 
-from loraswap.adapters.download_locks import holding_downloads, holding_downloads_in_coroutine
-from loraswap.adapters.downloads import LOCK_PREFIX, PARTIAL_PREFIX, Download, DownloadCache
-from loraswap.adapters.fetch import FetchRules, fetch_file
+from loraswap.adapters.sources.download_locks import holding_downloads, holding_downloads_in_coroutine
+from loraswap.adapters.sources.downloads import LOCK_PREFIX, PARTIAL_PREFIX, Download, DownloadCache
+from loraswap.adapters.sources.fetch import FetchRules, fetch_file
 from loraswap.errors import AdapterInvalid, AdapterUnavailable, Overloaded
 
 MiB = 2**20

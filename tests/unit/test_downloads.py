@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from loraswap.adapters.downloads import PARTIAL_PREFIX, Download, DownloadCache, default_download_dir
-from loraswap.server import video_state
+from loraswap.adapters.sources.downloads import PARTIAL_PREFIX, Download, DownloadCache, default_download_dir
+from loraswap.server.videos import state as video_state
 
 
 def _writer(data: bytes, calls: list, gate: threading.Event | None = None):
@@ -101,7 +101,8 @@ def test_the_suite_never_uses_the_users_loraswap_folders():
     assert session.is_relative_to(tempfile.gettempdir())
     assert default_download_dir() == session / "loraswap" / "downloads"
     assert video_state.default_state_dir().is_relative_to(tempfile.gettempdir())
-    started = subprocess.run([sys.executable, "-c", "from loraswap.adapters.downloads import default_download_dir; "
+    started = subprocess.run([sys.executable, "-c",
+                              "from loraswap.adapters.sources.downloads import default_download_dir; "
                               "from loraswap.paths import user_cache; print(default_download_dir()); "
                               "print(user_cache('state'))"], capture_output=True, text=True, check=True)
     assert [Path(line) for line in started.stdout.split()] == [session / "loraswap" / "downloads",

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from support.servers import free_port
 from support.web import Web, body, drip, redirect, slow, status, stream
 
-from loraswap.adapters.fetch import FetchRules, allowed_host, check_url, display_url, fetch_file, fetch_json
+from loraswap.adapters.sources.fetch import FetchRules, allowed_host, check_url, display_url, fetch_file, fetch_json
 from loraswap.errors import AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable
 
 BIG = 64 * 2**20  # far more than loopback socket buffers hold: a hang-up leaves most of it unsent

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 from support.web import Web, drip
 
-from loraswap.adapters.download_waits import asked_at
-from loraswap.adapters.downloads import Download, DownloadCache
-from loraswap.adapters.references import adapter_id_of
-from loraswap.adapters.remote import RemoteSettings, RemoteSources
-from loraswap.adapters.source import AdapterSources
+from loraswap.adapters.naming.references import adapter_id_of
+from loraswap.adapters.sources.download_waits import asked_at
+from loraswap.adapters.sources.downloads import Download, DownloadCache
+from loraswap.adapters.sources.local import AdapterSources
+from loraswap.adapters.sources.remote import RemoteSettings, RemoteSources
 from loraswap.errors import AdapterUnavailable, Overloaded
 from loraswap.server.fetch_pool import FetchPool
 

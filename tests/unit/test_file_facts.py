@@ -7,11 +7,11 @@ from safetensors.torch import save_file
 
 from loraswap.adapters.bound import ModelLayers
 from loraswap.adapters.cache import CacheConfig
-from loraswap.adapters.file_facts import MAX_ENTRIES, FileFacts
+from loraswap.adapters.files.facts import MAX_ENTRIES, FileFacts
 from loraswap.adapters.random import make_random_adapter
-from loraswap.adapters.source import AdapterLocation, AdapterSources, LocalAdapterSource
+from loraswap.adapters.sources.local import AdapterLocation, AdapterSources, LocalAdapterSource
 from loraswap.adapters.store import AdapterStore, TargetModel
-from loraswap.engine.baselines import LocatedFiles
+from loraswap.engine.swap.baselines import LocatedFiles
 from loraswap.models import lora_components
 
 

@@ -1,4 +1,4 @@
-"""`--quantize fp8`'s activations scaled in one pass (`engine/float8_activations.py`), run by
+"""`--quantize fp8`'s activations scaled in one pass (`engine/quantize/float8_activations.py`), run by
 Triton's interpreter on CPU tensors, against torchao's own row-wise scaling.
 
 torchao refuses float8 activations without a GPU of compute capability 8.9; its hardware
@@ -18,16 +18,16 @@ pytest.importorskip("torchao", reason="the test extra pins torchao")
 
 from torchao.quantization import Float8Tensor, PerRow  # noqa: E402
 
-from loraswap.engine import float8_activations  # noqa: E402
 from loraswap.engine.config import EngineConfig, GenerateRequest  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
-from loraswap.engine.float8_activations import (  # noqa: E402
+from loraswap.engine.kernels.float8_rounding import float8_rounding  # noqa: E402
+from loraswap.engine.quantize import float8_activations  # noqa: E402
+from loraswap.engine.quantize.float8_activations import (  # noqa: E402
     Float8RowsLinear,
     use_float8_gelu_rows,
     use_float8_rows,
 )
-from loraswap.engine.float8_rounding import float8_rounding  # noqa: E402
-from loraswap.engine.quantize import quantize_module  # noqa: E402
+from loraswap.engine.quantize.weights import quantize_module  # noqa: E402
 from loraswap.models import denoiser_name  # noqa: E402
 from loraswap.models.presets import build_preset  # noqa: E402
 

@@ -11,9 +11,9 @@ from support.numerics import rel_err
 
 pytest.importorskip("torchao", reason="the test extra pins torchao")
 
-from loraswap.engine import quantize  # noqa: E402
 from loraswap.engine.config import EngineConfig, GenerateRequest  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
+from loraswap.engine.quantize import weights as quantize  # noqa: E402
 
 
 def float8_state(engine: Engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -91,7 +91,7 @@ def test_fp8_blends_failures_and_reset_leave_the_base_bitwise(engines, monkeypat
     assert not np.array_equal(blended, image(fp8, []))
     assert_float8_unchanged(fp8, before)  # the base image above reset the weights
 
-    from loraswap.engine import swap
+    from loraswap.engine.swap import fused as swap
 
     calls = {"n": 0}
     real_write = swap.Fp8Weight.write
@@ -140,7 +140,7 @@ def test_quantizing_leaves_inductor_settings_of_the_process_alone():
     FLUX.1 compile, warm cache or not); loraswap's quantization must not."""
     import torch._inductor.config as inductor_config
 
-    from loraswap.engine.quantize import quantize_module
+    from loraswap.engine.quantize.weights import quantize_module
 
     keys = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions", "force_fuse_int_mm_with_mul")
     # off whatever ran before in this process, and back afterwards (Inductor's settings are not
@@ -171,7 +171,7 @@ def test_the_gpu_memory_cap_names_the_gpu_by_index(monkeypatch, device, index):
 
     from torch.cuda._utils import _get_device_index
 
-    from loraswap.engine.startup import cap_gpu_memory
+    from loraswap.engine.startup.bring_up import cap_gpu_memory
 
     calls = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -197,7 +197,7 @@ def test_the_gpu_memory_cap_grows_expandable_segments(monkeypatch, env, expected
     the H200; under a cap the allocator grows expandable segments instead, unless told."""
     from types import SimpleNamespace
 
-    from loraswap.engine.startup import cap_gpu_memory
+    from loraswap.engine.startup.bring_up import cap_gpu_memory
 
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)

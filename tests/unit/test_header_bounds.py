@@ -12,8 +12,14 @@ from pathlib import Path
 import pytest
 from support.headers import Cost, crowded_safetensors
 
-from loraswap.adapters import formats
-from loraswap.adapters.formats import HeaderBounds, check_header_length, open_checked, parse_header, streamed_header
+from loraswap.adapters.files import formats
+from loraswap.adapters.files.formats import (
+    HeaderBounds,
+    check_header_length,
+    open_checked,
+    parse_header,
+    streamed_header,
+)
 from loraswap.errors import AdapterInvalid
 
 MIB = 2**20

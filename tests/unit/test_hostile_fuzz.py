@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from support.fakes import fake_app
 from support.images import encode, noise
 
-from loraswap.adapters.references import url_book
+from loraswap.adapters.naming.references import url_book
 
 ROUTES = {  # route -> the fields its body names
     "/": ("inputs", "parameters"),

@@ -1,4 +1,4 @@
-"""The generation record an image carries (`media/metadata.py`, `server/image_output.py`):
+"""The generation record an image carries (`media/metadata.py`, `server/images/output.py`):
 A1111's infotext and a JSON record in PNG text chunks, EXIF UserComment and ImageDescription
 in JPEG and WebP, read back with PIL and with an independent A1111 parser (sd-parsers), and
 what they say is what ran: the model's defaults, the seed drawn, each adapter file's SHA-256."""
@@ -16,9 +16,9 @@ from PIL import Image
 from support.fakes import fake_app
 from support.servers import wait_ready
 
-from loraswap.adapters.file_hashes import hash_file, hash_version
-from loraswap.adapters.prompt_tags import take_adapter_tags
-from loraswap.adapters.source import AdapterLocation, file_stamp
+from loraswap.adapters.files.hashes import hash_file, hash_version
+from loraswap.adapters.naming.prompt_tags import take_adapter_tags
+from loraswap.adapters.sources.local import AdapterLocation, file_stamp
 from loraswap.engine.config import EngineConfig
 from loraswap.media.images import encode_image
 from loraswap.media.metadata import AdapterUse, ImageRecord
@@ -262,7 +262,7 @@ def test_a_file_is_hashed_as_it_is_read_once_per_version(served, adapter_factory
         calls.append(path)
         return real(path)
 
-    monkeypatch.setattr("loraswap.adapters.file_hashes.hash_file", counted)
+    monkeypatch.setattr("loraswap.adapters.files.hashes.hash_file", counted)
 
     def recorded_sha256(seed: int) -> str:
         body = {**REQUEST, "parameters": {**REQUEST["parameters"], "seed": seed}}
@@ -312,7 +312,7 @@ def test_a_record_that_cannot_be_built_leaves_the_image_without_one(monkeypatch,
     def broken(gen, result):
         raise ValueError("a bug in the record")
 
-    monkeypatch.setattr("loraswap.server.image_output.build_record", broken)
+    monkeypatch.setattr("loraswap.server.images.output.build_record", broken)
     with TestClient(app) as client:
         response = client.post("/v1/images/generations", json={"prompt": "x", "response_format": "b64_json"})
     assert response.status_code == 200, "the image was made: no 5xx for a client to retry"
@@ -321,7 +321,7 @@ def test_a_record_that_cannot_be_built_leaves_the_image_without_one(monkeypatch,
 
 
 def test_loraswap_generate_writes_the_record_of_what_ran(tmp_path):
-    from loraswap.adapters.file_hashes import FileDigest
+    from loraswap.adapters.files.hashes import FileDigest
     from loraswap.cli.generate import write_output
     from loraswap.engine.calls import AdapterRan, Ran
     from loraswap.engine.config import GenerateRequest

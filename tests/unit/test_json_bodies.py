@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from loraswap.errors import BadRequest
-from loraswap.server.requests import MAX_JSON_NESTING, parse_json
-from loraswap.server.schemas import HFRequest
+from loraswap.server.requests.parse import MAX_JSON_NESTING, parse_json
+from loraswap.server.requests.schemas import HFRequest
 
 
 def nested(depth: int) -> bytes:

@@ -1,4 +1,4 @@
-"""The images kept for OpenAI's `response_format: "url"` (`server/kept_images.py`): one key's
+"""The images kept for OpenAI's `response_format: "url"` (`server/images/kept.py`): one key's
 files reach no other key, each is gone after its TTL (kept across a restart until then), all
 of them stay under the byte cap (the oldest of the key holding the most dropped first), and a file is visible only once
 whole."""
@@ -11,8 +11,8 @@ import stat
 
 import pytest
 
-from loraswap.server import kept_images
-from loraswap.server.kept_images import MEDIA_TYPES, ImageNotFound, ImageNotKept, KeptImages
+from loraswap.server.images import kept as kept_images
+from loraswap.server.images.kept import MEDIA_TYPES, ImageNotFound, ImageNotKept, KeptImages
 
 OWNER, OTHER = "a" * 32, "b" * 32
 TTL = 100.0

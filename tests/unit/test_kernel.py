@@ -16,8 +16,9 @@ pytest.importorskip("triton", reason="the test extra pins triton for the CPU int
 @pytest.fixture(scope="module")
 def interpreted():
     """The kernel built once for Triton's CPU interpreter (and rebuilt normally afterwards)."""
-    from loraswap.engine import float8_kernels, kernels
-    from loraswap.engine.float8_rounding import float8_rounding
+    from loraswap.engine.kernels import float8 as float8_kernels
+    from loraswap.engine.kernels import fused as kernels
+    from loraswap.engine.kernels.float8_rounding import float8_rounding
 
     built = (kernels.tile_functions, kernels._kernel, kernels._loha_kernel, kernels._dora_kernel, float8_rounding,
              float8_kernels._float8_functions, float8_kernels._row_functions, float8_kernels._per_tensor_kernel,
@@ -34,7 +35,7 @@ def interpreted():
 @pytest.fixture(scope="module")
 def float8(interpreted):
     """The float8 kernels, under Triton's CPU interpreter as `interpreted`."""
-    from loraswap.engine import float8_kernels
+    from loraswap.engine.kernels import float8 as float8_kernels
 
     return float8_kernels
 
@@ -220,7 +221,7 @@ def test_float8_kernel_blends_match_torchaos_requantization_of_the_sum(float8, f
     from torchao.quantization import Float8Tensor, PerRow, PerTensor
 
     from loraswap.adapters.kinds import LORA, Layer
-    from loraswap.engine.float8_weights import side_by_side
+    from loraswap.engine.swap.float8_weights import side_by_side
 
     granularity = PerRow() if per_row else PerTensor()
     g = torch.Generator().manual_seed(7)
@@ -257,7 +258,7 @@ def test_float8_row_kernel_writes_each_kind_as_torchao_quantizes_the_eager_sum(f
     from torchao.quantization import Float8Tensor, PerRow
 
     from loraswap.adapters.kinds import LOHA, LOKR, LORA, Layer
-    from loraswap.engine.float8_weights import Fp8Weight
+    from loraswap.engine.swap.float8_weights import Fp8Weight
 
     g = torch.Generator().manual_seed(11)
     # (even: a LoRA and a LoHa of rank 16, one whole block of 16 ranks)
@@ -279,7 +280,7 @@ def test_float8_row_kernel_writes_each_kind_as_torchao_quantizes_the_eager_sum(f
            for _ in range(2)]
     calls = []
     with pytest.MonkeyPatch.context() as patch:
-        from loraswap.engine import float8_weights
+        from loraswap.engine.swap import float8_weights
 
         patch.setattr(float8_weights, "requantize_into", lambda *a, **k: calls.append(k) or float8.requantize_into(
             *a, **k))
@@ -299,7 +300,7 @@ def test_float8_row_kernel_unrolls_the_ranks_its_shared_memory_can_pipeline(monk
     """Per row, the rank unrolled in a power of two of 32-rank blocks, with as many pipelining
     stages (up to the tiles' most) as the factors' and weight's tiles fit in 70% of an H100's shared memory,
     else a loop over the ranks, not pipelined. Tall weights of short rows take 32 x 128 tiles."""
-    from loraswap.engine.float8_kernels import rank_block, row_plan, row_tiles
+    from loraswap.engine.kernels.float8 import rank_block, row_plan, row_tiles
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the interpreter takes small tiles)
     assert row_tiles(55296, 6144) == row_tiles(36864, 6144) == (32, 128, 4)  # FLUX.2's fused projections
@@ -322,7 +323,7 @@ def test_the_float8_warm_up_compiles_every_variant_real_swaps_launch(float8, mon
     multiples of 16 or 1, and the tensors' dtypes), at FLUX.1-dev's shapes: every variant a
     swap launches (LoRA at common ranks, a blend, LoHa, DoRA both ways, LoKr) is one the
     warm-up launched. Nothing runs: the kernel is a recorder."""
-    from loraswap.engine.float8_warm_up import warm_up_float8
+    from loraswap.engine.kernels.float8_warm_up import warm_up_float8
 
     launched: set = set()
 
@@ -425,7 +426,7 @@ def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(float8, 
     calls = []
     real = float8.requantize_into
     with pytest.MonkeyPatch.context() as patch:
-        from loraswap.engine import float8_weights
+        from loraswap.engine.swap import float8_weights
 
         patch.setattr(float8_weights, "requantize_into", lambda *a: calls.append(1) or real(*a))
         fused = []
@@ -472,7 +473,7 @@ def test_warm_up_compiles_the_variants_the_models_row_lengths_need(interpreted, 
     with other row lengths (a 3x3 conv over 3 channels: 27) gets those variants too."""
     from torch import nn
 
-    from loraswap.engine import swap
+    from loraswap.engine.swap import fused as swap
 
     assert interpreted.variants([3072, 12288, 64]) == [(32, 16), (32, 8), (32, 1)]
     assert interpreted.variants([320, 27, 1]) == [(32, 16), (32, 8), (32, 1), (24, 16), (24, 8), (24, 1),
@@ -487,7 +488,7 @@ def test_warm_up_compiles_the_variants_the_models_row_lengths_need(interpreted, 
     interpreted.warm_up(torch.device("cpu"), torch.float32, [27, 64])  # the real one runs its variants
 
     # float8 weights warm the re-quantization kernel with their own shapes
-    from loraswap.engine.quantize import quantize_module
+    from loraswap.engine.quantize.weights import quantize_module
 
     float8_calls = []
     monkeypatch.setattr(swap, "warm_up_float8", lambda device, per_tensor, shapes, dtype:
@@ -498,7 +499,7 @@ def test_warm_up_compiles_the_variants_the_models_row_lengths_need(interpreted, 
     swap.FusedSwapper({"transformer": quantized}).warm_up_kernel()
     assert float8_calls == [(False, torch.bfloat16, [(16, 32), (32, 48)])]  # one scale per row
     # the real one runs every kind's variants, masked and (32 x 64: whole 16 x 64 tiles) not
-    from loraswap.engine.float8_warm_up import warm_up_float8
+    from loraswap.engine.kernels.float8_warm_up import warm_up_float8
 
     warm_up_float8(torch.device("cpu"), False, [(32, 64)])
     assert calls == [(torch.bfloat16, [16])]  # the layer left in bf16
@@ -507,9 +508,9 @@ def test_warm_up_compiles_the_variants_the_models_row_lengths_need(interpreted, 
 def test_load_and_fuse_mode_does_not_warm_the_swap_kernels(monkeypatch):
     """The load-and-fuse baseline swaps through diffusers' load + fuse and never calls the
     kernels, so its start-up does not compile them (seconds of a cold start on a GPU)."""
-    from loraswap.engine import swap
     from loraswap.engine.config import EngineConfig
     from loraswap.engine.engine import Engine
+    from loraswap.engine.swap import fused as swap
 
     warmed = []
     monkeypatch.setattr(swap.FusedSwapper, "warm_up_kernel", lambda self: warmed.append(self))

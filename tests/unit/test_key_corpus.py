@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from loraswap.adapters.module_layers import WEIGHT_KINDS, complete
-from loraswap.adapters.parse import split_key
+from loraswap.adapters.parse.changes import split_key
+from loraswap.adapters.parse.module_layers import WEIGHT_KINDS, complete
 from loraswap.cli import app
 
 pytestmark = pytest.mark.slow  # every published key layout

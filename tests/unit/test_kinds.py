@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from support.numerics import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 
 from loraswap.adapters.kinds import FILE_KINDS, KINDS
-from loraswap.adapters.parse import SUFFIXES
+from loraswap.adapters.parse.changes import SUFFIXES
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.errors import AdapterInvalid

@@ -12,7 +12,7 @@ from support.fakes import fake_app
 from loraswap.engine.config import GenerateRequest
 from loraswap.errors import BadRequest
 from loraswap.server.config import ServerConfig
-from loraswap.server.limits import LIMITS, check_limits
+from loraswap.server.requests.limits import LIMITS, check_limits
 
 CONFIG = {"max_width": 320, "max_height": 256, "max_steps": 7, "max_prompt_chars": 50, "max_images": 3}
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from loraswap.engine.cfg_parallel import GUIDED, GuidanceSplit, check_guided
 from loraswap.engine.config import EngineConfig
-from loraswap.engine.context_parallel import Parallelism, check_parallelizable, check_sequence, pad_text_to_split
+from loraswap.engine.parallel.cfg import GUIDED, GuidanceSplit, check_guided
+from loraswap.engine.parallel.ranks import Parallelism, check_parallelizable, check_sequence, pad_text_to_split
 from loraswap.errors import BadRequest
 from loraswap.models import build_preset, family_of
 
@@ -82,7 +82,7 @@ def test_more_ranks_than_gpus_are_refused_before_any_process_starts(monkeypatch)
     had loaded the model: the server refuses at start-up, naming the counts."""
     import multiprocessing
 
-    from loraswap.engine.rank_processes import RankProcesses, check_gpu_count
+    from loraswap.engine.parallel.processes import RankProcesses, check_gpu_count
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -170,7 +170,7 @@ def test_an_error_that_cannot_cross_to_another_rank_is_sent_as_its_type_message_
     make that rank skip the collective and leave the others in it."""
     import pickle
 
-    from loraswap.engine.context_parallel import _sendable
+    from loraswap.engine.parallel.ranks import _sendable
     from loraswap.errors import AdapterInvalid
 
     error = AdapterInvalid("a", "truncated", "Download it again")

@@ -157,7 +157,7 @@ def test_an_image_with_previews_is_bitwise_the_image_without(demo):
 def test_nothing_is_computed_for_a_request_that_asks_for_no_pictures(demo, monkeypatch):
     """Through the server's own wrapper (the progress board's `Tracked`), and in a batch of
     plain requests: no picture, no step asked about, no map fitted."""
-    from loraswap.server.progress_board import Tracked
+    from loraswap.server.streaming.progress_board import Tracked
 
     fresh = LatentPreviews(demo.pipeline)
     monkeypatch.setattr(demo, "previews", fresh)
@@ -186,7 +186,7 @@ def test_nothing_is_computed_for_a_request_that_asks_for_no_pictures(demo, monke
 def test_requests_asking_for_full_pictures_are_batched_apart():
     """A full picture is a VAE decode of the whole batch's step: it would slow the plain requests."""
     from loraswap.engine.worker import Job
-    from loraswap.server.progress_board import Tracked
+    from loraswap.server.streaming.progress_board import Tracked
 
     request = GenerateRequest(prompt="x", seed=1, steps=4)
     keys = [Job(request, Future(), 0.0, on_step=hook).batch_key for hook in
@@ -234,7 +234,7 @@ def test_a_slow_reader_holds_the_latest_step_and_a_few_pictures(monkeypatch):
     import asyncio
 
     from loraswap.engine.previews import Preview
-    from loraswap.server.stream_feed import PENDING_PICTURES, StreamFeed
+    from loraswap.server.streaming.feed import PENDING_PICTURES, StreamFeed
 
     async def fed():
         feed = StreamFeed(lambda done, total: True)
@@ -306,7 +306,7 @@ def test_the_worker_tells_a_waiting_job_its_place(demo):
 
 
 def test_the_progress_board_shows_a_key_only_its_own_requests():
-    from loraswap.server.progress_board import ProgressBoard
+    from loraswap.server.streaming.progress_board import ProgressBoard
 
     board = ProgressBoard()
     with board.tracking("/", None, owner="key-a") as a, board.tracking("/", None, owner="key-b"):

@@ -13,7 +13,7 @@ from support.fakes import fake_app
 from support.images import encode, noise
 from support.servers import form
 
-from loraswap.adapters.prompt_tags import take_adapter_tags
+from loraswap.adapters.naming.prompt_tags import take_adapter_tags
 from loraswap.errors import BadRequest
 from loraswap.media.metadata import AdapterUse, ImageRecord
 

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
 
-from loraswap.adapters.formats import read_safetensors
-from loraswap.adapters.host_memory import host_bytes
+from loraswap.adapters.files.formats import read_safetensors
+from loraswap.adapters.files.host_memory import host_bytes
 from loraswap.errors import AdapterIncompatible, AdapterInvalid
 
 
@@ -122,8 +122,8 @@ def test_host_buffers_go_back_to_the_system_when_dropped():
 def test_a_large_file_read_and_packed_in_pieces_is_the_same(tmp_path, monkeypatch):
     """Large adapters are read and packed on several threads: the same bytes as one thread,
     alignment padding zeroed alike."""
-    from loraswap.adapters import host_memory
     from loraswap.adapters.bound import BoundAdapter
+    from loraswap.adapters.files import host_memory
     from loraswap.adapters.kinds import LORA, Layer
 
     generator = torch.Generator().manual_seed(1)
@@ -166,11 +166,11 @@ def test_read_in_place_binds_what_reading_whole_binds(tmp_path, monkeypatch, cap
     """An adapter read in place (each factor from the file straight into the packed buffer)
     is bitwise the adapter read whole and then packed; where the parse computes a factor
     (LoKr rows) it falls back to reading whole, with the same result."""
-    from loraswap.adapters import file_data
     from loraswap.adapters.bound import ModelLayers, bind_adapter
-    from loraswap.adapters.parse import load_adapter
+    from loraswap.adapters.files import data as file_data
+    from loraswap.adapters.parse.changes import load_adapter
     from loraswap.adapters.random import make_random_adapter
-    from loraswap.adapters.source import AdapterLocation
+    from loraswap.adapters.sources.local import AdapterLocation
     from loraswap.adapters.store import TargetModel, read_adapter
     from loraswap.models import lora_components
 
@@ -203,12 +203,12 @@ def test_factors_cut_out_of_the_file_on_the_device_pack_as_on_the_host(tmp_path,
     converted, the small ones the parse read copied up at once) packs the very bytes the
     host's packing does, padding included; a factor the parse computed from stand-ins raises
     `NotInFile` (the store then reads the file whole). Run here with the CPU as the device."""
-    from loraswap.adapters import file_data
     from loraswap.adapters.bound import BoundAdapter, ModelLayers, _pack_on_device, fitted_layers, packed_spans
-    from loraswap.adapters.file_data import NotInFile
-    from loraswap.adapters.parse import load_adapter
+    from loraswap.adapters.files import data as file_data
+    from loraswap.adapters.files.data import NotInFile
+    from loraswap.adapters.parse.changes import load_adapter
     from loraswap.adapters.random import make_random_adapter
-    from loraswap.adapters.source import AdapterLocation
+    from loraswap.adapters.sources.local import AdapterLocation
     from loraswap.models import lora_components
 
     cls, components = lora_components(preset)
@@ -246,8 +246,8 @@ def test_a_read_that_fails_on_the_device_says_so_and_refusals_stay_refusals(tmp_
     store reads again on the host; the parse's `NotInFile` and an adapter's own refusal
     (a file cut short) pass through unchanged, each handled where it was before."""
     from loraswap.adapters import bound as bound_module
-    from loraswap.adapters.device_read import DeviceReadFailed
-    from loraswap.adapters.file_data import NotInFile
+    from loraswap.adapters.files.data import NotInFile
+    from loraswap.adapters.files.device_read import DeviceReadFailed
 
     layers, spans = [], [([0], 4)]
     cut_short = AdapterInvalid("a", "the file ended while it was read", "Download it again")
@@ -266,10 +266,10 @@ def test_reads_in_place_leave_no_file_open(tmp_path, monkeypatch):
     """Served or refused (after the file was opened and parsed), every read closes its file."""
     import os
 
-    from loraswap.adapters import file_data
     from loraswap.adapters.bound import ModelLayers
+    from loraswap.adapters.files import data as file_data
     from loraswap.adapters.random import make_random_adapter
-    from loraswap.adapters.source import AdapterLocation
+    from loraswap.adapters.sources.local import AdapterLocation
     from loraswap.adapters.store import StoreLimits, TargetModel, read_adapter
     from loraswap.models import lora_components
 
@@ -301,10 +301,10 @@ def test_reads_in_place_leave_no_file_open(tmp_path, monkeypatch):
 def test_whether_an_adapter_fits_is_told_from_its_header(tmp_path, monkeypatch):
     """Routing asks whether a file fits a model: keys, base model, shapes and ranks refuse as
     a read refuses them, and not a factor's bytes is read (a NaN is found when it is read)."""
-    from loraswap.adapters import file_data
     from loraswap.adapters.bound import ModelLayers
+    from loraswap.adapters.files import data as file_data
     from loraswap.adapters.random import make_random_adapter
-    from loraswap.adapters.source import AdapterLocation
+    from loraswap.adapters.sources.local import AdapterLocation
     from loraswap.adapters.store import StoreLimits, TargetModel, check_fit, read_adapter
     from loraswap.models import lora_components
 

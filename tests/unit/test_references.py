@@ -3,7 +3,7 @@ weights after them, what is refused, and what an error may show of them."""
 
 import pytest
 
-from loraswap.adapters.references import (
+from loraswap.adapters.naming.references import (
     UrlReference,
     adapter_id_of,
     check_id,
@@ -13,7 +13,7 @@ from loraswap.adapters.references import (
     shown,
     urls_of,
 )
-from loraswap.adapters.specs import adapter_with_weight, parse_adapter_specs
+from loraswap.adapters.naming.specs import adapter_with_weight, parse_adapter_specs
 from loraswap.errors import BadRequest
 
 SIGNED = "https://cdn.example.com/loras/style.safetensors?X-Amz-Signature=SECRET123&X-Amz-Expires=600"

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import httpcore
 import pytest
 
-from loraswap.adapters import remote as remote_module
-from loraswap.adapters.downloads import Download
-from loraswap.adapters.fetch import display_url
-from loraswap.adapters.references import adapter_id_of
-from loraswap.adapters.remote import RemoteSettings, RemoteSources, may_download
-from loraswap.adapters.source import AdapterSources
+from loraswap.adapters.naming.references import adapter_id_of
+from loraswap.adapters.sources import remote as remote_module
+from loraswap.adapters.sources.downloads import Download
+from loraswap.adapters.sources.fetch import display_url
+from loraswap.adapters.sources.local import AdapterSources
+from loraswap.adapters.sources.remote import RemoteSettings, RemoteSources, may_download
 from loraswap.errors import AdapterForbidden
 
 MiB = 2**20

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loraswap.adapters.source import AdapterLocation
+from loraswap.adapters.sources.local import AdapterLocation
 from loraswap.errors import AdapterIncompatible, AdapterInvalid
 from loraswap.server.routing import HostedModel, route_by_base_model
 

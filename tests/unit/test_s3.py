@@ -19,8 +19,8 @@ from moto.server import ThreadedMotoServer
 from safetensors.torch import load_file, save
 from support.servers import free_port
 
-from loraswap.adapters import s3
-from loraswap.adapters.s3 import S3Settings, fetch_s3
+from loraswap.adapters.sources import s3
+from loraswap.adapters.sources.s3 import S3Settings, fetch_s3
 from loraswap.errors import AdapterForbidden, AdapterInvalid, AdapterNotFound, AdapterUnavailable
 
 BUCKET = "adapters"

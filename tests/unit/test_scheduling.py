@@ -12,7 +12,7 @@ import pytest
 from support.numerics import rel_err
 
 from loraswap.adapters.cache import CacheConfig, Tier
-from loraswap.adapters.source import LocalAdapterSource
+from loraswap.adapters.sources.local import LocalAdapterSource
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
 from loraswap.engine.worker import GpuWorker, SchedulerConfig

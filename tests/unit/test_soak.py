@@ -96,7 +96,7 @@ def test_reading_an_adapter_again_and_again_keeps_nothing_alive(adapter_factory,
     read; a server that re-reads evicted adapters all day must not (formats.read_safetensors)."""
     import tracemalloc
 
-    from loraswap.adapters.formats import read_safetensors
+    from loraswap.adapters.files.formats import read_safetensors
 
     path = adapter_factory("reread", "tiny-sd", rank=8, targets="all", text_encoder=True, folder=tmp_path)
     for _ in range(20):

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from loraswap.adapters.metadata import declared_base_models
-from loraswap.adapters.source import LocalAdapterSource
+from loraswap.adapters.files.metadata import declared_base_models
+from loraswap.adapters.sources.local import LocalAdapterSource
 from loraswap.errors import AdapterInvalid
 
 

@@ -15,7 +15,7 @@ from support.numerics import image_array, rel_err
 
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
-from loraswap.engine.prewarm import Prewarm, denoiser_config
+from loraswap.engine.startup.prewarm import Prewarm, denoiser_config
 from loraswap.models import load_pipeline
 from loraswap.models.staged import Unsupported, build_pipeline, fill_pipeline, plan_fill
 
@@ -152,7 +152,7 @@ def test_a_stand_in_that_fails_leaves_the_compile_to_the_warm_up(folders, monkey
         raise RuntimeError("no room for the stand-in")
 
     monkeypatch.setattr(Prewarm, "_warm", staticmethod(broken))
-    with caplog.at_level(logging.WARNING, logger="loraswap.engine.prewarm"):
+    with caplog.at_level(logging.WARNING, logger="loraswap.engine.startup.prewarm"):
         engine = Engine(EngineConfig(model=str(folders / "tiny-flux"), compile=True, compile_while_loading=True))
     assert "prewarm_s" not in engine.startup_seconds
     assert "compiling while loading failed (RuntimeError: no room for the stand-in)" in caplog.text
@@ -169,7 +169,7 @@ def test_a_refused_folder_loads_through_from_pretrained_after_the_stand_in(folde
     order = []
     join, load = Prewarm.join, load_pipeline
     monkeypatch.setattr(Prewarm, "join", lambda self: order.append("stand-in done") or join(self))
-    monkeypatch.setattr("loraswap.engine.startup.load_pipeline",
+    monkeypatch.setattr("loraswap.engine.startup.bring_up.load_pipeline",
                         lambda *a, **k: order.append("from_pretrained") or load(*a, **k))
     engine = Engine(EngineConfig(model=str(folder), compile=True, compile_while_loading=True))
     assert order == ["from_pretrained"], "refused by the plan: no stand-in started, from_pretrained alone"
@@ -203,10 +203,10 @@ def test_a_copy_that_fails_waits_for_the_stand_in_then_loads_through_from_pretra
         raise OSError("disk gone")
 
     monkeypatch.setattr(Prewarm, "join", lambda self: order.append("stand-in done") or join(self))
-    monkeypatch.setattr("loraswap.engine.startup.fill_pipeline", failing_copy)
-    monkeypatch.setattr("loraswap.engine.startup.load_pipeline",
+    monkeypatch.setattr("loraswap.engine.startup.bring_up.fill_pipeline", failing_copy)
+    monkeypatch.setattr("loraswap.engine.startup.bring_up.load_pipeline",
                         lambda *a, **k: order.append("from_pretrained") or load(*a, **k))
-    with caplog.at_level(logging.WARNING, logger="loraswap.engine.startup"):
+    with caplog.at_level(logging.WARNING, logger="loraswap.engine.startup.bring_up"):
         engine = Engine(EngineConfig(model=str(folders / "tiny-flux"), compile=True, compile_while_loading=True))
     assert order == ["copy failed", "stand-in done", "from_pretrained"], "from_pretrained never beside a compile"
     assert "copying" in caplog.text and "OSError: disk gone" in caplog.text

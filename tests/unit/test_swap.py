@@ -73,7 +73,7 @@ def test_packing_writes_every_element_of_its_buffer(adapter_factory, tmp_path, m
     alignment padding between them zeroed, so the NaN check over the whole buffer never
     sees stale memory. Here fresh buffers come pre-filled with NaN to prove it (bytes of 0xFF
     where a buffer is allocated as bytes: NaN in float16, bfloat16 and float32 alike)."""
-    from loraswap.engine import swap
+    from loraswap.engine.swap import fused as swap
 
     adapter_factory("odd", "tiny-sdxl", rank=3, targets="all", text_encoder=True, seed=82, folder=tmp_path)
     engine = Engine(EngineConfig(model="tiny-sdxl", adapters=tmp_path, compile=False, warmup=False))

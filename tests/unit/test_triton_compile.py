@@ -1,11 +1,13 @@
-"""The warm-ups' parallel compile (`engine/triton_compile.py`): a first pass that only
+"""The warm-ups' parallel compile (`engine/kernels/triton_compile.py`): a first pass that only
 compiles, inside Triton's AsyncCompileMode, the very variants the second pass launches.
 Nothing runs on a GPU here: the kernels are recorders."""
 
 import pytest
 import torch
 
-from loraswap.engine import float8_kernels, float8_warm_up, kernels, triton_compile
+from loraswap.engine.kernels import float8 as float8_kernels
+from loraswap.engine.kernels import float8_warm_up, triton_compile
+from loraswap.engine.kernels import fused as kernels
 
 SHAPES = [(3072, 64), (3072, 3072), (12288, 3072), (3072, 15360)]  # FLUX.1-dev's, a few
 

@@ -4,8 +4,8 @@ held or pinned URL; each kept URL scoped to the keys whose accepted requests nam
 
 import pytest
 
-from loraswap.adapters.references import NamedUrls, UrlReference, adapter_id_of, reference_of, url_book
-from loraswap.adapters.url_book import UrlBook, url_bytes
+from loraswap.adapters.naming.references import NamedUrls, UrlReference, adapter_id_of, reference_of, url_book
+from loraswap.adapters.sources.url_book import UrlBook, url_bytes
 
 
 def url(i: int, length: int = 100) -> str:

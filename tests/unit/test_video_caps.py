@@ -15,10 +15,10 @@ from support.servers import form
 
 from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
-from loraswap.server import videos
 from loraswap.server.config import ServerConfig
-from loraswap.server.video_caps import VideoJobsFull
-from loraswap.server.videos import VideoNotFound, VideoStatus, VideoStore
+from loraswap.server.videos import store as videos
+from loraswap.server.videos.caps import VideoJobsFull
+from loraswap.server.videos.store import VideoNotFound, VideoStatus, VideoStore
 
 REQUEST = GenerateRequest(prompt="a fox", frames=1, seed=1)
 K1, K2, K3 = "owner-k1", "owner-k2", "owner-k3"

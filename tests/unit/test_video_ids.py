@@ -2,7 +2,7 @@
 its job gone; an id made before ids carried a time (random throughout) is no cursor once its
 job is gone."""
 
-from loraswap.server.video_ids import created_ms, cursor_key, is_video_id, new_video_id, sort_key
+from loraswap.server.videos.ids import created_ms, cursor_key, is_video_id, new_video_id, sort_key
 
 NOW = 1_750_000_000.0
 

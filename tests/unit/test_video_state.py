@@ -17,10 +17,10 @@ from support.fakes import frame_red
 from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
 from loraswap.errors import AdapterNotFound
-from loraswap.server import videos
 from loraswap.server.config import ServerConfig
-from loraswap.server.video_state import ADDED_COLUMNS, COLUMNS
-from loraswap.server.videos import VideoNotFound, VideoStatus, VideoStore
+from loraswap.server.videos import store as videos
+from loraswap.server.videos.state import ADDED_COLUMNS, COLUMNS
+from loraswap.server.videos.store import VideoNotFound, VideoStatus, VideoStore
 
 REQUEST = GenerateRequest(prompt="a fox running", negative_prompt="blur", steps=3, guidance=4.5, width=16,
                           height=16, seed=7, loras=[("styles/anime", 0.8)], frames=3, output="video", max_frames=121)

@@ -12,7 +12,7 @@ import time
 from fastapi.testclient import TestClient
 from support.fakes import fake_app
 
-from loraswap.server import video_state
+from loraswap.server.videos import state as video_state
 
 
 def files(folder) -> list[str]:

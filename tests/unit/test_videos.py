@@ -19,7 +19,7 @@ from loraswap.engine.engine import GenerateResult
 from loraswap.errors import AdapterNotFound, Overloaded
 from loraswap.media.mp4 import encode_mp4
 from loraswap.server.config import ServerConfig
-from loraswap.server.videos import VideoNotFound, VideoNotReady, VideoStatus, VideoStore
+from loraswap.server.videos.store import VideoNotFound, VideoNotReady, VideoStatus, VideoStore
 
 
 def read_mp4(data: bytes) -> tuple[np.ndarray, dict]:

@@ -21,10 +21,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from loraswap.adapters import bound, layout, parse, store
+from loraswap.adapters import bound, store
 from loraswap.adapters.bound import ModelLayers
+from loraswap.adapters.parse import changes as parse
+from loraswap.adapters.parse import layout
 from loraswap.adapters.random import make_random_adapter
-from loraswap.adapters.source import AdapterLocation
+from loraswap.adapters.sources.local import AdapterLocation
 from loraswap.models import lora_components
 
 PHASES = {"read file": (parse, "_read"), "parse and place": (parse, "parse_adapter"),

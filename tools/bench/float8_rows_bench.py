@@ -1,4 +1,4 @@
-"""The one-pass activation kernel (`engine/float8_activations.py`) against torchao's activation
+"""The one-pass activation kernel (`engine/quantize/float8_activations.py`) against torchao's activation
 scaling, at FLUX.1-dev's activation shapes (1024x1024: 4,096 image and 512 text tokens).
 
 For each shape: the kernel's output against torchao's eager `Float8Tensor.from_hp(x,
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from loraswap.bench.common import environment
-from loraswap.engine import float8_activations as rows_kernel
+from loraswap.engine.quantize import float8_activations as rows_kernel
 
 SHAPES = {"single block input": (4608, 3072), "single block proj_out input": (4608, 15360),
           "image feed-forward output": (4096, 12288), "text feed-forward output": (512, 12288)}

@@ -24,8 +24,8 @@ import torch
 
 from loraswap.bench.common import environment, gpu_kernel_times, timed, write_random_adapters
 from loraswap.bench.swap_setup import bound_reader, build_denoiser
-from loraswap.engine.quantize import quantize_module
-from loraswap.engine.swap import FusedSwapper
+from loraswap.engine.quantize.weights import quantize_module
+from loraswap.engine.swap.fused import FusedSwapper
 from loraswap.models import lora_components
 from loraswap.models.architectures import build_architecture_component
 from loraswap.models.presets import PRESETS, build_preset

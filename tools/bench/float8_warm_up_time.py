@@ -1,6 +1,6 @@
 """How long the float8 swap kernel's warm-up takes at start-up, for one model's weight shapes.
 
-The warm-up compiles every variant a request's swap could launch (`engine/float8_warm_up.py`),
+The warm-up compiles every variant a request's swap could launch (`engine/kernels/float8_warm_up.py`),
 so its time is paid by each start that finds no Triton cache. Run it in a fresh process
 with a fresh cache each time (Triton keeps compiled kernels in memory and on disk):
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from loraswap.engine import float8_warm_up, triton_compile
+from loraswap.engine.kernels import float8_warm_up, triton_compile
 from loraswap.models import lora_components
 from loraswap.models.architectures import build_architecture_component
 

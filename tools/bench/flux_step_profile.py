@@ -39,13 +39,13 @@ import torch
 from loraswap.bench.common import environment, gpu_kernel_times, timed
 from loraswap.bench.swap import Denoise
 from loraswap.bench.swap_setup import denoiser_inputs
-from loraswap.engine.compile import compile_denoiser
-from loraswap.engine.float8_activations import (
+from loraswap.engine.quantize.float8_activations import (
     Float8RowsLinear,
     use_float8_gelu_rows,
     use_float8_rows,
 )
-from loraswap.engine.quantize import quantize_module
+from loraswap.engine.quantize.weights import quantize_module
+from loraswap.engine.startup.compile import compile_denoiser
 from loraswap.models.architectures import build_architecture_component
 
 VARIANTS = ("bf16", "torchao", "one-pass", "one-pass-all", "one-pass-gelu", "fused-qkv")

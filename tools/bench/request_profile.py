@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from loraswap.adapters import bound, parse, store
+from loraswap.adapters import bound, store
+from loraswap.adapters.parse import changes as parse
 from loraswap.bench.common import timed
 from loraswap.bench.serve import SPECS, prepare_adapters
 from loraswap.engine.config import EngineConfig, GenerateRequest

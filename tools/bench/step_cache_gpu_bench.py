@@ -92,7 +92,7 @@ def split_settings(text: str) -> list[str]:
 
 # ---------------------------------------------------------------- demo
 def demo(args) -> dict:
-    from loraswap.engine import compile as compile_module
+    from loraswap.engine.startup import compile as compile_module
     from loraswap.models.families import demo_flux
 
     config = dict(model="demo-flux", adapters=demo_flux.ADAPTERS, step_cache_allow=ALL_METHODS,
@@ -147,7 +147,7 @@ def leak(args) -> dict:
     """The cache off before and after cached requests with other adapters, against a control
     (the cache off twice in a row: the GPU's own run-to-run difference), and against
     diffusers' `compile_repeated_blocks`, whose control is the same."""
-    from loraswap.engine import compile as compile_module
+    from loraswap.engine.startup import compile as compile_module
     from loraswap.models.families import demo_flux
 
     config = dict(model="demo-flux", adapters=demo_flux.ADAPTERS, step_cache_allow=["first-block", "taylorseer"],
@@ -256,8 +256,8 @@ def summarize(rows: list[dict]) -> dict:
 # ---------------------------------------------------------------- denoiser
 def denoiser(args) -> dict:
     from loraswap.bench.swap_setup import denoiser_inputs
-    from loraswap.engine.compile import compile_denoiser
-    from loraswap.engine.quantize import quantize_module
+    from loraswap.engine.quantize.weights import quantize_module
+    from loraswap.engine.startup.compile import compile_denoiser
     from loraswap.models.architectures import build_architecture_component
 
     ratios = use_schedules(args.schedules)

@@ -104,7 +104,7 @@ def differences(images: list[torch.Tensor], against: list[torch.Tensor]) -> dict
 
 def run_case(case: dict, work: Path, float32: list[torch.Tensor]) -> dict:
     """`work`: the adapters' folder, and where the ranks leave their images."""
-    from loraswap.engine.rank_processes import free_port
+    from loraswap.engine.parallel.processes import free_port
 
     single, single_graphs = images(engine_for(work, case, split=False))
     world = case["parallel"].get("ulysses_degree", 1) * case["parallel"].get("ring_degree", 1)

@@ -15,7 +15,7 @@ import torch
 from torchao.quantization import Float8Tensor, PerRow, PerTensor
 
 from loraswap.adapters.kinds import LOHA, LOKR, LORA, Layer
-from loraswap.engine.float8_weights import Fp8Weight
+from loraswap.engine.swap.float8_weights import Fp8Weight
 
 
 def timed(fn, repeats: int = 20) -> float:

@@ -4,7 +4,7 @@
 2. CUDA graphs (`--compile-mode reduce-overhead`): images after swaps equal eager ones
    with the same adapters (the graphs read the swapped weights);
 3. `--quantize fp8` (dynamic float8): images with adapters against bf16 ones;
-4. a never-seen adapter read straight to the GPU (`adapters/device_read.py`) packs the
+4. a never-seen adapter read straight to the GPU (`adapters/files/device_read.py`) packs the
    bytes the host's packing does, for each kind, layout and dtype, whichever factors stand
    in for the file's bytes; read in many small chunks through two staging buffers by four
    threads at once, the same; a file cut short while it is read is refused, every staging
@@ -23,11 +23,12 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from loraswap.adapters import device_read, file_data
 from loraswap.adapters.bound import ModelLayers
 from loraswap.adapters.cache import CacheConfig
+from loraswap.adapters.files import data as file_data
+from loraswap.adapters.files import device_read
 from loraswap.adapters.random import make_random_adapter
-from loraswap.adapters.source import AdapterLocation
+from loraswap.adapters.sources.local import AdapterLocation
 from loraswap.adapters.store import TargetModel, read_adapter
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine

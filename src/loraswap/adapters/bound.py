@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loraswap.adapters.device_read import DeviceReadFailed, pack_from_files, reading_on
-from loraswap.adapters.file_data import FileData, NotInFile
-from loraswap.adapters.host_memory import host_empty, in_pieces, run_all
+from loraswap.adapters.files.data import FileData, NotInFile
+from loraswap.adapters.files.device_read import DeviceReadFailed, pack_from_files, reading_on
+from loraswap.adapters.files.host_memory import host_empty, in_pieces, run_all
 from loraswap.adapters.kinds import Layer, delta_shape, dora_magnitude_shape
-from loraswap.adapters.parse import ParsedAdapter
+from loraswap.adapters.parse.changes import ParsedAdapter
 from loraswap.errors import AdapterError, AdapterIncompatible, AdapterInvalid
 
 LayerKey = tuple[str, str]  # (component, parameter name), e.g. ("unet", "conv_in.weight")

@@ -29,7 +29,7 @@ import torch
 from pydantic import BaseModel, Field, model_validator
 
 from loraswap.adapters.bound import BoundAdapter
-from loraswap.adapters.file_hashes import FileDigest
+from loraswap.adapters.files.hashes import FileDigest
 from loraswap.flags import ADAPTERS, Flag
 
 logger = logging.getLogger(__name__)

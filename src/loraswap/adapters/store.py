@@ -22,18 +22,17 @@ import torch
 
 from loraswap.adapters.bound import BoundAdapter, ModelLayers, bind_adapter, fitted_layers
 from loraswap.adapters.cache import AdapterCache, CacheConfig, CacheEntry
-from loraswap.adapters.device_read import DeviceReadFailed, staging_buffers, with_index
-from loraswap.adapters.download_locks import holding_downloads
-from loraswap.adapters.file_data import NotInFile
-from loraswap.adapters.file_facts import FileFacts
-from loraswap.adapters.file_hashes import hash_version
-from loraswap.adapters.formats import open_checked
+from loraswap.adapters.files.data import NotInFile
+from loraswap.adapters.files.device_read import DeviceReadFailed, staging_buffers, with_index
+from loraswap.adapters.files.facts import FileFacts
+from loraswap.adapters.files.formats import open_checked
+from loraswap.adapters.files.hashes import hash_version
+from loraswap.adapters.files.metadata import refuse_other_base
 from loraswap.adapters.lease import Lease
-from loraswap.adapters.metadata import refuse_other_base
-from loraswap.adapters.parse import ParsedAdapter, check_key_kinds, load_adapter
-from loraswap.adapters.references import check_id
-from loraswap.adapters.remote import RemoteSettings, RemoteSources
-from loraswap.adapters.source import (
+from loraswap.adapters.naming.references import check_id
+from loraswap.adapters.parse.changes import ParsedAdapter, check_key_kinds, load_adapter
+from loraswap.adapters.sources.download_locks import holding_downloads
+from loraswap.adapters.sources.local import (
     AdapterLocation,
     AdapterSources,
     HubAdapterSource,
@@ -41,6 +40,7 @@ from loraswap.adapters.source import (
     file_stamp,
     stamp_bytes,
 )
+from loraswap.adapters.sources.remote import RemoteSettings, RemoteSources
 from loraswap.errors import AdapterError, AdapterIncompatible, AdapterInvalid, AdapterNotFound, BadRequest
 from loraswap.tracing import RequestContext, adapter_attributes, traced
 

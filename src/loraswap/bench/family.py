@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from loraswap.bench.common import environment, print_table, summary, timed, write_results
-from loraswap.engine.compile import graph_count
 from loraswap.engine.config import EngineConfig, GenerateRequest
 from loraswap.engine.engine import Engine
+from loraswap.engine.startup.compile import graph_count
 from loraswap.progress import tracked
 
 logger = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from loraswap.adapters.random import KINDS, make_random_adapter
 from loraswap.bench.common import environment, on_device_column, print_table, summary, timed, write_results
 from loraswap.bench.swap import Denoise
 from loraswap.bench.swap_setup import bound_reader, build_denoiser, denoiser_inputs
-from loraswap.engine.compile import graph_count
-from loraswap.engine.swap import FusedSwapper
+from loraswap.engine.startup.compile import graph_count
+from loraswap.engine.swap.fused import FusedSwapper
 from loraswap.models import lora_components
 from loraswap.progress import tracked
 

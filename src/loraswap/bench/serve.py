@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from loraswap.bench.common import environment, plot_bars, print_table, summary, write_random_adapters, write_results
-from loraswap.engine.rank_processes import free_port
+from loraswap.engine.parallel.processes import free_port
 from loraswap.progress import tracked
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ Variants, interleaved round by round (the order rotates) and repeated:
                   adapter read from disk, from pinned host RAM, or already on the GPU;
 4. base           the compiled denoiser with no LoRA: the ceiling.
 
-The baselines are the engine's own swappers (`engine/baselines.py`) driving a bare
+The baselines are the engine's own swappers (`engine/swap/baselines.py`) driving a bare
 denoiser. Each variant has its own copy of the same random-weight denoiser (real config,
 or a tiny preset's denoiser for a quick run on CPU). With `quantize` (`--quantize fp8`,
 say) the compiled copies are float8: hotswap is then a LoRA kept unfused on a float8
@@ -38,9 +38,9 @@ from loraswap.bench.swap_setup import (
     make_adapters,
     make_baseline,
 )
-from loraswap.engine.compile import graph_count
-from loraswap.engine.quantize import check_mode, quantize_module
-from loraswap.engine.swap import FusedSwapper
+from loraswap.engine.quantize.weights import check_mode, quantize_module
+from loraswap.engine.startup.compile import graph_count
+from loraswap.engine.swap.fused import FusedSwapper
 from loraswap.progress import tracked
 
 logger = logging.getLogger(__name__)

@@ -6,10 +6,10 @@ from pathlib import Path
 import torch
 
 from loraswap.adapters.bound import ModelLayers
-from loraswap.adapters.source import AdapterLocation
+from loraswap.adapters.sources.local import AdapterLocation
 from loraswap.adapters.store import StoreLimits, TargetModel, read_adapter
 from loraswap.bench.common import write_random_adapters
-from loraswap.engine.baselines import HotswapSwapper, LoadAndFuseSwapper
+from loraswap.engine.swap.baselines import HotswapSwapper, LoadAndFuseSwapper
 from loraswap.models import ARCHITECTURE_FAMILIES, architecture_denoiser, denoiser_name
 from loraswap.models.architectures import build_architecture_component
 from loraswap.models.presets import PRESETS, build_preset

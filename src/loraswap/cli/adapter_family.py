@@ -47,8 +47,8 @@ def target_model(model: str, name: str | None = None):
 def what_it_says(location) -> tuple[list[str], str | None]:
     """The base models the adapter declares, and the family its metadata or source names
     (read from its header and side files, as routing reads them)."""
-    from loraswap.adapters.formats import open_checked
-    from loraswap.adapters.metadata import declared_base_models, family_hint
+    from loraswap.adapters.files.formats import open_checked
+    from loraswap.adapters.files.metadata import declared_base_models, family_hint
 
     file = open_checked(location.weights, location.adapter_id, UNLIMITED_BYTES)
     file.close()
@@ -58,7 +58,7 @@ def what_it_says(location) -> tuple[list[str], str | None]:
 def route(location) -> Route:
     """The known model (and family) a server would send the adapter to; a file's own defect
     (not safetensors, no adapter keys) is raised as it is."""
-    from loraswap.adapters.metadata import family_hint
+    from loraswap.adapters.files.metadata import family_hint
 
     models = known_models()
     declared, hint = what_it_says(location)

@@ -23,7 +23,7 @@ INSPECT_SETTINGS = [one_model(), *pick("adapters", "max-rank")]
 @with_settings(*pick("adapters"))
 def list_adapters(*, given: dict) -> None:
     """The ids of the adapters under --adapters, one a line (what --lora and the `lora` header take)."""
-    from loraswap.adapters.source import LocalAdapterSource
+    from loraswap.adapters.sources.local import LocalAdapterSource
 
     folder = given.get("adapters")
     if folder is None:
@@ -75,7 +75,7 @@ def _print_report(report: dict) -> None:
 
 def _locate(path_or_id: str, adapters: Path | None):
     """The location of a file given by path; None for an id (looked up under `adapters` later)."""
-    from loraswap.adapters.source import AdapterLocation
+    from loraswap.adapters.sources.local import AdapterLocation
 
     path = Path(path_or_id)
     if path.is_file():
@@ -91,7 +91,7 @@ def _inspect(location, path_or_id: str, model: str | None, adapters: Path | None
     """The family it is for, and what the adapter is and whether (else why not) it fits `model`
     (None: the known model routing finds for it): read as the server reads it (`read_adapter`:
     converted, checked, bound), then described from what it became."""
-    from loraswap.adapters.source import LocalAdapterSource
+    from loraswap.adapters.sources.local import LocalAdapterSource
     from loraswap.adapters.store import StoreLimits, read_adapter
 
     report: dict = {"adapter": path_or_id, "model": model}
@@ -130,7 +130,7 @@ def _describe(location, bound) -> dict:
     then per component its kinds, modules and parameters changed, and its ranks and scales."""
     from safetensors import safe_open
 
-    from loraswap.adapters.parse import detect_layout
+    from loraswap.adapters.parse.changes import detect_layout
 
     files = [f for f in (location.weights, location.second_expert) if f]
     keys = []

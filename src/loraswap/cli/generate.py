@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from loraswap.adapters.specs import parse_adapter_specs
+from loraswap.adapters.naming.specs import parse_adapter_specs
 from loraswap.cli.checks import (
     check_adapter_ids,
     check_adapters_folder,
@@ -155,7 +155,7 @@ def _record(request, result):
     """The image's record (`server.image_output.build_record`); None without what ran."""
     if request is None or result.ran is None:
         return None
-    from loraswap.server.image_output import build_record
+    from loraswap.server.images.output import build_record
 
     return build_record(request, result)
 
@@ -166,7 +166,7 @@ def read_image_inputs(image: Path | None, mask: Path | None, strength: float | N
     RGB, the mask as "L", the size to generate (the image's, rounded down to a multiple of 16,
     when --width and --height are not given)."""
     from loraswap.media.images import output_size, read_inputs, require_image
-    from loraswap.server.limits import engine_bounds, image_limits
+    from loraswap.server.requests.limits import engine_bounds, image_limits
 
     require_image(image is not None, mask is not None, strength)
     if image is None:

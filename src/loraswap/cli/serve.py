@@ -103,7 +103,7 @@ def _start_ranks(config):
     if len(config.engines) > 1:
         raise typer.BadParameter("--ulysses-degree, --ring-degree and --cfg-parallel serve one model per server: "
                                  "give one --model")
-    from loraswap.engine.rank_processes import RankProcesses
+    from loraswap.engine.parallel.processes import RankProcesses
 
     try:
         return RankProcesses(parallel[0])

@@ -18,14 +18,14 @@ from fastapi.concurrency import run_in_threadpool
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from loraswap.adapters.metadata import same_model
-from loraswap.adapters.references import urls_of
-from loraswap.adapters.source import AdapterSources
+from loraswap.adapters.files.metadata import same_model
+from loraswap.adapters.naming.references import urls_of
+from loraswap.adapters.sources.local import AdapterSources
 from loraswap.cluster.config import ClusterConfig
 from loraswap.cluster.replica import adapter_key, log_to_stderr
 from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
-from loraswap.engine.rank_loss import RanksLost
+from loraswap.engine.parallel.loss import RanksLost
 from loraswap.errors import LoraswapError, Overloaded
 from loraswap.server.app import create_app
 from loraswap.server.auth import Access, require_admin_key

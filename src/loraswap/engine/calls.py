@@ -16,7 +16,7 @@ from diffusers import DiffusionPipeline
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
-from loraswap.adapters.file_hashes import FileDigest
+from loraswap.adapters.files.hashes import FileDigest
 from loraswap.engine.config import GenerateRequest
 from loraswap.engine.sizes import LargestSize
 from loraswap.errors import BadRequest, UnsupportedInput

@@ -9,16 +9,16 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from loraswap.adapters.cache import CacheConfig
-from loraswap.adapters.downloads import default_download_dir
-from loraswap.adapters.remote import CIVITAI_API, RemoteSettings
-from loraswap.adapters.source import AdapterSources
+from loraswap.adapters.sources.downloads import default_download_dir
+from loraswap.adapters.sources.local import AdapterSources
+from loraswap.adapters.sources.remote import CIVITAI_API, RemoteSettings
 from loraswap.adapters.store import make_remote, make_sources
-from loraswap.engine.quantize import QuantizeMode
+from loraswap.engine.quantize.weights import QuantizeMode
 from loraswap.engine.sizes import parse_size
 from loraswap.flags import ADAPTERS, MODELS, SPEED, Flag
 
 if TYPE_CHECKING:
-    from loraswap.engine.context_parallel import Parallelism
+    from loraswap.engine.parallel.ranks import Parallelism
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -161,7 +161,7 @@ class EngineConfig(BaseModel):
     @field_validator("attention")
     @classmethod
     def _known_backend(cls, name: str | None) -> str | None:
-        from loraswap.engine.attention import check_backend_name
+        from loraswap.engine.startup.attention import check_backend_name
 
         return check_backend_name(name)
 
@@ -185,13 +185,13 @@ class EngineConfig(BaseModel):
     @property
     def parallelism(self) -> "Parallelism":
         """How the engine's sequence is split over processes (`world` 1: it is not)."""
-        from loraswap.engine.context_parallel import Parallelism
+        from loraswap.engine.parallel.ranks import Parallelism
 
         return Parallelism(self.ulysses_degree, self.ring_degree, 2 if self.cfg_parallel else 1)
 
     @model_validator(mode="after")
     def _ring_merges_with_the_log_sum_exp(self):
-        from loraswap.engine.context_parallel import check_ring_attention
+        from loraswap.engine.parallel.ranks import check_ring_attention
 
         check_ring_attention(self.parallelism, self.attention)
         return self

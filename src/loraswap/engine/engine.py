@@ -27,18 +27,18 @@ from PIL import Image
 from loraswap.adapters.bound import BoundAdapter, ModelLayers
 from loraswap.adapters.lease import Lease
 from loraswap.adapters.store import AdapterStore, StoreLimits, TargetModel
-from loraswap.engine.attention import AttentionBackend
-from loraswap.engine.baselines import HotswapSwapper, LoadAndFuseSwapper
 from loraswap.engine.calls import TEXT, PipelineCalls, Ran
-from loraswap.engine.cfg_parallel import GuidanceSplit, check_guided
-from loraswap.engine.compile import graph_count
 from loraswap.engine.config import EngineConfig, GenerateRequest
-from loraswap.engine.context_parallel import Ranks, check_sequence, device_mesh, enable_context_parallel
+from loraswap.engine.parallel.cfg import GuidanceSplit, check_guided
+from loraswap.engine.parallel.ranks import Ranks, check_sequence, device_mesh, enable_context_parallel
 from loraswap.engine.previews import LatentPreviews
 from loraswap.engine.sizes import LargestSize
-from loraswap.engine.startup import Startup
+from loraswap.engine.startup.attention import AttentionBackend
+from loraswap.engine.startup.bring_up import Startup
+from loraswap.engine.startup.compile import graph_count
 from loraswap.engine.step_cache import PROMPT, Skips, StepCache, read_ratios, shared
-from loraswap.engine.swap import FusedSwapper
+from loraswap.engine.swap.baselines import HotswapSwapper, LoadAndFuseSwapper
+from loraswap.engine.swap.fused import FusedSwapper
 from loraswap.models import (
     adapter_targets,
     denoiser_name,

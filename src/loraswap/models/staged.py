@@ -6,7 +6,7 @@ restores that state sees it half-changed; dynamo, for one, writes back the defau
 random state after every frame it traces. `build_pipeline` makes all of those changes (through
 diffusers' and transformers' own helpers) and undoes them; `plan_fill` checks every file from
 its header; `fill_pipeline` then only copies tensors from the safetensors files into the
-modules' parameters and buffers, so the engine can compile beside it (`engine/prewarm.py`).
+modules' parameters and buffers, so the engine can compile beside it (`engine/startup/prewarm.py`).
 
 Only folders that come out as `from_pretrained` makes them are loaded so (tested bitwise on
 the presets saved as folders, one file and sharded): diffusers and transformers classes; the

@@ -24,23 +24,23 @@ from starlette.requests import ClientDisconnect
 
 from loraswap.engine.engine import Engine
 from loraswap.errors import LoraswapError
-from loraswap.server.a1111_loras import LoraListing
+from loraswap.server.a1111.loras import LoraListing
 from loraswap.server.access_log import loggable_path
 from loraswap.server.auth import Keys, maybe_warn_open
 from loraswap.server.backend import Backend, ClientGone, LocalBackend
 from loraswap.server.config import ServerConfig
-from loraswap.server.decode_budget import DecodeBudget
 from loraswap.server.error_bodies import error_code, error_response, invalid_param
+from loraswap.server.images.kept import KeptImages
 from loraswap.server.kept_adapters import KeptAdapters
-from loraswap.server.kept_images import KeptImages
 from loraswap.server.metrics import Metrics
 from loraswap.server.openapi import document_api
-from loraswap.server.progress_board import ProgressBoard
 from loraswap.server.request_ids import RequestIds
+from loraswap.server.requests.decode_budget import DecodeBudget
+from loraswap.server.requests.schemas import invalid_request_message
 from loraswap.server.routes import ROUTERS
 from loraswap.server.routes.videos import video_maker
-from loraswap.server.schemas import invalid_request_message
-from loraswap.server.videos import VideoStore
+from loraswap.server.streaming.progress_board import ProgressBoard
+from loraswap.server.videos.store import VideoStore
 
 logger = logging.getLogger("loraswap.server")
 

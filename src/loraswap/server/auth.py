@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
 
-from loraswap.adapters.references import NamedUrls, is_remote, url_owned_by
+from loraswap.adapters.naming.references import NamedUrls, is_remote, url_owned_by
 from loraswap.errors import AdapterNotFound
 from loraswap.server.config import ServerConfig
 from loraswap.server.error_bodies import INVALID_API_KEY

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.worker import SchedulerConfig
 from loraswap.flags import ADAPTERS, SCHEDULING, SERVER, Flag
-from loraswap.server.webhook_rules import WebhookConfig
+from loraswap.server.videos.webhook_rules import WebhookConfig
 
 
 class ServerConfig(BaseModel):

@@ -8,7 +8,7 @@ stall every request. So a request whose adapters may wait on the network is rout
 pool (`FETCH_THREADS` at once, `MAX_PENDING` in all; past it, 503), and a request whose
 adapters are all here never waits behind one.
 
-Two rules keep the pool from stalling (`adapters/download_waits.py`):
+Two rules keep the pool from stalling (`adapters/sources/download_waits.py`):
 - a request's download deadline counts from the moment it entered `run`: queued behind
   other downloads for longer than --download-timeout-s, it is refused (503) when a thread
   takes it up, never started late;
@@ -28,9 +28,9 @@ from typing import TypeVar
 
 from fastapi.concurrency import run_in_threadpool
 
-from loraswap.adapters.download_waits import FetchInFlight, fetch_pool_context, fresh_failure
-from loraswap.adapters.downloads import FOLLOW_GRACE_S
-from loraswap.adapters.remote import download_deadline, may_download
+from loraswap.adapters.sources.download_waits import FetchInFlight, fetch_pool_context, fresh_failure
+from loraswap.adapters.sources.downloads import FOLLOW_GRACE_S
+from loraswap.adapters.sources.remote import download_deadline, may_download
 from loraswap.errors import AdapterUnavailable, Overloaded
 
 T = TypeVar("T")

@@ -9,7 +9,7 @@ from fastapi.openapi.utils import get_openapi
 from loraswap.server.auth import Access, Keys
 from loraswap.server.config import ServerConfig
 from loraswap.server.error_bodies import ERROR_SCHEMA, OPENAI_ERROR_SCHEMA, is_openai_path
-from loraswap.server.limits import constrain, schema_limits
+from loraswap.server.requests.limits import constrain, schema_limits
 
 LORA_HEADER = {"name": "lora", "in": "header", "required": False, "schema": {"type": "string"},
                "description": "Adapter id (or URL, Civitai AIR, s3://bucket/key), or several with weights: "

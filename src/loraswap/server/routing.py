@@ -20,9 +20,9 @@ it when it reads the file, never taken for a file that fits no hosted model.
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from loraswap.adapters.formats import open_checked
-from loraswap.adapters.metadata import declared_base_models, family_hint, refuse_other_base, same_model
-from loraswap.adapters.source import AdapterLocation
+from loraswap.adapters.files.formats import open_checked
+from loraswap.adapters.files.metadata import declared_base_models, family_hint, refuse_other_base, same_model
+from loraswap.adapters.sources.local import AdapterLocation
 from loraswap.engine.engine import Engine
 from loraswap.engine.worker import GpuWorker
 from loraswap.errors import AdapterIncompatible, BadRequest

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from diffusers import FluxTransformer2DModel
 
 from loraswap.adapters import store
-from loraswap.engine.swap import FusedSwapper
+from loraswap.engine.swap.fused import FusedSwapper
 
 _forward = FluxTransformer2DModel.forward
 _write = FusedSwapper._write
@@ -51,4 +51,4 @@ def _another_version_on_rank_1(location):
 FluxTransformer2DModel.forward = _fails_on_rank_1
 FusedSwapper._write = _write_fails_on_rank_1
 store.file_stamp = _another_version_on_rank_1
-logging.getLogger("loraswap.engine.context_parallel").setLevel(logging.DEBUG)
+logging.getLogger("loraswap.engine.parallel.ranks").setLevel(logging.DEBUG)

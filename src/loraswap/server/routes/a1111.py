@@ -12,15 +12,15 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 
 from loraswap.errors import BadRequest
-from loraswap.server.a1111_answers import fallback_record, images_answer, model_samplers, progress_answer, sd_models
-from loraswap.server.a1111_requests import A1111Img2Img, A1111Txt2Img, check_sampler
+from loraswap.server.a1111.answers import fallback_record, images_answer, model_samplers, progress_answer, sd_models
+from loraswap.server.a1111.requests import A1111Img2Img, A1111Txt2Img, check_sampler
 from loraswap.server.auth import Access, require_api_key, url_owner
 from loraswap.server.backend import not_ready
-from loraswap.server.decode_budget import release_decoded
 from loraswap.server.generation import encode, generate
-from loraswap.server.image_output import ImageOutput, record_for
+from loraswap.server.images.output import ImageOutput, record_for
 from loraswap.server.openapi import LORA_HEADER, json_body
-from loraswap.server.requests import hold_named_urls, parse_request
+from loraswap.server.requests.decode_budget import release_decoded
+from loraswap.server.requests.parse import hold_named_urls, parse_request
 
 router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key), Depends(release_decoded),
                                                                  Depends(hold_named_urls)])

@@ -5,9 +5,9 @@ listing leaves it out, and its `url:` id is unknown (404) to that key's load and
 
 from fastapi import APIRouter, Depends, Request
 
-from loraswap.adapters.references import adapter_id_of, pin_url, unpin_url
+from loraswap.adapters.naming.references import adapter_id_of, pin_url, unpin_url
 from loraswap.server.auth import Access, check_url_ids, require_admin_key, visible_adapter_rows
-from loraswap.server.requests import hold_named_urls, named_urls
+from loraswap.server.requests.parse import hold_named_urls, named_urls
 
 router = APIRouter(tags=[Access.ADMIN.value], dependencies=[Depends(require_admin_key), Depends(hold_named_urls)])
 

@@ -6,13 +6,13 @@ import time
 from fastapi import APIRouter, Depends, Request, Response
 
 from loraswap.server.auth import Access, require_api_key
-from loraswap.server.decode_budget import release_decoded
 from loraswap.server.generation import IMAGE_RESPONSES, encode, generate, server_timing, step_cache_headers
-from loraswap.server.image_output import record_for
+from loraswap.server.images.output import record_for
 from loraswap.server.openapi import LORA_HEADER, json_body
-from loraswap.server.requests import hold_named_urls, parse_request
-from loraswap.server.schemas import HFRequest
-from loraswap.server.streaming import hf_stream_asked, stream_hf
+from loraswap.server.requests.decode_budget import release_decoded
+from loraswap.server.requests.parse import hold_named_urls, parse_request
+from loraswap.server.requests.schemas import HFRequest
+from loraswap.server.streaming.events import hf_stream_asked, stream_hf
 
 router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key), Depends(release_decoded),
                                                                  Depends(hold_named_urls)])

@@ -10,7 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from loraswap.server.auth import Access, request_key, require_api_key
 from loraswap.server.generation import IMAGE_RESPONSES
-from loraswap.server.kept_images import EXTENSIONS
+from loraswap.server.images.kept import EXTENSIONS
 
 router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key)])
 

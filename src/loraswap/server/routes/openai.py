@@ -8,14 +8,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from loraswap.server.auth import Access, require_api_key
-from loraswap.server.decode_budget import release_decoded
 from loraswap.server.generation import encode, generate, step_cache_headers
-from loraswap.server.image_output import record_for
-from loraswap.server.openai_stream import openai_stream_asked, stream_openai
+from loraswap.server.images.output import record_for
 from loraswap.server.openapi import LORA_HEADER, form_body, json_body
-from loraswap.server.requests import hold_named_urls, parse_request
+from loraswap.server.requests.decode_budget import release_decoded
+from loraswap.server.requests.parse import hold_named_urls, parse_request
+from loraswap.server.requests.schemas import ApiBody, OpenAIEditRequest, OpenAIImageRequest
 from loraswap.server.routes.image_files import check_url_room, forget_kept, image_data
-from loraswap.server.schemas import ApiBody, OpenAIEditRequest, OpenAIImageRequest
+from loraswap.server.streaming.openai import openai_stream_asked, stream_openai
 
 router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key), Depends(release_decoded),
                                                                  Depends(hold_named_urls)])

@@ -10,23 +10,23 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from loraswap.adapters.download_locks import holding_downloads
-from loraswap.adapters.metadata import same_model
-from loraswap.adapters.references import check_id
-from loraswap.adapters.remote import may_download
+from loraswap.adapters.files.metadata import same_model
+from loraswap.adapters.naming.references import check_id
+from loraswap.adapters.sources.download_locks import holding_downloads
+from loraswap.adapters.sources.remote import may_download
 from loraswap.engine.calls import check_size_multiple
 from loraswap.engine.engine import GenerateResult
 from loraswap.errors import BadRequest, UnsupportedInput
 from loraswap.server.auth import Access, request_key, require_api_key
 from loraswap.server.backend import not_ready
 from loraswap.server.generation import encode, run_generation
-from loraswap.server.limits import check_model_size, check_model_step_cache
 from loraswap.server.openapi import LORA_HEADER, form_body
-from loraswap.server.requests import hold_named_urls, parse_request
-from loraswap.server.schemas import OpenAIVideoRequest
-from loraswap.server.video_ids import cursor_key, sort_key
-from loraswap.server.videos import MakeVideo, VideoJob
-from loraswap.server.webhook_rules import check_webhook_url
+from loraswap.server.requests.limits import check_model_size, check_model_step_cache
+from loraswap.server.requests.parse import hold_named_urls, parse_request
+from loraswap.server.requests.schemas import OpenAIVideoRequest
+from loraswap.server.videos.ids import cursor_key, sort_key
+from loraswap.server.videos.store import MakeVideo, VideoJob
+from loraswap.server.videos.webhook_rules import check_webhook_url
 
 router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key),
                                                                  Depends(hold_named_urls)])
