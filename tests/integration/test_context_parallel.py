@@ -24,8 +24,9 @@ from support.servers import ServerProcess, free_port
 from support.web import Web, body
 
 from loraswap.adapters.random import make_random_adapter
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.models import lora_components
 
 pytestmark = pytest.mark.slow  # two servers, three processes

@@ -11,8 +11,9 @@ from peft import LoraConfig, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from support.docs import ROOT, run_page
 
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.models import load_pipeline
 
 PAGE = ROOT / "docs" / "make-your-own-adapter.md"

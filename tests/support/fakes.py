@@ -12,8 +12,8 @@ from PIL import Image
 
 from loraswap.adapters.files.hashes import FileDigest
 from loraswap.engine.calls import AdapterRan, Ran
-from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
+from loraswap.engine.request import GenerateRequest
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 from loraswap.server.metrics import EngineFigures

@@ -15,8 +15,9 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from loraswap.cli import app
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.media.images import encode_image
 
 runner = CliRunner()

@@ -20,8 +20,8 @@ from loraswap.cluster.ingress import RayBackend
 from loraswap.cluster.replica import adapter_key
 from loraswap.cluster.reports import Reports
 from loraswap.cluster.request_router import LeastBusyAdapterRouter
-from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
+from loraswap.engine.request import GenerateRequest
 from loraswap.errors import AdapterIncompatible, AdapterNotFound, BadRequest, Overloaded
 from loraswap.server.metrics import EngineFigures
 

@@ -5,8 +5,9 @@ import torch
 import torch._dynamo
 from support.numerics import image_array, rel_err
 
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.startup.compile import graph_count
 
 SPECS = [(4, "attn"), (64, "all"), (16, "attn"), (128, "all"), (8, "all"), (32, "attn")]

@@ -10,8 +10,9 @@ from safetensors import safe_open
 from support import shapes
 from support.numerics import assert_bitwise_equal, rel_err, weights_snapshot
 
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.models import load_pipeline
 from loraswap.models.families import demo
 

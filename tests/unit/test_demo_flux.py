@@ -12,8 +12,9 @@ from support import shapes
 from support.demo_flux_scores import PROMPTS, SIZES, accuracy, prompt
 from support.numerics import assert_bitwise_equal, rel_err, weights_snapshot
 
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.models import load_pipeline
 from loraswap.models.families import demo_flux
 

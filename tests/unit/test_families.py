@@ -11,8 +11,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from support.numerics import assert_bitwise_equal, rel_err, weights_snapshot
 
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.errors import AdapterIncompatible, BadRequest
 from loraswap.models import PRESET_FAMILIES, load_pipeline
 

@@ -18,7 +18,7 @@ pytest.importorskip("torchao", reason="the test extra pins torchao")
 
 from torchao.quantization import Float8Tensor, PerRow  # noqa: E402
 
-from loraswap.engine.config import EngineConfig, GenerateRequest  # noqa: E402
+from loraswap.engine.config import EngineConfig  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
 from loraswap.engine.kernels.float8_rounding import float8_rounding  # noqa: E402
 from loraswap.engine.quantize import float8_activations  # noqa: E402
@@ -28,6 +28,7 @@ from loraswap.engine.quantize.float8_activations import (  # noqa: E402
     use_float8_rows,
 )
 from loraswap.engine.quantize.weights import quantize_module  # noqa: E402
+from loraswap.engine.request import GenerateRequest
 from loraswap.models import denoiser_name  # noqa: E402
 from loraswap.models.presets import build_preset  # noqa: E402
 

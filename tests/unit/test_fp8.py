@@ -11,9 +11,10 @@ from support.numerics import rel_err
 
 pytest.importorskip("torchao", reason="the test extra pins torchao")
 
-from loraswap.engine.config import EngineConfig, GenerateRequest  # noqa: E402
+from loraswap.engine.config import EngineConfig  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
 from loraswap.engine.quantize import weights as quantize  # noqa: E402
+from loraswap.engine.request import GenerateRequest
 
 
 def float8_state(engine: Engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

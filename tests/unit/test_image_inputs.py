@@ -7,8 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.errors import BadRequest, UnsupportedInput
 from loraswap.models import PRESET_FAMILIES, load_pipeline
 

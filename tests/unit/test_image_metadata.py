@@ -324,8 +324,8 @@ def test_loraswap_generate_writes_the_record_of_what_ran(tmp_path):
     from loraswap.adapters.files.hashes import FileDigest
     from loraswap.cli.generate import write_output
     from loraswap.engine.calls import AdapterRan, Ran
-    from loraswap.engine.config import GenerateRequest
     from loraswap.engine.engine import GenerateResult
+    from loraswap.engine.request import GenerateRequest
 
     digest = FileDigest("c" * 64, "0123456789abcdef" * 4)
     ran = Ran("tiny-sd", "EulerDiscreteScheduler", 4, 7.5, None, (AdapterRan("style", 0.7, (1, 2, 3, 4), digest),))

@@ -11,8 +11,9 @@ from support.fakes import SteppingEngine
 
 from loraswap.adapters.lease import Lease
 from loraswap.engine.calls import Stopped
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine, GenerateResult
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.worker import GpuWorker, SchedulerConfig
 from loraswap.errors import AdapterNotFound, Overloaded
 

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from support.errors import error_message
 from support.fakes import fake_app
 
-from loraswap.engine.config import GenerateRequest
+from loraswap.engine.request import GenerateRequest
 from loraswap.errors import BadRequest
 from loraswap.server.config import ServerConfig
 from loraswap.server.requests.limits import LIMITS, check_limits

@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.previews import LatentPreviews, StepLatents, decode, sigmas_of, token_grid, vae_latents
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_listener import StepListener, every_steps, previews_hook, spread_steps
 from loraswap.engine.worker import GpuWorker, SchedulerConfig
 from loraswap.models import load_pipeline

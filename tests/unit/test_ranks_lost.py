@@ -11,10 +11,10 @@ import pytest
 from PIL import Image
 
 from loraswap.adapters.lease import Lease
-from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
 from loraswap.engine.parallel import loss as rank_loss
 from loraswap.engine.parallel.loss import ANSWER_S, RankLoss, RanksLost
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.worker import GpuWorker, SchedulerConfig
 from loraswap.server.backend import LocalBackend
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 from support.numerics import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.models import load_pipeline
 
 PRESETS = ["tiny-sd", "tiny-sdxl", "tiny-flux"]

@@ -15,8 +15,9 @@ from support.adapters import adapter
 from loraswap.adapters.bound import BoundAdapter
 from loraswap.adapters.cache import AdapterCache, CacheConfig
 from loraswap.engine.calls import to_pil
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

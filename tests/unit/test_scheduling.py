@@ -13,8 +13,9 @@ from support.numerics import rel_err
 
 from loraswap.adapters.cache import CacheConfig, Tier
 from loraswap.adapters.sources.local import LocalAdapterSource
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.worker import GpuWorker, SchedulerConfig
 
 

@@ -12,7 +12,8 @@ from support.errors import error_message
 from support.servers import wait_ready
 
 from loraswap.engine.calls import PipelineCalls
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.sizes import LargestSize, default_largest
 from loraswap.errors import BadRequest
 from loraswap.models import PRESET_FAMILIES, build_preset

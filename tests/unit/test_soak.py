@@ -17,8 +17,9 @@ import torch
 from support.numerics import assert_bitwise_equal, weights_snapshot
 
 from loraswap.adapters.cache import CacheConfig, Tier
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 
 ADAPTERS = 50
 SWAPS = 1000

@@ -14,8 +14,9 @@ from diffusers.hooks.mag_cache import nearest_interp
 from pydantic import ValidationError
 
 from loraswap.engine.calls import Stopped
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_cache import METHODS, StepCache, attach, canonical, parse_step_cache
 from loraswap.engine.step_cache.calibration import BadCalibration
 from loraswap.engine.step_cache.hooks import COMPUTED, FIRST_INPUT, PASS_NAMES

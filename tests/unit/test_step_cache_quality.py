@@ -11,8 +11,9 @@ import pytest
 from support import shapes
 from support.demo_flux_scores import PROMPTS, accuracy, adapter_effect, prompt
 
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.models.families import demo_flux
 
 NAMED = "taylorseer:interval=3,order=1"  # docs/step-caching.md's, from the script's run

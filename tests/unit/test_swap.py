@@ -52,7 +52,7 @@ def test_adapter_replaced_on_disk_is_served_with_its_new_content(adapter_factory
 
     import numpy as np
 
-    from loraswap.engine.config import GenerateRequest
+    from loraswap.engine.request import GenerateRequest
 
     path = adapter_factory("changing", "tiny-sd", rank=8, targets="all", alpha=16.0, seed=83, folder=tmp_path)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))

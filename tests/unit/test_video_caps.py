@@ -13,8 +13,8 @@ from PIL import Image
 from support.fakes import fake_app, frame_red
 from support.servers import form
 
-from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
+from loraswap.engine.request import GenerateRequest
 from loraswap.server.config import ServerConfig
 from loraswap.server.videos import store as videos
 from loraswap.server.videos.caps import VideoJobsFull

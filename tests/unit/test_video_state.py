@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 from support.fakes import frame_red
 
-from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
+from loraswap.engine.request import GenerateRequest
 from loraswap.errors import AdapterNotFound
 from loraswap.server.config import ServerConfig
 from loraswap.server.videos import store as videos

@@ -14,8 +14,8 @@ from PIL import Image
 from support.fakes import fake_app, frame_red
 from support.servers import form
 
-from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
+from loraswap.engine.request import GenerateRequest
 from loraswap.errors import AdapterNotFound, Overloaded
 from loraswap.media.mp4 import encode_mp4
 from loraswap.server.config import ServerConfig

@@ -24,8 +24,9 @@ from loraswap.adapters import bound, store
 from loraswap.adapters.parse import changes as parse
 from loraswap.bench.common import timed
 from loraswap.bench.serve import SPECS, prepare_adapters
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.media.images import encode_image
 
 

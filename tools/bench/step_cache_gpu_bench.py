@@ -37,8 +37,9 @@ import torch
 from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
 
 from loraswap.bench.common import environment, write_random_adapters
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_cache import Skips, StepCache, parse_step_cache
 from loraswap.engine.step_cache.attach import block_lists
 

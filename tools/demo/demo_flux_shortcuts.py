@@ -33,8 +33,9 @@ from support import shapes  # noqa: E402
 from support.servers import ServerProcess  # noqa: E402
 from unit.test_demo_flux import PROMPTS, accuracy, prompt  # noqa: E402
 
-from loraswap.engine.config import EngineConfig, GenerateRequest  # noqa: E402
+from loraswap.engine.config import EngineConfig  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
+from loraswap.engine.request import GenerateRequest
 from loraswap.models.families import demo_flux  # noqa: E402
 
 

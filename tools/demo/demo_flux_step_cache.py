@@ -42,8 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from support import shapes  # noqa: E402
 from support.demo_flux_scores import PROMPTS, accuracy, adapter_effect, correct, pixel_difference, prompt  # noqa: E402
 
-from loraswap.engine.config import EngineConfig, GenerateRequest  # noqa: E402
+from loraswap.engine.config import EngineConfig  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_cache import PROMPT, Skips, parse_step_cache  # noqa: E402
 from loraswap.models.families import demo_flux  # noqa: E402
 

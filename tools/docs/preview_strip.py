@@ -10,8 +10,9 @@ from pathlib import Path
 
 from PIL import Image
 
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_listener import StepListener, every_steps, previews_hook
 
 PAGE_IMAGE = Path(__file__).resolve().parents[2] / "docs" / "preview-strip.png"

@@ -30,8 +30,9 @@ from loraswap.adapters.files import device_read
 from loraswap.adapters.random import make_random_adapter
 from loraswap.adapters.sources.local import AdapterLocation
 from loraswap.adapters.store import TargetModel, read_adapter
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.worker import GpuWorker, SchedulerConfig
 from loraswap.errors import AdapterInvalid
 from loraswap.models import lora_components

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from loraswap.bench.common import environment, print_table, summary, timed, write_results
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.startup.compile import graph_count
 from loraswap.progress import tracked
 

@@ -119,7 +119,7 @@ def checked_request(fields: dict):
     (the request schema's own bounds, checked before the model loads)."""
     from pydantic import ValidationError
 
-    from loraswap.engine.config import GenerateRequest
+    from loraswap.engine.request import GenerateRequest
 
     try:
         return GenerateRequest(**fields)

@@ -23,9 +23,9 @@ from loraswap.adapters.naming.references import urls_of
 from loraswap.adapters.sources.local import AdapterSources
 from loraswap.cluster.config import ClusterConfig
 from loraswap.cluster.replica import adapter_key, log_to_stderr
-from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
 from loraswap.engine.parallel.loss import RanksLost
+from loraswap.engine.request import GenerateRequest
 from loraswap.errors import LoraswapError, Overloaded
 from loraswap.server.app import create_app
 from loraswap.server.auth import Access, require_admin_key

@@ -26,9 +26,9 @@ from ray import serve
 
 from loraswap.adapters.naming.references import remember_urls
 from loraswap.cluster.config import ModelDeploymentConfig
-from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import Engine, GenerateResult
 from loraswap.engine.parallel.processes import RankProcesses
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.startup.bring_up import freeze_loaded_objects
 from loraswap.engine.worker import GpuWorker, SchedulerConfig
 from loraswap.server.metrics import EngineFigures, gpu_memory

@@ -17,7 +17,7 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
 from loraswap.adapters.files.hashes import FileDigest
-from loraswap.engine.config import GenerateRequest
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.sizes import LargestSize
 from loraswap.errors import BadRequest, UnsupportedInput
 from loraswap.models import Family

@@ -28,10 +28,11 @@ from loraswap.adapters.bound import BoundAdapter, ModelLayers
 from loraswap.adapters.lease import Lease
 from loraswap.adapters.store import AdapterStore, StoreLimits, TargetModel
 from loraswap.engine.calls import TEXT, PipelineCalls, Ran
-from loraswap.engine.config import EngineConfig, GenerateRequest
+from loraswap.engine.config import EngineConfig
 from loraswap.engine.parallel.cfg import GuidanceSplit, check_guided
 from loraswap.engine.parallel.ranks import Ranks, check_sequence, device_mesh, enable_context_parallel
 from loraswap.engine.previews import LatentPreviews
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.sizes import LargestSize
 from loraswap.engine.startup.attention import AttentionBackend
 from loraswap.engine.startup.bring_up import Startup

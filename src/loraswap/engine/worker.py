@@ -36,8 +36,8 @@ from typing import Annotated
 from pydantic import BaseModel, Field
 
 from loraswap.engine.calls import Stopped
-from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import Engine
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_listener import pictures_asked, previews_hook, tell_places
 from loraswap.errors import LoraswapError, Overloaded
 from loraswap.flags import SCHEDULING, Flag

@@ -19,9 +19,9 @@ from typing import Protocol, TypeVar
 from fastapi.concurrency import run_in_threadpool
 
 from loraswap.adapters.sources.download_locks import holding_downloads_in_coroutine
-from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import Engine, GenerateResult
 from loraswap.engine.parallel.loss import RanksLost
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.startup.bring_up import freeze_loaded_objects, unfreeze_objects
 from loraswap.engine.worker import GpuWorker, ShuttingDown
 from loraswap.errors import AdapterIncompatible, AdapterInvalid, Overloaded

@@ -10,8 +10,8 @@ import torch
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 
-from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
+from loraswap.engine.request import GenerateRequest
 from loraswap.errors import LoraswapError, Overloaded
 from loraswap.media.images import encode_image
 from loraswap.media.metadata import ImageRecord

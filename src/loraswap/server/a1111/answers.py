@@ -8,8 +8,8 @@ import json
 import time
 from collections.abc import Sequence
 
-from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
+from loraswap.engine.request import GenerateRequest
 from loraswap.media.metadata import SAMPLER_NAMES, AdapterUse, ImageRecord
 from loraswap.server.a1111.requests import A1111Txt2Img
 

@@ -14,8 +14,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import Request
 
-from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
+from loraswap.engine.request import GenerateRequest
 from loraswap.errors import BadRequest
 from loraswap.media.metadata import AdapterUse, ImageRecord
 

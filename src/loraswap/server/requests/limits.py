@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from loraswap.engine.config import GenerateRequest
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.sizes import check_fits
 from loraswap.errors import BadRequest, UnsupportedInput
 from loraswap.media.images import ImageLimits

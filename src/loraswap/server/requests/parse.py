@@ -18,7 +18,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from loraswap.adapters.naming.prompt_tags import take_adapter_tags
 from loraswap.adapters.naming.references import NamedUrls
 from loraswap.adapters.naming.specs import adapter_with_weight, parse_adapter_specs
-from loraswap.engine.config import GenerateRequest
+from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_cache import canonical
 from loraswap.errors import BadRequest
 from loraswap.media.images import (

@@ -27,7 +27,7 @@ from typing import Annotated
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from loraswap.engine.config import GenerateRequest
+from loraswap.engine.request import GenerateRequest
 from loraswap.server.state_files import read_plain_file
 from loraswap.server.videos.ids import is_video_id
 

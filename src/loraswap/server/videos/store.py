@@ -38,8 +38,8 @@ from fastapi.concurrency import run_in_threadpool
 from PIL import Image
 
 from loraswap.adapters.naming.references import remember_urls, urls_of
-from loraswap.engine.config import GenerateRequest
 from loraswap.engine.engine import GenerateResult
+from loraswap.engine.request import GenerateRequest
 from loraswap.errors import LoraswapError, UnsupportedInput
 from loraswap.media.mp4 import encode_mp4
 from loraswap.server.backend import until_served

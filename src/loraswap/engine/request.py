@@ -1,0 +1,34 @@
+"""The shape of one generation request, as every API's parse hands it to the engine."""
+
+from typing import Literal
+
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GenerateRequest(BaseModel):
+    """One image or video: prompt, sampling parameters, the adapters to blend (id, weight), and
+    for image inputs the image (and the mask, white where to paint) already decoded and checked
+    by the caller; for video models the number of frames."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    prompt: str
+    negative_prompt: str | None = None
+    steps: int | None = Field(None, ge=1, le=200)
+    guidance: float | None = Field(None, ge=0, le=50)
+    width: int | None = Field(None, ge=8, le=4096, multiple_of=8)
+    height: int | None = Field(None, ge=8, le=4096, multiple_of=8)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    loras: list[tuple[str, float]] = Field(default_factory=list)
+    image: Image.Image | None = None
+    mask: Image.Image | None = None
+    strength: float | None = Field(None, gt=0, le=1)
+    frames: int | None = Field(None, ge=1, le=1000)
+    output: Literal["image", "video"] | None = None  # what the API asked for (None: what the model makes)
+    max_frames: int | None = Field(None, ge=1)  # the server's limit, held against the model's default too
+    # width and height are the input image's (no size asked): a model whose largest size is
+    # smaller scales them down to fit rather than refusing them (`PipelineCalls.sized`)
+    size_from_image: bool = False
+    # "off", a step cache setting in its canonical text (`step_cache.canonical`), or None: the server's default
+    step_cache: str | None = None
