@@ -26,9 +26,9 @@ from standardwebhooks import Webhook, WebhookVerificationError
 from support.fakes import fake_app, serve_on_loopback
 from support.servers import form
 
+from loraswap.server.config import WebhookConfig
 from loraswap.server.videos import webhooks
 from loraswap.server.videos.state import VideoState
-from loraswap.server.videos.webhook_rules import WebhookConfig
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
 

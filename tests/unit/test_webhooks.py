@@ -17,8 +17,9 @@ from standardwebhooks import Webhook
 
 from loraswap.cli.settings import BY_NAME, SettingsError, server_config
 from loraswap.errors import BadRequest
+from loraswap.server.config import WebhookConfig
 from loraswap.server.videos import webhooks
-from loraswap.server.videos.webhook_rules import WebhookConfig, check_webhook_url, origin
+from loraswap.server.videos.webhook_rules import check_webhook_url, origin
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
 VIDEO = "video_" + "0" * 32

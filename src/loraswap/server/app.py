@@ -38,8 +38,8 @@ from loraswap.server.request_ids import RequestIds
 from loraswap.server.requests.decode_budget import DecodeBudget
 from loraswap.server.requests.schemas import invalid_request_message
 from loraswap.server.routes import ROUTERS
-from loraswap.server.routes.videos import video_maker
 from loraswap.server.streaming.progress_board import ProgressBoard
+from loraswap.server.videos.maker import video_maker
 from loraswap.server.videos.store import VideoStore
 
 logger = logging.getLogger("loraswap.server")

@@ -1,15 +1,70 @@
-"""The server's typed configuration: the engine's, plus the HTTP edge's limits and keys."""
+"""The server's typed configuration: the engine's, plus the HTTP edge's limits and keys, and
+the webhooks of video jobs."""
 
+import base64
+import binascii
 from pathlib import Path
 from typing import Annotated, Literal
 
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.worker import SchedulerConfig
 from loraswap.flags import ADAPTERS, SCHEDULING, SERVER, Flag
-from loraswap.server.videos.webhook_rules import WebhookConfig
+
+SECRET_PREFIX = "whsec_"
+SECRET_BYTES = (24, 64)  # what Standard Webhooks asks of a secret
+MAKE_SECRET = ("python -c \"import base64, secrets; print('whsec_' + base64.b64encode(secrets.token_bytes(32))"
+               ".decode())\"")
+
+
+class WebhookConfig(BaseModel):
+    """How a video job's webhook is signed, where it may go and how it is retried."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # repr=False: never printed, never in an error message
+    secret: Annotated[str | None, Flag(SERVER, name="webhook-secret")] = Field(
+        None, repr=False, description="The key webhooks are signed with (Standard Webhooks: whsec_ and the base64 of "
+        "24 to 64 random bytes); none: a job asking for a webhook is refused. Prefer LORASWAP_WEBHOOK_SECRET or "
+        "--config: a flag shows in `ps`.")
+    allow: Annotated[list[str], Flag(SERVER, name="webhook-allow")] = Field(
+        default_factory=list, description="A host webhooks may be sent to: host or host:port, fnmatch; * is any public "
+        "host (never a loopback, private or metadata address, unless named); plain http only to a host named. None "
+        "given: every webhook URL is refused.")
+    attempts: Annotated[int, Flag(SERVER, name="webhook-attempts")] = Field(
+        8, ge=1, le=30, description="Tries of a webhook before it is given up: a failure or an answer other than "
+        "2xx is tried again.")
+    retry_s: Annotated[float, Flag(SERVER, name="webhook-retry-s")] = Field(
+        5.0, gt=0, le=3600, description="Seconds before a failed webhook is tried again, doubled at each failure "
+        "(5, 10, 20, ... seconds).")
+    timeout_s: Annotated[float, Flag(SERVER, name="webhook-timeout-s")] = Field(
+        10.0, gt=0, le=300, description="The most one try of a webhook takes, connecting and answering included, "
+        "seconds.")
+    workers: Annotated[int, Flag(SERVER, name="webhook-workers")] = Field(
+        4, ge=1, le=64, description="Webhooks being sent at once (threads of their own, never the event loop's), "
+        "one at a time to any one host.")
+    pending: Annotated[int, Flag(SERVER, name="webhook-pending")] = Field(
+        1024, ge=1, le=100_000, description="Webhooks owed at once, all keys together: those of jobs not finished "
+        "and those not yet delivered; a job asking for one past it is refused (503).")
+    pending_per_key: Annotated[int, Flag(SERVER, name="webhook-pending-per-key")] = Field(
+        32, ge=1, le=100_000, description="Webhooks one API key may be owed at once (its unfinished jobs' and its "
+        "undelivered ones); more: 503. Without API keys only --webhook-pending counts.")
+
+    @field_validator("secret")
+    @classmethod
+    def _a_standard_secret(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            raw = base64.b64decode(value.removeprefix(SECRET_PREFIX), validate=True)
+        except (binascii.Error, ValueError):
+            raw = b""
+        if not value.startswith(SECRET_PREFIX) or not SECRET_BYTES[0] <= len(raw) <= SECRET_BYTES[1]:
+            raise ValueError(f"a webhook secret is {SECRET_PREFIX} and the base64 of {SECRET_BYTES[0]} to "
+                             f"{SECRET_BYTES[1]} random bytes; make one with {MAKE_SECRET}")
+        return value
 
 
 class ServerConfig(BaseModel):

@@ -15,23 +15,22 @@ from loraswap.adapters.naming.references import check_id
 from loraswap.adapters.sources.download_locks import holding_downloads
 from loraswap.adapters.sources.remote import may_download
 from loraswap.engine.calls import check_size_multiple
-from loraswap.engine.engine import GenerateResult
 from loraswap.errors import BadRequest, UnsupportedInput
 from loraswap.server.auth import Access, request_key, require_api_key
 from loraswap.server.backend import not_ready
-from loraswap.server.generation import encode, run_generation
+from loraswap.server.generation import encode
 from loraswap.server.openapi import LORA_HEADER, form_body
 from loraswap.server.requests.limits import check_model_size, check_model_step_cache
 from loraswap.server.requests.parse import hold_named_urls, parse_request
 from loraswap.server.requests.schemas import OpenAIVideoRequest
 from loraswap.server.videos.ids import cursor_key, sort_key
-from loraswap.server.videos.store import MakeVideo, VideoJob
+from loraswap.server.videos.maker import ROUTE, video_maker
+from loraswap.server.videos.store import VideoJob
 from loraswap.server.videos.webhook_rules import check_webhook_url
 
 router = APIRouter(tags=[Access.GENERATION.value], dependencies=[Depends(require_api_key),
                                                                  Depends(hold_named_urls)])
 
-ROUTE = "/v1/videos"
 VIDEO_OPENAPI = {"requestBody": form_body(OpenAIVideoRequest.model_json_schema()), "parameters": [LORA_HEADER]}
 # how long the openai client's `poll` waits between polls (its header); a video takes seconds at least
 POLL_AFTER_MS = 1000
@@ -113,16 +112,6 @@ async def _check_adapters_make_videos(state, loras: list[tuple[str, float]], vid
 def _owner(request: Request) -> str | None:
     """Whose video jobs this request may see: its API key's (everyone's, without keys)."""
     return request.app.state.videos.owner_of(request_key(request))
-
-
-def video_maker(state) -> MakeVideo:
-    """How a job generates (a new one, or one made again after a restart): through the backend
-    as an image request does, to the model it named (`target`), with nobody waiting on it (a
-    client that leaves cancels nothing) and its progress hook."""
-    async def make(job: VideoJob) -> GenerateResult:
-        return await run_generation(state, ROUTE, job.request, job.target, None, on_step=job.report_step)
-
-    return make
 
 
 def _adapters_named(loras: list[tuple[str, float]]) -> str:

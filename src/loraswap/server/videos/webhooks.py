@@ -46,8 +46,9 @@ from standardwebhooks import Webhook
 
 from loraswap.adapters.sources.addresses import CheckedBackend, Lookup, system_lookup
 from loraswap.errors import LoraswapError, Overloaded
+from loraswap.server.config import WebhookConfig
 from loraswap.server.videos.state import WRITE_ERRORS
-from loraswap.server.videos.webhook_rules import WebhookConfig, checked_url, origin
+from loraswap.server.videos.webhook_rules import checked_url, origin
 
 logger = logging.getLogger("loraswap.server")
 
