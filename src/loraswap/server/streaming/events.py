@@ -32,7 +32,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 from fastapi import Request
@@ -167,6 +167,19 @@ async def guarded(request: Request, events: AsyncIterator[bytes]) -> AsyncIterat
         await events.aclose()  # a client gone: the job's own clean-up (its request cancelled) runs now
 
 
+async def last_event(request: Request, task: asyncio.Task,
+                     answer: Callable[[object], Awaitable[bytes]]) -> AsyncIterator[bytes]:
+    """A stream's last event once its job has ended: `answer(result)` (the image), its error
+    event, or nothing for a job cancelled (its client left)."""
+    if task.cancelled():
+        return
+    if task.exception() is not None:
+        if (failed := error_event(request, task.exception())) is not None:
+            yield failed
+        return
+    yield await answer(task.result())
+
+
 async def job_ended(request: Request) -> None:
     """The job's image is made (or it failed): the decoded inputs go back to the budget now,
     not once a slow client has read the last event."""
@@ -246,13 +259,8 @@ async def stream_hf(request: Request, route: str, parsed: ParsedRequest, started
         finally:
             task.cancel()  # the stream ended first (the client left): the request with it; else nothing
             await job_ended(request)
-        if task.cancelled():
-            return
-        if task.exception() is not None:
-            if (failed := error_event(request, task.exception())) is not None:
-                yield failed
-            return
-        yield await image_answer(task.result())
+        async for event in last_event(request, task, image_answer):
+            yield event
 
     return EventStream(request, events())
 

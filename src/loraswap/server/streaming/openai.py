@@ -39,6 +39,7 @@ from loraswap.server.streaming.events import (
     error_event,
     job_ended,
     job_events,
+    last_event,
     picture_file,
     sse,
     start_job,
@@ -119,16 +120,14 @@ async def _image_events(request: Request, output, kind: str, gen, job, feed, las
         job.cancel()  # the stream ended first (the client left): the request with it; else nothing
         if last or job.cancelled() or job.exception() is not None:
             await job_ended(request)  # no image follows: the decoded inputs go back now
-    if job.cancelled():
-        return
-    if job.exception() is not None:
-        if (failed := error_event(request, job.exception())) is not None:
-            yield failed
-        return
-    result = job.result()
-    record = await record_for(request, output, gen, result)
-    file, media = await encode(result.image, accept, record=record, quality=quality)
-    yield _event(f"{kind}.completed", base64.b64encode(file).decode(), media, result.image.size, usage=NO_USAGE)
+
+    async def completed(result) -> bytes:
+        record = await record_for(request, output, gen, result)
+        file, media = await encode(result.image, accept, record=record, quality=quality)
+        return _event(f"{kind}.completed", base64.b64encode(file).decode(), media, result.image.size, usage=NO_USAGE)
+
+    async for event in last_event(request, job, completed):
+        yield event
 
 
 def _event(kind: str, b64: str, media: str, size: tuple[int, int], **fields) -> bytes:
