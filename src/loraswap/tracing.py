@@ -150,7 +150,7 @@ def generation_attributes(model: str, requests: list, call: Mapping[str, object]
     """A batch's attributes: model, adapters, steps, size, how many images, whose requests.
     A request's missing steps or size are the pipeline call's (`call`, the model's defaults)."""
     first = requests[0]
-    return {"loraswap.model": model, **adapter_attributes(first.loras),
+    return {"loraswap.model": model, **adapter_attributes((ref.adapter_id, ref.scale) for ref in first.loras),
             "loraswap.steps": first.steps or call.get("num_inference_steps"),
             "loraswap.width": first.width or call.get("width"), "loraswap.height": first.height or call.get("height"),
             "loraswap.images": len(requests), "loraswap.request_id": request_id.get()}

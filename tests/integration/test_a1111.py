@@ -19,6 +19,7 @@ from support.fakes import fake_app, serve_on_loopback
 from support.servers import wait_ready
 
 from loraswap.adapters.files.formats import open_checked
+from loraswap.adapters.reference import as_refs
 from loraswap.engine.config import EngineConfig
 from loraswap.models.families import demo
 from loraswap.server.app import create_app
@@ -185,7 +186,7 @@ def test_a1111_fields_map_to_the_engine_request(fake):
     made = [request for request, _ in backend.generated]
     assert [r.seed for r in made] == [11, 12, 13, 14], "batch_size x n_iter images, seed + i"
     assert {(r.prompt, r.negative_prompt, r.steps, r.guidance, r.width, r.height, r.strength, tuple(r.loras))
-            for r in made} == {("a fox ", "blur", 7, 2.5, 48, 16, None, (("a", 0.5),))}
+            for r in made} == {("a fox ", "blur", 7, 2.5, 48, 16, None, tuple(as_refs([("a", 0.5)])))}
     assert json.loads(answer.json()["info"])["all_seeds"] == [11, 12, 13, 14]
 
 

@@ -26,6 +26,7 @@ from support.web import Web, body
 from loraswap.adapters.random import make_random_adapter
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
+from loraswap.engine.parallel.ranked import RankedEngine
 from loraswap.engine.request import GenerateRequest
 from loraswap.models import lora_components
 
@@ -263,7 +264,7 @@ def _float_images(engine: Engine, model: str) -> list[torch.Tensor]:
 def _rank(rank: int, model: str, parallelism: dict, port: int, folder: Path, out: Path) -> None:
     world = parallelism["ulysses_degree"] * (2 if parallelism["cfg_parallel"] else 1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    engine = Engine(EngineConfig(model=model, adapters=folder, compile=False, warmup=False, **parallelism))
+    engine = RankedEngine(EngineConfig(model=model, adapters=folder, compile=False, warmup=False, **parallelism))
     images = _float_images(engine, model)
     if rank == 0:
         torch.save(images, out)
@@ -285,7 +286,7 @@ def test_split_images_are_within_1e_5_of_one_process(model_adapters, tmp_path, m
     parallelism = dict(ulysses_degree=ulysses, cfg_parallel=cfg)
     # the ranks fork from one server process that imported the engine once, for every case
     # (a spawned rank imports it again: about 10 s on two cores); no effect once it runs
-    mp.set_forkserver_preload(["loraswap.engine.engine"])
+    mp.set_forkserver_preload(["loraswap.engine.parallel.ranked"])
     mp.start_processes(_rank, args=(model, parallelism, free_port(), folder, tmp_path / "split.pt"),
                        nprocs=ulysses * (2 if cfg else 1), start_method="forkserver")
     split = torch.load(tmp_path / "split.pt")
@@ -302,8 +303,8 @@ CACHED = dict(prompt=PROMPT, seed=3, steps=6, width=64, height=64)
 
 def _cached_rank(rank: int, port: int, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    engine = Engine(EngineConfig(model="tiny-flux", compile=False, warmup=False, ulysses_degree=2,
-                                 step_cache_allow=["first-block"]))
+    engine = RankedEngine(EngineConfig(model="tiny-flux", compile=False, warmup=False, ulysses_degree=2,
+                                       step_cache_allow=["first-block"]))
     results = [engine.generate(GenerateRequest(**CACHED, step_cache=setting)) for setting in FIRST_BLOCK]
     torch.save([(torch.from_numpy(np.asarray(r.image)), r.steps_skipped) for r in results], out / f"rank-{rank}.pt")
     dist.destroy_process_group()
@@ -316,7 +317,7 @@ def test_first_block_cache_skips_the_same_steps_on_every_rank_as_one_process(tmp
     engine = Engine(EngineConfig(model="tiny-flux", compile=False, warmup=False, step_cache_allow=["first-block"]))
     single = [engine.generate(GenerateRequest(**CACHED, step_cache=setting)) for setting in FIRST_BLOCK]
     assert [r.steps_skipped for r in single] == [3, 5], "some steps skipped, others computed"
-    mp.set_forkserver_preload(["loraswap.engine.engine"])
+    mp.set_forkserver_preload(["loraswap.engine.parallel.ranked"])
     ranks = mp.start_processes(_cached_rank, args=(free_port(), tmp_path), nprocs=2, start_method="forkserver",
                                join=False)
     deadline = time.monotonic() + 180

@@ -10,6 +10,8 @@ import pytest
 from support.docs import HERMETIC, ROOT, decodes, make_serve_args, run_page
 from support.servers import ServerProcess
 
+from loraswap.adapters.reference import AdapterRef
+
 
 @pytest.mark.slow
 def test_the_readme_examples_run_as_written(tmp_path, monkeypatch):
@@ -34,7 +36,7 @@ def test_the_readme_names_the_kinds_the_adapter_list_shows():
 
     engine = Engine(EngineConfig(model="demo", adapters=demo.ADAPTERS, compile=False, warmup=False))
     for adapter in demo.DEMO_ADAPTERS:
-        engine.adapters.resolve(adapter)
+        engine.adapters.read(AdapterRef(adapter))
     kinds = {row["id"]: row["kinds"] for row in engine.adapters.rows()}
     assert kinds == {"outline": ["lora"], "striped": ["locon", "lora"], "pastel": ["loha"], "night": ["lokr"],
                      "big": ["locon+dora", "lora+dora"]}

@@ -154,7 +154,7 @@ def served(adapter_factory, tmp_path_factory):
         wait_ready(client, 120)
         first = client.post("/", json=GOOD_REQUEST, headers={"lora": "good", "accept": "image/png"})
         assert first.status_code == 200, first.text
-        engine = app.state.engine
+        engine = app.state.deployment.hosted[0].engine
         yield client, engine, weights_snapshot(engine.components), first.content
 
 

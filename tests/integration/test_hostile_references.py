@@ -24,7 +24,7 @@ from support.images import encode, noise, pixels_of
 from support.servers import free_port, wait_ready
 from support.web import Web, body
 
-from loraswap.adapters.naming.references import UrlReference, reference_of, url_book
+from loraswap.adapters.reference import UrlReference
 from loraswap.engine.config import EngineConfig
 from loraswap.server.access_log import HideQuery
 from loraswap.server.app import create_app
@@ -125,10 +125,11 @@ def flagless(flagless_server):
     assert styled(post) == before
 
 
-def test_refused_urls_are_not_kept_whatever_names_them(flagless):
+def test_refused_urls_are_not_kept_whatever_names_them(flagless, flagless_server):
     url, post = flagless
+    book = flagless_server[1].state.urls  # the app's URLs (`server/url_book.py`)
     urls = [long_url(i) for i in range(31)]
-    before = url_book().size()
+    before = book.size()
     with_loras = {**PLAIN, "parameters": {**PLAIN["parameters"], "loras": [{"path": u} for u in urls]}}
     answers = [post("/", json=with_loras),
                post("/", json=PLAIN, headers={"lora": ", ".join(urls[:5])}),  # (a head of at most 16 KiB)
@@ -139,8 +140,8 @@ def test_refused_urls_are_not_kept_whatever_names_them(flagless):
     for answer in answers:
         assert answer.status_code == 403, answer.text
         assert "does not fetch adapters from url references. Start it with --url-allow HOST" in answer.text
-    assert url_book().size() == before, "nothing a refused request named is kept"
-    assert all(reference_of(url_id(u)) is None for u in urls)
+    assert book.size() == before, "nothing a refused request named is kept"
+    assert all(book.url(url_id(u)) is None for u in urls)
 
 
 @pytest.mark.parametrize("method,path,status", [

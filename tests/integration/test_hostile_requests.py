@@ -108,7 +108,7 @@ def test_bad_videos_are_refused_before_a_job_is_made(server, fields, status, phr
 
 def test_an_unexpected_error_keeps_the_connection_and_is_logged_once(server, monkeypatch, caplog):
     url, app = server
-    monkeypatch.setattr(app.state.engine, "generate_batch", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(app.state.deployment.hosted[0].engine, "generate_batch", lambda *a, **k: 1 / 0)
     uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not propagate to caplog's
     uvicorn_log.addHandler(caplog.handler)
     connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)

@@ -11,6 +11,7 @@ from peft import LoraConfig, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from support.docs import ROOT, run_page
 
+from loraswap.adapters.reference import as_refs
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
@@ -28,7 +29,7 @@ def images(folder, adapters: list[str | None]) -> list[np.ndarray]:
     out = []
     for adapter in adapters:
         loras = [(adapter, 1.0)] if adapter else []
-        with engine.lender.lease_now(loras) as lease:
+        with engine.lender.lease_now(as_refs(loras)) as lease:
             request = GenerateRequest(prompt=PROMPT, seed=4, steps=6, loras=loras)
             out.append(np.asarray(engine.generate_batch([request], lease)[0].image).astype(np.int16))
     return out

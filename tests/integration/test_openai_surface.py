@@ -17,7 +17,7 @@ from PIL import Image
 from support.fakes import FakeBackend, serve_on_loopback
 from support.images import encode, noise
 
-from loraswap.adapters.naming.references import NamedUrls, parse_reference
+from loraswap.adapters.reference import AdapterRef
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import GenerateResult
 from loraswap.errors import Overloaded
@@ -25,6 +25,7 @@ from loraswap.models.families import demo
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 from loraswap.server.images import kept as kept_images
+from loraswap.server.url_book import NamedUrls
 
 K1, K2, ADMIN = "sk-one-0123456789", "sk-two-0123456789", "sk-admin-0123456789"
 TTL = 600.0
@@ -118,15 +119,15 @@ def test_models_lists_the_hosted_models_and_the_adapters_this_key_may_use(served
 
 
 def test_a_remote_adapter_is_listed_to_the_key_that_named_it_and_to_admins_alone(tmp_path):
-    reference = parse_reference("https://files.example/loras/fox.safetensors")
-    named = NamedUrls(hashlib.sha256(K2.encode()).hexdigest()[:32])  # K2's accepted request named its URL
-    named.add(reference)
-    named.release(accepted=True)
+    reference = AdapterRef.named("https://files.example/loras/fox.safetensors")
     remote = [reference.adapter_id, "civitai:123@456", "s3:bucket/loras/a.safetensors"]
     backend = SeededBackend([{"id": "outline", "cached": "disk", "model": None}] +
                             [{"id": adapter_id, "cached": "host", "model": "fake"} for adapter_id in remote])
     app = create_app(ServerConfig(api_keys=[K1, K2], admin_keys=[ADMIN], state_dir=tmp_path,
                                   list_adapters_as_models=True), backend=backend)
+    named = NamedUrls(app.state.urls, hashlib.sha256(K2.encode()).hexdigest()[:32])  # K2's accepted request named it
+    named.hold(reference)
+    named.release(accepted=True)
     with serve_on_loopback(app) as url:
         assert [m.id for m in client(url, K1).models.list().data] == ["fake", "outline"], "another key's fetches"
         assert [m.id for m in client(url, K2).models.list().data] == ["fake", "outline", reference.adapter_id]

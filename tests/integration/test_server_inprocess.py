@@ -12,6 +12,7 @@ from support.numerics import assert_bitwise_equal, weights_snapshot
 from support.servers import wait_ready
 from torch.overrides import TorchFunctionMode
 
+from loraswap.adapters.reference import AdapterRef
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.swap.fused import FusedSwapper
@@ -33,7 +34,7 @@ def test_unexpected_error_is_a_plain_500_logged_with_its_traceback(client, monke
     def boom(requests, lease, on_step=None, on_latents=None):
         raise RuntimeError("boom in the pipeline")
 
-    monkeypatch.setattr(app.state.engine, "generate_batch", boom)
+    monkeypatch.setattr(app.state.deployment.hosted[0].engine, "generate_batch", boom)
     with caplog.at_level(logging.ERROR, logger="loraswap.server"):
         response = client.post("/", json={"inputs": "x"})
     assert response.status_code == 500
@@ -66,10 +67,10 @@ def _swap_failing_halfway(monkeypatch, engine, error: BaseException):
     The calls are counted on a scratch copy of the model making the same swap; the real one
     runs on the GPU worker thread, where the patched `apply` enters the failing mode."""
     scratch = FusedSwapper({name: copy.deepcopy(module) for name, module in engine.components.items()})
-    scratch.apply([(engine.adapters.resolve("style"), 1.0)])
+    scratch.apply([(engine.adapters.read(AdapterRef("style")), 1.0)])
     count = FailHalfway(None, error)
     with count:
-        scratch.apply([(engine.adapters.resolve("styles/second"), 1.0)])
+        scratch.apply([(engine.adapters.read(AdapterRef("styles/second")), 1.0)])
     assert count.calls > 10, count.calls
     original = engine.swapper.apply
 
@@ -89,7 +90,7 @@ REQUEST = {"inputs": "a red fox", "parameters": {"seed": 5, "num_inference_steps
 def test_failure_halfway_through_a_swap_leaves_the_base_and_the_next_request_succeeds(client, monkeypatch,
                                                                                        error, status):
     client, app = client
-    engine = app.state.engine
+    engine = app.state.deployment.hosted[0].engine
     base = weights_snapshot(engine.components)
     reference = client.post("/", json=REQUEST, headers={"lora": "styles/second", "accept": "image/png"})
     assert reference.status_code == 200
@@ -108,7 +109,7 @@ def test_failure_halfway_through_a_swap_leaves_the_base_and_the_next_request_suc
 
 def test_out_of_memory_during_generation_answers_503_and_keeps_serving(client, monkeypatch):
     client, app = client
-    engine = app.state.engine
+    engine = app.state.deployment.hosted[0].engine
     reference = client.post("/", json=REQUEST, headers={"lora": "style", "accept": "image/png"})
     calls = {"n": 0}
 
@@ -174,7 +175,7 @@ def test_a_ready_server_freezes_what_it_loaded_and_gives_it_back_when_stopped(se
     app = create_app(ServerConfig(engines=[EngineConfig(model="tiny-sd", adapters=served_adapters)]))
     with TestClient(app) as client:
         wait_ready(client, 60)
-        weight = app.state.engine.pipeline.unet.conv_in.weight
+        weight = app.state.deployment.hosted[0].engine.pipeline.unet.conv_in.weight
         assert gc.is_tracked(weight) and not collectable(weight), "frozen by the time the server is ready"
         assert client.post("/", json={"inputs": "x"}).status_code == 200
     assert collectable(weight) and gc.get_freeze_count() == 0

@@ -203,7 +203,7 @@ def test_an_error_after_the_stream_began_is_an_error_event(served, openai_client
         assert first_read.wait(30), "the client never read its first event"
         raise Overloaded("the GPU is busy elsewhere; retry")
 
-    monkeypatch.setattr(app.state.engine, "generate_batch", fails_after_the_first_event)
+    monkeypatch.setattr(app.state.deployment.hosted[0].engine, "generate_batch", fails_after_the_first_event)
     got = []
     with httpx.stream("POST", url + "/", json={"inputs": PROMPT}, headers=STREAM, timeout=60) as response:
         for name, data in each_event(response):
@@ -264,7 +264,7 @@ def test_a_waiting_request_hears_its_place_and_the_board_shows_a_plain_one(serve
 def test_a_client_that_leaves_stops_its_image_and_no_error_is_logged(served, caplog):
     caplog.set_level(logging.INFO)
     url, app = served
-    worker, board = app.state.worker, app.state.progress
+    worker, board = app.state.deployment.hosted[0].worker, app.state.progress
     stopped = worker.stopped
     with httpx.stream("POST", url + "/", json={"inputs": PROMPT, "parameters": {"num_inference_steps": 100}},
                       headers=STREAM, timeout=60) as response:

@@ -13,6 +13,7 @@ import pytest
 from openai import OpenAI
 from support.fakes import fake_app, frame_red, serve_on_loopback
 
+from loraswap.adapters.reference import as_refs
 from loraswap.engine.config import EngineConfig
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
@@ -50,7 +51,7 @@ def test_create_and_poll_then_download_an_mp4_with_the_frames_asked_for(video_se
     request = next(r for r, _ in backend.generated if r.prompt == "a fox running through snow")
     assert (request.frames, request.seed, request.steps, request.guidance, request.negative_prompt) == (
         9, 3, 3, 5.0, "blurry")
-    assert request.loras == [(ADAPTER, 1.0)]
+    assert request.loras == as_refs([(ADAPTER, 1.0)])
 
 
 def test_seconds_from_the_client_count_in_the_servers_fps(video_server):

@@ -66,8 +66,8 @@ class FakeBackend:
             text.encode("utf-8")  # as a tokenizer reads it: text that is not Unicode raises here
         if request.frames is None:
             ran = Ran("fake", "EulerDiscreteScheduler", request.steps or 2, request.guidance, request.strength,
-                      tuple(AdapterRan(adapter_id, weight, None, made_up_digest(adapter_id))
-                            for adapter_id, weight in request.loras))
+                      tuple(AdapterRan(ref.adapter_id, ref.scale, None, made_up_digest(ref.adapter_id))
+                            for ref in request.loras))
             return GenerateResult(Image.new("RGB", (8, 8), (200, 10, 10)), request.seed or 0, 0.0, 0.01, ran=ran)
         steps = request.steps or 2
         for step in range(steps):
@@ -83,12 +83,12 @@ class FakeBackend:
     async def list_adapters(self) -> dict:
         return {"model": "fake", "models": ["fake"], "adapters": []}
 
-    async def keep_adapter(self, adapter_id: str) -> dict:
-        self.kept.append(adapter_id)
+    async def keep_adapter(self, ref) -> dict:
+        self.kept.append(ref.adapter_id)
         return {"bytes": 10, "layers": 1, "model": "fake"}
 
-    async def evict_adapter(self, adapter_id: str) -> None:
-        self.evicted.append(adapter_id)
+    async def evict_adapter(self, ref) -> None:
+        self.evicted.append(ref.adapter_id)
 
     async def figures(self) -> EngineFigures:
         return EngineFigures(ready=True)
@@ -128,12 +128,15 @@ class SteppingEngine:
     the pipeline's step callback does), holding at step 2 until `gate` opens."""
 
     applied_ids = ()
-    ranks = None
+    stoppable = True
 
     def __init__(self, lender, steps: int):
         self.lender, self.steps = lender, steps
         self.gate, self.started = threading.Event(), threading.Event()
         self.steps_run = 0
+
+    def when_lost(self, answer) -> None:
+        """Never lost: one process."""
 
     def generate_batch(self, requests, lease, on_step=None, on_latents=None):
         for step in range(1, self.steps + 1):

@@ -29,7 +29,7 @@ def image(model: str, attention: str | None) -> np.ndarray:
 def test_unknown_backend_is_refused_with_the_known_ones():
     with pytest.raises(ValidationError, match="unknown attention backend 'flashy'.*_native_cudnn.*native"):
         EngineConfig(attention="flashy")
-    assert EngineConfig(attention="_Native_Math").attention == "_native_math"
+    assert EngineConfig(attention="_Native_Math").compilation.attention == "_native_math"
 
 
 def test_dispatcher_models_get_the_backend_on_every_processor():

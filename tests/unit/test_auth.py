@@ -12,6 +12,7 @@ from PIL import Image
 from support.errors import error_message
 from support.fakes import fake_app, serve_on_loopback
 
+from loraswap.adapters.reference import as_refs
 from loraswap.server import auth
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
@@ -217,7 +218,7 @@ def test_the_openai_and_huggingface_clients_send_the_key(keyed_server, monkeypat
     with pytest.raises(Exception) as refused:
         InferenceClient(model=url, token="hf_wrong").text_to_image("a fox")
     assert "401" in str(refused.value)
-    assert [(r.prompt, r.loras, r.seed) for r, _ in backend.generated] == [("a fox", [("style", 1.0)], None),
+    assert [(r.prompt, r.loras, r.seed) for r, _ in backend.generated] == [("a fox", as_refs([("style", 1.0)]), None),
                                                                           ("a fox", [], 3)]
     assert httpx.post(url + "/", json={"inputs": "x"}).status_code == 401
 

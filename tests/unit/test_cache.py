@@ -74,27 +74,29 @@ def test_a_failed_gpu_read_is_read_on_the_host_and_gives_its_turn_back(tmp_path,
     from loraswap.adapters.bound import ModelLayers
     from loraswap.adapters.files.device_read import DeviceReadFailed
     from loraswap.adapters.random import make_random_adapter
-    from loraswap.adapters.sources.local import AdapterSources, LocalAdapterSource
+    from loraswap.adapters.reference import AdapterRef
+    from loraswap.adapters.sources.choose import AdapterSources
+    from loraswap.adapters.sources.folder import FolderSource
     from loraswap.models import lora_components
 
     cls, components = lora_components("tiny-sd")
     state_dict, metadata = make_random_adapter(components, 4, "attn")
     save_file(state_dict, str(tmp_path / "a.safetensors"), metadata=metadata)
     target = store_module.TargetModel("tiny-sd", cls, ModelLayers(components), torch.float32)
-    store = store_module.AdapterStore(AdapterSources(LocalAdapterSource(tmp_path), None, None), target,
+    store = store_module.AdapterStore(AdapterSources(FolderSource(tmp_path), None, None), target,
                                       CacheConfig(gpu_bytes=MB), torch.device("cpu"))
     store.cache.pin_host = True  # as on CUDA
     read = store_module.read_adapter
     devices = []
 
-    def gpu_fails(location, model, limits, device=None):  # the read to the GPU names the cache's device
+    def gpu_fails(location, model, limits, device=None, digest=None):  # the read to the GPU names the cache's device
         devices.append(device)
         if device is not None:
             raise DeviceReadFailed("OutOfMemoryError: CUDA out of memory")
-        return read(location, model, limits)
+        return read(location, model, limits, digest=digest)
 
     monkeypatch.setattr(store_module, "read_adapter", gpu_fails)
-    bound = store._read(store.locate("a"), 1000)
+    bound = store._read(store.locate(AdapterRef("a")), 1000)
     assert devices == [store.cache.device, None] and bound.packed.device.type == "cpu"
     assert "could not be read to the GPU (OutOfMemoryError" in caplog.text
     assert [store.cache.start_gpu_read(1) for _ in range(3)] == [True, True, False], "both turns back, one taken"

@@ -167,7 +167,7 @@ def test_serve_builds_the_config_it_serves(monkeypatch, tmp_path):
     import loraswap.cli.serve
 
     served = []
-    monkeypatch.setattr(loraswap.cli.serve, "_serve_http", lambda config, listening: served.append(config))
+    monkeypatch.setattr(loraswap.cli.serve, "serve_on_socket", lambda config, listening: served.append(config))
     monkeypatch.setattr(loraswap.cli.serve, "bind_port", lambda host, port: None)
     monkeypatch.chdir(tmp_path)  # the file's adapter folder, relative
     (tmp_path / "demo-adapters").mkdir()
@@ -178,7 +178,7 @@ def test_serve_builds_the_config_it_serves(monkeypatch, tmp_path):
     assert result.exit_code == 0, result.output
     [config] = served
     assert [e.model for e in config.engines] == ["demo", "demo-flux"]
-    assert all(e.swap_mode == "load-and-fuse" and e.max_rank == 256 for e in config.engines)
+    assert all(e.swap.swap_mode == "load-and-fuse" and e.swap.max_rank == 256 for e in config.engines)
     assert (config.scheduler.max_queue, config.max_images) == (64, 2)
     assert (config.api_keys, config.admin_keys) == (["k1", "k2"], ["a1"])
     result = runner.invoke(app, ["serve", "--demo-adapters"])
@@ -225,6 +225,7 @@ def test_lora_flag_refuses_what_the_lora_header_refuses(spec, message, tmp_path)
 
 
 def test_lora_flag_takes_a_blend_as_the_header_does():
+    from loraswap.adapters.reference import as_refs
     from loraswap.cli.generate import parse_loras
 
-    assert parse_loras(["a:0.8, b", "c:-0.5"]) == [("a", 0.8), ("b", 1.0), ("c", -0.5)]
+    assert parse_loras(["a:0.8, b", "c:-0.5"]) == as_refs([("a", 0.8), ("b", 1.0), ("c", -0.5)])

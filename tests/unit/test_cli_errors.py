@@ -135,7 +135,7 @@ def test_an_unexpected_error_is_one_line_unless_debugging(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("something broke")
 
-    monkeypatch.setattr(loraswap.cli.adapter_tools, "_inspect", broken)
+    monkeypatch.setattr(loraswap.cli.adapter_tools, "inspect_report", broken)
     path = f"{DEMO_ADAPTERS}/big.safetensors"
     result = runner.invoke(app, ["adapters", "inspect", path])
     assert result.exit_code == 1 and "Traceback" not in result.output

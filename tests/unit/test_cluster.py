@@ -13,7 +13,7 @@ import yaml
 from ray.exceptions import ActorDiedError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from loraswap.adapters.naming.references import adapter_id_of
+from loraswap.adapters.reference import AdapterRef, as_refs
 from loraswap.cluster.app import build_app, load_config, replica_gpus
 from loraswap.cluster.config import ClusterConfig, ModelDeploymentConfig
 from loraswap.cluster.ingress import RayBackend
@@ -43,8 +43,9 @@ def test_configs_travel_as_json_and_come_back_equal():
     assert ClusterConfig.model_validate(config.model_dump(mode="json")) == config
     engine = config.engines[1]
     assert ModelDeploymentConfig.model_validate(engine.model_dump(mode="json")) == engine
-    older = {k: v for k, v in engine.model_dump(mode="json").items() if k != "max_rank"}  # a field it lacked
-    assert ModelDeploymentConfig.model_validate(older).max_rank == ModelDeploymentConfig().max_rank
+    older = engine.model_dump(mode="json")
+    del older["swap"]["max_rank"]  # a field it lacked
+    assert ModelDeploymentConfig.model_validate(older).swap.max_rank == ModelDeploymentConfig().swap.max_rank
 
 
 def test_kuberay_serve_config_is_a_cluster_config(tmp_path):
@@ -70,8 +71,8 @@ def test_config_refusals(tmp_path):
 
 def test_multiplexed_id_is_the_adapter_set():
     assert adapter_key([]) == ""
-    assert adapter_key([("style", 1.0)]) == "style"
-    assert adapter_key([("b", 0.3), ("a", 0.8)]) == adapter_key([("a", 0.1), ("b", 1.0)]) == "a,b"
+    assert adapter_key(as_refs([("style", 1.0)])) == "style"
+    assert adapter_key(as_refs([("b", 0.3), ("a", 0.8)])) == adapter_key(as_refs([("a", 0.1), ("b", 1.0)])) == "a,b"
 
 
 def bare_router() -> LeastBusyAdapterRouter:
@@ -218,16 +219,16 @@ class FakeHandle:
     """A deployment handle whose calls fail with the given errors, then answer `result`."""
 
     def __init__(self, *errors):
-        self.errors, self.calls, self.ids, self.urls = list(errors), 0, [], []
+        self.errors, self.calls, self.ids, self.requests = list(errors), 0, [], []
         self.generate = self
 
     def options(self, multiplexed_model_id=""):
         self.ids.append(multiplexed_model_id)
         return self
 
-    def remote(self, request, urls=None):
+    def remote(self, request):
         self.calls += 1
-        self.urls.append(urls)
+        self.requests.append(pickle.loads(pickle.dumps(request)))  # as Ray sends it to the replica
         error = self.errors.pop(0) if self.errors else None
         return FakeResponse(error)
 
@@ -273,15 +274,18 @@ def test_ingress_sends_a_request_again_when_its_replica_died(tmp_path):
 
 
 def test_ingress_hands_the_replica_the_urls_behind_url_ids(tmp_path):
-    """A replica on another node must fetch a `url:` adapter itself: only the ingress saw its URL."""
+    """A replica on another node must fetch a `url:` adapter itself: only the ingress saw its URL,
+    which goes inside the request's ref."""
     url = "https://cdn.example.com/handed-over.safetensors?X-Signature=SECRET"
-    url_id = adapter_id_of(url)
+    url_id = AdapterRef.named(url).adapter_id
     handle = FakeHandle()
     backend = ingress_over(handle, tmp_path)
     backend._route = lambda loras, model: 0  # routing fetches the file; here only what is sent matters
-    asyncio.run(backend.generate(GenerateRequest(prompt="x", loras=[(url_id, 1.0), ("style", 0.5)]), None,
+    asyncio.run(backend.generate(GenerateRequest(prompt="x", loras=[AdapterRef.named(url), ("style", 0.5)]), None,
                                  never_gone))
-    assert handle.urls == [{url_id: url}], "the URL of the url: id, and nothing for a folder id"
+    [sent] = handle.requests
+    assert {ref.adapter_id: ref.url for ref in sent.loras} == {url_id: url, "style": None}, \
+        "the URL of the url: id, and nothing for a folder id"
 
 
 def test_ingress_answers_replica_errors_as_its_own(tmp_path):

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from support import shapes
 from support.numerics import assert_bitwise_equal, rel_err, weights_snapshot
 
+from loraswap.adapters.reference import AdapterRef, as_refs
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
@@ -36,7 +37,7 @@ def draw(engine, cases, loras=()) -> list[np.ndarray]:
     """One image per case, seeded by its place, in one batch through the engine (adapters fused)."""
     requests = [GenerateRequest(prompt=prompt(*case), seed=1000 + i, loras=list(loras))
                 for i, case in enumerate(cases)]
-    with engine.lender.lease_now(list(loras)) as lease:
+    with engine.lender.lease_now(as_refs(loras)) as lease:
         return [np.asarray(result.image) for result in engine.generate_batch(requests, lease)]
 
 
@@ -140,7 +141,7 @@ def test_each_file_is_in_its_trainers_layout_and_read_as_its_kind(engine, adapte
         assert all(k.startswith("lora_unet_") for k in keys)
     if adapter_id == "striped":  # LoCon: the ResNets' 3x3 convolutions too
         assert any("resnets" in k and "conv1" in k for k in keys)
-    assert kinds <= set(engine.adapters.resolve(adapter_id).kinds())
+    assert kinds <= set(engine.adapters.read(AdapterRef(adapter_id)).kinds())
 
 
 def _reference_image(adapter_id) -> np.ndarray:

@@ -12,6 +12,7 @@ from support import shapes
 from support.demo_flux_scores import PROMPTS, SIZES, accuracy, prompt
 from support.numerics import assert_bitwise_equal, rel_err, weights_snapshot
 
+from loraswap.adapters.reference import AdapterRef, as_refs
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
@@ -28,7 +29,7 @@ def draw(engine, cases, loras=(), seed=1000) -> list[np.ndarray]:
     """One image per case at the model's defaults (28 steps, guidance 3.5), seeded by its place,
     in one batch through the engine (adapters fused)."""
     requests = [GenerateRequest(prompt=prompt(case), seed=seed + i, loras=list(loras)) for i, case in enumerate(cases)]
-    with engine.lender.lease_now(list(loras)) as lease:
+    with engine.lender.lease_now(as_refs(loras)) as lease:
         return [np.asarray(result.image) for result in engine.generate_batch(requests, lease)]
 
 
@@ -152,7 +153,7 @@ def test_each_file_is_in_its_trainers_layout_and_read_as_its_kind(engine, adapte
     if adapter_id == "night":  # BFL's module names and its fused q, k, v
         assert any("double_blocks_0_img_attn_qkv" in k for k in keys)
         assert any("single_blocks_0_linear2" in k for k in keys)
-    assert kinds <= set(engine.adapters.resolve(adapter_id).kinds())
+    assert kinds <= set(engine.adapters.read(AdapterRef(adapter_id)).kinds())
 
 
 def _reference_image(adapter_id) -> np.ndarray:

@@ -258,7 +258,8 @@ def test_an_expert_pair_on_a_model_with_one_transformer_is_refused(tmp_path):
 
 
 def test_video_progress_reaches_a_job_through_the_gpu_worker():
-    from loraswap.engine.worker import GpuWorker, SchedulerConfig
+    from loraswap.engine.config import SchedulerConfig
+    from loraswap.engine.worker import GpuWorker
 
     engine = Engine(EngineConfig(model="tiny-wan", compile=False, warmup=False))
     worker = GpuWorker(engine, SchedulerConfig())

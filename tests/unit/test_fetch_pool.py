@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 from support.web import Web, drip
 
-from loraswap.adapters.naming.references import adapter_id_of
+from loraswap.adapters.reference import AdapterRef
+from loraswap.adapters.sources.choose import AdapterSources
 from loraswap.adapters.sources.download_waits import asked_at
 from loraswap.adapters.sources.downloads import Download, DownloadCache
-from loraswap.adapters.sources.local import AdapterSources
 from loraswap.adapters.sources.remote import RemoteSettings, RemoteSources
 from loraswap.errors import AdapterUnavailable, Overloaded
 from loraswap.server.fetch_pool import FetchPool
@@ -25,9 +25,8 @@ DATA = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"
 def _sources(total_timeout: float) -> SimpleNamespace:
     """Sources whose every `url:` adapter may wait on the network, downloads ending `total_timeout` s
     after the request asked."""
-    remote = SimpleNamespace(settings=SimpleNamespace(total_timeout=total_timeout),
-                             handles=lambda adapter_id: adapter_id.startswith("url:"), may_wait=lambda adapter_id: True)
-    return SimpleNamespace(remote=remote, hub=None, local=None)
+    remote = SimpleNamespace(settings=SimpleNamespace(total_timeout=total_timeout))
+    return SimpleNamespace(remote=remote, may_wait=lambda ref: ref.source == "url")
 
 
 def _writer(data: bytes, calls: list, gate: threading.Event | None = None, fail: bool = False):
@@ -49,10 +48,10 @@ def test_a_request_queued_past_its_deadline_is_refused_before_it_starts():
     pool, started = FetchPool(threads=1), []
 
     async def main():
-        busy = asyncio.create_task(pool.run(_sources(60), ["url:busy"], time.sleep, 1.0))
+        busy = asyncio.create_task(pool.run(_sources(60), [AdapterRef("url:busy")], time.sleep, 1.0))
         await asyncio.sleep(0.05)
         with pytest.raises(Overloaded, match="waited for a download thread longer than --download-timeout-s"):
-            await pool.run(_sources(0.5), ["url:late"], started.append, "late")
+            await pool.run(_sources(0.5), [AdapterRef("url:late")], started.append, "late")
         await busy
 
     try:
@@ -71,14 +70,14 @@ def test_a_downloads_deadline_counts_from_when_its_request_entered_the_pool(tmp_
     web.routes["/drip.safetensors"] = drip(web, data, 10**6, 1.0)
     url = web.url("/drip.safetensors")
     remote = RemoteSources(RemoteSettings(url_allow=(f"127.0.0.1:{web.port}",), total_timeout=2.5), tmp_path, MiB)
-    sources, url_id, pool = AdapterSources(None, None, remote), adapter_id_of(url), FetchPool(threads=1)
+    sources, ref, pool = AdapterSources(None, None, remote), AdapterRef.named(url), FetchPool(threads=1)
 
     async def main():
-        busy = asyncio.create_task(pool.run(sources, [url_id], time.sleep, 1.5))
+        busy = asyncio.create_task(pool.run(sources, [ref], time.sleep, 1.5))
         await asyncio.sleep(0.05)
         started = time.monotonic()
         with pytest.raises(AdapterUnavailable, match="did not send the whole answer within 2.5 s"):
-            await pool.run(sources, [url_id], sources.locate, url_id)
+            await pool.run(sources, [ref], sources.locate, ref)
         await busy
         return time.monotonic() - started
 
@@ -98,14 +97,14 @@ def test_requests_waiting_for_one_download_hold_no_thread(tmp_path):
     calls, other_calls = [], []
 
     async def main():
-        waiting = [asyncio.create_task(pool.run(sources, ["url:a"], cache.fetch, "url:a", _writer(DATA, calls, gate)))
-                   for _ in range(8)]
+        waiting = [asyncio.create_task(pool.run(sources, [AdapterRef("url:a")], cache.fetch, "url:a",
+                                                _writer(DATA, calls, gate))) for _ in range(8)]
         while not calls:
             await asyncio.sleep(0.01)
-        other = await asyncio.wait_for(pool.run(sources, ["url:b"], cache.fetch, "url:b", _writer(DATA, other_calls)),
-                                       10)
+        other = await asyncio.wait_for(pool.run(sources, [AdapterRef("url:b")], cache.fetch, "url:b",
+                                                _writer(DATA, other_calls)), 10)
         assert not any(task.done() for task in waiting), "the eight still wait"
-        asked = await pool.run(sources, ["url:c"], asked_at)
+        asked = await pool.run(sources, [AdapterRef("url:c")], asked_at)
         gate.set()
         return other, [await task for task in waiting], asked
 
@@ -126,7 +125,7 @@ def test_requests_waiting_for_a_failed_download_each_get_an_error_of_their_own(t
     cache, pool, gate, calls = DownloadCache(tmp_path, MiB), FetchPool(threads=2), threading.Event(), []
 
     async def main():
-        waiting = [asyncio.create_task(pool.run(_sources(60), ["url:a"], cache.fetch, "url:a",
+        waiting = [asyncio.create_task(pool.run(_sources(60), [AdapterRef("url:a")], cache.fetch, "url:a",
                                                 _writer(DATA, calls, gate, fail=True))) for _ in range(8)]
         while not calls:
             await asyncio.sleep(0.01)

@@ -8,8 +8,11 @@ from safetensors.torch import save_file
 from loraswap.adapters.bound import ModelLayers
 from loraswap.adapters.cache import CacheConfig
 from loraswap.adapters.files.facts import MAX_ENTRIES, FileFacts
+from loraswap.adapters.files.location import AdapterLocation
 from loraswap.adapters.random import make_random_adapter
-from loraswap.adapters.sources.local import AdapterLocation, AdapterSources, LocalAdapterSource
+from loraswap.adapters.reference import as_refs
+from loraswap.adapters.sources.choose import AdapterSources
+from loraswap.adapters.sources.folder import FolderSource
 from loraswap.adapters.store import AdapterStore, TargetModel
 from loraswap.engine.swap.baselines import LocatedFiles
 from loraswap.models import lora_components
@@ -36,7 +39,7 @@ def _store(tmp_path):
     state_dict, metadata = make_random_adapter(components, 4, "attn")
     save_file(state_dict, str(tmp_path / "a.safetensors"), metadata=metadata)
     target = TargetModel("tiny-sd", cls, ModelLayers(components), torch.float32)
-    store = AdapterStore(AdapterSources(LocalAdapterSource(tmp_path), None, None), target,
+    store = AdapterStore(AdapterSources(FolderSource(tmp_path), None, None), target,
                          CacheConfig(gpu_bytes=0), torch.device("cpu"))
     return store, tmp_path / "a.safetensors"
 
@@ -50,7 +53,7 @@ def test_the_stores_fits_answers_are_bounded_and_a_forgotten_download_drops_its_
         assert store.fits(AdapterLocation(url_id(number), path, None)) is True
     assert len(store._fits) == 16 and len(checked) == 40
     assert store.fits(AdapterLocation(url_id(39), path, None)) is True and len(checked) == 40, "remembered"
-    store.forget_file(url_id(39))
+    store.evict_download(url_id(39))
     assert len(store._fits) == 15
     assert store.fits(AdapterLocation(url_id(39), path, None)) is True and len(checked) == 41, "looked at again"
     store.close()
@@ -58,10 +61,10 @@ def test_the_stores_fits_answers_are_bounded_and_a_forgotten_download_drops_its_
 
 def test_the_baselines_located_files_are_bounded(tmp_path, monkeypatch):
     store, path = _store(tmp_path)
-    monkeypatch.setattr(store, "locate", lambda adapter_id: AdapterLocation(adapter_id, path, None))
+    monkeypatch.setattr(store, "locate", lambda ref: AdapterLocation(ref.adapter_id, path, None))
     located = LocatedFiles(store)
     located._files.max_entries = 16
     for number in range(40):
-        assert located.lease_now([(url_id(number), 1.0)]).held[0][0].adapter_id == url_id(number)
+        assert located.lease_now(as_refs([(url_id(number), 1.0)])).held[0][0].adapter_id == url_id(number)
     assert len(located._files) == 16
     store.close()

@@ -11,6 +11,7 @@ from support.numerics import rel_err
 
 pytest.importorskip("torchao", reason="the test extra pins torchao")
 
+from loraswap.adapters.reference import AdapterRef
 from loraswap.engine.config import EngineConfig  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
 from loraswap.engine.quantize import weights as quantize  # noqa: E402
@@ -65,7 +66,7 @@ def test_fp8_swap_adds_the_adapter_and_no_error_beyond_quantization(engines):
 def test_fp8_weights_are_requantized_within_half_a_float8_step(engines):
     _, fp8 = engines
     before = float8_state(fp8)
-    bound = fp8.adapters.resolve("strong")
+    bound = fp8.adapters.read(AdapterRef("strong"))
     fp8.set_adapters([("strong", 1.0)])
     checked = 0
     for (component, param), layer in bound.layers.items():
@@ -172,7 +173,7 @@ def test_the_gpu_memory_cap_names_the_gpu_by_index(monkeypatch, device, index):
 
     from torch.cuda._utils import _get_device_index
 
-    from loraswap.engine.startup.bring_up import cap_gpu_memory
+    from loraswap.engine.process import cap_gpu_memory
 
     calls = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -198,7 +199,7 @@ def test_the_gpu_memory_cap_grows_expandable_segments(monkeypatch, env, expected
     the H200; under a cap the allocator grows expandable segments instead, unless told."""
     from types import SimpleNamespace
 
-    from loraswap.engine.startup.bring_up import cap_gpu_memory
+    from loraswap.engine.process import cap_gpu_memory
 
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)

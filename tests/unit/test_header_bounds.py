@@ -20,6 +20,7 @@ from loraswap.adapters.files.formats import (
     parse_header,
     streamed_header,
 )
+from loraswap.adapters.reference import as_refs
 from loraswap.errors import AdapterInvalid
 
 MIB = 2**20
@@ -152,7 +153,7 @@ def test_the_load_and_fuse_baseline_checks_the_header_before_diffusers_reads_the
     engine = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, swap_mode="load-and-fuse", compile=False,
                                  warmup=False))
     with Cost() as cost, pytest.raises(AdapterInvalid, match="header is 95.0 MiB, over the 16 MiB"):
-        engine.lender.lease([("crowded", 1.0)]).result(timeout=60)
+        engine.lender.lease(as_refs([("crowded", 1.0)])).result(timeout=60)
     assert cost.seconds < 1 and cost.peak_growth < 50 * MIB, str(cost)
 
 

@@ -18,8 +18,6 @@ from hypothesis import strategies as st
 from support.fakes import fake_app
 from support.images import encode, noise
 
-from loraswap.adapters.naming.references import url_book
-
 ROUTES = {  # route -> the fields its body names
     "/": ("inputs", "parameters"),
     "/v1/images/generations": ("prompt", "negative_prompt", "model", "n", "size", "seed", "num_inference_steps",
@@ -132,7 +130,7 @@ def test_no_json_body_reaches_a_server_error(client, route):
         assert response.status_code < 500, (str(body)[:300], response.text)
         if response.status_code >= 400:
             assert response.json()["error"]
-        assert url_book().held() == 0, "an answered request holds no URL"
+        assert client.app.state.urls.held() == 0, "an answered request holds no URL"
 
     check()
 
@@ -156,6 +154,6 @@ def test_no_adapter_route_path_reaches_a_server_error(client):
         assert response.status_code < 500, (reference, route, response.text)
         if response.status_code >= 400:
             assert response.json()["error"]
-        assert url_book().held() == 0, "an answered request holds no URL"
+        assert client.app.state.urls.held() == 0, "an answered request holds no URL"
 
     check()

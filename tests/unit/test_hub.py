@@ -5,6 +5,7 @@ import shutil
 import huggingface_hub.constants
 import pytest
 
+from loraswap.adapters.reference import AdapterRef
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.errors import AdapterForbidden, AdapterInvalid, AdapterNotFound
@@ -50,29 +51,29 @@ def hub_engine(tmp_path, adapter_factory, monkeypatch):
 
 def test_hub_ids_revisions_and_weight_choice(hub_engine):
     engine, a, b = hub_engine
-    location = engine.adapters.locate("alice/watercolor")
+    location = engine.adapters.locate(AdapterRef("alice/watercolor"))
     assert location.weights.name == "pytorch_lora_weights.safetensors"
     assert location.weights.read_bytes() == a.read_bytes()
-    assert engine.adapters.locate("alice/watercolor@v2").weights.read_bytes() == b.read_bytes()
-    assert engine.adapters.locate(f"alice/watercolor@{OTHER}").weights.read_bytes() == b.read_bytes()
-    assert engine.adapters.locate("bob/single").weights.name == "bob_style.safetensors"
+    assert engine.adapters.locate(AdapterRef("alice/watercolor@v2")).weights.read_bytes() == b.read_bytes()
+    assert engine.adapters.locate(AdapterRef(f"alice/watercolor@{OTHER}")).weights.read_bytes() == b.read_bytes()
+    assert engine.adapters.locate(AdapterRef("bob/single")).weights.name == "bob_style.safetensors"
     # served, with the model card's base model honoured
     engine.set_adapters([("alice/watercolor", 1.0)])
-    assert engine.adapters.resolve("alice/watercolor").base_models == ("tiny-sd",)
+    assert engine.adapters.read(AdapterRef("alice/watercolor")).base_models == ("tiny-sd",)
     # local ids still win; local ids cannot take a revision
-    assert engine.adapters.locate("styles/local").weights.name == "local.safetensors"
+    assert engine.adapters.locate(AdapterRef("styles/local")).weights.name == "local.safetensors"
 
 
 def test_hub_refusals(hub_engine):
     engine, _, _ = hub_engine
     with pytest.raises(AdapterInvalid, match=r"2 safetensors files \(x.safetensors, y.safetensors\)"):
-        engine.adapters.locate("bob/two")
+        engine.adapters.locate(AdapterRef("bob/two"))
     with pytest.raises(AdapterNotFound, match="not found on the hub or in its cache"):
-        engine.adapters.locate("nobody/nothing")
+        engine.adapters.locate(AdapterRef("nobody/nothing"))
     with pytest.raises(AdapterNotFound):
-        engine.adapters.locate("alice/watercolor@nope")
+        engine.adapters.locate(AdapterRef("alice/watercolor@nope"))
     with pytest.raises(AdapterForbidden, match="allow/deny"):
-        engine.adapters.locate("mallory/evil")
+        engine.adapters.locate(AdapterRef("mallory/evil"))
     with pytest.raises(Exception, match="hosts tiny-sd"):
         engine.set_adapters([("carol/sdxl", 1.0)])
 
@@ -90,11 +91,11 @@ def test_a_used_and_kept_hub_adapter_is_listed_with_its_tier(hub_engine):
     is in no folder, and was missing from the list even when kept."""
     engine, _, _ = hub_engine
     engine.set_adapters([("bob/single", 1.0)])
-    engine.adapters.keep("alice/watercolor")
+    engine.adapters.keep(AdapterRef("alice/watercolor"))
     rows = {row["id"]: row for row in engine.adapters.rows(engine.applied_ids)}
     assert set(rows) == {"styles/local", "bob/single", "alice/watercolor"}
     assert rows["alice/watercolor"]["kept"] and rows["alice/watercolor"]["cached"] == "host"
     assert rows["bob/single"]["applied"] and not rows["bob/single"]["kept"]
     assert rows["styles/local"]["cached"] == "disk" and "rank" not in rows["styles/local"]
-    engine.adapters.evict("alice/watercolor")
+    engine.adapters.evict(AdapterRef("alice/watercolor"))
     assert "alice/watercolor" not in {row["id"] for row in engine.adapters.rows()}

@@ -16,9 +16,10 @@ from PIL import Image
 from support.fakes import fake_app
 from support.servers import wait_ready
 
-from loraswap.adapters.files.hashes import hash_file, hash_version
+from loraswap.adapters.files.hashes import ReadDigest, hash_file, hash_version
+from loraswap.adapters.files.location import AdapterLocation, file_stamp
 from loraswap.adapters.naming.prompt_tags import take_adapter_tags
-from loraswap.adapters.sources.local import AdapterLocation, file_stamp
+from loraswap.adapters.reference import as_refs
 from loraswap.engine.config import EngineConfig
 from loraswap.media.images import encode_image
 from loraswap.media.metadata import AdapterUse, ImageRecord
@@ -72,7 +73,8 @@ def test_a_remote_ids_tag_and_hash_name_agree_and_its_tag_reads_back_as_it(adapt
                                    AdapterUse("outline", 1.0, "b" * 64, "fedcba9876543210" * 4)))
     parsed = parse_infotext(record.infotext())
     prompt, loras = take_adapter_tags(parsed["Prompt"], None)
-    assert prompt.strip() == "a fox" and loras == [(adapter_id, 0.75), ("outline", 1.0)], "the server's own parser"
+    assert prompt.strip() == "a fox" and loras == as_refs([(adapter_id, 0.75), ("outline", 1.0)]), \
+        "the server's own parser"
     named = [entry.rsplit(": ", 1)[0] for entry in parsed["Lora hashes"].split(", ")]
     assert named == [adapter_id, "outline"], "each hash named as its tag names the adapter"
 
@@ -175,6 +177,43 @@ def test_a_version_is_hashed_only_while_the_file_is_that_version(tmp_path):
     assert hash_version(location, stamp) is None, "gone: not known, and nothing raised"
 
 
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_read_file_is_hashed_from_the_bytes_the_read_brings_in(adapter_factory, monkeypatch, in_place):
+    """One read of the file: the digest is taken of the bytes the store's read brings in (in
+    place, or read whole), not of a second read of the file."""
+    import os
+
+    import torch
+
+    from loraswap.adapters import store as store_module
+    from loraswap.adapters.bound import ModelLayers
+    from loraswap.adapters.files.formats import read_safetensors
+    from loraswap.models import lora_components
+
+    path = adapter_factory("hashed", "tiny-sd", rank=8, targets="all", seed=61)
+    cls, components = lora_components("tiny-sd")
+    target = store_module.TargetModel("tiny-sd", cls, ModelLayers(components), torch.float32)
+    read_bytes = []
+    for name in ("pread", "preadv"):
+        real = getattr(os, name)
+
+        def counting(fd, *args, real=real, name=name):
+            got = real(fd, *args)
+            if os.readlink(f"/proc/self/fd/{fd}") == str(path.resolve()):
+                read_bytes.append(len(got) if name == "pread" else got)
+            return got
+
+        monkeypatch.setattr(os, name, counting)
+    digest = ReadDigest()
+    if in_place:  # as the store reads it
+        store_module.read_adapter(AdapterLocation("hashed", path, None), target, digest=digest)
+    else:  # as when a parse needs a factor's values: read whole
+        read_safetensors(path, "hashed", 2**30, digest)
+        digest.finish()
+    assert digest.result == hash_file(path)
+    assert sum(read_bytes) == path.stat().st_size, "each byte of the file read once"
+
+
 # ---------------------------------------------------------------- through the server
 REQUEST = {"inputs": "a red fox", "parameters": {"seed": 11, "width": 64, "height": 64}}
 
@@ -256,13 +295,13 @@ def test_a_bad_format_field_is_a_400_naming_it(body, words):
 
 def test_a_file_is_hashed_as_it_is_read_once_per_version(served, adapter_factory, monkeypatch):
     client, folder = served
-    calls, real = [], hash_file
+    calls, real = [], ReadDigest.finish
 
-    def counted(path):
-        calls.append(path)
-        return real(path)
+    def counted(digest):
+        calls.append(digest)
+        return real(digest)
 
-    monkeypatch.setattr("loraswap.adapters.files.hashes.hash_file", counted)
+    monkeypatch.setattr(ReadDigest, "finish", counted)
 
     def recorded_sha256(seed: int) -> str:
         body = {**REQUEST, "parameters": {**REQUEST["parameters"], "seed": seed}}

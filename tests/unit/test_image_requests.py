@@ -16,6 +16,7 @@ from support.fakes import fake_app, serve_on_loopback
 from support.images import REFUSALS, encode, noise, png_declaring
 from typer.testing import CliRunner
 
+from loraswap.adapters.reference import as_refs
 from loraswap.cli import app as cli_app
 from loraswap.engine.engine import GenerateResult
 from loraswap.errors import UnsupportedInput
@@ -55,7 +56,7 @@ def test_huggingface_image_to_image_with_the_real_client(live):
     request, model = backend.generated[-1]
     assert (request.prompt, request.negative_prompt, request.steps, request.guidance, request.seed) == \
         ("a watercolor fox", "blur", 3, 2.5, 4)
-    assert request.loras == [("style", 0.5)] and request.strength == 0.6 and model is None
+    assert request.loras == as_refs([("style", 0.5)]) and request.strength == 0.6 and model is None
     assert request.image.mode == "RGB" and np.array_equal(pixels(request.image), pixels(PICTURE))
     assert (request.width, request.height) == (64, 32), "no size asked: the image's, a multiple of 16"
     assert request.mask is None
@@ -82,7 +83,7 @@ def test_openai_edits_with_image_and_mask_with_the_real_client(live):
     assert len(response.data) == 2
     assert Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json))).format == "PNG"
     (first, model), (second, _) = backend.generated
-    assert model is None and first.loras == [("style", 0.5), ("second", 1.0)]
+    assert model is None and first.loras == as_refs([("style", 0.5), ("second", 1.0)])
     assert (first.prompt, first.negative_prompt, first.steps, first.guidance, first.strength) == \
         ("a fox in snow", "rain", 3, 1.5, 0.25)
     assert (first.seed, second.seed) == (7, 8) and (first.width, first.height) == (64, 32)

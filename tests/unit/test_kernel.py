@@ -1,8 +1,8 @@
 """The swap kernels (one pass for plain weights, two for float8 ones), run by Triton's
 interpreter on CPU tensors.
 
-On a GPU the same kernels are compiled; `tools/gpu_checks/gpu_smoke.py` checks the one-pass kernel
-there against `addmm` in bf16, `tools/gpu_checks/fp8_kernel_check.py` the float8 one against
+On a GPU the same kernels are compiled; `tests/gpu/test_gpu_smoke.py` checks the one-pass kernel
+there against `addmm` in bf16, `tests/gpu/test_fp8_kernel.py` the float8 one against
 torchao's quantization. Here the interpreter checks the indexing,
 masking, blending and float8 rounding."""
 

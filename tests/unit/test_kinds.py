@@ -15,6 +15,7 @@ from support.numerics import assert_bitwise_equal, image_array, rel_err, weights
 
 from loraswap.adapters.kinds import FILE_KINDS, KINDS
 from loraswap.adapters.parse.changes import SUFFIXES
+from loraswap.adapters.reference import AdapterRef
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.errors import AdapterInvalid
@@ -75,7 +76,7 @@ def test_lycoris_kinds_match_lycoris_forward(case, tiny_sd):
     base = image_array(engine.pipeline)
     engine.set_adapters([(case, 1.0)])
     ours = image_array(engine.pipeline)
-    bound = engine.adapters.resolve(case)
+    bound = engine.adapters.read(AdapterRef(case))
 
     assert rel_err(theirs, base) >= 2e-2, "the adapter must visibly change the image"
     assert rel_err(ours, theirs) <= 1e-4
@@ -171,7 +172,7 @@ def test_the_adapter_list_shows_each_adapters_kinds(tiny_sd):
                "lora_unet_down_blocks_0_attentions_0_proj_in.hada_w2_a": torch.ones(16, 2),
                "lora_unet_down_blocks_0_attentions_0_proj_in.hada_w2_b": torch.ones(2, 16)},
               str(folder / "listed.safetensors"))
-    engine.adapters.resolve("listed")
+    engine.adapters.read(AdapterRef("listed"))
     row = next(r for r in engine.adapters.rows() if r["id"] == "listed")
     assert row["kinds"] == ["bias", "loha"]
 
@@ -185,7 +186,7 @@ def test_a_lora_of_a_3x3_convolution_is_listed_as_locon(tiny_sd):
                "lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.ones(2, 16, 1, 1),
                "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.ones(16, 2, 1, 1)},
               str(folder / "locon.safetensors"))
-    engine.adapters.resolve("locon")
+    engine.adapters.read(AdapterRef("locon"))
     row = next(r for r in engine.adapters.rows() if r["id"] == "locon")
     assert row["kinds"] == ["locon", "lora"]
 
@@ -199,7 +200,7 @@ def test_a_peft_folder_is_scaled_by_its_adapter_config(tiny_sd):
     save_file({f"{module}.lora_A.weight": torch.ones(2, 16, 1, 1), f"{module}.lora_B.weight": torch.ones(16, 2, 1, 1)},
               str(folder / "peft-folder" / "adapter_model.safetensors"))
     (folder / "peft-folder" / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 8}))
-    bound = engine.adapters.resolve("peft-folder")
+    bound = engine.adapters.read(AdapterRef("peft-folder"))
     assert [layer.scale for layer in bound.layers.values()] == [4.0]
 
 

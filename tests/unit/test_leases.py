@@ -10,11 +10,12 @@ from PIL import Image
 from support.fakes import SteppingEngine
 
 from loraswap.adapters.lease import Lease
+from loraswap.adapters.reference import as_refs
 from loraswap.engine.calls import Stopped
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config import EngineConfig, SchedulerConfig
 from loraswap.engine.engine import Engine, GenerateResult
 from loraswap.engine.request import GenerateRequest
-from loraswap.engine.worker import GpuWorker, SchedulerConfig
+from loraswap.engine.worker import GpuWorker
 from loraswap.errors import AdapterNotFound, Overloaded
 
 
@@ -30,12 +31,12 @@ class CountingLender:
         self.lent, self.returned = [], []
         self._lock = threading.Lock()
 
-    def lease(self, loras) -> Future:
+    def lease(self, refs, located=None) -> Future:
         future: Future = Future()
-        if any(adapter_id == "missing" for adapter_id, _ in loras):
+        if any(ref.adapter_id == "missing" for ref in refs):
             future.set_exception(AdapterNotFound("missing", "no such adapter", "Check the id"))
             return future
-        items = [(Item(adapter_id), weight) for adapter_id, weight in loras]
+        items = [(Item(ref.adapter_id), ref.scale) for ref in refs]
         with self._lock:
             self.lent += [item for item, _ in items]
         future.set_result(Lease(items, self._give_back))
@@ -50,15 +51,18 @@ class FakeEngine:
     """Generates at once, or when `gate` opens for a prompt "wait"; fails a prompt "boom"."""
 
     applied_ids = ()
-    ranks = None
+    stoppable = True
 
     def __init__(self):
         self.lender = CountingLender()
         self.gate = threading.Event()
         self.started = threading.Event()
 
+    def when_lost(self, answer) -> None:
+        """Never lost: one process."""
+
     def generate_batch(self, requests, lease, on_step=None, on_latents=None):
-        assert isinstance(lease, Lease) and lease.ids == tuple(requests[0].loras)
+        assert isinstance(lease, Lease) and lease.ids == tuple((ref.adapter_id, ref.scale) for ref in requests[0].loras)
         if requests[0].prompt == "wait":
             self.started.set()
             self.gate.wait(30)
@@ -138,7 +142,7 @@ def test_a_running_request_stops_at_its_next_step_once_all_its_batch_is_cancelle
 def test_the_engine_swaps_what_a_lease_holds(adapter_factory):
     adapter_factory("lease-a", "tiny-sd", rank=4, seed=11)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=adapter_factory.root, compile=False, warmup=False))
-    with engine.lender.lease([("lease-a", 0.5)]).result(timeout=60) as lease:
+    with engine.lender.lease(as_refs([("lease-a", 0.5)])).result(timeout=60) as lease:
         assert engine.apply(lease) > 0 and engine.applied_ids == (("lease-a", 0.5),)
         assert [row["in_use"] for row in engine.adapters.cache.table()] == [1]
     assert [row["in_use"] for row in engine.adapters.cache.table()] == [0], "given back: the cache may evict it"

@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from support.fakes import fake_app, start_on_thread
 from support.servers import free_port, wait_ready
 
+from loraswap.adapters.reference import AdapterRef
 from loraswap.engine.config import EngineConfig
 from loraswap.logs import (
     JsonAccessFormatter,
@@ -146,14 +147,14 @@ def demo_app():
 
 def test_every_line_a_request_causes_carries_its_id_on_every_thread(demo_app, monkeypatch):
     client, app = demo_app
-    store = app.state.engine.adapters
-    hold = store._hold
+    store = app.state.deployment.hosted[0].engine.adapters
+    lease_now = store.lease_now
 
-    def hold_logging(adapter_id):  # a line from the thread that reads the adapter
-        logging.getLogger("loraswap.adapters.store").info("reading %s", adapter_id)
-        return hold(adapter_id)
+    def lease_logging(refs, located=None):  # a line from the thread that reads the adapters
+        logging.getLogger("loraswap.adapters.store").info("reading %s", ", ".join(ref.adapter_id for ref in refs))
+        return lease_now(refs, located)
 
-    monkeypatch.setattr(store, "_hold", hold_logging)
+    monkeypatch.setattr(store, "lease_now", lease_logging)
     with logged("loraswap", JsonFormatter()) as lines:
         response = client.post("/", json=ONE_IMAGE, headers={"x-request-id": "trace-me-1", "lora": "outline"})
         assert response.status_code == 200, response.text
@@ -172,9 +173,8 @@ def test_every_line_a_request_causes_carries_its_id_on_every_thread(demo_app, mo
 
 
 def test_the_fetch_pool_and_anyios_threads_run_in_the_requests_context():
-    remote = SimpleNamespace(settings=SimpleNamespace(total_timeout=60), handles=lambda adapter_id: True,
-                             may_wait=lambda adapter_id: adapter_id == "url:slow")
-    sources = SimpleNamespace(remote=remote, hub=None, local=None)
+    remote = SimpleNamespace(settings=SimpleNamespace(total_timeout=60))
+    sources = SimpleNamespace(remote=remote, may_wait=lambda ref: ref.adapter_id == "url:slow")
     pool = FetchPool(threads=1)
 
     def where() -> tuple[str, str | None]:
@@ -182,7 +182,7 @@ def test_the_fetch_pool_and_anyios_threads_run_in_the_requests_context():
 
     async def main():
         request_id.set("fetch-1")
-        return [await pool.run(sources, [adapter_id], where) for adapter_id in ("url:slow", "url:here")]
+        return [await pool.run(sources, [AdapterRef(adapter_id)], where) for adapter_id in ("url:slow", "url:here")]
 
     try:
         (fetch_thread, on_fetch), (anyio_thread, on_anyio) = asyncio.run(main())

@@ -5,9 +5,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config import EngineConfig, Parallelism
 from loraswap.engine.parallel.cfg import GUIDED, GuidanceSplit, check_guided
-from loraswap.engine.parallel.ranks import Parallelism, check_parallelizable, check_sequence, pad_text_to_split
+from loraswap.engine.parallel.split import check_parallelizable, check_sequence, check_split, pad_text_to_split
 from loraswap.errors import BadRequest
 from loraswap.models import build_preset, family_of
 
@@ -18,7 +18,7 @@ def _denoiser_and_family(preset: str):
 
 
 def test_the_flags_count_processes_and_split_sizes():
-    assert EngineConfig(model="tiny-wan", ulysses_degree=2, cfg_parallel=True).parallelism.world == 4
+    assert EngineConfig(model="tiny-wan", ulysses_degree=2, cfg_parallel=True).parallel.parallelism.world == 4
     parallelism = Parallelism(ulysses=2, cfg=2)
     check_sequence(6, parallelism)  # each half splits its sequence in two
     with pytest.raises(BadRequest, match="7 image tokens, which do not split over 2 ranks"):
@@ -139,23 +139,18 @@ def test_flux2_reference_images_over_a_megapixel_are_scaled_as_its_pipeline_does
 
 
 def test_a_split_refuses_an_edit_whose_output_and_input_do_not_divide():
-    """The engine's check before its ranks run anything: an edit's whole sequence, a plain
-    call's output."""
-    from types import SimpleNamespace
-
+    """The ranked engine's check before its ranks run anything: an edit's whole sequence, a
+    plain call's output."""
     from PIL import Image
 
-    from loraswap.engine.engine import Engine
-
     pipeline = build_preset("tiny-flux-kontext")
-    engine = SimpleNamespace(parallelism=Parallelism(ulysses=2), pipeline=pipeline,
-                             calls=SimpleNamespace(family=family_of(pipeline)))
+    family, parallelism = family_of(pipeline), Parallelism(ulysses=2)
     odd = dict(width=64, height=64, image=Image.new("RGB", (80, 48)), _auto_resize=False)  # 16 + 15 tokens
     with pytest.raises(BadRequest, match="this size and input image make 31 tokens, which do not split over 2"):
-        Engine._check_split(engine, odd)
-    Engine._check_split(engine, dict(odd, image=Image.new("RGB", (80, 64))))  # 16 + 20
+        check_split(pipeline, family, parallelism, odd)
+    check_split(pipeline, family, parallelism, dict(odd, image=Image.new("RGB", (80, 64))))  # 16 + 20
     with pytest.raises(BadRequest, match="this size makes 15 image tokens"):
-        Engine._check_split(engine, dict(width=80, height=48))
+        check_split(pipeline, family, parallelism, dict(width=80, height=48))
 
 
 class _Unrebuildable(Exception):
@@ -170,10 +165,10 @@ def test_an_error_that_cannot_cross_to_another_rank_is_sent_as_its_type_message_
     make that rank skip the collective and leave the others in it."""
     import pickle
 
-    from loraswap.engine.parallel.ranks import _sendable
+    from loraswap.engine.parallel.ranks import sendable
     from loraswap.errors import AdapterInvalid
 
     error = AdapterInvalid("a", "truncated", "Download it again")
-    assert _sendable(error) is error
-    sent = pickle.loads(pickle.dumps(_sendable(_Unrebuildable("adapter a", "odd"))))
+    assert sendable(error) is error
+    sent = pickle.loads(pickle.dumps(sendable(_Unrebuildable("adapter a", "odd"))))
     assert str(sent) == "_Unrebuildable: adapter a: odd" and sent.status == 422

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config import EngineConfig, SchedulerConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.previews import LatentPreviews, StepLatents, decode, sigmas_of, token_grid, vae_latents
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_listener import StepListener, every_steps, previews_hook, spread_steps
-from loraswap.engine.worker import GpuWorker, SchedulerConfig
+from loraswap.engine.worker import GpuWorker
 from loraswap.models import load_pipeline
 
 DEMO_PROMPTS = ["a red circle at the left on white", "a blue square at the right on black",

@@ -14,6 +14,7 @@ from support.images import encode, noise
 from support.servers import form
 
 from loraswap.adapters.naming.prompt_tags import take_adapter_tags
+from loraswap.adapters.reference import as_refs
 from loraswap.errors import BadRequest
 from loraswap.media.metadata import AdapterUse, ImageRecord
 
@@ -42,7 +43,7 @@ URL_ID = "url:" + "0123456789abcdef" * 2
     ("<lora:url:0.5> <lora:civitai:2>", " ", [("url", 0.5), ("civitai", 2.0)]),  # folder adapters of those names
 ])
 def test_tags_are_cut_out_and_name_adapters_in_order(prompt, text, loras):
-    assert take_adapter_tags(prompt, None) == (text, loras)
+    assert take_adapter_tags(prompt, None) == (text, as_refs(loras))
 
 
 @pytest.mark.parametrize("prompt,words", [
@@ -96,8 +97,8 @@ def test_every_api_takes_the_tags_out_of_its_prompt(fake):
     assert client.post("/v1/images/generations", json={"prompt": "a fox <lyco:b:0.25>"}).status_code == 200
     assert client.post("/sdapi/v1/txt2img", json={"prompt": "<lora:c:2> a fox", "seed": 1}).status_code == 200
     made = [(request.prompt, request.loras) for request, _ in backend.generated]
-    assert made == [(" a fox", [("a", 0.5)]), (" a fox", [("a", 1.0)]), ("a fox ", [("b", 0.25)]),
-                    (" a fox", [("c", 2.0)])]
+    assert made == [(" a fox", as_refs([("a", 0.5)])), (" a fox", as_refs([("a", 1.0)])),
+                    ("a fox ", as_refs([("b", 0.25)])), (" a fox", as_refs([("c", 2.0)]))]
 
 
 def test_tags_merge_with_the_model_the_body_and_the_header_each_later_one_winning(fake):
@@ -107,10 +108,10 @@ def test_tags_merge_with_the_model_the_body_and_the_header_each_later_one_winnin
     assert client.post("/v1/images/generations", json=body, headers={"lora": "c:0.9"}).status_code == 200
     request, model = backend.generated[-1]
     # the name's, then the prompt's, the body's and the header's: a name given again takes the later weight and place
-    assert model is None and request.loras == [("m", 0.1), ("a", 0.5), ("b", 0.7), ("c", 0.9)]
+    assert model is None and request.loras == as_refs([("m", 0.1), ("a", 0.5), ("b", 0.7), ("c", 0.9)])
     assert client.post("/v1/images/generations", json={"prompt": "<lora:a> x", "model": "fake"}).status_code == 200
     request, model = backend.generated[-1]
-    assert model == "fake" and request.loras == [("a", 1.0)], "a hosted model named, the tags its adapters"
+    assert model == "fake" and request.loras == as_refs([("a", 1.0)]), "a hosted model named, the tags its adapters"
 
 
 def test_a_refused_tag_is_a_400_naming_it_and_nothing_is_generated(fake):
@@ -141,7 +142,7 @@ def test_a_video_prompt_takes_tags_too(fake):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     request, _ = backend.generated[-1]
-    assert (request.prompt, request.loras) == (" a fox", [("a", 0.5)])
+    assert (request.prompt, request.loras) == (" a fox", as_refs([("a", 0.5)]))
 
 
 def test_an_infotext_s_tags_parse_back_to_its_adapters_and_weights():
@@ -153,7 +154,7 @@ def test_an_infotext_s_tags_parse_back_to_its_adapters_and_weights():
     record = ImageRecord(prompt="a red circle", negative_prompt=None, steps=2, guidance=3.0, seed=1, width=32,
                          height=32, model="demo", adapters=adapters)
     text, loras = take_adapter_tags(record.infotext().split("\n")[0], None)
-    assert loras == [(a.id, a.weight) for a in adapters] and text.strip() == "a red circle"
+    assert loras == as_refs((a.id, a.weight) for a in adapters) and text.strip() == "a red circle"
 
 
 def test_the_infotext_of_a_served_image_sent_back_makes_the_same_request(fake):
@@ -177,7 +178,7 @@ def test_an_empty_prompt_is_judged_once_its_tags_are_cut_out(fake):
         answer = client.post("/sdapi/v1/txt2img", json={"prompt": prompt, "seed": 1})
         assert answer.status_code == 200, answer.text
         request, _ = backend.generated[-1]
-        assert request.prompt.strip() == "" and request.loras == ([("a", 0.5)] if "lora" in prompt else [])
+        assert request.prompt.strip() == "" and request.loras == as_refs([("a", 0.5)] if "lora" in prompt else [])
     assert client.post("/sdapi/v1/txt2img", json={"seed": 1}).status_code == 200, "no prompt at all: webuiapi's \"\""
     made = len(backend.generated)
     too_long = client.post("/sdapi/v1/txt2img", json={"prompt": " " * 2001})

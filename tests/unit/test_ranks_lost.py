@@ -11,12 +11,14 @@ import pytest
 from PIL import Image
 
 from loraswap.adapters.lease import Lease
+from loraswap.engine.config import SchedulerConfig
 from loraswap.engine.engine import GenerateResult
 from loraswap.engine.parallel import loss as rank_loss
 from loraswap.engine.parallel.loss import ANSWER_S, RankLoss, RanksLost
 from loraswap.engine.request import GenerateRequest
-from loraswap.engine.worker import GpuWorker, SchedulerConfig
+from loraswap.engine.worker import GpuWorker
 from loraswap.server.backend import LocalBackend
+from loraswap.server.routing import Route
 
 
 class Exited(BaseException):
@@ -44,7 +46,7 @@ class Lender:
     def __init__(self):
         self.lent = self.returned = 0
 
-    def lease(self, loras) -> Future:
+    def lease(self, refs, located=None) -> Future:
         self.lent += 1
         future = Future()
         future.set_result(Lease([(object(), 1.0)], self._give_back))
@@ -55,12 +57,15 @@ class Lender:
 
 
 class StuckEngine:
-    """Rank 0's engine: its image stuck in a collective (a dead rank never answers) until `gate`."""
+    """Rank 0's engine: its image stuck in a collective (a dead rank never answers) until `gate`;
+    lost when its ranks' `loss` gives up (as `RankedEngine.when_lost` says)."""
 
     applied_ids = ()
+    stoppable = False
 
     def __init__(self):
-        self.ranks = SimpleNamespace(loss=RankLoss(0), tell=lambda verb, loras: None)
+        self.loss = RankLoss(0)
+        self.when_lost = self.loss.when_lost
         self.lender = Lender()
         self.gate, self.started = threading.Event(), threading.Event()
 
@@ -77,7 +82,7 @@ def test_rank_0_answers_every_request_it_holds_and_each_new_one_with_a_503(exits
     generating = worker.submit(GenerateRequest(prompt="first"))
     assert engine.started.wait(30)
     queued = [worker.submit(GenerateRequest(prompt=f"queued {i}")) for i in range(2)]
-    error = engine.ranks.loss.give_up("loraswap-rank-1 exited with code -9")
+    error = engine.loss.give_up("loraswap-rank-1 exited with code -9")
     assert error.status == 503 and "(loraswap-rank-1 exited with code -9)" in error.message
     assert exits == [ANSWER_S], "the exit is scheduled once, after the answers"
     for future in [generating, *queued]:  # at once, though the worker's thread is still stuck
@@ -85,7 +90,7 @@ def test_rank_0_answers_every_request_it_holds_and_each_new_one_with_a_503(exits
             future.result(timeout=0)
     with pytest.raises(RanksLost):
         worker.submit(GenerateRequest(prompt="after"))
-    assert engine.ranks.loss.give_up("a message between the processes failed") is error
+    assert engine.loss.give_up("a message between the processes failed") is error
     assert exits == [ANSWER_S], "said once, whichever thread finds out next"
     engine.gate.set()  # the stuck image ends after all: its answer is already out, the worker lives on
     worker.stop(timeout=30)
@@ -109,12 +114,11 @@ class Backend(LocalBackend):
         super().__init__(SimpleNamespace(), config=None)
         failed = Future()
         failed.set_exception(RanksLost("one of the processes failed"))
-        hosted = SimpleNamespace(worker=SimpleNamespace(submit=lambda request, on_step: failed),
+        hosted = SimpleNamespace(worker=SimpleNamespace(submit=lambda request, on_step, located: failed),
                                  engine=SimpleNamespace(adapters=SimpleNamespace(source=None),
                                                         calls=SimpleNamespace(sized=lambda request: request),
                                                         step_cache=SimpleNamespace(resolved=lambda request: request)))
-        self.state.worker = hosted.worker
-        self.state.deployment = SimpleNamespace(route=lambda loras, model: hosted, hosted=[hosted])
+        self.state.deployment = SimpleNamespace(route=lambda refs, model: Route(hosted, {}), hosted=[hosted])
 
 
 def test_a_client_gets_the_503_and_a_video_job_is_left_for_the_restart():

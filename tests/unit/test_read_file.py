@@ -168,9 +168,9 @@ def test_read_in_place_binds_what_reading_whole_binds(tmp_path, monkeypatch, cap
     (LoKr rows) it falls back to reading whole, with the same result."""
     from loraswap.adapters.bound import ModelLayers, bind_adapter
     from loraswap.adapters.files import data as file_data
-    from loraswap.adapters.parse.changes import load_adapter
+    from loraswap.adapters.files.location import AdapterLocation
+    from loraswap.adapters.parse.changes import parse_adapter_file
     from loraswap.adapters.random import make_random_adapter
-    from loraswap.adapters.sources.local import AdapterLocation
     from loraswap.adapters.store import TargetModel, read_adapter
     from loraswap.models import lora_components
 
@@ -180,7 +180,7 @@ def test_read_in_place_binds_what_reading_whole_binds(tmp_path, monkeypatch, cap
     path = tmp_path / "a.safetensors"
     save_file(state_dict, str(path), metadata=metadata)
     location, layers = AdapterLocation("a", path, None), ModelLayers(components)
-    whole = bind_adapter(load_adapter(location, cls, layers.component_modules, 2**30), layers, dtype=model_dtype)
+    whole = bind_adapter(parse_adapter_file(location, cls, layers.component_modules, 2**30), layers, dtype=model_dtype)
 
     monkeypatch.setattr(file_data, "LARGE", 64)  # the tiny model's factors stand in, as a real model's do
     caplog.set_level("DEBUG", logger="loraswap.adapters.store")
@@ -206,9 +206,9 @@ def test_factors_cut_out_of_the_file_on_the_device_pack_as_on_the_host(tmp_path,
     from loraswap.adapters.bound import BoundAdapter, ModelLayers, _pack_on_device, fitted_layers, packed_spans
     from loraswap.adapters.files import data as file_data
     from loraswap.adapters.files.data import NotInFile
-    from loraswap.adapters.parse.changes import load_adapter
+    from loraswap.adapters.files.location import AdapterLocation
+    from loraswap.adapters.parse.changes import parse_adapter_file
     from loraswap.adapters.random import make_random_adapter
-    from loraswap.adapters.sources.local import AdapterLocation
     from loraswap.models import lora_components
 
     cls, components = lora_components(preset)
@@ -218,7 +218,7 @@ def test_factors_cut_out_of_the_file_on_the_device_pack_as_on_the_host(tmp_path,
     save_file(state_dict, str(path), metadata=metadata)
     monkeypatch.setattr(file_data, "LARGE", large)
     layers = ModelLayers(components)
-    parsed = load_adapter(AdapterLocation("a", path, None), cls, layers.component_modules, 2**30, in_place=True)
+    parsed = parse_adapter_file(AdapterLocation("a", path, None), cls, layers.component_modules, 2**30, in_place=True)
     try:
         bound = BoundAdapter("a", fitted_layers(parsed, layers))
         factors = [t for layer in bound.layers.values() for t in layer.factors.values()]
@@ -268,8 +268,8 @@ def test_reads_in_place_leave_no_file_open(tmp_path, monkeypatch):
 
     from loraswap.adapters.bound import ModelLayers
     from loraswap.adapters.files import data as file_data
+    from loraswap.adapters.files.location import AdapterLocation
     from loraswap.adapters.random import make_random_adapter
-    from loraswap.adapters.sources.local import AdapterLocation
     from loraswap.adapters.store import StoreLimits, TargetModel, read_adapter
     from loraswap.models import lora_components
 
@@ -303,8 +303,8 @@ def test_whether_an_adapter_fits_is_told_from_its_header(tmp_path, monkeypatch):
     a read refuses them, and not a factor's bytes is read (a NaN is found when it is read)."""
     from loraswap.adapters.bound import ModelLayers
     from loraswap.adapters.files import data as file_data
+    from loraswap.adapters.files.location import AdapterLocation
     from loraswap.adapters.random import make_random_adapter
-    from loraswap.adapters.sources.local import AdapterLocation
     from loraswap.adapters.store import StoreLimits, TargetModel, check_fit, read_adapter
     from loraswap.models import lora_components
 

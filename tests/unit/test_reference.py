@@ -4,6 +4,7 @@ import pytest
 import torch
 from support.numerics import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 
+from loraswap.adapters.reference import AdapterRef
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
@@ -41,7 +42,7 @@ def test_matches_diffusers_load_lora_weights(preset, fmt, adapter_factory):
     assert rel_err(theirs, base) >= 1e-2, "the adapter must visibly change the image"
     assert rel_err(ours, theirs) <= 1e-4
     # text encoder layers were fused too (the reference loads them as well)
-    assert any(c.startswith("text_encoder") for c, _ in engine.adapters.resolve(path.stem).layers)
+    assert any(c.startswith("text_encoder") for c, _ in engine.adapters.read(AdapterRef(path.stem)).layers)
 
 
 @pytest.mark.parametrize("preset", ["tiny-sd", "tiny-flux"])
@@ -75,7 +76,7 @@ def test_mixed_alphas_per_layer_scale_each_layer(adapter_factory, tmp_path):
         state_dict[key] = torch.tensor(float(1 + i % 5), dtype=torch.float16)
     save_file(state_dict, str(tmp_path / "mixed.safetensors"))
     engine = engine_for("tiny-sd", tmp_path)
-    bound = engine.adapters.resolve("mixed")
+    bound = engine.adapters.read(AdapterRef("mixed"))
     scales = {layer.scale for layer in bound.layers.values()}
     assert scales == {(1 + i) / 8 for i in range(5)}
 

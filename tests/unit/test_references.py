@@ -1,19 +1,13 @@
 """Names of adapters elsewhere (URLs, Civitai AIRs, buckets): the id each is served under,
 weights after them, what is refused, and what an error may show of them."""
 
+import pickle
+
 import pytest
 
-from loraswap.adapters.naming.references import (
-    UrlReference,
-    adapter_id_of,
-    check_id,
-    parse_reference,
-    reference_of,
-    remember_urls,
-    shown,
-    urls_of,
-)
 from loraswap.adapters.naming.specs import adapter_with_weight, parse_adapter_specs
+from loraswap.adapters.reference import AdapterRef, UrlReference, as_refs, check_id, parse_reference, shown
+from loraswap.engine.request import GenerateRequest
 from loraswap.errors import BadRequest
 
 SIGNED = "https://cdn.example.com/loras/style.safetensors?X-Amz-Signature=SECRET123&X-Amz-Expires=600"
@@ -22,33 +16,53 @@ SIGNED = "https://cdn.example.com/loras/style.safetensors?X-Amz-Signature=SECRET
 def test_each_reference_has_the_id_it_is_served_under():
     loras = parse_adapter_specs(f"plain/id:0.5, {SIGNED}:0.7, civitai:827184@2514310, "
                                 "urn:air:sdxl:lora:civitai:11@22:0.2, s3://my-bucket/loras/x.safetensors")
-    url_id = loras[1][0]
-    assert loras == [("plain/id", 0.5), (url_id, 0.7), ("civitai:827184@2514310", 1.0), ("civitai:11@22", 0.2),
-                     ("s3:my-bucket/loras/x.safetensors", 1.0)]
+    url_id = loras[1].adapter_id
+    assert [(ref.adapter_id, ref.scale) for ref in loras] == [
+        ("plain/id", 0.5), (url_id, 0.7), ("civitai:827184@2514310", 1.0), ("civitai:11@22", 0.2),
+        ("s3:my-bucket/loras/x.safetensors", 1.0)]
     assert url_id.startswith("url:") and len(url_id) == 36 and "SECRET" not in url_id
-    assert reference_of(url_id).url == SIGNED, "this process remembers the URL behind its id"
-    assert adapter_id_of(SIGNED) == url_id and adapter_id_of(url_id) == url_id
-    assert adapter_id_of(SIGNED.replace("SECRET123", "OTHER")) != url_id, "a URL is its own key, signature and all"
+    assert loras[1].url == SIGNED, "the ref carries the URL behind its id"
+    assert "SECRET" not in repr(loras[1]) and "SECRET" not in repr(loras[1].where), "never in a repr (a log line)"
+    assert AdapterRef.named(SIGNED).adapter_id == url_id and AdapterRef.named(url_id).adapter_id == url_id
+    assert AdapterRef.named(SIGNED.replace("SECRET123", "OTHER")).adapter_id != url_id, \
+        "a URL is its own key, signature and all"
     assert parse_reference("urn:air:flux1:lora:civitai:11@22").ecosystem == "flux1"
-    assert adapter_with_weight("https://h.example:8443/a.safetensors", None)[1] == 1.0
-    assert parse_adapter_specs("https://h.example:8443/a.safetensors:0.25")[0][1] == 0.25
+    assert loras[4].where.bucket == "my-bucket" and loras[2].where.version == 2514310, "where the file is, in the ref"
+    assert adapter_with_weight("https://h.example:8443/a.safetensors", None).scale == 1.0
+    assert parse_adapter_specs("https://h.example:8443/a.safetensors:0.25")[0].scale == 0.25
 
 
-def test_a_url_id_unseen_by_this_process_has_no_reference():
-    assert reference_of("url:" + "0" * 32) is None
+def test_a_url_id_named_by_its_id_carries_no_url():
+    assert AdapterRef.named("url:" + "0" * 32).url is None
     assert check_id("url:" + "0" * 32) == "url:" + "0" * 32
 
 
-def test_a_url_handed_over_is_remembered_under_its_own_id_only():
-    """What a Ray replica gets from the ingress: the URL behind a `url:` id it never saw."""
+def test_a_url_is_carried_in_its_ref_under_its_own_id_only():
+    """What a Ray replica or a context-parallel rank gets: the request, pickled, its refs whole."""
     url = "https://cdn.example.com/handed.safetensors?sig=S"
     adapter_id = parse_reference(url).adapter_id
-    assert reference_of(adapter_id) is None and urls_of([adapter_id]) == {}
+    assert AdapterRef.of_id(adapter_id).url is None, "an id alone carries no URL"
     with pytest.raises(BadRequest, match="another's"):
-        remember_urls({"url:" + "0" * 32: url})
-    assert reference_of("url:" + "0" * 32) is None
-    remember_urls({adapter_id: url})
-    assert reference_of(adapter_id).url == url and urls_of([adapter_id, "plain/id"]) == {adapter_id: url}
+        AdapterRef.of_id("url:" + "0" * 32).with_url(url)
+    ref = AdapterRef.of_id(adapter_id, 0.5).with_url(url)
+    assert ref == AdapterRef(adapter_id, 0.5) and ref.url == url
+    request = GenerateRequest(prompt="x", loras=[ref, ("plain/id", 1.0)])
+    handed = pickle.loads(pickle.dumps(request))  # as Ray and torch.distributed send it to another process
+    assert handed.loras[0].url == url and handed.loras[1] == AdapterRef("plain/id")
+    assert [ref.url for ref in handed.model_copy(update={"seed": 1}).loras] == [url, None]
+
+
+def test_pairs_are_made_refs_by_their_ids_checked():
+    """The convenience of scripts, tests and a request kept as JSON: `(id, weight)` pairs."""
+    refs = as_refs([("style", 1), ("civitai:1@2", 0.5), {"path": "s3:my-bucket/k.safetensors", "scale": 0.2}])
+    assert refs == [AdapterRef("style", 1.0), AdapterRef("civitai:1@2", 0.5),
+                    AdapterRef("s3:my-bucket/k.safetensors", 0.2)]
+    assert refs[1].where.model == 1 and refs[2].where.key == "k.safetensors" and refs[0].source == "name"
+    with pytest.raises(BadRequest, match="invalid adapter id"):
+        GenerateRequest(prompt="x", loras=[("../etc/passwd", 1.0)])
+    kept = GenerateRequest(prompt="x", loras=[AdapterRef.named(SIGNED)]).model_dump_json()
+    assert "SECRET" not in kept and GenerateRequest.model_validate_json(kept).loras[0].url is None, \
+        "kept as JSON, a request holds ids and weights: never a URL"
 
 
 @pytest.mark.parametrize("name,message", [
@@ -95,13 +109,16 @@ def test_a_comma_inside_a_url_is_the_urls_and_a_port_is_no_weight():
     def url_id(url):
         return UrlReference(url).adapter_id
 
-    assert parse_adapter_specs("https://h/a,b.safetensors") == [(url_id("https://h/a,b.safetensors"), 1.0)]
-    assert parse_adapter_specs("http://127.0.0.1:18080") == [(url_id("http://127.0.0.1:18080"), 1.0)]
-    assert parse_adapter_specs("http://127.0.0.1:18080/a.safetensors:0.5, https://h/a,b.safetensors:0.25, "
-                               "style:0.3,other") == [
+    def pairs(value):
+        return [(ref.adapter_id, ref.scale) for ref in parse_adapter_specs(value)]
+
+    assert pairs("https://h/a,b.safetensors") == [(url_id("https://h/a,b.safetensors"), 1.0)]
+    assert pairs("http://127.0.0.1:18080") == [(url_id("http://127.0.0.1:18080"), 1.0)]
+    assert pairs("http://127.0.0.1:18080/a.safetensors:0.5, https://h/a,b.safetensors:0.25, "
+                 "style:0.3,other") == [
         (url_id("http://127.0.0.1:18080/a.safetensors"), 0.5), (url_id("https://h/a,b.safetensors"), 0.25),
         ("style", 0.3), ("other", 1.0)]
-    assert parse_adapter_specs("style:0.5,https://h/a.safetensors") == [
+    assert pairs("style:0.5,https://h/a.safetensors") == [
         ("style", 0.5), (url_id("https://h/a.safetensors"), 1.0)], "an id's comma ends it"
 
 

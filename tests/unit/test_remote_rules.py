@@ -11,12 +11,13 @@ from types import SimpleNamespace
 import httpcore
 import pytest
 
-from loraswap.adapters.naming.references import adapter_id_of
+from loraswap.adapters.reference import AdapterRef, source_of
 from loraswap.adapters.sources import remote as remote_module
+from loraswap.adapters.sources import url as url_module
+from loraswap.adapters.sources.choose import AdapterSources, may_download
 from loraswap.adapters.sources.downloads import Download
 from loraswap.adapters.sources.fetch import display_url
-from loraswap.adapters.sources.local import AdapterSources
-from loraswap.adapters.sources.remote import RemoteSettings, RemoteSources, may_download
+from loraswap.adapters.sources.remote import RemoteSettings, RemoteSources
 from loraswap.errors import AdapterForbidden
 
 MiB = 2**20
@@ -45,36 +46,38 @@ def _downloaded(sources: RemoteSources, adapter_id: str, shown: str, source: str
 
 def test_a_cached_url_passes_this_servers_own_rules_each_time_it_is_named(tmp_path, connects):
     url = "http://127.0.0.1:9/w.safetensors?X-Signature=SECRET"  # port 9: nothing listens, nothing is fetched
-    url_id = adapter_id_of(url)
+    ref = AdapterRef.named(url)
+    url_id = ref.adapter_id
     a = RemoteSources(RemoteSettings(url_allow=("127.0.0.1:9",)), tmp_path, MiB)
     _downloaded(a, url_id, display_url(url))
-    assert a.locate(url_id).weights.read_bytes() == DATA and a.list_ids() == [url_id]
+    assert a.locate(ref).weights.read_bytes() == DATA and a.list_ids() == [url_id]
 
     b = RemoteSources(RemoteSettings(url_allow=("*",)), tmp_path, MiB)  # `*` never allows loopback
     for _ in range(2):  # each time, not only the first
         with pytest.raises(AdapterForbidden, match="plain http") as refused:
-            b.locate(url_id)
+            b.locate(ref)
         assert refused.value.status == 403 and "SECRET" not in refused.value.message
     assert b.list_ids() == [], "a server lists only what it may serve"
 
     none = RemoteSources(RemoteSettings(), tmp_path, MiB)
     with pytest.raises(AdapterForbidden, match="Start it with --url-allow HOST"):
-        none.locate(url_id)
+        none.locate(ref)
     assert none.list_ids() == []
-    assert a.locate(url_id).weights.read_bytes() == DATA, "the server whose rules pass still serves it"
+    assert a.locate(ref).weights.read_bytes() == DATA, "the server whose rules pass still serves it"
     assert connects == [], "nothing was fetched to decide"
 
 
 def test_a_cached_url_whose_name_resolves_to_loopback_is_refused_under_a_wildcard(tmp_path, connects):
     url = "https://localhost:9/w.safetensors"
-    url_id = adapter_id_of(url)
+    ref = AdapterRef.named(url)
+    url_id = ref.adapter_id
     a = RemoteSources(RemoteSettings(url_allow=("localhost:9",)), tmp_path, MiB)
     _downloaded(a, url_id, display_url(url))
-    assert a.locate(url_id).weights.read_bytes() == DATA
+    assert a.locate(ref).weights.read_bytes() == DATA
 
     b = RemoteSources(RemoteSettings(url_allow=("*",)), tmp_path, MiB)
     with pytest.raises(AdapterForbidden, match="resolves to .*, a loopback address"):
-        b.locate(url_id)
+        b.locate(ref)
     assert b.list_ids() == [] and a.list_ids() == [url_id] and connects == []
 
 
@@ -89,37 +92,38 @@ def test_a_download_through_another_api_or_store_is_not_served_here(tmp_path):
     other = RemoteSources(RemoteSettings(civitai_api="https://civitai.com/api", s3=True), tmp_path, MiB)
     assert other.list_ids() == []
     for adapter_id in ("civitai:11@22", "s3:team/k.safetensors"):
-        assert other.downloads.path(adapter_id, other._same_origin(other.source_of(adapter_id))) is None
+        assert other.downloads.path(adapter_id, other._same_origin(source_of(adapter_id))) is None
 
 
 def test_whether_finding_an_adapter_may_wait_on_the_network(tmp_path, monkeypatch):
     """A URL adapter on disk still waits on the network when its host is due to be resolved
     again (its check is trusted a minute): routed then on the download pool, not on the pool that
     carries every request, where a slow resolver would stall them all."""
-    url_id = adapter_id_of("https://h.example/x.safetensors")
+    ref = AdapterRef.named("https://h.example/x.safetensors")
+    url_id = ref.adapter_id
     remote = RemoteSources(RemoteSettings(url_allow=("h.example",)), tmp_path, MiB)
     sources = AdapterSources(None, None, remote)
-    assert may_download(sources, url_id), "not downloaded yet"
+    assert may_download(sources, ref), "not downloaded yet"
     _downloaded(remote, url_id, "https://h.example/x.safetensors")
-    assert may_download(sources, url_id), "here, but its host not resolved yet by this server"
-    remote.locate(url_id)
-    assert not may_download(sources, url_id), "here, its URL checked within the minute: found without the network"
-    later = time.monotonic() + remote_module.VERDICT_S + 1
-    monkeypatch.setattr(remote_module, "time", SimpleNamespace(monotonic=lambda: later))
-    assert may_download(sources, url_id), "a minute on, its host is due to be resolved again"
-    assert not may_download(sources, "style/anime") and not may_download(None, url_id)
+    assert may_download(sources, ref), "here, but its host not resolved yet by this server"
+    remote.locate(ref)
+    assert not may_download(sources, ref), "here, its URL checked within the minute: found without the network"
+    later = time.monotonic() + url_module.VERDICT_S + 1
+    monkeypatch.setattr(url_module, "time", SimpleNamespace(monotonic=lambda: later))
+    assert may_download(sources, ref), "a minute on, its host is due to be resolved again"
+    assert not may_download(sources, AdapterRef("style/anime")) and not may_download(None, ref)
 
 
 def test_a_refused_url_is_refused_with_a_new_error_each_time(tmp_path):
     """--url-allow example.com, and a signed URL of another host named 50 times: each refusal is
     an exception of its own with a traceback as short as the first's. (One object raised again
     and again grows its traceback with each raise and keeps every raiser's frames alive.)"""
-    url_id = adapter_id_of("http://10.0.0.1/a.safetensors?sig=SECRET")
+    ref = AdapterRef.named("http://10.0.0.1/a.safetensors?sig=SECRET")
     remote = RemoteSources(RemoteSettings(url_allow=("example.com",)), tmp_path, MiB)
     refusals = []
     for _ in range(50):
         with pytest.raises(AdapterForbidden, match="host 10.0.0.1 is not allowed") as refused:
-            remote.locate(url_id)
+            remote.locate(ref)
         refusals.append(refused.value)
     assert len({id(error) for error in refusals}) == 50, "a new exception each time"
     assert {len(traceback.extract_tb(error.__traceback__)) for error in refusals} == {

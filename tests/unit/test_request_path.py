@@ -14,6 +14,7 @@ from support.adapters import adapter
 
 from loraswap.adapters.bound import BoundAdapter
 from loraswap.adapters.cache import AdapterCache, CacheConfig
+from loraswap.adapters.reference import AdapterRef, as_refs
 from loraswap.engine.calls import to_pil
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
@@ -69,7 +70,7 @@ def test_fresh_reads_are_pageable_then_pinned_off_the_request_path(adapter_facto
     engine.adapters.cache.pin_host = True  # as on CUDA
     calls, gate = [], threading.Event()
     _fake_pinning(monkeypatch, calls, gate=gate)  # the pinner busy: the read must not wait for it
-    lease = engine.adapters.lease_now([("path-b", 1.0)])
+    lease = engine.adapters.lease_now(as_refs([("path-b", 1.0)]))
     entry = lease.held[0][0]
     read = entry.host
     assert calls == [] and entry.host is read, "the read returned before any pinning"
@@ -95,7 +96,7 @@ def test_a_failed_pin_leaves_the_pageable_copy_serving(adapter_factory, monkeypa
     calls = []
     _fake_pinning(monkeypatch, calls, fail=True)
     with caplog.at_level(logging.WARNING, logger="loraswap.adapters.cache"):
-        with engine.adapters.lease_now([("path-c", 1.0)]) as lease:
+        with engine.adapters.lease_now(as_refs([("path-c", 1.0)])) as lease:
             entry = lease.held[0][0]
             read = entry.host
         engine.adapters.cache.finish_pinning()
@@ -144,12 +145,12 @@ def test_an_entry_evicted_before_its_pin_is_neither_pinned_nor_kept(adapter_fact
     engine.adapters.cache.pin_host = True
     calls, gate = [], threading.Event()
     _fake_pinning(monkeypatch, calls, gate=gate)
-    with engine.adapters.lease_now([("path-d-first", 1.0)]) as first:  # its pin holds the pinner at the gate
+    with engine.adapters.lease_now(as_refs([("path-d-first", 1.0)])) as first:  # its pin holds the pinner at the gate
         first_bytes = first.held[0][0].host.packed.nbytes
-    with engine.adapters.lease_now([("path-d", 1.0)]) as lease:
+    with engine.adapters.lease_now(as_refs([("path-d", 1.0)])) as lease:
         entry = lease.held[0][0]
     del lease
-    engine.adapters.evict("path-d")  # evicted while its pin job waits
+    engine.adapters.evict(AdapterRef("path-d"))  # evicted while its pin job waits
     gone = weakref.ref(entry)
     del entry
     gc.collect()

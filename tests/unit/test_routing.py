@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loraswap.adapters.sources.local import AdapterLocation
+from loraswap.adapters.files.location import AdapterLocation
+from loraswap.adapters.reference import AdapterRef
 from loraswap.errors import AdapterIncompatible, AdapterInvalid
 from loraswap.server.routing import HostedModel, route_by_base_model
 
@@ -21,8 +22,8 @@ def bare_file(tmp_path):
 
 
 def _route(hosted, path, source_says=None):
-    return route_by_base_model(hosted, lambda aid: AdapterLocation(aid, path, None, source_says=source_says),
-                               [("civitai:1@2", 1.0)], max_adapter_bytes=2**30)
+    return route_by_base_model(hosted, lambda ref: AdapterLocation(ref.adapter_id, path, None, source_says=source_says),
+                               [AdapterRef("civitai:1@2")], max_adapter_bytes=2**30)
 
 
 def test_the_family_the_source_names_wins(bare_file):
@@ -84,10 +85,10 @@ def test_a_store_reads_a_file_once_to_say_whether_it_fits(adapter_factory, tmp_p
     reads = []
     check_fit = store.check_fit
     monkeypatch.setattr(store, "check_fit", lambda *a, **k: reads.append(a[0]) or check_fit(*a, **k))
-    location = engine.adapters.locate("fit-once")
+    location = engine.adapters.locate(AdapterRef("fit-once"))
     assert [engine.adapters.fits(location) for _ in range(3)] == [False] * 3 and len(reads) == 1
     adapter_factory("fit-once", "tiny-sd", rank=4, seed=82, folder=tmp_path)  # a new file under the same id
-    assert engine.adapters.fits(engine.adapters.locate("fit-once")) and len(reads) == 2
+    assert engine.adapters.fits(engine.adapters.locate(AdapterRef("fit-once"))) and len(reads) == 2
 
 
 def test_a_store_raises_a_files_defect_rather_than_saying_it_does_not_fit(adapter_factory, tmp_path):
@@ -98,5 +99,5 @@ def test_a_store_raises_a_files_defect_rather_than_saying_it_does_not_fit(adapte
     engine = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))
     for path in _broken_files(good, tmp_path):
         with pytest.raises(AdapterInvalid, match="lies outside the file"):
-            engine.adapters.fits(engine.adapters.locate(path.stem))
-    assert engine.adapters.fits(engine.adapters.locate("good"))
+            engine.adapters.fits(engine.adapters.locate(AdapterRef(path.stem)))
+    assert engine.adapters.fits(engine.adapters.locate(AdapterRef("good")))

@@ -12,14 +12,15 @@ import pytest
 from support.numerics import rel_err
 
 from loraswap.adapters.cache import CacheConfig, Tier
-from loraswap.adapters.sources.local import LocalAdapterSource
-from loraswap.engine.config import EngineConfig
+from loraswap.adapters.reference import AdapterRef
+from loraswap.adapters.sources.folder import FolderSource
+from loraswap.engine.config import EngineConfig, SchedulerConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
-from loraswap.engine.worker import GpuWorker, SchedulerConfig
+from loraswap.engine.worker import GpuWorker
 
 
-class SlowSource(LocalAdapterSource):
+class SlowSource(FolderSource):
     """A folder whose every lookup takes 0.5 s (a slow disk or network), noting the thread and
     how many lookups ran at once."""
 
@@ -29,7 +30,7 @@ class SlowSource(LocalAdapterSource):
         self.running = self.most_at_once = 0
         self._lock = threading.Lock()
 
-    def locate(self, adapter_id):
+    def locate(self, ref):
         with self._lock:
             self.threads.append(threading.current_thread().name)
             self.running += 1
@@ -37,7 +38,7 @@ class SlowSource(LocalAdapterSource):
         time.sleep(self.delay)
         with self._lock:
             self.running -= 1
-        return super().locate(adapter_id)
+        return super().locate(ref)
 
 
 class ReadsSeen:
@@ -48,13 +49,13 @@ class ReadsSeen:
         self.lender, self.leases = engine.lender, []
         engine.lender = self
 
-    def lease(self, loras):
-        future = self.lender.lease(loras)
+    def lease(self, refs, located=None):
+        future = self.lender.lease(refs, located)
         self.leases.append(future)
         return future
 
-    def lease_now(self, loras):
-        return self.lender.lease_now(loras)
+    def lease_now(self, refs, located=None):
+        return self.lender.lease_now(refs, located)
 
     def wait(self):
         done, pending = wait(self.leases, timeout=60)
@@ -188,7 +189,7 @@ def test_fairness_in_time_under_a_stream_of_the_applied_adapter(many_adapters):
 @pytest.mark.load  # 32 clients at once
 def test_32_threads_40_adapters_through_a_10_adapter_budget(many_adapters):
     probe = Engine(EngineConfig(model="tiny-sd", adapters=many_adapters, warmup=False))
-    size = probe.adapters.resolve("m00").nbytes
+    size = probe.adapters.read(AdapterRef("m00")).nbytes
     budget = 10 * size
     engine = Engine(EngineConfig(model="tiny-sd", adapters=many_adapters, warmup=False,
                                  cache=CacheConfig(host_bytes=budget, gpu_bytes=0)))

@@ -23,7 +23,7 @@ from loraswap.engine.config import EngineConfig
 from loraswap.server.config import ServerConfig
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
-NOT_SETTINGS = {"engines.source"}  # an object handed in by code (tests, hub), not a setting
+NOT_SETTINGS = {"engines.sources.source"}  # an object handed in by code (tests, hub), not a setting
 
 
 def _fields(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
@@ -42,8 +42,9 @@ def test_every_config_field_has_a_setting():
     targets = {s.target for s in SETTINGS}
     missing = set(_fields(ServerConfig)) - targets - NOT_SETTINGS
     assert not missing, f"no flag sets {sorted(missing)}: mark the field with a Flag (loraswap/flags.py)"
-    assert {"retry_after_s", "max_images", "engines.warmup", "engines.max_adapter_mb", "engines.hub_cache_dir",
-            "engines.hotswap_rank", "api_keys", "api_keys_file", "admin_keys", "auth_health"} <= targets
+    assert {"retry_after_s", "max_images", "engines.warmup", "engines.sources.max_adapter_mb",
+            "engines.sources.hub_cache_dir", "engines.swap.hotswap_rank", "api_keys", "api_keys_file", "admin_keys",
+            "auth_health"} <= targets
 
 
 def _default_in_flag_unit(field, setting):
@@ -122,7 +123,7 @@ def test_example_files_build_the_config(name):
     config = server_config(values)
     assert [e.model for e in config.engines] == ["demo", "demo-flux"]
     engine = config.engines[1]  # engine settings go to every model
-    assert engine.adapters == Path("demo-adapters") and engine.max_rank == 256
+    assert engine.sources.adapters == Path("demo-adapters") and engine.swap.max_rank == 256
     assert (engine.cache.host_bytes, engine.cache.gpu_bytes) == (4096 * 2**20, 1024 * 2**20)
     assert (config.scheduler.max_queue, config.scheduler.max_batch) == (64, 2)
     assert config.max_body_bytes == 128 * 1024 and config.port == 8888
@@ -143,7 +144,7 @@ def test_keys_with_dashes_or_underscores_and_one_model_or_a_list(tmp_path):
     assert values == {"max-queue": 5, "model": ["tiny-flux"], "hub-deny": ["bad/*"]}
     config = server_config(values)
     assert config.scheduler.max_queue == 5 and [e.model for e in config.engines] == ["tiny-flux"]
-    assert config.engines[0].hub_deny == ["bad/*"] and config.engines[0].hub_allow == ["*"]
+    assert config.engines[0].sources.hub_deny == ["bad/*"] and config.engines[0].sources.hub_allow == ["*"]
 
 
 @pytest.mark.parametrize("text,message", [
@@ -195,7 +196,7 @@ def test_units_and_names_land_in_their_fields():
                             "warmup": False, "api-key": ["k1", "k2"], "admin-key": ["a1"], "auth-health": True})
     engine = config.engines[0]
     assert config.max_body_bytes == 8192 and engine.cache.host_bytes == int(1.5 * 2**20)
-    assert engine.max_adapter_mb == 3 and (engine.swap_mode, engine.hotswap_rank) == ("hotswap", 64)
+    assert engine.sources.max_adapter_mb == 3 and (engine.swap.swap_mode, engine.swap.hotswap_rank) == ("hotswap", 64)
     assert (config.retry_after_s, config.max_images, engine.warmup) == (7, 2, False)
     assert (config.api_keys, config.admin_keys, config.auth_health) == (["k1", "k2"], ["a1"], True)
     assert "k1" not in repr(config)
@@ -210,8 +211,8 @@ def test_ray_settings_apply_with_ray_only():
 
 def test_engine_config_for_one_image():
     config = engine_config({"model": "tiny-sdxl", "compile": False, "max-gpu-memory-gb": 4.0}, warmup=False)
-    assert (config.model, config.compile, config.max_gpu_memory_gb, config.warmup) == ("tiny-sdxl", False, 4.0,
-                                                                                        False)
+    assert (config.model, config.compilation.compile, config.memory.max_gpu_memory_gb, config.warmup) == (
+        "tiny-sdxl", False, 4.0, False)
     assert engine_config({}).model == "tiny-sd"
 
 

@@ -17,6 +17,7 @@ import torch
 from support.numerics import assert_bitwise_equal, weights_snapshot
 
 from loraswap.adapters.cache import CacheConfig, Tier
+from loraswap.adapters.reference import AdapterRef, as_refs
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
@@ -36,7 +37,7 @@ def test_1000_swaps_over_50_adapters_keep_memory_flat_and_the_base_exact(adapter
         adapter_factory(f"a{i:02d}", "tiny-sd", rank=rank, targets=targets, fmt=fmt, text_encoder=text_encoder,
                         alpha=2.0 * rank, seed=1000 + i, folder=tmp_path)
     sizing = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))
-    total = sum(sizing.adapters.resolve(f"a{i:02d}").nbytes for i in range(ADAPTERS))
+    total = sum(sizing.adapters.read(AdapterRef(f"a{i:02d}")).nbytes for i in range(ADAPTERS))
     del sizing
     budget = total // 3
     engine = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False,
@@ -58,7 +59,7 @@ def test_1000_swaps_over_50_adapters_keep_memory_flat_and_the_base_exact(adapter
         previous = loras
         # what the GPU worker does for a request: a lease of its adapters read on the store's
         # threads, the swap, every 10th time a 1-step 16x16 image, then the lease given back
-        with engine.lender.lease(loras).result(timeout=60) as lease:
+        with engine.lender.lease(as_refs(loras)).result(timeout=60) as lease:
             swaps += engine.apply(lease) > 0
             if i % 10 == 0:
                 request = GenerateRequest(prompt="soak", seed=i, steps=1, width=16, height=16, loras=loras)

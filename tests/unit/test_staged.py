@@ -151,7 +151,7 @@ def test_a_stand_in_that_fails_leaves_the_compile_to_the_warm_up(folders, monkey
     def broken(*args):
         raise RuntimeError("no room for the stand-in")
 
-    monkeypatch.setattr(Prewarm, "_warm", staticmethod(broken))
+    monkeypatch.setattr("loraswap.engine.startup.prewarm.compile_denoiser", broken)  # the stand-in's compile
     with caplog.at_level(logging.WARNING, logger="loraswap.engine.startup.prewarm"):
         engine = Engine(EngineConfig(model=str(folders / "tiny-flux"), compile=True, compile_while_loading=True))
     assert "prewarm_s" not in engine.startup_seconds

@@ -14,13 +14,13 @@ from diffusers.hooks.mag_cache import nearest_interp
 from pydantic import ValidationError
 
 from loraswap.engine.calls import Stopped
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config import EngineConfig, SchedulerConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
-from loraswap.engine.step_cache import METHODS, StepCache, attach, canonical, parse_step_cache
+from loraswap.engine.step_cache import METHODS, PROMPT, StepCache, attach, canonical, parse_step_cache
 from loraswap.engine.step_cache.calibration import BadCalibration
 from loraswap.engine.step_cache.hooks import COMPUTED, FIRST_INPUT, PASS_NAMES
-from loraswap.engine.worker import GpuWorker, Job, SchedulerConfig
+from loraswap.engine.worker import GpuWorker, Job
 from loraswap.errors import BadRequest, UnsupportedInput
 from loraswap.models import denoiser_names, load_pipeline
 
@@ -64,7 +64,7 @@ def test_a_bad_setting_is_refused_naming_the_fix(text, named):
 
 
 def test_the_engine_config_refuses_a_bad_default_and_unknown_methods():
-    assert EngineConfig(step_cache="First-Block").step_cache == "first-block:threshold=0.08"
+    assert EngineConfig(step_cache="First-Block").step_caching.step_cache == "first-block:threshold=0.08"
     with pytest.raises(ValidationError, match="between 0 and 1"):
         EngineConfig(step_cache="first-block:threshold=-1")
     with pytest.raises(ValidationError, match="unknown step cache teacache: use first-block, taylorseer, magcache"):
@@ -209,6 +209,18 @@ def test_magcache_ratios_are_measured_at_start(served):
     assert all(0 < r < 100 for r in ratios) and len(set(ratios)) > 1, ratios
 
 
+def test_magcache_ratios_measured_on_request_are_the_start_ups_and_each_adapters_own(served):
+    """`Engine.measure_magcache_ratios` (a tool compares the ratios of adapters): over the
+    start-up's image, the start-up's ratios; with an adapter, others; no hook left on the model."""
+    engine = served.engine
+    base = engine.measure_magcache_ratios(GenerateRequest(prompt=PROMPT, seed=0))
+    assert base == engine.step_cache.ratios
+    with_adapter = engine.measure_magcache_ratios(GenerateRequest(prompt=PROMPT, seed=0, loras=[("a", 1.0)]))
+    assert len(with_adapter) == len(base) and with_adapter != base
+    _assert_no_cache_hook(served)
+    _assert_same(_run(engine), served.uncached["base"])
+
+
 def test_a_calibration_file_is_used_instead_of_measuring(tmp_path, monkeypatch):
     given = [1.0, 1.02, 0.95, 0.9, 0.8]
     (tmp_path / "ratios.json").write_text(json.dumps({"ratios": given}))
@@ -281,7 +293,7 @@ def test_a_first_block_request_skips_in_a_batch_what_it_skips_alone(served):
 
 @pytest.mark.slow
 def test_compiled_blocks_take_every_method_and_adapters_with_no_recompile(served):
-    folder = served.engine.config.adapters
+    folder = served.engine.config.sources.adapters
     engine = Engine(EngineConfig(model="tiny-flux", adapters=folder, compile=True, warmup=True,
                                  step_cache_allow=list(METHODS)))
     before = engine.generate(GenerateRequest(**REQUEST))

@@ -11,6 +11,7 @@ import pytest
 from support import shapes
 from support.demo_flux_scores import PROMPTS, accuracy, adapter_effect, prompt
 
+from loraswap.adapters.reference import as_refs
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
@@ -36,7 +37,7 @@ def draw(engine, cases, step_cache, adapter=None, steps=None):
     loras = [(adapter, 1.0)] if adapter else []
     requests = [GenerateRequest(prompt=prompt(PROMPTS[i]), seed=1000 + i, loras=loras, step_cache=step_cache,
                                 steps=steps) for i in cases]
-    with engine.lender.lease_now(loras) as lease:
+    with engine.lender.lease_now(as_refs(loras)) as lease:
         return engine.generate_batch(requests, lease)
 
 

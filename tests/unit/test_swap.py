@@ -3,6 +3,7 @@
 import torch
 from support.numerics import assert_bitwise_equal, weights_snapshot
 
+from loraswap.adapters.reference import AdapterRef
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.engine import Engine
 
@@ -12,7 +13,7 @@ def test_packed_factors_fuse_exactly_like_unpacked(adapter_factory, tmp_path):
     adapter_factory("p2", "tiny-sdxl", rank=4, targets="attn", seed=81, folder=tmp_path)
     engine = Engine(EngineConfig(model="tiny-sdxl", adapters=tmp_path, compile=False, warmup=False))
     base = weights_snapshot(engine.components)
-    p1, p2 = engine.adapters.resolve("p1"), engine.adapters.resolve("p2")
+    p1, p2 = engine.adapters.read(AdapterRef("p1")), engine.adapters.read(AdapterRef("p2"))
     engine.swapper.apply([(p1, 0.7), (p2, 0.4)])
     unpacked = weights_snapshot(engine.components)
 
@@ -36,7 +37,7 @@ def test_packed_factors_fuse_exactly_like_unpacked(adapter_factory, tmp_path):
 def test_pristine_copies_cover_exactly_the_touched_weights(adapter_factory, tmp_path):
     adapter_factory("attn", "tiny-sd", rank=8, targets="attn", seed=82, folder=tmp_path)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))
-    bound = engine.adapters.resolve("attn")
+    bound = engine.adapters.read(AdapterRef("attn"))
     before = weights_snapshot(engine.components)
     engine.set_adapters([("attn", 1.0)])
     after = weights_snapshot(engine.components)
@@ -83,7 +84,7 @@ def test_packing_writes_every_element_of_its_buffer(adapter_factory, tmp_path, m
         return fresh.fill_(float("nan") if fresh.is_floating_point() else 0xFF)
 
     monkeypatch.setattr(swap.torch, "empty", stale)
-    bound = engine.adapters.resolve("odd")  # bound (and checked for NaN) under the NaN-filling allocator
+    bound = engine.adapters.read(AdapterRef("odd"))  # bound (and checked for NaN) under the NaN-filling allocator
     factors = sum(layer.down.numel() + layer.up.numel() for layer in bound.layers.values())
     assert bound.packed.numel() > factors  # rank 3: there is padding
     assert torch.isfinite(bound.packed).all()

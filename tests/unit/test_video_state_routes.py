@@ -30,7 +30,7 @@ def test_a_full_disk_fails_the_job_clearly_and_the_server_keeps_serving(tmp_path
     app, backend = fake_app(state_dir=tmp_path)
     with TestClient(app) as client, caplog.at_level(logging.ERROR, logger="loraswap.server"):
         with monkeypatch.context() as patch:
-            patch.setattr(video_state, "_write_whole", full)
+            patch.setattr(video_state, "write_whole", full)
             failed = _made(client)
         with monkeypatch.context() as patch:  # a row that cannot be written: the job goes on, not kept
             patch.setattr(video_state.VideoState, "save", _full_database)

@@ -14,6 +14,7 @@ from PIL import Image
 from support.fakes import fake_app, frame_red
 from support.servers import form
 
+from loraswap.adapters.reference import as_refs
 from loraswap.engine.engine import GenerateResult
 from loraswap.engine.request import GenerateRequest
 from loraswap.errors import AdapterNotFound, Overloaded
@@ -339,7 +340,7 @@ def test_a_job_survives_the_client_that_made_it_and_reports_progress():
     assert (request.frames, request.steps, request.seed, request.guidance, request.negative_prompt) == (
         5, 2, 7, 4.5, "blur")
     # with one video model hosted, adapters named alone go to it
-    assert (request.loras, model, request.width, request.height) == ([("styles/anime", 0.8)], "fake", 32, 16)
+    assert (request.loras, model, request.width, request.height) == (as_refs([("styles/anime", 0.8)]), "fake", 32, 16)
     assert done["seconds"] == "0.625" and done["size"] == "32x16"  # 5 frames at the model's 8 fps
     assert content.headers["content-type"] == "video/mp4" and read_mp4(content.content)[0].shape == (5, 16, 32, 3)
     assert thumbnail.headers["content-type"] == "image/webp"

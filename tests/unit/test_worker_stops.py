@@ -8,8 +8,9 @@ import pytest
 from support.fakes import SteppingEngine
 
 from loraswap.adapters.lease import Lease
+from loraswap.engine.config import SchedulerConfig
 from loraswap.engine.request import GenerateRequest
-from loraswap.engine.worker import GpuWorker, SchedulerConfig, ShuttingDown
+from loraswap.engine.worker import GpuWorker, ShuttingDown
 
 
 class Lender:
@@ -18,9 +19,9 @@ class Lender:
     def __init__(self):
         self.returned: list[str] = []
 
-    def lease(self, loras) -> Future:
+    def lease(self, refs, located=None) -> Future:
         future: Future = Future()
-        future.set_result(Lease([(adapter_id, weight) for adapter_id, weight in loras], self.returned.append))
+        future.set_result(Lease([(ref.adapter_id, ref.scale) for ref in refs], self.returned.append))
         return future
 
 
@@ -75,3 +76,19 @@ def test_drain_answers_the_queued_now_and_halt_stops_the_running_at_its_next_ste
     assert engine.steps_run == 2, "stopped at the step it was on"
     worker.stop(30)
     assert sorted(engine.lender.returned) == ["late", "queued-0", "queued-1", "running"]
+
+
+def test_an_engine_that_cannot_stop_mid_image_finishes_its_batch():
+    """A ranked engine's processes make each image in step (`Engine.stoppable` False): neither a
+    halt nor its client leaving stops it at a step, where the other processes would wait for it."""
+    engine = SteppingEngine(Lender(), 5)
+    engine.stoppable = False
+    worker = GpuWorker(engine, SchedulerConfig(max_queue=4))
+    worker.start()
+    running = worker.submit(_request("running"))
+    assert engine.started.wait(30)
+    running.cancel()
+    assert worker.halt() == 0, "nothing to stop"
+    engine.gate.set()
+    worker.stop(30)
+    assert engine.steps_run == 5 and worker.stopped == 0 and engine.lender.returned == ["running"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The float8 GPU runs in the order they matter, each under its own timeout, for one device
 # call or two. Run from the repository root on a CUDA machine
-# with PYTHONPATH=src; results go under ${OUT:-out}.
+# with PYTHONPATH=src (and pytest installed, for the check); results go under ${OUT:-out}.
 #   bash tools/bench/float8_gpu_runs.sh [step ...]
 # steps: check swap-flux2 swap-wan swap-flux steps steps-flux2 steps-wan steps-qwen
 set -uo pipefail
@@ -19,7 +19,7 @@ run() {
 for step in $steps; do
   case $step in
     check)  # the re-quantization kernel against eager torchao, one LoRA and a blend
-      run check 120 python tools/gpu_checks/fp8_kernel_check.py "$out/fp8-kernel-check.json" ;;
+      run check 120 env LORASWAP_GPU_EVIDENCE="$out" python -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_kernel.py ;;
     steps)  # a FLUX.1 step: torchao's scaling, the served kernel, the kernel with the GELU
       run steps 330 python tools/bench/flux_step_profile.py --variants torchao,one-pass,one-pass-gelu --rounds 3 \
         --out "$out/flux-steps.json" ;;

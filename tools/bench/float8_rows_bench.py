@@ -1,13 +1,14 @@
 """The one-pass activation kernel (`engine/quantize/float8_activations.py`) against torchao's activation
 scaling, at FLUX.1-dev's activation shapes (1024x1024: 4,096 image and 512 text tokens).
 
-For each shape: the kernel's output against torchao's eager `Float8Tensor.from_hp(x,
-PerRow())` (bitwise, scales and values), and the median time (`triton.testing.do_bench`)
-of torchao eager, torchao compiled by Inductor, and the kernel at several block sizes and
-warp counts, with the rate in TB/s (the activation read once, float8 values and scales
+For each shape: the kernel's output (`torch.ops.loraswap.float8_rows`, as served) against
+torchao's eager `Float8Tensor.from_hp(x, PerRow())` (bitwise, scales and values), and the
+median time (`triton.testing.do_bench`) of torchao eager, torchao compiled by Inductor and
+the kernel, with the rate in TB/s (the activation read once, float8 values and scales
 written once). Then the two activations Inductor fuses into its scaling in the real
 model, compiled both ways: the single block's `cat(attention, gelu(mlp))` before
-`proj_out` and the feed-forward's `gelu(h)` before its second linear layer.
+`proj_out` and the feed-forward's `gelu(h)` before its second linear layer; and the GELU
+computed by the kernel itself (`gelu=True`).
 
     PYTHONPATH=src python tools/bench/float8_rows_bench.py --out rows.json
 """
@@ -21,12 +22,10 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from loraswap.bench.common import environment
-from loraswap.engine.quantize import float8_activations as rows_kernel
+from loraswap.engine.quantize import float8_activations  # noqa: F401 - defines torch.ops.loraswap.float8_rows
 
 SHAPES = {"single block input": (4608, 3072), "single block proj_out input": (4608, 15360),
           "image feed-forward output": (4096, 12288), "text feed-forward output": (512, 12288)}
-CONFIGS = [(1, block, warps) for block in (1024, 2048, 4096) for warps in (4, 8, 16)] + [
-    (rows, 1024, warps) for rows in (2, 4) for warps in (4, 8)]
 
 
 def torchao_rows(x: torch.Tensor):
@@ -55,15 +54,8 @@ def shape_row(name: str, rows: int, k: int) -> dict:
            "torchao_eager_us": microseconds(lambda: torchao_rows(x))}
     compiled = torch.compile(torchao_rows)
     row["torchao_inductor_us"] = microseconds(lambda: compiled(x))
-    kernel = rows_kernel._rows_kernel()
-    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device="cuda")
-    s = torch.empty(rows, 1, dtype=torch.float32, device="cuda")
-    for per_program, block, warps in CONFIGS:
-        row[f"kernel_{per_program}x{block}x{warps}_us"] = microseconds(
-            lambda: kernel[(-(-rows // per_program),)](x, q, s, rows, k, k, ROWS=per_program, BLOCK=block,
-                                                       EMULATE=False, GELU=False, num_warps=warps))
-    row["best_kernel_us"] = min(v for key, v in row.items() if key.startswith("kernel_"))
-    row["best_kernel_TBps"] = moved / row["best_kernel_us"] / 1e6
+    row["kernel_us"] = microseconds(lambda: torch.ops.loraswap.float8_rows(x))
+    row["kernel_TBps"] = moved / row["kernel_us"] / 1e6
     row["inductor_TBps"] = moved / row["torchao_inductor_us"] / 1e6
     return row
 
@@ -82,14 +74,9 @@ def fused_producers() -> list[dict]:
         out.append({"case": name, "torchao_inductor_us": microseconds(lambda: with_torchao(*args)),
                     "kernel_us": microseconds(lambda: with_kernel(*args))})
     # the GELU read by the kernel itself (its pre-activation input, no bf16 output in between)
-    q = torch.empty(hidden.shape, dtype=torch.float8_e4m3fn, device="cuda")
-    s = torch.empty(hidden.shape[0], 1, dtype=torch.float32, device="cuda")
-    kernel = rows_kernel._rows_kernel()
-    run = lambda: kernel[(hidden.shape[0],)](hidden, q, s, hidden.shape[0], hidden.shape[1], hidden.shape[1],  # noqa: E731
-                                             ROWS=1, BLOCK=2048, EMULATE=False, GELU=True, num_warps=8)
-    run()
+    q, _ = torch.ops.loraswap.float8_rows(hidden, True)
     reference = torchao_rows(F.gelu(hidden, approximate="tanh"))
-    out[-1]["kernel_with_gelu_inside_us"] = microseconds(run)
+    out[-1]["kernel_with_gelu_inside_us"] = microseconds(lambda: torch.ops.loraswap.float8_rows(hidden, True))
     out[-1]["gelu_inside_values_differ"] = float((q.view(torch.uint8) != reference[0].view(torch.uint8)).float().mean())
     return out
 
@@ -106,9 +93,7 @@ def main() -> None:
     for row in results["shapes"]:
         print(f"{row['shape']:28} {row['rows']}x{row['k']}: equal {row['scales_equal']}/{row['values_equal']}; "
               f"torchao eager {row['torchao_eager_us']:.0f} us, Inductor {row['torchao_inductor_us']:.0f} us "
-              f"({row['inductor_TBps']:.2f} TB/s), kernel {row['best_kernel_us']:.0f} us "
-              f"({row['best_kernel_TBps']:.2f} TB/s); " + " ".join(
-                  f"{k[7:-3]}={v:.0f}" for k, v in row.items() if k.startswith("kernel_")))
+              f"({row['inductor_TBps']:.2f} TB/s), kernel {row['kernel_us']:.0f} us ({row['kernel_TBps']:.2f} TB/s)")
     for row in results["producers"]:
         print(f"{row['case']:28} compiled: torchao scaling {row['torchao_inductor_us']:.0f} us, "
               f"kernel {row['kernel_us']:.0f} us", {k: v for k, v in row.items() if "inside" in k})

@@ -34,14 +34,15 @@ from loraswap.models.presets import PRESETS, build_preset
 def routes(swapper: FusedSwapper, adapter) -> dict:
     """Layers (and their float8 bytes) by the path their re-quantization takes."""
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    float8 = swapper.float8_layers
     for key, layer in adapter.layers.items():
-        weight = swapper._fp8.get(key)
-        if weight is None:
+        if key not in float8:
             route = "not float8"
             nbytes = 0
         else:
-            route = "kernel" if layer.plain and weight.qdata.is_contiguous() else f"eager ({layer.kind.label})"
-            nbytes = weight.qdata.nbytes
+            qdata = swapper.layers.params[key].data.qdata  # the float8 values of torchao's `Float8Tensor`
+            route = "kernel" if layer.plain and qdata.is_contiguous() else f"eager ({layer.kind.label})"
+            nbytes = qdata.nbytes
         counts[route][0] += 1
         counts[route][1] += nbytes
     return {route: {"layers": n, "GiB": b / 2**30} for route, (n, b) in counts.items()}

@@ -39,12 +39,8 @@ import torch
 from loraswap.bench.common import environment, gpu_kernel_times, timed
 from loraswap.bench.swap import Denoise
 from loraswap.bench.swap_setup import denoiser_inputs
-from loraswap.engine.quantize.float8_activations import (
-    Float8RowsLinear,
-    use_float8_gelu_rows,
-    use_float8_rows,
-)
-from loraswap.engine.quantize.weights import quantize_module
+from loraswap.engine.quantize.float8_activations import use_float8_gelu_rows, use_float8_rows
+from loraswap.engine.quantize.weights import float8_config, quantize_module
 from loraswap.engine.startup.compile import compile_denoiser
 from loraswap.models.architectures import build_architecture_component
 
@@ -81,16 +77,17 @@ def build(base: torch.nn.Module | None, built, variant: str, quantize: str, devi
                         delattr(module, name)
     elif variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant}; choose from {', '.join(VARIANTS)}")
-    quantize_module(model, quantize, device)
+    if variant == "torchao":  # torchao's quantization alone: its activation scaling on every layer
+        from torchao.quantization import quantize_
+
+        quantize_(model, float8_config(quantize), device=device)
+    else:
+        quantize_module(model, quantize, device)
     model.to(device)  # (what quantizing left where it was built: norms, embeddings)
     if variant == "one-pass-all":
         use_float8_rows(model, names=None)
     if variant == "one-pass-gelu":
         use_float8_gelu_rows(model)
-    if variant == "torchao":
-        for module in model.modules():
-            if isinstance(module, Float8RowsLinear):
-                module.__class__ = torch.nn.Linear
     compile_denoiser(model, "default")
     return model
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs still owed to the speed and memory options (see BENCHMARKS.md), in the
 # order they matter, each under its own timeout so one hang costs minutes. Run from the
-# repository root on a CUDA machine with PYTHONPATH=src; results go under ${OUT:-out}.
+# repository root on a CUDA machine with PYTHONPATH=src (and pytest installed, for the checks
+# under tests/gpu); results go under ${OUT:-out}.
 #   bash tools/bench/gpu_speed_options.sh [step ...]
 # steps: smoke fp8-kernel options swap-fp8 serve-sdxl serve-flux lowmem lowmem-profile startup
 set -uo pipefail
@@ -19,9 +20,11 @@ run() {
 for step in $steps; do
   case $step in
     smoke)  # CUDA graphs == eager across swaps; dynamic float8 vs bf16; cache tiers
-      run smoke 240 240 python tools/gpu_checks/gpu_smoke.py 2>&1 | tail -20 ;;
+      run smoke 240 240 env LORASWAP_GPU_EVIDENCE="$out" python -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_gpu_smoke.py 2>&1 | tail -20 ;;
     fp8-kernel)  # the float8 re-quantization kernel against eager torchao, FLUX-sized layers
-      run fp8-kernel 100 100 python tools/gpu_checks/fp8_kernel_check.py "$out/fp8-kernel-check.json" ;;
+      run fp8-kernel 100 100 env LORASWAP_GPU_EVIDENCE="$out" python -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_fp8_kernel.py ;;
     swap-fp8)  # a LoRA kept unfused on float8 (the hotswap baseline) against re-quantizing it in
       run swap-fp8 400 400 python -m loraswap bench swap --architecture flux-dev --quantize fp8 --rounds 3 \
         --recompile-swaps 10 --variants hotswap,fused,base --out "$out" ;;

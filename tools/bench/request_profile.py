@@ -3,9 +3,9 @@
 Builds one engine, then makes images one at a time, each with an adapter it has not read
 yet (bench serve's real-size random set: the cold path a stream of many adapters takes),
 then the same adapters again (cached). Each phase is timed with a CUDA synchronize before
-and after it (`bench.common.timed`), which costs a little. An adapter's first read is
-broken down too (file read, conversion, check and pack into host RAM, copy to the GPU
-tier), and fresh pinned and pageable host buffers of each adapter's size are timed alone.
+and after it (`bench.common.timed`), which costs a little; the pipeline's own phases (text
+encoders, VAE decode, conversion to PIL) by wrapping the engine's pipeline's methods. Fresh
+pinned and pageable host buffers of each adapter's size are timed alone.
 
     PYTHONPATH=src python tools/bench/request_profile.py --model sdxl-random --compile-mode reduce-overhead --out r.json
 """
@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from loraswap.adapters import bound, store
-from loraswap.adapters.parse import changes as parse
+from loraswap.adapters.reference import AdapterRef
 from loraswap.bench.common import timed
 from loraswap.bench.serve import SPECS, prepare_adapters
 from loraswap.engine.config import EngineConfig
@@ -50,21 +49,13 @@ def main() -> None:
     pipeline.encode_prompt = timers("text encoders", pipeline.encode_prompt)
     pipeline.vae.decode = timers("vae decode", pipeline.vae.decode)
     pipeline.image_processor.postprocess = timers("to PIL", pipeline.image_processor.postprocess)
-    reads = _Timers()  # the first read's phases (nested: "pack" is inside "bind" and "gpu copy")
-    parse.read_safetensors = reads("file read", parse.read_safetensors)
-    parse.parse_adapter = reads("convert", parse.parse_adapter)
-    store.bind_adapter = reads("bind", store.bind_adapter)
-    bound.BoundAdapter.to = reads("pack", bound.BoundAdapter.to)
-    engine.adapters.cache.maybe_copy_to_gpu = reads("gpu copy", engine.adapters.cache.maybe_copy_to_gpu)
     rows = []
     for round_name in ("cold", "cached"):
         for i, adapter_id in enumerate(ids):
             timers.reset()
-            reads.reset()
             started = time.perf_counter()
-            lease = engine.adapters.lease_now([(adapter_id, 1.0)])
+            lease = engine.adapters.lease_now([AdapterRef(adapter_id)])
             read = time.perf_counter() - started
-            read_phases = dict(reads.last)
             with lease:
                 result = engine.generate_batch([GenerateRequest(prompt="a lighthouse at dusk", seed=i,
                                                                 steps=args.steps, loras=[(adapter_id, 1.0)])], lease)[0]
@@ -73,7 +64,7 @@ def main() -> None:
             jpeg = time.perf_counter() - encoding
             row = {"round": round_name, "adapter": SPECS[i], "read_s": read,
                    "mb": lease.held[0][0].host.nbytes / 2**20,
-                   **{f"read: {k}_s": v for k, v in read_phases.items()}, "swap_s": result.swap_seconds,
+                   "swap_s": result.swap_seconds,
                    "pipeline_s": result.generate_seconds, **timers.last, "jpeg_s": jpeg,
                    "total_s": time.perf_counter() - started}
             row["denoise and rest_s"] = row["pipeline_s"] - sum(timers.last.values())

@@ -33,6 +33,7 @@ from support import shapes  # noqa: E402
 from support.servers import ServerProcess  # noqa: E402
 from unit.test_demo_flux import PROMPTS, accuracy, prompt  # noqa: E402
 
+from loraswap.adapters.reference import as_refs
 from loraswap.engine.config import EngineConfig  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
 from loraswap.engine.request import GenerateRequest
@@ -44,7 +45,7 @@ def engine_images(device: str, dtype: str, quantize: str = "none", loras=()) -> 
                                  device=device, dtype=dtype, quantize=quantize))
     requests = [GenerateRequest(prompt=prompt(case), seed=1000 + i, loras=list(loras))
                 for i, case in enumerate(PROMPTS)]
-    with engine.lender.lease_now(list(loras)) as lease:
+    with engine.lender.lease_now(as_refs(loras)) as lease:
         return [np.asarray(r.image) for r in engine.generate_batch(requests, lease)]
 
 

@@ -42,10 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from support import shapes  # noqa: E402
 from support.demo_flux_scores import PROMPTS, accuracy, adapter_effect, correct, pixel_difference, prompt  # noqa: E402
 
+from loraswap.adapters.reference import as_refs
 from loraswap.engine.config import EngineConfig  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
 from loraswap.engine.request import GenerateRequest
-from loraswap.engine.step_cache import PROMPT, Skips, parse_step_cache  # noqa: E402
+from loraswap.engine.step_cache import PROMPT, parse_step_cache  # noqa: E402
 from loraswap.models.families import demo_flux  # noqa: E402
 
 OFF = "off"
@@ -93,7 +94,7 @@ def draw(engine: Engine, plan: list[tuple[str, str, list[int]]]) -> Pictures:
     for setting, condition, indices in plan:
         requests = [GenerateRequest(prompt=prompt(PROMPTS[i]), seed=FIRST_SEED + i, loras=loras(condition),
                                     step_cache=setting) for i in indices]
-        with engine.lender.lease_now(loras(condition)) as lease:
+        with engine.lender.lease_now(as_refs(loras(condition))) as lease:
             results = engine.generate_batch(requests, lease)
         for i, result in zip(indices, results):
             drawn[condition, i] = Drawn(np.asarray(result.image), result.steps_skipped or 0)
@@ -180,14 +181,8 @@ def pick(settings: dict, method: str) -> str | None:
 # ---------------------------------------------------------------- MagCache's calibration with adapters
 def measure_ratios(engine: Engine, adapters: list[tuple[str, float]], text: str = PROMPT) -> list[float]:
     """MagCache's ratios measured as the engine measures the base's at start-up (one image of
-    `text`, seed 0, recorded through `engine._recording` as `Engine._calibrate_step_cache`
-    does), with `adapters` applied."""
-    engine._recording = Skips(setting=None)
-    try:
-        engine.generate(GenerateRequest(prompt=text, seed=0, loras=adapters))
-        return list(engine._recording.computed[0].ratios)
-    finally:
-        engine._recording = None
+    `text`, seed 0), with `adapters` applied."""
+    return engine.measure_magcache_ratios(GenerateRequest(prompt=text, seed=0, loras=adapters))
 
 
 def magcache_skips(ratios: list[float], setting: str, steps: int = STEPS) -> list[int]:

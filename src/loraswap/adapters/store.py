@@ -1,21 +1,23 @@
 """The adapters of one served model: where they are, reading them, the cache tiers, and
 which ones are kept.
 
-`AdapterStore` is the one object that owns them. It locates an adapter (local folder or
-hub), reads and converts it on its own thread pool (off the GPU worker's path), hashes its
-file meanwhile for the images' records (`file_hashes.py`), checks it against the model
-(`bind_adapter`), and holds it in the tiered cache (`cache.py`) while a
-request needs it: the store hands out a `Lease` (`lease.py`), and whoever takes a lease
-gives it back (the server's GPU worker, for every request). The engine swaps what a lease
-holds and never holds adapters itself.
+`AdapterStore` is the one object that owns them, and its verbs are an adapter's life:
+- **locate** a ref (`adapters/reference.py`): where its file is (`sources/`), fetched first
+  when it comes from elsewhere;
+- **read** it: the file parsed and converted (`parse/`), checked against the model and
+  bound to its layers (`bound.bind_adapter`), on the store's own threads (off the GPU
+  worker's path), its file hashed for the images' records (`files/hashes.py`);
+- **lease** it to a request, held in the tiered cache (`cache.py`) until the lease is
+  **released** (`lease.py`): whoever takes a lease gives it back (the server's GPU worker,
+  for every request); the engine swaps what a lease holds and never holds adapters itself;
+- **keep** it cached until an admin **evicts** it (a download's file too).
 """
 
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -26,21 +28,14 @@ from loraswap.adapters.files.data import NotInFile
 from loraswap.adapters.files.device_read import DeviceReadFailed, staging_buffers, with_index
 from loraswap.adapters.files.facts import FileFacts
 from loraswap.adapters.files.formats import open_checked
-from loraswap.adapters.files.hashes import hash_version
+from loraswap.adapters.files.hashes import ReadDigest
+from loraswap.adapters.files.location import AdapterLocation, file_stamp, stamp_bytes
 from loraswap.adapters.files.metadata import refuse_other_base
 from loraswap.adapters.lease import Lease
-from loraswap.adapters.naming.references import check_id
-from loraswap.adapters.parse.changes import ParsedAdapter, check_key_kinds, load_adapter
+from loraswap.adapters.parse.changes import ParsedAdapter, check_key_kinds, parse_adapter_file
+from loraswap.adapters.reference import AdapterRef
+from loraswap.adapters.sources.choose import AdapterSources
 from loraswap.adapters.sources.download_locks import holding_downloads
-from loraswap.adapters.sources.local import (
-    AdapterLocation,
-    AdapterSources,
-    HubAdapterSource,
-    LocalAdapterSource,
-    file_stamp,
-    stamp_bytes,
-)
-from loraswap.adapters.sources.remote import RemoteSettings, RemoteSources
 from loraswap.errors import AdapterError, AdapterIncompatible, AdapterInvalid, AdapterNotFound, BadRequest
 from loraswap.tracing import RequestContext, adapter_attributes, traced
 
@@ -68,20 +63,6 @@ class StoreLimits:
     prefetch_threads: int = 4  # threads reading adapters ahead of the GPU worker
 
 
-def make_sources(folder: Path | None, hub: bool = False, hub_cache_dir: Path | None = None,
-                 hub_allow=("*",), hub_deny=(), max_bytes: int = 2 * 2**30,
-                 remote: RemoteSources | None = None) -> AdapterSources | None:
-    """The adapter folder, the hub, and files elsewhere (None when the server has none of them)."""
-    local = LocalAdapterSource(folder) if folder else None
-    hub_source = HubAdapterSource(hub_cache_dir, tuple(hub_allow), tuple(hub_deny), max_bytes) if hub else None
-    return AdapterSources(local, hub_source, remote) if local or hub_source or remote else None
-
-
-def make_remote(settings: RemoteSettings, download_dir: Path, download_bytes: int) -> RemoteSources:
-    """Files named by URL, Civitai or bucket, each source refused until its setting turns it on."""
-    return RemoteSources(settings, download_dir, download_bytes)
-
-
 class AdapterStore:
     def __init__(self, source: AdapterSources | None, model: TargetModel, cache: CacheConfig,
                  device: torch.device, limits: StoreLimits = StoreLimits()):
@@ -91,8 +72,6 @@ class AdapterStore:
         device = with_index(device)  # the store's threads do not share the caller's current GPU
         self.cache = AdapterCache(cache, device)
         self._fits: FileFacts[bool] = FileFacts()  # adapter id -> whether its file (as stamped) fits this model
-        # the SHA-256 of each file read, for the images' records: hashed alongside the read, not after it
-        self._hashing = ThreadPoolExecutor(limits.prefetch_threads, thread_name_prefix="loraswap-hash")
         # no other model of this server reads its downloads: a file this model refuses, none here
         # takes (a deployment of several models says otherwise: `routing.Deployment`)
         self.sole_model = True
@@ -100,65 +79,66 @@ class AdapterStore:
         if device.type == "cuda" and cache.gpu_bytes:  # (with no GPU tier nothing is read to the GPU)
             staging_buffers(device).warm()  # pinned now, not in the first cold request
 
-    # ---------------------------------------------------------------- finding
-    def locate(self, adapter_id: str) -> AdapterLocation:
-        """The adapter's file (404/400 for unknown or bad ids), without reading it; a file
-        elsewhere is fetched into the download cache first."""
-        check_id(adapter_id)
+    # ---------------------------------------------------------------- locate
+    def locate(self, ref: AdapterRef) -> AdapterLocation:
+        """The adapter's file (404 for an unknown one), without reading it; a file elsewhere is
+        fetched into the download cache first. The ref was checked where it was made."""
         if self.source is None:
-            raise AdapterNotFound(adapter_id, "this server was started without an adapter folder",
+            raise AdapterNotFound(ref.adapter_id, "this server was started without an adapter folder",
                                   "Start it with --adapters DIR")
-        return self.source.locate(adapter_id)
+        return self.source.locate(ref)
 
-    # ---------------------------------------------------------------- leases
-    def lease(self, loras: list[tuple[str, float]]) -> Future:
-        """Start reading the adapters now, on the store's threads; the future holds their `Lease`."""
-        if not loras:
+    # ---------------------------------------------------------------- lease, release
+    def lease(self, refs: list[AdapterRef], located: Mapping[str, AdapterLocation] | None = None) -> Future:
+        """Start reading the adapters now, on the store's threads; the future holds their `Lease`.
+        `located`: the files already found for them, by id (routing's), not located again."""
+        if not refs:
             done: Future = Future()
             done.set_result(Lease([]))
             return done
         # in the request's context: the reading thread's log lines and spans are the request's
-        return self._pool.submit(RequestContext.capture().run, self.lease_now, loras)
+        return self._pool.submit(RequestContext.capture().run, self.lease_now, refs, located)
 
-    @traced("read", lambda store, loras: adapter_attributes(loras))
-    def lease_now(self, loras: list[tuple[str, float]]) -> Lease:
-        """The adapters (id, weight) ready to swap in, read on this thread and held until the
-        lease is given back."""
-        self.check_blend(loras)
+    @traced("read", lambda store, refs, located=None: adapter_attributes((r.adapter_id, r.scale) for r in refs))
+    def lease_now(self, refs: list[AdapterRef], located: Mapping[str, AdapterLocation] | None = None) -> Lease:
+        """The adapters ready to swap in, read on this thread and held until the lease is
+        released (given back); `located` as `lease` takes it."""
+        self.check_blend(refs)
+        located = located or {}
         held: list[tuple[CacheEntry, float]] = []
         try:
-            for adapter_id, weight in loras:
-                held.append((self._hold(adapter_id), float(weight)))
+            for ref in refs:
+                held.append((self._lease_one(ref, located.get(ref.adapter_id)), float(ref.scale)))
         except BaseException:
             for entry, _ in held:
                 self.cache.release(entry)
             raise
         return Lease(held, self.cache.release)
 
-    def read_ahead(self, loras: list[tuple[str, float]]) -> Future:
+    def read_ahead(self, refs: list[AdapterRef]) -> Future:
         """Read the adapters into the cache on the store's threads, holding none of them."""
-        return self._pool.submit(lambda: self.lease_now(loras).release())
+        return self._pool.submit(lambda: self.lease_now(refs).release())
 
-    def keep_ahead(self, adapter_id: str) -> Future:
+    def keep_ahead(self, ref: AdapterRef) -> Future:
         """`keep` on the store's threads."""
-        return self._pool.submit(self.keep, adapter_id)
+        return self._pool.submit(self.keep, ref)
 
-    def check_blend(self, loras: list[tuple[str, float]]) -> None:
+    def check_blend(self, refs: list[AdapterRef]) -> None:
         """Refuse a blend of more adapters than the limit, or one naming an adapter twice."""
-        if len(loras) > self.limits.max_blend:
-            raise BadRequest(f"{len(loras)} adapters requested; at most {self.limits.max_blend} can be blended")
-        if len({aid for aid, _ in loras}) != len(loras):
+        if len(refs) > self.limits.max_blend:
+            raise BadRequest(f"{len(refs)} adapters requested; at most {self.limits.max_blend} can be blended")
+        if len({ref.adapter_id for ref in refs}) != len(refs):
             raise BadRequest("the same adapter is named twice; give it one weight")
 
-    def _hold(self, adapter_id: str) -> CacheEntry:
+    def _lease_one(self, ref: AdapterRef, location: AdapterLocation | None = None) -> CacheEntry:
         """From the cache when the file is unchanged (size, mtime, ctime, inode), else read,
         converted, checked against the model and packed into host RAM (pinned later by the
         cache, off the request's path); then copied to the GPU tier when its budget allows.
-        Held in the cache until released."""
+        Held in the cache until released. `location`: its file, when already found."""
         with holding_downloads():  # a downloaded file stays while it is looked at and read
-            location = self.locate(adapter_id)
+            location = location or self.locate(ref)
             stamp = file_stamp(location)
-            entry = self.cache.lookup(adapter_id, stamp)
+            entry = self.cache.lookup(ref.adapter_id, stamp)
             if entry is None:
                 entry = self._read_and_hash(location, stamp)
         try:
@@ -169,49 +149,45 @@ class AdapterStore:
         return entry
 
     def _read_and_hash(self, location: AdapterLocation, stamp: tuple) -> CacheEntry:
-        """The adapter read into the cache, its file hashed on another thread meanwhile (the
-        digest kept with the entry: `CacheEntry.digest`)."""
-        hashing = self._hashing.submit(hash_version, location, stamp)
-        try:
-            bound = self._read_or_drop(location, stamp_bytes(stamp))
-        except BaseException:
-            hashing.cancel()
-            raise
+        """The adapter read into the cache, its file hashed from the bytes the read brings in
+        (`files.hashes.ReadDigest`: one read), the digest kept with the entry (`CacheEntry.digest`)."""
+        digest = ReadDigest()
+        bound = self._read_or_drop(location, stamp_bytes(stamp), digest)
         entry = self.cache.insert(location.adapter_id, bound, stamp)
         if entry.digest is None:  # (one read twice at once keeps the first entry, and its digest)
-            entry.digest = hashing.result()
+            entry.digest = digest.result if _unchanged(location, stamp) else None
         return entry
 
-    def _read_or_drop(self, location: AdapterLocation, nbytes: int) -> BoundAdapter:
+    def _read_or_drop(self, location: AdapterLocation, nbytes: int, digest: ReadDigest) -> BoundAdapter:
         """`_read`; a downloaded file that no model here can take is dropped from the download
         folder (neither listed nor taking room, and fetched again if named again): one with a
         defect of its own (`has_own_defect`), or one this model refuses when it is the only
         model (`sole_model`). A file made for another model of this server stays for that model."""
         try:
-            return self._read(location, nbytes)
+            return self._read(location, nbytes, digest)
         except (AdapterInvalid, AdapterIncompatible):
             if self.sole_model or has_own_defect(location, self.limits.max_adapter_bytes):
-                self.forget_file(location.adapter_id)
+                self.evict_download(location.adapter_id)
             raise
 
-    def forget_file(self, adapter_id: str) -> None:
+    def evict_download(self, adapter_id: str) -> None:
         """Drop the adapter's download, if it has one, and what was found out about its file."""
         self._fits.drop(adapter_id)
         if self.source is not None:
-            self.source.forget(adapter_id)
+            self.source.evict(adapter_id)
 
-    def _read(self, location: AdapterLocation, nbytes: int) -> BoundAdapter:
+    def _read(self, location: AdapterLocation, nbytes: int, digest: ReadDigest | None = None) -> BoundAdapter:
         """The adapter's `nbytes` of files read: on CUDA straight to the GPU when the cache
         gives it a turn (`start_gpu_read`; the cache copies it down to host RAM later), else
-        on the host."""
+        on the host; its weights file hashed by `digest` as it is read."""
         if not self.cache.start_gpu_read(nbytes):
-            return read_adapter(location, self.model, self.limits)
+            return read_adapter(location, self.model, self.limits, digest=digest)
         try:
-            bound = read_adapter(location, self.model, self.limits, self.cache.device)
+            bound = read_adapter(location, self.model, self.limits, self.cache.device, digest=digest)
         except DeviceReadFailed as e:
             self.cache.end_gpu_read()
             logger.warning("adapter %s could not be read to the GPU (%s); read on the host", location.adapter_id, e)
-            return read_adapter(location, self.model, self.limits)
+            return read_adapter(location, self.model, self.limits, digest=digest)
         except BaseException:
             self.cache.end_gpu_read()
             raise
@@ -241,28 +217,29 @@ class AdapterStore:
         self._fits.put(location.adapter_id, stamp, fits)
         return fits
 
-    # ---------------------------------------------------------------- admin
-    def resolve(self, adapter_id: str) -> BoundAdapter:
-        """The adapter checked against this model (host tier), e.g. for inspection."""
-        entry = self._hold(adapter_id)
+    # ---------------------------------------------------------------- read, keep, evict
+    def read(self, ref: AdapterRef) -> BoundAdapter:
+        """The adapter read and bound to this model (host tier; from the cache when there), e.g.
+        for inspection."""
+        entry = self._lease_one(ref)
         self.cache.release(entry)
         return entry.host
 
-    def keep(self, adapter_id: str) -> BoundAdapter:
+    def keep(self, ref: AdapterRef) -> BoundAdapter:
         """Read the adapter into the cache now and never evict it until `evict`."""
-        entry = self._hold(adapter_id)
-        self.cache.keep(adapter_id)
+        entry = self._lease_one(ref)
+        self.cache.keep(ref.adapter_id)
         self.cache.release(entry)
         return entry.host
 
-    def evict(self, adapter_id: str) -> None:
+    def evict(self, ref: AdapterRef) -> None:
         """Stop keeping the adapter and drop it from every tier, a download's file included (it
         is read, or fetched, again when next used)."""
-        check_id(adapter_id)
+        adapter_id = ref.adapter_id
         if self.cache.get(adapter_id) is None and adapter_id not in self._downloaded():
-            self.locate(adapter_id)  # an id neither cached nor on disk: 404
+            self.locate(ref)  # an id neither cached nor on disk: 404
         self.cache.evict(adapter_id)
-        self.forget_file(adapter_id)
+        self.evict_download(adapter_id)
 
     def _downloaded(self) -> set[str]:
         remote = self.source.remote if self.source is not None else None
@@ -290,17 +267,25 @@ class AdapterStore:
     def close(self) -> None:
         """Stop the store's reading threads and the cache's pinner (the server's shutdown)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._hashing.shutdown(wait=False, cancel_futures=True)
         self.cache.close()
 
 
 def read_adapter(location: AdapterLocation, model: TargetModel, limits: StoreLimits = StoreLimits(),
-                 device: str | torch.device = "cpu") -> BoundAdapter:
+                 device: str | torch.device = "cpu", digest: ReadDigest | None = None) -> BoundAdapter:
     """The adapter at `location` read, converted, checked against `model` (its declared base
     model too) and bound to its layers, packed on `device` where it was read in place: what
-    the store caches, and what the benchmarks use."""
+    the store caches, and what the benchmarks use. `digest`: hashes its weights file from the
+    bytes the read brings in (`digest.result`, once read)."""
     return _parse_and(location, model, limits, lambda parsed: bind_adapter(parsed, model.layers, limits.max_rank,
-                                                                           model.dtype, device))
+                                                                           model.dtype, device), digest)
+
+
+def _unchanged(location: AdapterLocation, stamp: tuple) -> bool:
+    """Whether the adapter's file is still the one stamped `stamp` (so the digest of what was read is its own)."""
+    try:
+        return file_stamp(location) == stamp
+    except AdapterError:  # removed meanwhile
+        return False
 
 
 def has_own_defect(location: AdapterLocation, max_bytes: int) -> bool:
@@ -325,24 +310,36 @@ def check_fit(location: AdapterLocation, model: TargetModel, limits: StoreLimits
 
 
 def _parse_and(location: AdapterLocation, model: TargetModel, limits: StoreLimits,
-               use: Callable[[ParsedAdapter], T]) -> T:
+               use: Callable[[ParsedAdapter], T], digest: ReadDigest | None = None) -> T:
     """`use` the adapter parsed for `model`. Read in place (the large factors read from the
     file only when packed, straight into their place: one copy), unless the parse or `use`
     needs the values of a factor standing in (one the parse computes): then read whole."""
     try:
-        return _parsed_use(location, model, limits, use, in_place=True)
+        return _parsed_use(location, model, limits, use, True, digest)
     except (NotInFile, RuntimeError, NotImplementedError) as e:  # RuntimeError: a value asked of a stand-in
         logger.debug("adapter %s read whole (%s)", location.adapter_id, e)
-        return _parsed_use(location, model, limits, use, in_place=False)
+        return _parsed_use(location, model, limits, use, False, digest)
 
 
 def _parsed_use(location: AdapterLocation, model: TargetModel, limits: StoreLimits, use: Callable[[ParsedAdapter], T],
-                in_place: bool) -> T:
-    parsed = load_adapter(location, model.pipeline_cls, model.layers.component_modules, limits.max_adapter_bytes,
-                          model.unet_config, in_place)
+                in_place: bool, digest: ReadDigest | None) -> T:
+    try:
+        parsed = parse_adapter_file(location, model.pipeline_cls, model.layers.component_modules,
+                                    limits.max_adapter_bytes, model.unet_config, in_place, digest)
+    except BaseException:
+        if digest is not None:
+            digest.cancel()
+        raise
     try:
         refuse_other_base(location.adapter_id, parsed.base_models, [model.name])
-        return use(parsed)
+        used = use(parsed)
+        if digest is not None:  # (the rest of the file read from it while it is open)
+            digest.finish()
+        return used
+    except BaseException:
+        if digest is not None:
+            digest.cancel()
+        raise
     finally:
         for file in parsed.files:
             file.close()

@@ -70,7 +70,7 @@ class KindsBench:
         for adapter in self.gpu.values():
             self.fused.apply([(adapter, 1.0)])
             self.denoise(1)
-        self.fused.reset()
+        self.fused.restore_base()
         self.graphs_after_warmup = graph_count()
 
     @torch.no_grad()
@@ -92,7 +92,7 @@ class KindsBench:
                 step = torch.finfo(self.dtype).eps * expected.abs().max()
                 errors.append(((written - expected).abs().max() / step).item())
             worst[kind] = max(errors)
-        self.fused.reset()
+        self.fused.restore_base()
         self.results["max_error_in_rounding_steps"] = worst
 
     def swaps(self, count: int) -> None:
@@ -113,7 +113,7 @@ class KindsBench:
                 seconds, _ = timed(self.denoise)
                 times.setdefault(variant, []).append(seconds)
                 logger.info("round %d %-5s image %.3f s", r, variant, seconds)
-        self.fused.reset()
+        self.fused.restore_base()
         self.results["image_s"] = {k: summary(v) for k, v in times.items()}
         self.results["recompiles"] = graph_count() - self.graphs_after_warmup
 

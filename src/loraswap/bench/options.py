@@ -29,8 +29,9 @@ from loraswap.bench.common import (
 )
 from loraswap.bench.swap import Denoise
 from loraswap.bench.swap_setup import bound_reader, build_denoiser, denoiser_inputs
+from loraswap.engine.config.compilation import check_backend_name
 from loraswap.engine.quantize.weights import check_mode, quantize_module
-from loraswap.engine.startup.attention import AttentionBackend, check_backend_name
+from loraswap.engine.startup.attention import AttentionBackend
 from loraswap.engine.startup.compile import compile_denoiser, graph_count
 from loraswap.engine.swap.fused import FusedSwapper
 from loraswap.progress import tracked

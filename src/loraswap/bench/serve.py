@@ -136,7 +136,7 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _drive(url: str, stream: list[str], concurrency: int, params: dict, seen: set[str] | None = None) -> dict:
+def send_stream(url: str, stream: list[str], concurrency: int, params: dict, seen: set[str] | None = None) -> dict:
     """Send `stream` with `concurrency` clients: latencies, the server's own compute time of
     each (`x-compute-time`), errors and images/s. `seen`: the adapters this server was asked
     for before (updated); a request is `cold` when its adapter is new to the server, so its
@@ -267,12 +267,12 @@ def run_serve_bench(model: str = "sdxl-random", num_ids: int = 2500, requests: i
                                                     workdir / f"server-{mode}.log", flags)
             servers[mode] = (proc, url, log)
             results["modes"][mode] = {"ready_s": ready_s, "runs": []}
-            _drive(url, [ids[0]], 1, params, seen[mode])
+            send_stream(url, [ids[0]], 1, params, seen[mode])
         # 2. the passes, round the servers in turn
         for round_index in tracked(range(rounds), "rounds"):
             for clients in (1, concurrency):
                 for mode in modes:
-                    run = _drive(servers[mode][1], stream, clients, params, seen[mode])
+                    run = send_stream(servers[mode][1], stream, clients, params, seen[mode])
                     results["modes"][mode]["runs"].append({"round": round_index, **run})
                     _log_run(mode, run)
                     write_results(out_dir, f"serve-{model}", results)  # a time limit cuts off only this pass

@@ -112,7 +112,7 @@ class SwapBench:
             timed(lambda: self.denoise["load-and-fuse"](1))
         for adapter in self.gpu:  # pristine copies are made on first touch: keep that one-time cost out
             self.fused.apply([(adapter, 1.0)])
-        self.fused.reset()
+        self.fused.restore_base()
         self.graphs_after_warmup = graph_count()
 
     def rounds(self, rounds: int) -> None:
@@ -133,9 +133,9 @@ class SwapBench:
     def _swap(self, variant: str, i: int) -> dict:
         if variant in self.swappers:
             location = DenoiserLoRA.location(self.paths[i])
-            return {"swap_disk_s": timed(lambda: self.swappers[variant].swap([(location, 1.0)]))[0]}
+            return {"swap_disk_s": timed(lambda: self.swappers[variant].apply([(location, 1.0)]))[0]}
         if variant == "base":
-            return {"swap_gpu_s": timed(self.fused.reset)[0]}
+            return {"swap_gpu_s": timed(self.fused.restore_base)[0]}
         n = len(self.paths)
         j, k = (i + 1) % n, (i + 2) % n
         return {"swap_disk_s": timed(lambda: self.fused.apply([(self.read(self.paths[i]), 1.0)]))[0],
@@ -172,7 +172,7 @@ class SwapBench:
             self.denoise["fused"](1)
         self.results["recompile_check"] = {"swaps": swaps, "graphs_compiled": graph_count() - graphs,
                                            "graphs_compiled_during_rounds": graphs - self.graphs_after_warmup}
-        self.fused.reset()
+        self.fused.restore_base()
         self.results["memory_GiB"]["pristine_copies"] = self.fused.pristine_bytes / 2**30
         if self.device.type == "cuda":
             self.results["memory_GiB"]["peak"] = torch.cuda.max_memory_allocated() / 2**30

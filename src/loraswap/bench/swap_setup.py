@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from loraswap.adapters.bound import ModelLayers
-from loraswap.adapters.sources.local import AdapterLocation
+from loraswap.adapters.files.location import AdapterLocation
 from loraswap.adapters.store import StoreLimits, TargetModel, read_adapter
 from loraswap.bench.common import write_random_adapters
 from loraswap.engine.swap.baselines import HotswapSwapper, LoadAndFuseSwapper

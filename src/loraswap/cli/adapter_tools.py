@@ -23,13 +23,13 @@ INSPECT_SETTINGS = [one_model(), *pick("adapters", "max-rank")]
 @with_settings(*pick("adapters"))
 def list_adapters(*, given: dict) -> None:
     """The ids of the adapters under --adapters, one a line (what --lora and the `lora` header take)."""
-    from loraswap.adapters.sources.local import LocalAdapterSource
+    from loraswap.adapters.sources.folder import FolderSource
 
     folder = given.get("adapters")
     if folder is None:
         raise typer.BadParameter("give the folder of your .safetensors adapters", param_hint="--adapters")
     check_adapters_folder(folder)
-    for adapter_id in LocalAdapterSource(folder).list_ids():
+    for adapter_id in FolderSource(folder).list_ids():
         typer.echo(adapter_id)
 
 
@@ -53,7 +53,7 @@ def inspect_adapter(
         known_family(model, bare_architectures=True)
     check_adapters_folder(values["adapters"])
     location = _locate(path_or_id, values["adapters"])
-    report = _inspect(location, path_or_id, model, values["adapters"], values["max-rank"])
+    report = inspect_report(location, path_or_id, model, values["adapters"], values["max-rank"])
     if as_json:
         typer.echo(json.dumps(report, indent=1))
     else:
@@ -75,7 +75,7 @@ def _print_report(report: dict) -> None:
 
 def _locate(path_or_id: str, adapters: Path | None):
     """The location of a file given by path; None for an id (looked up under `adapters` later)."""
-    from loraswap.adapters.sources.local import AdapterLocation
+    from loraswap.adapters.files.location import AdapterLocation
 
     path = Path(path_or_id)
     if path.is_file():
@@ -87,16 +87,17 @@ def _locate(path_or_id: str, adapters: Path | None):
     return None
 
 
-def _inspect(location, path_or_id: str, model: str | None, adapters: Path | None, max_rank: int) -> dict:
+def inspect_report(location, path_or_id: str, model: str | None, adapters: Path | None, max_rank: int) -> dict:
     """The family it is for, and what the adapter is and whether (else why not) it fits `model`
     (None: the known model routing finds for it): read as the server reads it (`read_adapter`:
     converted, checked, bound), then described from what it became."""
-    from loraswap.adapters.sources.local import LocalAdapterSource
+    from loraswap.adapters.reference import AdapterRef
+    from loraswap.adapters.sources.folder import FolderSource
     from loraswap.adapters.store import StoreLimits, read_adapter
 
     report: dict = {"adapter": path_or_id, "model": model}
     try:
-        location = location or LocalAdapterSource(adapters).locate(path_or_id)
+        location = location or FolderSource(adapters).locate(AdapterRef.named(path_or_id))  # (a bad id: refused)
         report.update(_family(location, model))
         model = report["model"]
         if model is None:

@@ -49,13 +49,14 @@ def check_step_cache(engine_config, family) -> None:
     from loraswap.engine.step_cache import read_ratios, transformer_families
     from loraswap.errors import LoraswapError
 
-    if engine_config.step_cache != "off" and family is not None and family.name not in transformer_families():
+    step_caching = engine_config.step_caching
+    if step_caching.step_cache != "off" and family is not None and family.name not in transformer_families():
         raise typer.BadParameter(f"{engine_config.model} takes no step cache: step caching serves the transformer "
                                  f"families ({', '.join(transformer_families())}); use --step-cache off",
                                  param_hint="--step-cache")
-    if engine_config.step_cache_calibration is not None:
+    if step_caching.step_cache_calibration is not None:
         try:
-            read_ratios(engine_config.step_cache_calibration)
+            read_ratios(step_caching.step_cache_calibration)
         except LoraswapError as e:
             raise typer.BadParameter(str(e).removeprefix("--step-cache-calibration "),
                                      param_hint="--step-cache-calibration") from None
@@ -68,19 +69,19 @@ def check_adapters_folder(folder: Path | None) -> None:
                                  param_hint="--adapters")
 
 
-def check_adapter_ids(config, loras: list[tuple[str, float]]) -> None:
-    """Each adapter id found in --adapters, as the engine will look it up (AdapterNotFound,
+def check_adapter_ids(config, loras: list) -> None:
+    """Each adapter (a ref) found in --adapters, as the engine will look it up (AdapterNotFound,
     or a pickle file refused); hub ids and files elsewhere (URLs, Civitai, S3) are fetched
     when the model is loaded, as the server fetches them."""
     from loraswap.errors import AdapterNotFound
 
-    sources = config.adapter_sources()
-    for adapter_id, _ in loras:
+    sources = config.sources.adapter_sources()
+    for ref in loras:
         if sources is None:
-            raise AdapterNotFound(adapter_id, "no adapter folder is given", "Run it with --adapters DIR")
-        fetched = [s for s in (sources.remote, sources.hub) if s is not None and s.handles(adapter_id)]
-        if not fetched:
-            sources.locate(adapter_id)
+            raise AdapterNotFound(ref.adapter_id, "no adapter folder is given", "Run it with --adapters DIR")
+        source = sources.source_for(ref)
+        if source is sources.folder:
+            source.locate(ref)
 
 
 def check_output(output: Path, family) -> None:

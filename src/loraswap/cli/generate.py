@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from loraswap.adapters.naming.specs import parse_adapter_specs
+from loraswap.adapters.reference import AdapterRef
 from loraswap.cli.checks import (
     check_adapter_ids,
     check_adapters_folder,
@@ -31,9 +32,9 @@ GENERATE_SETTINGS = [one_model(), *pick("max-size", "adapters", "hub"), *REMOTE_
                            "step-cache-calibration"), *IMAGE_SETTINGS]
 
 
-def parse_loras(specs: list[str]) -> list[tuple[str, float]]:
+def parse_loras(specs: list[str]) -> list[AdapterRef]:
     """Each `--lora NAME[:WEIGHT]` (or `a:0.8, b:0.5`), read as the `lora` header is: an id, a
-    URL, a Civitai AIR or s3://bucket/key."""
+    URL, a Civitai AIR or s3://bucket/key, made a checked ref here, once (a URL inside it)."""
     try:
         return [lora for spec in specs for lora in parse_adapter_specs(spec)]
     except BadRequest as e:

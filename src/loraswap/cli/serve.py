@@ -54,7 +54,7 @@ def serve(config_file: ConfigFile = None, print_config: PrintConfig = False, ver
     if cluster is not None:
         cluster.run(config, address=values["ray-address"])
         return
-    _serve_http(config, listening)
+    serve_on_socket(config, listening)
 
 
 def check_before_loading(config, values: dict) -> None:
@@ -68,7 +68,7 @@ def check_before_loading(config, values: dict) -> None:
         check_adapters_folder(values["adapters"])
 
 
-def _serve_http(config, listening: socket.socket) -> None:
+def serve_on_socket(config, listening: socket.socket) -> None:
     """Serve on the socket `bind_port` bound before the model loaded."""
     from loraswap.engine.engine import Engine
     from loraswap.server.access_log import log_config
@@ -97,7 +97,7 @@ def _serve_http(config, listening: socket.socket) -> None:
 
 def _start_ranks(config):
     """With --ulysses-degree, --ring-degree or --cfg-parallel: ranks 1..N-1 started, this process rank 0."""
-    parallel = [e for e in config.engines if e.parallelism.world > 1]
+    parallel = [e for e in config.engines if e.parallel.parallelism.world > 1]
     if not parallel:
         return None
     if len(config.engines) > 1:

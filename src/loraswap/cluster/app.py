@@ -35,7 +35,7 @@ def replica_gpus(engine: ModelDeploymentConfig) -> float:
     CUDA (or auto on a cluster with GPUs), else 0."""
     if engine.num_gpus is not None:
         return engine.num_gpus
-    ranks = float(engine.parallelism.world)
+    ranks = float(engine.parallel.parallelism.world)
     if engine.device == "cuda":
         return ranks
     if engine.device == "auto" and ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= ranks:

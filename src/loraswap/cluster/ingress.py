@@ -19,8 +19,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from ray.serve.exceptions import BackPressureError
 
 from loraswap.adapters.files.metadata import same_model
-from loraswap.adapters.naming.references import urls_of
-from loraswap.adapters.sources.local import AdapterSources
+from loraswap.adapters.reference import AdapterRef
+from loraswap.adapters.sources.choose import AdapterSources
 from loraswap.cluster.config import ClusterConfig
 from loraswap.cluster.replica import adapter_key, log_to_stderr
 from loraswap.engine.engine import GenerateResult
@@ -49,7 +49,7 @@ class RayBackend:
         self.reports = reports
         self.deployments = [engine.deployment_name for engine in config.engines]
         # the same adapter sources as the default engine's; with none, locating answers 404
-        self.source = config.engines[0].adapter_sources() or AdapterSources(None, None)
+        self.source = config.engines[0].sources.adapter_sources() or AdapterSources(None, None)
         self.names: list[str] | None = None  # the models' names, once their replicas answered
         self.families: list[str | None] = []  # their families (routing an adapter that names no base model)
         self.compiled = False
@@ -93,13 +93,13 @@ class RayBackend:
         return any(same_model(hosted, name) for hosted in self._names())
 
     # ---------------------------------------------------------------- routing
-    def _route(self, loras: list[tuple[str, float]], model: str | None) -> int:
+    def _route(self, refs: list[AdapterRef], model: str | None) -> int:
         names = self._names()
         # the ingress holds no model: an adapter naming no base model goes by its family, else to the default
         families = dict(zip(names, self.families))  # (empty until the replicas answered)
         hosted = [HostedModel(name, families.get(name)) for name in names]
-        max_bytes = int(self.config.engines[0].max_adapter_mb * 2**20)
-        return names.index(route_by_base_model(hosted, self.source.locate, loras, model, max_adapter_bytes=max_bytes))
+        max_bytes = self.config.engines[0].sources.max_adapter_bytes
+        return names.index(route_by_base_model(hosted, self.source.locate, refs, model, max_adapter_bytes=max_bytes))
 
     # ---------------------------------------------------------------- requests
     async def generate(self, request: GenerateRequest, model: str | None,
@@ -109,11 +109,11 @@ class RayBackend:
         # not pickle; reporting steps back needs a channel from replica to ingress
         index = await run_in_threadpool(self._route, request.loras, model)
         handle = self.handles[index].options(multiplexed_model_id=adapter_key(request.loras))
-        urls = urls_of(adapter_id for adapter_id, _ in request.loras)  # a replica on another node fetches too
         sent = time.perf_counter()
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                result = await self._call(lambda: handle.generate.remote(request, urls), is_disconnected)
+                # (its adapter refs go with it, URLs and all: a replica on another node fetches them too)
+                result = await self._call(lambda: handle.generate.remote(request), is_disconnected)
                 # Serve's share: routing (waiting at the router), the hops both ways, and any
                 # attempt a dying replica cost
                 result.timings["ray"] = time.perf_counter() - sent - result.timings.pop("replica", 0.0)
@@ -161,14 +161,14 @@ class RayBackend:
         adapters = [{**row, "replicas": sorted(holders.get(row["id"], ()))} for row in merge_adapter_rows(rows)]
         return {"model": names[0], "models": names, "adapters": adapters}
 
-    async def keep_adapter(self, adapter_id: str) -> dict:
-        index = await run_in_threadpool(self._route, [(adapter_id, 1.0)], None)
-        handle = self.handles[index].options(multiplexed_model_id=adapter_id)
-        return await self._call(lambda: handle.keep_adapter.remote(adapter_id, urls_of([adapter_id])))
+    async def keep_adapter(self, ref: AdapterRef) -> dict:
+        index = await run_in_threadpool(self._route, [ref], None)
+        handle = self.handles[index].options(multiplexed_model_id=ref.adapter_id)
+        return await self._call(lambda: handle.keep_adapter.remote(ref))
 
-    async def evict_adapter(self, adapter_id: str) -> None:
-        index = await run_in_threadpool(self._route, [(adapter_id, 1.0)], None)
-        await self._call(lambda: self.reports.evict.remote(self.deployments[index], adapter_id))
+    async def evict_adapter(self, ref: AdapterRef) -> None:
+        index = await run_in_threadpool(self._route, [ref], None)
+        await self._call(lambda: self.reports.evict.remote(self.deployments[index], ref.adapter_id))
 
     async def replicas(self) -> list[dict]:
         """Every model replica that reported: id, deployment, model, pid, alive, loads, evictions,

@@ -24,13 +24,14 @@ import ray
 import torch
 from ray import serve
 
-from loraswap.adapters.naming.references import remember_urls
+from loraswap.adapters.reference import AdapterRef
 from loraswap.cluster.config import ModelDeploymentConfig
+from loraswap.engine.config import SchedulerConfig
 from loraswap.engine.engine import Engine, GenerateResult
 from loraswap.engine.parallel.processes import RankProcesses
+from loraswap.engine.process import freeze_loaded_objects
 from loraswap.engine.request import GenerateRequest
-from loraswap.engine.startup.bring_up import freeze_loaded_objects
-from loraswap.engine.worker import GpuWorker, SchedulerConfig
+from loraswap.engine.worker import GpuWorker
 from loraswap.server.metrics import EngineFigures, gpu_memory
 
 logger = logging.getLogger("loraswap.cluster")
@@ -46,9 +47,9 @@ def log_to_stderr() -> None:
         root.setLevel(logging.INFO)
 
 
-def adapter_key(loras: list[tuple[str, float]]) -> str:
+def adapter_key(refs: list[AdapterRef]) -> str:
     """The multiplexed model id of a request: its adapter ids, sorted, comma-joined ('' for none)."""
-    return ",".join(sorted(adapter_id for adapter_id, _ in loras))
+    return ",".join(sorted(ref.adapter_id for ref in refs))
 
 
 def _gpu_names() -> dict[str, dict]:
@@ -81,7 +82,7 @@ class ModelReplica:
             torch.set_num_threads(config.torch_threads)
         # with context parallelism this replica is rank 0 of its own processes, one per GPU it holds;
         # started from this (lasting) thread: a child dies with the thread that started it
-        self._ranks = RankProcesses(config) if config.parallelism.world > 1 else None
+        self._ranks = RankProcesses(config) if config.parallel.parallelism.world > 1 else None
         self.engine = await asyncio.to_thread(self._ranks.engine_factory if self._ranks else Engine, config)
         self.worker = GpuWorker(self.engine, scheduler)
         self.worker.start()
@@ -89,6 +90,7 @@ class ModelReplica:
         # 2. the adapter budget: Ray Serve multiplexing, sized per deployment
         self._load = serve.multiplexed(max_num_models_per_replica=config.max_adapters)(self._make_loader())
         self._held: dict[str, tuple[str, ...]] = {}  # key -> adapter ids
+        self._wanted: dict[str, tuple[AdapterRef, ...]] = {}  # key -> the refs its loader reads (URLs and all)
         self._refs: Counter = Counter()  # adapter id -> held keys naming it
         self._lock = threading.Lock()
         self.loads = self.evictions = self.served = 0
@@ -112,17 +114,16 @@ class ModelReplica:
         return {"model": self.engine.model_name, "compiled": self.engine.compiled, "replica": self.replica_id,
                 "capabilities": self.engine.capabilities(), "family": family.name if family else None}
 
-    async def generate(self, request: GenerateRequest, urls: dict[str, str] | None = None) -> GenerateResult:
-        """`urls`: the URLs behind the request's `url:` ids (the ingress saw them; this replica's
-        node may have to fetch them into its own download folder)."""
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """The request's adapter refs came with it, URLs and all (this replica's node may have to
+        fetch them into its own download folder)."""
         request = self.engine.calls.sized(request)  # beyond the model's largest size: 400 before anything is held
         request = self.engine.step_cache.resolved(request)  # and a step cache it cannot take
         # 1. hold the request's adapters in this replica's budget (Serve routed it here for them)
         received = time.perf_counter()
-        remember_urls(urls or {})
         key = serve.get_multiplexed_model_id()
         if key:
-            await self._load(key)
+            await self._hold_in_budget(key, request.loras)
         held = time.perf_counter()
         # 2. queue for the GPU worker (adapters from the cache); a cancelled request is dropped
         future = self.worker.submit(request)
@@ -131,11 +132,10 @@ class ModelReplica:
         result.timings |= {"hold": held - received, "replica": time.perf_counter() - received}
         return result
 
-    async def keep_adapter(self, adapter_id: str, urls: dict[str, str] | None = None) -> dict:
+    async def keep_adapter(self, ref: AdapterRef) -> dict:
         """Hold the adapter here, read it now and keep it in the cache (POST /adapters/{id}/load)."""
-        remember_urls(urls or {})
-        await self._load(adapter_id)
-        bound = await asyncio.to_thread(self.engine.keep_adapter, adapter_id)
+        await self._hold_in_budget(ref.adapter_id, [ref])
+        bound = await asyncio.to_thread(self.engine.keep_adapter, ref)
         await self._report()
         return {"bytes": bound.nbytes, "layers": len(bound.layers), "model": self.engine.model_name,
                 "replica": self.replica_id}
@@ -154,11 +154,21 @@ class ModelReplica:
             logger.debug("last report of %s not delivered", self.replica_id)
 
     # ---------------------------------------------------------------- the adapter budget
+    async def _hold_in_budget(self, key: str, refs: list[AdapterRef]) -> None:
+        """Hold the adapter set `key` (these refs') in the budget: read by its loader unless held."""
+        self._wanted[key] = tuple(refs)
+        try:
+            await self._load(key)
+        except BaseException:
+            self._wanted.pop(key, None)
+            raise
+
     def _make_loader(self):
         async def load_adapters(key: str) -> _Held:
             ids = tuple(key.split(","))
-            loras = [(adapter_id, 1.0) for adapter_id in ids]
-            await asyncio.wrap_future(self.engine.adapters.read_ahead(loras))
+            # (the ids alone, were its refs gone: a URL's then served from the download folder)
+            refs = self._wanted.get(key) or tuple(AdapterRef(adapter_id) for adapter_id in ids)
+            await asyncio.wrap_future(self.engine.adapters.read_ahead(list(refs)))
             with self._lock:
                 self._held[key] = ids
                 self._refs.update(ids)
@@ -170,6 +180,7 @@ class ModelReplica:
         return load_adapters
 
     def _drop_held(self, key: str) -> None:
+        self._wanted.pop(key, None)
         with self._lock:
             ids = self._held.pop(key, ())
             self._refs.subtract(ids)
@@ -184,7 +195,7 @@ class ModelReplica:
 
     def _evict(self, adapter_id: str) -> None:
         """Stop keeping it and drop it (DELETE /adapters/{id}); it is read anew when next used."""
-        self.engine.evict_adapter(adapter_id, download_too=False)
+        self.engine.evict_adapter(AdapterRef(adapter_id), download_too=False)  # (an id the ingress checked)
 
     # ---------------------------------------------------------------- reports
     def _snapshot(self, stopped: bool = False) -> dict:

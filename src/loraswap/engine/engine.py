@@ -1,16 +1,20 @@
 """The engine: one warm base model, the adapters on it, and the images it makes.
 
-Public surface: `Engine(config)`, `generate_batch(requests, lease)`, `apply(lease)`,
-`applied_ids`, `recompiles`, `adapters` (the `AdapterStore` that locates, reads, caches
-and keeps this model's adapters), `keep_adapter` and `evict_adapter` (the store's, on every
-rank), `lender` (where leases come from: the store, or for a baseline its files),
-`pipeline_arguments(call)`, and with context parallelism `use_ranks(ranks)` and `ranks`.
-The engine swaps what a lease holds; it never takes or gives back a lease itself, except
-in `generate` and `set_adapters`, which lease for the call, for callers on one thread (the
-CLI, benchmarks, tests). Bringing the model up is `startup.Startup`'s job; writing
-adapters into the weights is the swapper's (`swap.FusedSwapper`, or a baseline of
-`baselines.py`). The pipeline and the weights are driven by exactly one thread (the
-server's GPU worker, or the CLI).
+Public surface: `Engine(config)`, `generate_batch(requests, lease)` (its steps:
+`prepare_batch`, `apply(lease)`, `run_batch`), `restore_base`, `applied_ids`, `recompiles`,
+`adapters` (the `AdapterStore` that locates, reads, caches and keeps this model's adapters),
+`keep_adapter` and `evict_adapter` (the store's), `lender` (where leases come from: the
+store, or for a baseline its files), `pipeline_arguments(call)`, and for the GPU worker
+`stoppable` and `when_lost`. The engine applies what a lease holds; it never takes or gives
+back a lease itself, except in `generate` and `set_adapters`, which lease for the call, for
+callers on one thread (the CLI, benchmarks, tests). Bringing the model up is
+`startup.Startup`'s job; writing adapters into the weights is the swapper's
+(`swap.FusedSwapper`, or a baseline of `baselines.py`). The pipeline and the weights are
+driven by exactly one thread (the server's GPU worker, or the CLI).
+
+The engine reads the same in one process or many: context parallelism attaches from beside
+it (`parallel.ranked.RankedEngine` splits the model in `prepare_model` and keeps its
+processes in step around each batch), as step caching and float8 do from their packages.
 """
 
 import contextlib
@@ -26,11 +30,10 @@ from PIL import Image
 
 from loraswap.adapters.bound import BoundAdapter, ModelLayers
 from loraswap.adapters.lease import Lease
+from loraswap.adapters.reference import AdapterRef, as_refs
 from loraswap.adapters.store import AdapterStore, StoreLimits, TargetModel
 from loraswap.engine.calls import TEXT, PipelineCalls, Ran
 from loraswap.engine.config import EngineConfig
-from loraswap.engine.parallel.cfg import GuidanceSplit, check_guided
-from loraswap.engine.parallel.ranks import Ranks, check_sequence, device_mesh, enable_context_parallel
 from loraswap.engine.previews import LatentPreviews
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.sizes import LargestSize
@@ -40,6 +43,7 @@ from loraswap.engine.startup.compile import graph_count
 from loraswap.engine.step_cache import PROMPT, Skips, StepCache, read_ratios, shared
 from loraswap.engine.swap.baselines import HotswapSwapper, LoadAndFuseSwapper
 from loraswap.engine.swap.fused import FusedSwapper
+from loraswap.errors import LoraswapError
 from loraswap.models import (
     adapter_targets,
     denoiser_name,
@@ -77,6 +81,23 @@ class GenerateResult:
     ran: Ran | None = None  # the model, sampler, steps, guidance and adapters it ran with (its record)
 
 
+@dataclass
+class Batch:
+    """One pipeline call for requests sharing adapters and parameters, checked and ready to run
+    (`Engine.prepare_batch`)."""
+
+    requests: list[GenerateRequest]
+    seeds: list[int]  # one per image: its request's, or one drawn for it
+    task: str  # which of the model's pipelines takes these inputs (`calls.TEXT`, an edit's, ...)
+    pipeline: object  # that pipeline
+    kwargs: dict  # its call's arguments, the progress hooks included
+    skips: Skips | None  # what the call's step cache skips (None: no step cache)
+
+    def seeded(self) -> list[GenerateRequest]:
+        """The requests with the seeds chosen for them: what another process makes the same images from."""
+        return [r.model_copy(update={"seed": seed}) for r, seed in zip(self.requests, self.seeds)]
+
+
 def on_device(device: torch.device):
     """`device` made the thread's current CUDA device for the block: Triton's launches (the
     swap kernels), `current_stream()` and `synchronize()` go to the current device, not the
@@ -94,20 +115,26 @@ def _on_its_device(method):
 
 
 class Engine:
+    # a running batch may stop at a denoising step (its `on_step` raising `calls.Stopped`)
+    stoppable = True
+    # a first image that the compile cache breaks is made again, compiling cold
+    retries_first_image = True
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = config.torch_dtype(self.device)
-        wants_compile = config.compile if config.compile is not None else self.device.type == "cuda"
-        self.compiled = wants_compile and SWAPPERS[config.swap_mode].compiles
+        wants_compile = config.compilation.compile if config.compilation.compile is not None \
+            else self.device.type == "cuda"
+        self.compiled = wants_compile and SWAPPERS[config.swap.swap_mode].compiles
         if wants_compile and not self.compiled:
-            logger.info("--swap-mode %s runs eager: not compiling", config.swap_mode)
+            logger.info("--swap-mode %s runs eager: not compiling", config.swap.swap_mode)
         self._startup = Startup(config, self.device, self.dtype, self.compiled)
         self.pipeline = self._startup.load()
         self.model_name = model_name(self.pipeline, config.model)
         self.components = adapter_targets(self.pipeline)
         layers = ModelLayers(self.components)  # every layer an adapter may target, walked once
-        self.swapper = SWAPPERS[config.swap_mode].for_engine(self.pipeline, layers, config)
+        self.swapper = SWAPPERS[config.swap.swap_mode].for_engine(self.pipeline, layers, config)
         self.adapters = self._make_store(layers)
         self.lender = self.swapper.lender(self.adapters)
         self._applied: list[tuple[object, float]] = []  # what the swapper applied, as leased (on failure: base)
@@ -118,39 +145,33 @@ class Engine:
         # pictures of an image's steps, for the requests that ask (none for a video model)
         self.previews = LatentPreviews(self.pipeline) if getattr(self.pipeline, "vae", None) is not None \
             and not self.calls.is_video else None
-        self.attention = AttentionBackend(config.attention, self.components) if config.attention else None
-        # several ranks: the denoiser split over them before the warm-up, which every rank makes in step
-        self.parallelism = config.parallelism
-        self.ranks: Ranks | None = None  # set once every rank is up (`use_ranks`)
-        self.guidance_split: GuidanceSplit | None = None  # --cfg-parallel: this rank's half of the passes
-        if self.parallelism.world > 1:
-            self._split_over_ranks()
+        attention = config.compilation.attention
+        self.attention = AttentionBackend(attention, self.components) if attention else None
         denoisers = [getattr(self.pipeline, n) for n in denoiser_names(self.pipeline)]
-        self.step_cache = StepCache(denoisers, self.model_name, config.step_cache, config.step_cache_allow,
-                                    self.parallelism.world, whole_graph=self._startup.compiles_whole(denoisers))
+        self.step_cache = StepCache(denoisers, self.model_name, config.step_caching.step_cache,
+                                    config.step_caching.step_cache_allow,
+                                    whole_graph=self._startup.compiles_whole(denoisers))
         self._recording: Skips | None = None  # set while MagCache's ratios are measured
+        self.prepare_model()
         with on_device(self.device):
             self._startup.compile_and_warm_up(self.pipeline, self.swapper, self._warm_up_images)
             self._calibrate_step_cache()
         self._graphs_after_warmup = graph_count()
         logger.info("%s ready in %.1f s", self.model_name, time.perf_counter() - self._startup.started)
 
-    def _split_over_ranks(self) -> None:
-        """Each denoiser (Wan 2.2's two experts alike) split over the ranks: its sequence, and
-        with --cfg-parallel its guidance passes."""
-        denoisers = [getattr(self.pipeline, name) for name in denoiser_names(self.pipeline)]
-        if self.parallelism.cfg > 1:
-            check_guided(self.calls.family, self.model_name)
-        mesh = device_mesh(self.parallelism, self.device.type)
-        if self.parallelism.sequence > 1:
-            for denoiser in denoisers:
-                enable_context_parallel(denoiser, mesh, self.model_name, self.config.attention, self.calls.family)
-        if self.parallelism.cfg > 1:
-            self.guidance_split = GuidanceSplit(mesh, self.calls.family, denoisers)
+    def prepare_model(self) -> None:
+        """What changes the model before it is compiled and warmed up: nothing here; a ranked
+        engine splits it over its processes."""
 
     def pipeline_arguments(self, kwargs: dict) -> dict:
-        """A call's arguments on this rank (the second half of --cfg-parallel: prompts swapped)."""
-        return self.guidance_split.arguments(kwargs) if self.guidance_split else kwargs
+        """A pipeline call's arguments in this process: `kwargs` as they are here (a ranked
+        engine's second half of --cfg-parallel swaps the prompts)."""
+        return kwargs
+
+    def when_lost(self, answer: Callable[[LoraswapError], None]) -> None:
+        """`answer(error)` once this engine can make no more images, from whichever thread finds
+        out (the GPU worker's may be stuck). One process never is; a ranked engine is once one
+        of its processes dies."""
 
     def _warm_up_images(self) -> None:
         self._calibrate_step_cache()  # first: a MagCache default needs its ratios for the warm-up
@@ -162,34 +183,40 @@ class Engine:
     def _calibrate_step_cache(self) -> None:
         """MagCache's ratios, when the server may serve it: read from the operator's file, or
         measured now over one image of the base model (every process uses the first's)."""
-        config = self.config
+        config = self.config.step_caching
         wanted = "magcache" in config.step_cache_allow or config.step_cache.startswith("magcache") \
             or config.step_cache_calibration is not None
         if not wanted or not self.step_cache.takes or "magcache" in self.step_cache.refusals \
                 or self.step_cache.ratios is not None:
             return
-        if self.config.step_cache_calibration is not None:
-            ratios = read_ratios(self.config.step_cache_calibration)
+        if config.step_cache_calibration is not None:
+            ratios = read_ratios(config.step_cache_calibration)
         else:
-            self._recording = Skips(setting=None)
-            try:
-                # the warm-up's last request (an edit model's has the image it needs), at the default steps
-                self.generate(self.calls.warm_up_requests()[-1].model_copy(update={"prompt": PROMPT, "steps": None}))
-                ratios = self._recording.computed[0].ratios
-            finally:
-                self._recording = None
+            # the warm-up's last request (an edit model's has the image it needs), at the default steps
+            ratios = self.measure_magcache_ratios(
+                self.calls.warm_up_requests()[-1].model_copy(update={"prompt": PROMPT, "steps": None}))
         self.step_cache.ratios = shared(ratios, self.device)
         logger.info("%s: MagCache ratios over %d steps: %s", self.model_name, len(ratios),
                     {"ratios": [round(r, 5) for r in self.step_cache.ratios]})
+
+    def measure_magcache_ratios(self, request: GenerateRequest) -> list[float]:
+        """MagCache's ratios over the image of `request` (its adapters applied), every step
+        computed: at start-up over one image of the base model; a tool measures them with adapters."""
+        self._recording = Skips(setting=None)
+        try:
+            self.generate(request)
+            return list(self._recording.computed[0].ratios)
+        finally:
+            self._recording = None
 
     def _make_store(self, layers: ModelLayers) -> AdapterStore:
         config = self.config
         unet = self.components.get("unet")
         target = TargetModel(self.model_name, type(self.pipeline), layers, self.dtype,
                              unet.config if unet is not None else None)
-        limits = StoreLimits(int(config.max_adapter_mb * 2**20), config.max_rank, config.max_blend,
-                             config.prefetch_threads)
-        return AdapterStore(config.adapter_sources(), target, config.cache, self.device, limits)
+        limits = StoreLimits(config.sources.max_adapter_bytes, config.swap.max_rank, config.swap.max_blend,
+                             config.swap.prefetch_threads)
+        return AdapterStore(config.sources.adapter_sources(), target, config.cache, self.device, limits)
 
     # ---------------------------------------------------------------- adapters
     @property
@@ -207,7 +234,7 @@ class Engine:
                 a is b and wa == wb for (a, wa), (b, wb) in zip(held, self._applied)):
             return 0.0  # the same held adapters: a file changed on disk is re-read into a new one
         try:
-            seconds = self.swapper.swap(held)
+            seconds = self.swapper.apply(held)
         except BaseException:
             self._applied = []  # a swap that fails leaves the base model
             raise
@@ -215,47 +242,28 @@ class Engine:
         logger.debug("swap to %s in %.1f ms", lease.ids or "base", seconds * 1e3)
         return seconds
 
-    def _apply_with_ranks(self, lease: Lease) -> float:
-        """`apply` on every rank at once. When any rank could not (or they read different
-        versions of a file), the first failing rank's error is raised on every rank, and the
-        ranks that changed their weights go back to the base model; when all refuse alike (the
-        same file: the usual case), nothing changed anywhere."""
-        error, seconds = None, 0.0
-        try:
-            seconds = self.apply(lease)
-        except Exception as e:
-            error = e
-            if not self.ranks.leading:  # rank 0 answers the request with it; here it would go unseen
-                logger.warning("rank %d: the adapters could not be applied here: %s", self.ranks.rank, e)
-        versions = tuple((item.adapter_id, getattr(item, "stamp", None)) for item, _ in lease.held)
-        first = self.ranks.agree(error, versions)
-        if first is not None and error is None and seconds > 0:  # this rank swapped; another could not
-            self.swapper.swap([])
-            self._applied = []
-        if first is not None:
-            raise first
-        return seconds
+    @_on_its_device
+    def restore_base(self) -> None:
+        """Back to the base model: no adapter applied."""
+        self.swapper.restore_base()
+        self._applied = []
 
-    def keep_adapter(self, adapter_id: str) -> BoundAdapter:
-        """Read the adapter now and keep it cached until evicted (on every rank)."""
-        bound = self.adapters.keep(adapter_id)
-        if self.ranks is not None:
-            self.ranks.tell("keep", [(adapter_id, 1.0)])
-        return bound
+    def keep_adapter(self, ref: AdapterRef) -> BoundAdapter:
+        """Read the adapter now and keep it cached until evicted."""
+        return self.adapters.keep(ref)
 
-    def evict_adapter(self, adapter_id: str, download_too: bool = True) -> None:
-        """Stop keeping the adapter and drop it from the cache (on every rank), and with
-        `download_too` its downloaded file (read, or fetched, again when next used)."""
+    def evict_adapter(self, ref: AdapterRef, download_too: bool = True) -> None:
+        """Stop keeping the adapter and drop it from the cache, and with `download_too` its
+        downloaded file (read, or fetched, again when next used)."""
         if download_too:
-            self.adapters.evict(adapter_id)
+            self.adapters.evict(ref)
         else:
-            self.adapters.cache.evict(adapter_id)
-        if self.ranks is not None:
-            self.ranks.tell("evict", [(adapter_id, 1.0)])
+            self.adapters.cache.evict(ref.adapter_id)
 
-    def set_adapters(self, loras: list[tuple[str, float]]) -> float:
-        """`apply` for a caller on one thread: the adapters (id, weight) leased for the call."""
-        with self.lender.lease_now(loras) as lease:
+    def set_adapters(self, loras: list) -> float:
+        """`apply` for a caller on one thread: the adapters leased for the call (refs, or
+        `(id, weight)` pairs: `reference.as_refs`)."""
+        with self.lender.lease_now(as_refs(loras)) as lease:
             return self.apply(lease)
 
     # ---------------------------------------------------------------- generation
@@ -277,56 +285,53 @@ class Engine:
         Each image has its own prompt and seed (a generator per image), so it is the image
         the request would get alone, up to the numerics of a larger batch.
         """
-        # 1. the pipeline that takes these inputs and its call, refused before anything changes;
-        #    seeds drive CPU generators, as the HF image does
-        try:
-            task = self.calls.task(requests[0])
-            setting = self.step_cache.choose(requests[0].step_cache)
-            skips = self._recording or (Skips(setting) if setting else None)
-            kwargs = self.calls.arguments(task, requests)
-            latents_hook = self.previews.hook(on_latents, kwargs, requests[0].image) \
-                if on_latents and self.previews else None
-            kwargs |= self.calls.progress(task, skips.chain(on_step) if skips else on_step, latents_hook)
-            pipeline = self.pipeline if task == TEXT else self.calls.pipeline(task)  # the loaded one, for text
-        except Exception as e:
-            if self.ranks is not None and not self.ranks.leading:  # rank 0 waits for this rank's word
-                self.ranks.agree(e)
-            raise
+        # 1. the pipeline that takes these inputs and its call, refused before anything changes
+        batch = self.prepare_batch(requests, on_step, on_latents)
+        # 2. the requested adapters on the model (checked before anything changes)
+        swap_seconds = self.apply(lease)
+        # 3. generate
+        return self.run_batch(batch, lease, swap_seconds)
+
+    def prepare_batch(self, requests: list[GenerateRequest], on_step: Callable[[int, int], None] | None = None,
+                      on_latents: Callable | None = None) -> Batch:
+        """The pipeline call that makes `requests`, its seeds chosen (they drive CPU generators, as
+        the HF image does); a request the model cannot take is refused here, before anything changes."""
+        task = self.calls.task(requests[0])
+        setting = self.step_cache.choose(requests[0].step_cache)
+        skips = self._recording or (Skips(setting) if setting else None)
+        kwargs = self.calls.arguments(task, requests)
+        latents_hook = self.previews.hook(on_latents, kwargs, requests[0].image) \
+            if on_latents and self.previews else None
+        kwargs |= self.calls.progress(task, skips.chain(on_step) if skips else on_step, latents_hook)
+        pipeline = self.pipeline if task == TEXT else self.calls.pipeline(task)  # the loaded one, for text
         seeds = [r.seed if r.seed is not None else random.randrange(2**31) for r in requests]
-        # 2. the requested adapters on the model (validated before anything changes), on every rank
-        if self.ranks is None:
-            swap_seconds = self.apply(lease)
-        else:
-            if self.ranks.leading:
-                self._check_split(kwargs)
-                self.ranks.lead([r.model_copy(update={"seed": seed}) for r, seed in zip(requests, seeds)])
-            swap_seconds = self._apply_with_ranks(lease)
+        return Batch(requests, seeds, task, pipeline, kwargs, skips)
 
-        # 3. generate (generators made per attempt: a call retried cold starts from the seeds again)
-        def generators() -> list[torch.Generator]:
-            return [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
+    @_on_its_device
+    def run_batch(self, batch: Batch, lease: Lease, swap_seconds: float) -> list[GenerateResult]:
+        """The batch's images, made with the adapters `lease` holds already applied."""
+        task, kwargs, skips = batch.task, batch.kwargs, batch.skips
 
-        @traced("generate", lambda: generation_attributes(self.model_name, requests, kwargs))
+        # generators made per attempt: a call retried cold starts from the seeds again
+        @traced("generate", lambda: generation_attributes(self.model_name, batch.requests, kwargs))
         def run() -> list[list[Image.Image]]:
+            generators = [torch.Generator("cpu").manual_seed(seed) for seed in batch.seeds]
             with (torch.inference_mode(), self.attention.context() if self.attention else contextlib.nullcontext(),
                   self._step_cache_for(task, kwargs, skips)):
-                output = pipeline(**self.pipeline_arguments(kwargs), generator=generators())
+                output = batch.pipeline(**self.pipeline_arguments(kwargs), generator=generators)
             return self.calls.outputs(task, output)
 
-        if self.ranks is not None:  # every rank ends the image, or the server ends for a restart
-            run = functools.partial(self.ranks.together, run)
         started = time.perf_counter()
         # the model's first image goes through the start-up (a cold retry, its figures); the rest straight
-        # (several ranks: never retried on one rank alone, which would leave the others waiting)
         videos = run() if self._startup.first_image_done else self._startup.first_image(
-            run, self.model_name, retry=self.parallelism.world == 1)
+            run, self.model_name, retry=self.retries_first_image)
         seconds = time.perf_counter() - started
         fps = self.calls.family.fps if self.calls.is_video else None
         cached = {"steps_skipped": skips.steps_skipped, "steps_run": skips.steps, "step_cache": str(skips.setting)} \
             if skips and skips.setting else {}
         ran = self.calls.ran(task, kwargs, self.model_name, lease.held)
         return [GenerateResult(frames[0], seed, swap_seconds, seconds, frames if fps else None, fps, **cached, ran=ran)
-                for frames, seed in zip(videos, seeds)]
+                for frames, seed in zip(videos, batch.seeds)]
 
     def _step_cache_for(self, task: str, kwargs: dict, skips: Skips | None):
         """The call's step cache (a fresh one per attempt: a call retried cold starts clean),
@@ -336,23 +341,6 @@ class Engine:
         skips.restart()
         steps = kwargs.get("num_inference_steps") or self.calls.parameters(task)["num_inference_steps"].default
         return self.step_cache.attached(skips.setting, steps, skips, record_ratios=skips is self._recording)
-
-    def _check_split(self, kwargs: dict) -> None:
-        """A size whose tokens (per frame; with an edit's input image's) do not split evenly over
-        the ranks is refused at once."""
-        if self.parallelism.sequence == 1:
-            return
-        patch = getattr(self.pipeline, "vae_scale_factor", 8) * 2  # latents, then 2x2 patches
-        family = self.calls.family
-        if kwargs.get("image") is not None and family is not None and family.edit_tokens is not None:
-            check_sequence(family.edit_tokens(kwargs, patch), self.parallelism, with_input=True)
-        elif kwargs.get("width") and kwargs.get("height"):
-            check_sequence((kwargs["width"] // patch) * (kwargs["height"] // patch), self.parallelism)
-
-    def use_ranks(self, ranks: Ranks) -> None:
-        """This engine is one of `ranks`: rank 0 broadcasts each batch to the others first, and
-        every rank agrees on the swap before generating."""
-        self.ranks = ranks
 
     # ---------------------------------------------------------------- state
     def capabilities(self) -> dict:

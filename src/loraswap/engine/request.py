@@ -1,13 +1,21 @@
 """The shape of one generation request, as every API's parse hands it to the engine."""
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
+
+from loraswap.adapters.reference import AdapterRef, as_refs
+
+# the adapters of a request, as refs (`adapters/reference.py`); `(id, weight)` pairs are made
+# into refs by their ids (scripts, tests, a request kept as JSON), and as JSON a request keeps
+# `[id, weight]` pairs: never a URL (a video job keeps those apart, `videos/job.py`)
+Adapters = Annotated[list[AdapterRef], BeforeValidator(as_refs),
+                     PlainSerializer(lambda refs: [[ref.adapter_id, ref.scale] for ref in refs])]
 
 
 class GenerateRequest(BaseModel):
-    """One image or video: prompt, sampling parameters, the adapters to blend (id, weight), and
+    """One image or video: prompt, sampling parameters, the adapters to blend (refs), and
     for image inputs the image (and the mask, white where to paint) already decoded and checked
     by the caller; for video models the number of frames."""
 
@@ -20,7 +28,7 @@ class GenerateRequest(BaseModel):
     width: int | None = Field(None, ge=8, le=4096, multiple_of=8)
     height: int | None = Field(None, ge=8, le=4096, multiple_of=8)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    loras: list[tuple[str, float]] = Field(default_factory=list)
+    loras: Adapters = Field(default_factory=list)
     image: Image.Image | None = None
     mask: Image.Image | None = None
     strength: float | None = Field(None, gt=0, le=1)

@@ -8,9 +8,10 @@ it back (`_give_back`). A full queue refuses at once
 (`Overloaded`, answered 503 + Retry-After). A request cancelled (its client went away, its
 video job deleted) while queued is skipped, so it costs no GPU work; while it generates,
 it stops at the next denoising step (`JobFuture.cancel`), unless another request in its
-batch still wants the images or the engine spans several ranks (which must stay in step).
-Should those ranks be lost (one died), every request held, queued or generating, and each new
-one, is failed at once with their error (a 503), before the process exits for a restart.
+batch still wants the images or the engine cannot stop mid-image (`Engine.stoppable`).
+Should the engine be lost for good (`Engine.when_lost`), every request held, queued or
+generating, and each new one, is failed at once with its error (a 503), before the process
+exits for a restart.
 A server shutting down `drain`s its worker (each queued request answered 503 now, new ones
 refused) and, once its drain time is up, `halt`s it (the running batch stops at its next step).
 
@@ -31,30 +32,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Annotated
-
-from pydantic import BaseModel, Field
 
 from loraswap.engine.calls import Stopped
+from loraswap.engine.config import SchedulerConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_listener import pictures_asked, previews_hook, tell_places
 from loraswap.errors import LoraswapError, Overloaded
-from loraswap.flags import SCHEDULING, Flag
 from loraswap.tracing import RequestContext
 
 logger = logging.getLogger(__name__)
-
-
-class SchedulerConfig(BaseModel):
-    max_queue: Annotated[int, Flag(SCHEDULING)] = Field(32, ge=1, description="Requests waiting before 503.")
-    max_batch: Annotated[int, Flag(SCHEDULING)] = Field(
-        1, ge=1, le=64, description="Requests with the same adapters and parameters batched into one pipeline "
-                                    "call.")
-    max_wait_s: Annotated[float, Flag(SCHEDULING)] = Field(
-        30.0, gt=0, description="Fairness: a request waiting this long goes next, seconds.")
-    max_skips: Annotated[int, Flag(SCHEDULING)] = Field(
-        8, ge=0, description="Fairness: a request passed over this often goes next.")
 
 
 class ShuttingDown(Overloaded):
@@ -106,9 +93,8 @@ class GpuWorker:
         self._cond = threading.Condition()
         self._stopping = False
         self._halting = False  # the running batch is to stop at its next step (`halt`)
-        self._lost: LoraswapError | None = None  # the engine's ranks lost: every request fails with it
-        if engine.ranks is not None:
-            engine.ranks.loss.when_lost(self._fail_all)
+        self._lost: LoraswapError | None = None  # the engine lost for good: every request fails with it
+        engine.when_lost(self._fail_all)
         self._thread = threading.Thread(target=self._run, name="loraswap-gpu-worker", daemon=True)
         self.skipped_cancelled = 0  # jobs dropped because their client left while queued
         self.stopped = 0  # jobs stopped while they generated, every one of their batch cancelled
@@ -119,13 +105,13 @@ class GpuWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: GenerateRequest, on_step: Callable[[int, int], None] | None = None) -> Future:
+    def submit(self, request: GenerateRequest, on_step: Callable[[int, int], None] | None = None,
+               located: dict | None = None) -> Future:
         """Queue a request and start reading its adapters; `on_step(done, total)` is called
         after each denoising step (a video job's progress; a `StepListener` also hears its place
-        in the queue and gets the pictures of its steps it asks for)."""
-        if self.engine.ranks is not None and request.loras:  # the other ranks read them now too
-            self.engine.ranks.tell("read", request.loras)
-        job = Job(request, self.engine.lender.lease(request.loras), self.clock(), on_step=on_step)
+        in the queue and gets the pictures of its steps it asks for). `located`: the adapters'
+        files, by id, as routing found them (not located again)."""
+        job = Job(request, self.engine.lender.lease(request.loras, located), self.clock(), on_step=on_step)
         with self._cond:
             if self._lost is not None:
                 _give_back(job)
@@ -172,11 +158,11 @@ class GpuWorker:
         return len(queued)
 
     def halt(self) -> int:
-        """Stop the running batch at its next denoising step, answered `ShuttingDown` (never on
-        several ranks, which must stay in step: that batch finishes). How many it stops."""
+        """Stop the running batch at its next denoising step, answered `ShuttingDown` (unless the
+        engine cannot stop mid-image: that batch finishes). How many it stops."""
         with self._cond:
             self._halting = True
-            return len(self._running) if self.engine.ranks is None else 0
+            return len(self._running) if self.engine.stoppable else 0
 
     def _unqueue_if_cancelled(self, future: Future) -> None:
         """A job cancelled while queued (its client left) leaves the queue now, its adapters
@@ -248,7 +234,8 @@ class GpuWorker:
             chosen = oldest if oldest.lease.done() else ready[0]
         else:
             applied = tuple(self.engine.applied_ids)
-            chosen = next((j for j in ready if tuple(j.request.loras) == applied), ready[0])
+            chosen = next((j for j in ready if tuple((r.adapter_id, r.scale) for r in j.request.loras) == applied),
+                          ready[0])
         for job in self._jobs:
             if job is chosen:
                 break
@@ -308,9 +295,9 @@ class GpuWorker:
             self._running = []
 
     def _fail_all(self, error: LoraswapError) -> None:
-        """The engine can make no more images (its ranks are lost; the process exits for a
+        """The engine can make no more images (`Engine.when_lost`; the process exits for a
         restart): every request queued or generating gets `error` now, from this thread, as
-        the worker's may be stuck in a collective; each new one gets it at `submit`."""
+        the worker's may be stuck; each new one gets it at `submit`."""
         with self._cond:
             self._lost = error
             queued, self._jobs = self._jobs, []
@@ -323,9 +310,9 @@ class GpuWorker:
 
     def _step_hook(self, jobs: list[Job]) -> Callable[[int, int], None]:
         """Called after each denoising step: the jobs' progress hooks, then `Stopped` once every
-        job of the batch was cancelled (never on several ranks: the others would wait for it)."""
+        job of the batch was cancelled (never where the engine cannot stop mid-image)."""
         hooks = [job.on_step for job in jobs if job.on_step]
-        stoppable = self.engine.ranks is None
+        stoppable = self.engine.stoppable
 
         def step_ended(done: int, total: int) -> None:
             _report_progress(hooks, done, total)

@@ -2,8 +2,8 @@
 adapters.
 
 `create_app` assembles it: the routers of `routes/` (module-level handlers that reach
-everything through `request.app.state`: `config`, `backend`, `metrics`, `keys`, `videos`,
-`kept`, `kept_images`), the
+everything through `request.app.state`: `config`, `backend`, `metrics`, `keys`, `urls`,
+`videos`, `kept`, `kept_images`), the
 error answers and the OpenAPI document. A backend (`backend.py`) routes and generates:
 the GPU workers of this process (`LocalBackend`), or model replicas on Ray Serve
 (`cluster.ingress.RayBackend`); handlers never run the pipeline. Known errors map to
@@ -39,6 +39,7 @@ from loraswap.server.requests.decode_budget import DecodeBudget
 from loraswap.server.requests.schemas import invalid_request_message
 from loraswap.server.routes import ROUTERS
 from loraswap.server.streaming.progress_board import ProgressBoard
+from loraswap.server.url_book import UrlBook
 from loraswap.server.videos.maker import video_maker
 from loraswap.server.videos.store import VideoStore
 
@@ -73,6 +74,7 @@ def create_app(config: ServerConfig, engine_factory=Engine, backend: Backend | N
     app.state.progress = ProgressBoard()  # the generations in flight, their steps and latest previews
     app.state.shutting_down = False  # set by `shutdown.start_draining` at SIGTERM
     app.state.decode_budget = DecodeBudget(config.max_decode_bytes)
+    app.state.urls = UrlBook()  # the URLs behind `url:` ids, and which keys named each (`url_book.py`)
     app.state.videos = VideoStore(config)
     app.state.kept = KeptAdapters(app.state.videos.state.folder)  # the same claimed state folder
     app.state.a1111_loras = LoraListing(config)  # GET /sdapi/v1/loras

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
 
-from loraswap.adapters.naming.references import NamedUrls, is_remote, url_owned_by
-from loraswap.errors import AdapterNotFound
+from loraswap.adapters.reference import is_remote
 from loraswap.server.config import ServerConfig
 from loraswap.server.error_bodies import INVALID_API_KEY
 
@@ -147,8 +146,9 @@ def sees_every_url_adapter(request: Request) -> bool:
 
 
 def may_use_url_id(request: Request, adapter_id: str) -> bool:
-    """Whether the request's key may name the `url:` id `adapter_id` by its id (not its URL)."""
-    return sees_every_url_adapter(request) or url_owned_by(adapter_id, url_owner(request))
+    """Whether the request's key may name the `url:` id `adapter_id` by its id (not its URL):
+    one whose accepted request named the URL (the app's `url_book.UrlBook` remembers which)."""
+    return sees_every_url_adapter(request) or request.app.state.urls.owned_by(adapter_id, url_owner(request))
 
 
 def visible_adapter_rows(request: Request, rows: list[dict]) -> list[dict]:
@@ -161,15 +161,6 @@ def visible_adapter_rows(request: Request, rows: list[dict]) -> list[dict]:
         return rows
     return [row for row in rows if not is_remote(row["id"])
             or (row["id"].startswith("url:") and may_use_url_id(request, row["id"]))]
-
-
-def check_url_ids(request: Request, urls: NamedUrls | None) -> None:
-    """404, as for an unknown id, for a `url:` id the request names by id when its key never
-    named its URL (another key's signed URL)."""
-    for adapter_id in sorted(urls.by_id) if urls is not None else ():
-        if not urls.named_by_url(adapter_id) and not may_use_url_id(request, adapter_id):
-            raise AdapterNotFound(adapter_id, "this API key has named no URL with this id",
-                                  "Name the adapter by its URL")
 
 
 async def require_api_key(request: Request) -> None:

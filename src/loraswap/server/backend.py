@@ -18,17 +18,18 @@ from typing import Protocol, TypeVar
 
 from fastapi.concurrency import run_in_threadpool
 
+from loraswap.adapters.reference import AdapterRef
 from loraswap.adapters.sources.download_locks import holding_downloads_in_coroutine
 from loraswap.engine.engine import Engine, GenerateResult
 from loraswap.engine.parallel.loss import RanksLost
+from loraswap.engine.process import freeze_loaded_objects, unfreeze_objects
 from loraswap.engine.request import GenerateRequest
-from loraswap.engine.startup.bring_up import freeze_loaded_objects, unfreeze_objects
 from loraswap.engine.worker import GpuWorker, ShuttingDown
 from loraswap.errors import AdapterIncompatible, AdapterInvalid, Overloaded
 from loraswap.server.config import ServerConfig
 from loraswap.server.fetch_pool import FetchPool
 from loraswap.server.metrics import EngineFigures
-from loraswap.server.routing import Deployment, Hosted, merge_adapter_rows
+from loraswap.server.routing import Deployment, Hosted, Route, merge_adapter_rows
 
 logger = logging.getLogger("loraswap.server")
 
@@ -99,10 +100,10 @@ class Backend(Protocol):
     async def list_adapters(self) -> dict:
         """{"model", "models", "adapters"}: one row per adapter over every model (`merge_adapter_rows`)."""
 
-    async def keep_adapter(self, adapter_id: str) -> dict:
+    async def keep_adapter(self, ref: AdapterRef) -> dict:
         """Read the adapter now on the model it routes to and keep it; {"bytes", "layers", "model"}."""
 
-    async def evict_adapter(self, adapter_id: str) -> None:
+    async def evict_adapter(self, ref: AdapterRef) -> None:
         """Stop keeping the adapter and drop it from every tier of the model it routes to."""
 
     async def figures(self) -> EngineFigures: ...
@@ -128,17 +129,15 @@ def not_ready(load_error: str | None) -> Overloaded:
 class LocalBackend:
     """Engines and their GPU workers in this process, built by a loader thread at start-up.
 
-    The loaded models are also set on the app's `state` (`deployment`, and `engine` /
-    `worker` of the default model) for tests and tools that reach into the server.
+    The loaded models are the app's `state.deployment` (`routing.Deployment`: each hosted
+    model's engine and GPU worker, the default model first), empty while loading.
     """
 
     def __init__(self, state, config: ServerConfig, engine_factory=Engine):
         self.state = state
         self.config = config
         self.engine_factory = engine_factory
-        state.engine = None  # the default model's engine and worker, once loaded
-        state.worker = None
-        state.deployment = Deployment()
+        state.deployment = Deployment()  # empty until every model is loaded
         state.load_error = None
         self._fetch_pool = FetchPool()
 
@@ -194,7 +193,6 @@ class LocalBackend:
                 hosted.append(Hosted(engine, worker))
             freeze_loaded_objects()  # before ready: its one full collection is no request's wait
             state.deployment = Deployment(hosted)
-            state.engine, state.worker = hosted[0].engine, hosted[0].worker
             logger.info("ready: %s in %.1f s", ", ".join(h.engine.model_name for h in hosted),
                         time.perf_counter() - started)
         except Exception as e:
@@ -204,17 +202,17 @@ class LocalBackend:
             done.set()
 
     def _deployment(self) -> Deployment:
-        if self.state.worker is None:
+        if not self.state.deployment.hosted:
             raise not_ready(self.load_error)
         return self.state.deployment
 
     def ready_info(self) -> dict | None:
-        if self.state.worker is None:
+        deployment = self.state.deployment
+        if not deployment.hosted:
             return None
-        return {"model": self.state.engine.model_name, "models": self.state.deployment.names,
-                "compiled": self.state.engine.compiled,
-                "capabilities": {h.engine.model_name: h.engine.capabilities()
-                                 for h in self.state.deployment.hosted}}
+        default = deployment.hosted[0].engine
+        return {"model": default.model_name, "models": deployment.names, "compiled": default.compiled,
+                "capabilities": {h.engine.model_name: h.engine.capabilities() for h in deployment.hosted}}
 
     def is_model(self, name: str) -> bool:
         return self._deployment().by_name(name) is not None
@@ -226,45 +224,49 @@ class LocalBackend:
         # leases the adapters, read on the store's pool while earlier requests generate
         # (downloads on their own pool; the files found are in use, never evicted, until answered)
         async with holding_downloads_in_coroutine():
-            hosted = await self._find(request.loras, self._route, request.loras, model)
+            route = await self._find(request.loras, self._route, request.loras, model)
+            hosted = route.hosted
             request = hosted.engine.calls.sized(request)  # beyond the model's largest size: 400 before queueing
             request = hosted.engine.step_cache.resolved(request)  # a step cache it cannot take: refused now too
             try:
-                future = hosted.worker.submit(request, on_step)
+                future = hosted.worker.submit(request, on_step, route.located)  # (the files routing found)
                 return await wait_for_result(asyncio.wrap_future(future), future.cancel, is_disconnected)
             except (RanksLost, ShuttingDown):  # the process exits (for a restart) in a moment
                 if is_disconnected is None:  # a video job: left unfinished in its state, for the restart to make
                     await asyncio.Event().wait()
                 raise
 
-    async def _find(self, loras: list[tuple[str, float]], call: Callable[..., T], *args) -> T:
+    async def _find(self, refs: list[AdapterRef], call: Callable[..., T], *args) -> T:
         """`call(*args)` off the event loop: on the fetch pool when finding these adapters may
         wait on the network (a download, the Hub), else on AnyIO's pool (`fetch_pool.py`)."""
         sources = self._deployment().hosted[0].engine.adapters.source
-        return await self._fetch_pool.run(sources, [adapter_id for adapter_id, _ in loras], call, *args)
+        return await self._fetch_pool.run(sources, refs, call, *args)
 
-    def _route(self, loras: list[tuple[str, float]], model: str | None = None) -> Hosted:
+    def _route(self, refs: list[AdapterRef], model: str | None = None) -> Route:
         deployment = self._deployment()
         try:
-            return deployment.route(loras, model)
+            return deployment.route(refs, model)
         except (AdapterInvalid, AdapterIncompatible) as e:
-            self._maybe_forget(deployment, e.adapter_id)
+            refused = next((ref for ref in refs if ref.adapter_id == e.adapter_id), None)
+            if refused is not None:
+                self._maybe_evict_download(deployment, refused)
             raise
 
     @staticmethod
-    def _maybe_forget(deployment: Deployment, adapter_id: str) -> None:
+    def _maybe_evict_download(deployment: Deployment, ref: AdapterRef) -> None:
         """Drop a download that routing refused when no hosted model can take it (a defect of the
         file, a base model not hosted, layers that fit none): neither listed nor kept. One that
         another hosted model takes (refused for the model named, or for its blend) stays."""
+        adapter_id = ref.adapter_id
         sources = deployment.hosted[0].engine.adapters.source
         remote = getattr(sources, "remote", None)
-        if remote is None or not remote.handles(adapter_id) or not remote.has(adapter_id):
+        if remote is None or ref.source == "name" or not remote.has(adapter_id):
             return  # not a download, or gone: routing it alone would fetch it again
         try:
-            deployment.route([(adapter_id, 1.0)])  # alone, to whichever hosted model takes it
+            deployment.route([ref])  # alone, to whichever hosted model takes it
         except (AdapterInvalid, AdapterIncompatible) as alone:
             if alone.adapter_id == adapter_id:
-                sources.forget(adapter_id)
+                sources.evict(adapter_id)
         except Exception:  # any other failure says nothing about the file: it stays
             logger.debug("routing %s alone failed; its download stays", adapter_id, exc_info=True)
 
@@ -277,24 +279,24 @@ class LocalBackend:
 
         return {"model": deployment.names[0], "models": deployment.names, "adapters": await run_in_threadpool(rows)}
 
-    async def keep_adapter(self, adapter_id: str) -> dict:
+    async def keep_adapter(self, ref: AdapterRef) -> dict:
         def keep():
-            engine = self._route([(adapter_id, 1.0)]).engine
-            bound = engine.keep_adapter(adapter_id)
+            engine = self._route([ref]).hosted.engine
+            bound = engine.keep_adapter(ref)
             return {"bytes": bound.nbytes, "layers": len(bound.layers), "model": engine.model_name}
 
-        return await self._find([(adapter_id, 1.0)], keep)
+        return await self._find([ref], keep)
 
-    async def evict_adapter(self, adapter_id: str) -> None:
+    async def evict_adapter(self, ref: AdapterRef) -> None:
         def evict():
             # every engine caching it (a request naming a model may have put it on another
             # than its own), else the one it routes to, whose store answers 404 for an unknown id
             deployment = self._deployment()
-            holding = [h for h in deployment.hosted if h.engine.adapters.cache.get(adapter_id) is not None]
-            for hosted in holding or [deployment.route([(adapter_id, 1.0)])]:
-                hosted.engine.evict_adapter(adapter_id)
+            holding = [h for h in deployment.hosted if h.engine.adapters.cache.get(ref.adapter_id) is not None]
+            for hosted in holding or [deployment.route([ref]).hosted]:
+                hosted.engine.evict_adapter(ref)
 
-        await self._find([(adapter_id, 1.0)], evict)
+        await self._find([ref], evict)
 
     async def figures(self) -> EngineFigures:
         total = EngineFigures()

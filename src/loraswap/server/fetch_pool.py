@@ -28,9 +28,10 @@ from typing import TypeVar
 
 from fastapi.concurrency import run_in_threadpool
 
+from loraswap.adapters.reference import AdapterRef
+from loraswap.adapters.sources.choose import download_deadline, may_download
 from loraswap.adapters.sources.download_waits import FetchInFlight, fetch_pool_context, fresh_failure
 from loraswap.adapters.sources.downloads import FOLLOW_GRACE_S
-from loraswap.adapters.sources.remote import download_deadline, may_download
 from loraswap.errors import AdapterUnavailable, Overloaded
 
 T = TypeVar("T")
@@ -56,17 +57,17 @@ class FetchPool:
         """Requests waiting, without a thread, for another request's download."""
         return self._following
 
-    async def run(self, sources, adapter_ids: Iterable[str], call: Callable[..., T], *args) -> T:
+    async def run(self, sources, refs: Iterable[AdapterRef], call: Callable[..., T], *args) -> T:
         """`call(*args)` in a thread, in the caller's context (its `holding_downloads`): on this
-        pool when finding `adapter_ids` in `sources` (an `AdapterSources`) may wait on the
-        network, else on AnyIO's; run again after each wait for another request's download."""
-        adapter_ids, asked = list(adapter_ids), time.monotonic()
+        pool when finding `refs` in `sources` (an `AdapterSources`) may wait on the network,
+        else on AnyIO's; run again after each wait for another request's download."""
+        refs, asked = list(refs), time.monotonic()
         deadline = download_deadline(sources, asked)
         job = functools.partial(fetch_pool_context(asked).run, _unless_overdue, deadline, call, *args)
         counted = False
         try:
             while True:
-                pooled = any(may_download(sources, adapter_id) for adapter_id in adapter_ids)
+                pooled = any(may_download(sources, ref) for ref in refs)
                 if pooled and not counted:
                     self._count_in()
                     counted = True

@@ -73,7 +73,7 @@ def _observe(metrics, route: str, status: int, gen: GenerateRequest, result: Gen
             metrics.step_cache_steps.labels(method, "skipped").inc(result.steps_skipped)
             metrics.step_cache_steps.labels(method, "computed").inc(result.steps_run - result.steps_skipped)
     logger.info("%s adapters=%s swap=%.1fms generate=%.2fs total=%.2fs status=%d", route,
-                ",".join(f"{a}:{w:g}" for a, w in gen.loras) or "-",
+                ",".join(f"{ref.adapter_id}:{ref.scale:g}" for ref in gen.loras) or "-",
                 result.swap_seconds * 1e3 if result else 0.0, result.generate_seconds if result else 0.0,
                 seconds, status)
 

@@ -15,6 +15,7 @@ import os
 import threading
 from pathlib import Path
 
+from loraswap.adapters.reference import AdapterRef
 from loraswap.errors import LoraswapError
 from loraswap.server.backend import until_served
 
@@ -51,7 +52,7 @@ class KeptAdapters:
             return
         for adapter_id in self.ids():
             try:
-                await backend.keep_adapter(adapter_id)
+                await backend.keep_adapter(AdapterRef.of_id(adapter_id))  # (a URL's: from the download folder)
                 logger.info("kept %s again, as before the restart", adapter_id)
             except LoraswapError as e:
                 logger.warning("could not keep %s again after the restart: %s", adapter_id, e.message)

@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from loraswap.adapters.files.formats import open_checked
+from loraswap.adapters.files.location import AdapterLocation
 from loraswap.adapters.files.metadata import declared_base_models, family_hint, refuse_other_base, same_model
-from loraswap.adapters.sources.local import AdapterLocation
+from loraswap.adapters.reference import AdapterRef
 from loraswap.engine.engine import Engine
 from loraswap.engine.worker import GpuWorker
 from loraswap.errors import AdapterIncompatible, BadRequest
@@ -44,13 +45,13 @@ class HostedModel:
     fits: Callable[[AdapterLocation], bool] | None = None
 
 
-def route_by_base_model(hosted: list[HostedModel], locate: Callable[[str], AdapterLocation],
-                        loras: list[tuple[str, float]], model: str | None = None, *,
-                        max_adapter_bytes: int) -> str:
+def route_by_base_model(hosted: list[HostedModel], locate: Callable[[AdapterRef], AdapterLocation],
+                        refs: list[AdapterRef], model: str | None = None, *, max_adapter_bytes: int) -> str:
     """The hosted model's name (the first is the default) that serves these adapters.
 
     `model`: a base model named explicitly (the path or OpenAI `model`), else None.
-    `locate`: the adapter's file (400/403/404 for bad or unknown ids), e.g. `AdapterStore.locate`.
+    `locate`: the adapter's file (403/404 for unknown or refused ones), e.g. `AdapterStore.locate`;
+    called once per adapter.
     `max_adapter_bytes`: the largest file served (`--max-adapter-mb`), which bounds its header.
     """
     names = [h.name for h in hosted]
@@ -63,11 +64,11 @@ def route_by_base_model(hosted: list[HostedModel], locate: Callable[[str], Adapt
         chosen = by_name(model)
         if chosen is None:
             raise BadRequest(f"model {model!r} is not hosted here; hosted: {', '.join(names)}")
-    for adapter_id, _ in loras:
+    for ref in refs:
+        adapter_id = ref.adapter_id
+        location = locate(ref)
         if len(names) == 1:  # nothing to choose: a 404 now, the full checks when the worker leases them
-            locate(adapter_id)
             continue
-        location = locate(adapter_id)
         declared, hint = _what_it_says(location, max_adapter_bytes)
         if not declared:
             chosen = chosen or _by_what_it_is(adapter_id, location, hint, hosted)
@@ -106,6 +107,15 @@ def _what_it_says(location: AdapterLocation, max_bytes: int) -> tuple[list[str],
     return declared_base_models(file.metadata, location.folder), family_hint(file.metadata, location.source_says)
 
 
+@dataclass(frozen=True)
+class Route:
+    """Where a request goes: the hosted model, and its adapters' files as routing found them, by
+    id (handed on to the lease, which does not locate them again)."""
+
+    hosted: Hosted
+    located: dict[str, AdapterLocation]
+
+
 @dataclass
 class Deployment:
     hosted: list[Hosted] = field(default_factory=list)  # the first is the default model
@@ -123,19 +133,22 @@ class Deployment:
     def by_name(self, name: str) -> Hosted | None:
         return next((h for h in self.hosted if same_model(h.engine.model_name, name)), None)
 
-    def route(self, loras: list[tuple[str, float]], model: str | None = None) -> Hosted:
-        """The engine for these adapters (and an explicitly named model, if any)."""
-        return self.hosted[self.names.index(self._route(self._models(), loras, model))]
+    def route(self, refs: list[AdapterRef], model: str | None = None) -> Route:
+        """The engine for these adapters (and an explicitly named model, if any), and their files."""
+        located: dict[str, AdapterLocation] = {}
+        name = self._route(self._models(), refs, model, located)
+        return Route(self.hosted[self.names.index(name)], located)
 
-    def check_video_adapters(self, loras: list[tuple[str, float]], video_models: list[str],
+    def check_video_adapters(self, refs: list[AdapterRef], video_models: list[str],
                              target: str | None = None) -> None:
         """422 for an adapter that routing (with no model named) sends to a model that makes
         images, by its declared base model, its family or its layers; with `target`, the video
         model the request goes to, for one it sends to another model. The hosted video models
         come first (`target` first of all), so an adapter that says nothing stays with them."""
         models = sorted(self._models(), key=lambda h: (h.name != target, h.name not in video_models))
-        for adapter_id, weight in loras:
-            chosen = self._route(models, [(adapter_id, weight)], None)
+        for ref in refs:
+            adapter_id = ref.adapter_id
+            chosen = self._route(models, [ref], None)
             if chosen not in video_models:
                 raise AdapterIncompatible(adapter_id, f"it is an adapter of {chosen}, which makes images, not "
                                           "videos", f"Name a video model ({', '.join(video_models)}) or an "
@@ -148,9 +161,18 @@ class Deployment:
         return [HostedModel(h.engine.model_name, h.engine.calls.family.name if h.engine.calls.family else None,
                             h.engine.adapters.fits) for h in self.hosted]
 
-    def _route(self, models: list[HostedModel], loras: list[tuple[str, float]], model: str | None) -> str:
+    def _route(self, models: list[HostedModel], refs: list[AdapterRef], model: str | None,
+               located: dict[str, AdapterLocation] | None = None) -> str:
+        """`route_by_base_model` over `models`; each adapter's file kept in `located`."""
         store = self.hosted[0].engine.adapters
-        return route_by_base_model(models, store.locate, loras, model, max_adapter_bytes=store.limits.max_adapter_bytes)
+
+        def locate(ref: AdapterRef) -> AdapterLocation:
+            location = store.locate(ref)
+            if located is not None:
+                located[ref.adapter_id] = location
+            return location
+
+        return route_by_base_model(models, locate, refs, model, max_adapter_bytes=store.limits.max_adapter_bytes)
 
 
 TIER_ORDER = {"disk": 0, "host": 1, "gpu": 2}

@@ -3,8 +3,9 @@
   split), as a GPU out of memory would, while rank 0 goes on into its next collective;
 - and holds an image of 128 x 64 pixels (32 tokens, 16 a rank) until the test kills it,
   having logged "rank 1: holding the image";
-- the swap fails halfway through writing the adapter "k" (its touched weights restored, as
-  after any failed swap), while rank 0 writes it;
+- the swap fails partway through writing the adapter "k" (its touched weights restored, as
+  after any failed swap), while rank 0 writes it: the engine's fused swapper, for
+  `--swap-mode fused`, is one that does (`engine.SWAPPERS`);
 - the adapter "b" is read from another version of its file (one replaced between the
   ranks' reads), as its stamp says;
 and what rank 0 tells the others to read ahead is logged (at debug)."""
@@ -15,13 +16,15 @@ import time
 import torch
 import torch.distributed as dist
 from diffusers import FluxTransformer2DModel
+from torch.overrides import TorchFunctionMode
 
 from loraswap.adapters import store
+from loraswap.engine import engine
 from loraswap.engine.swap.fused import FusedSwapper
 
 _forward = FluxTransformer2DModel.forward
-_write = FusedSwapper._write
 _file_stamp = store.file_stamp
+PARTWAY = 260  # of the ~520 torch calls tiny-flux's LoKr "k" takes to apply on the CPU: about half its layers written
 
 
 def _on_rank_1() -> bool:
@@ -37,10 +40,30 @@ def _fails_on_rank_1(self, hidden_states, *args, **kwargs):
     return _forward(self, hidden_states, *args, **kwargs)
 
 
-def _write_fails_on_rank_1(self, adapters):
-    if _on_rank_1() and any(bound.adapter_id == "k" for bound, _ in adapters):
-        raise torch.OutOfMemoryError("out of memory in the swap, on rank 1 alone (made by the test)")
-    return _write(self, adapters)
+class _FailsPartway(TorchFunctionMode):
+    """Out of memory at the `at`-th torch call made inside it: partway through a swap, whatever
+    ops it uses."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        if self.calls == self.at:
+            raise torch.OutOfMemoryError("out of memory in the swap, on rank 1 alone (made by the test)")
+        return func(*args, **(kwargs or {}))
+
+
+class _FailsOnRank1(FusedSwapper):
+    """The fused swapper, failing partway through writing the adapter "k" on rank 1."""
+
+    def apply(self, adapters):
+        if _on_rank_1() and any(held.adapter_id == "k" for held, _ in adapters):
+            with _FailsPartway(at=PARTWAY):
+                return super().apply(adapters)
+        return super().apply(adapters)
+
 
 
 def _another_version_on_rank_1(location):
@@ -49,6 +72,6 @@ def _another_version_on_rank_1(location):
 
 
 FluxTransformer2DModel.forward = _fails_on_rank_1
-FusedSwapper._write = _write_fails_on_rank_1
+engine.SWAPPERS["fused"] = _FailsOnRank1
 store.file_stamp = _another_version_on_rank_1
 logging.getLogger("loraswap.engine.parallel.ranks").setLevel(logging.DEBUG)

@@ -35,8 +35,9 @@ class FileData:
     data section's size: element i of the `torch.bfloat16` one is the file's bfloat16 at data
     offset 2 i (views of a view keep their root in `_base`; a dtype view would not)."""
 
-    def __init__(self, file: CheckedFile, adapter_id: str):
+    def __init__(self, file: CheckedFile, adapter_id: str, digest=None):
         self.file, self.adapter_id = file, adapter_id
+        self.digest = digest  # a `hashes.ReadDigest` handed what is read of the file, or None
         self._bases: dict[torch.dtype, torch.Tensor] = {}
 
     def close(self) -> None:
@@ -55,13 +56,20 @@ class FileData:
         """The bytes `tensor` stands for into `out` (CPU, as many elements), in `out`'s dtype."""
         if not tensor.is_contiguous():
             raise NotInFile("a strided view of the file")
-        offset = self.file.data_offset + tensor.storage_offset() * tensor.element_size()
+        start = tensor.storage_offset() * tensor.element_size()
         if out.dtype == tensor.dtype:
-            read_range(self.file.fd, out, offset, self.adapter_id)
+            read_range(self.file.fd, out, self.file.data_offset + start, self.adapter_id)
+            self._read(start, out)
             return
         staged = torch.empty(tensor.numel(), dtype=tensor.dtype)
-        read_range(self.file.fd, staged, offset, self.adapter_id)
+        read_range(self.file.fd, staged, self.file.data_offset + start, self.adapter_id)
+        self._read(start, staged)
         out.copy_(staged.reshape(out.shape))
+
+    def _read(self, start: int, data: torch.Tensor) -> None:
+        """`data` holds the data section's bytes from `start`, as read (for the file's digest)."""
+        if self.digest is not None:
+            self.digest.add(start, data)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the header: the large ones as stand-ins, the small ones read."""
@@ -75,13 +83,18 @@ class FileData:
             return base[start // itemsize: end // itemsize].reshape(info["shape"])
         data = torch.empty(end - start, dtype=torch.uint8)
         read_range(self.file.fd, data, self.file.data_offset + start, self.adapter_id)
+        self._read(start, data)
         return view_tensor(data, {**info, "data_offsets": [0, end - start]})
 
 
-def open_in_place(path, adapter_id: str, max_bytes: int) -> tuple[dict[str, torch.Tensor], dict[str, str], FileData]:
+def open_in_place(path, adapter_id: str, max_bytes: int,
+                  digest=None) -> tuple[dict[str, torch.Tensor], dict[str, str], FileData]:
     """The file's tensors (large ones standing in) and metadata, and its `FileData` (open: the
-    caller closes it once the adapter is packed)."""
-    data = FileData(open_checked(path, adapter_id, max_bytes), adapter_id)
+    caller closes it once the adapter is packed); `digest` (a `hashes.ReadDigest`) is handed
+    what is read of the file."""
+    data = FileData(open_checked(path, adapter_id, max_bytes), adapter_id, digest)
+    if digest is not None:
+        digest.begin(data.file)
     try:
         return data.tensors(), data.file.metadata, data
     except BaseException:

@@ -76,18 +76,30 @@ class StagingBuffers:
             finally:
                 self.stream.synchronize()
 
-    def copy_file(self, fd: int, offset: int, nbytes: int, adapter_id: str) -> torch.Tensor:
+    def copy_file(self, fd: int, offset: int, nbytes: int, adapter_id: str, digest=None) -> torch.Tensor:
         """The file's `nbytes` from `offset` in a new uint8 tensor on the GPU, chunk by chunk
-        through the staging buffers, the copies on the read stream (call inside `reading`)."""
+        through the staging buffers, the copies on the read stream (call inside `reading`);
+        `digest` (a `hashes.ReadDigest`) is handed a host copy of each chunk (its staging
+        buffer is reused at once: a copy thread never waits on the hashing holding one)."""
         out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
         def chunk(start: int) -> None:
+            try:
+                copy_chunk(start)
+            except BaseException:
+                if digest is not None:  # the chunks after this one wait for it no more
+                    digest.cancel()
+                raise
+
+        def copy_chunk(start: int) -> None:
             staging = self._free.get()
             try:
                 if staging.copied is not None:
                     staging.copied.synchronize()
                 n = min(CHUNK_BYTES, nbytes - start)
                 read_range(fd, staging.buffer[:n], offset + start, adapter_id)
+                if digest is not None:
+                    digest.add(start, staging.buffer[:n].clone())
                 with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                     try:
                         out[start: start + n].copy_(staging.buffer[:n], non_blocking=True)
@@ -161,7 +173,9 @@ def _file_on_device(file: FileData, device: torch.device) -> torch.Tensor:
     """The file's data section on `device` (read straight into it on the CPU)."""
     if device.type == "cuda":
         return staging_buffers(device).copy_file(file.file.fd, file.file.data_offset, file.file.data_len,
-                                                 file.adapter_id)
+                                                 file.adapter_id, file.digest)
     out = torch.empty(file.file.data_len, dtype=torch.uint8)
     read_range(file.file.fd, out, file.file.data_offset, file.adapter_id)
+    if file.digest is not None:
+        file.digest.add(0, out)
     return out

@@ -119,6 +119,7 @@ class CheckedFile:
     metadata: dict[str, str]
     data_offset: int  # of the data section in the file
     data_len: int
+    head: bytes = b""  # the file's bytes before the data section (the length and the header), as read
 
     def close(self) -> None:
         os.close(self.fd)
@@ -145,25 +146,35 @@ def _checked(fd: int, adapter_id: str, max_bytes: int) -> CheckedFile:
     if size > max_bytes:
         raise AdapterInvalid(adapter_id, f"the file is {size / 2**20:.1f} MiB, over the {max_bytes / 2**20:.0f} MiB "
                              "limit", "Use a smaller adapter or raise --max-adapter-mb")
-    header, header_len = _read_header(fd, adapter_id, size, max_bytes)
+    header, head = _read_header(fd, adapter_id, size, max_bytes)
+    header_len = len(head) - 8
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise AdapterInvalid(adapter_id, "the safetensors metadata is not a map of strings to strings", _FIX_FILE)
     data_len = size - 8 - header_len
     _check_entries(adapter_id, header, data_len)
-    return CheckedFile(fd, header, {str(k): str(v) for k, v in metadata.items()}, 8 + header_len, data_len)
+    return CheckedFile(fd, header, {str(k): str(v) for k, v in metadata.items()}, 8 + header_len, data_len, head)
 
 
-def read_safetensors(path: Path, adapter_id: str, max_bytes: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_safetensors(path: Path, adapter_id: str, max_bytes: int,
+                     digest=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors and metadata of a safetensors file, after checking its header is sane. The data
     is read in one buffer with `preadv` (one copy from the page cache; a large file in pieces
     on several threads) that the tensors view. Not a memory map: a file cut short while mapped
-    would kill the process (SIGBUS), where a short read is an error."""
+    would kill the process (SIGBUS), where a short read is an error. `digest` (a
+    `hashes.ReadDigest`): handed each piece as it is read."""
     file = open_checked(path, adapter_id, max_bytes)
     try:
         data = host_bytes(file.data_len)
-        run_all([functools.partial(read_range, file.fd, data[start:end], file.data_offset + start, adapter_id)
-                 for start, end in byte_ranges(file.data_len)])
+        if digest is not None:
+            digest.begin(file)
+
+        def read(start: int, end: int) -> None:
+            read_range(file.fd, data[start:end], file.data_offset + start, adapter_id)
+            if digest is not None:
+                digest.add(start, data[start:end])
+
+        run_all([functools.partial(read, start, end) for start, end in byte_ranges(file.data_len)])
     finally:
         file.close()
     return {name: view_tensor(data, info) for name, info in file.header.items()}, file.metadata
@@ -215,9 +226,9 @@ def streamed_header(read: Callable[[int], bytes], limit: int, adapter_id: str, m
     return prefix + header
 
 
-def _read_header(fd: int, adapter_id: str, size: int, max_bytes: int) -> tuple[dict, int]:
-    """The JSON header (a dict) and its length, refusing anything that is not safetensors or
-    is over the header's bounds."""
+def _read_header(fd: int, adapter_id: str, size: int, max_bytes: int) -> tuple[dict, bytes]:
+    """The JSON header (a dict) and the bytes it was read from (its length and the JSON),
+    refusing anything that is not safetensors or is over the header's bounds."""
     head = os.pread(fd, 8, 0)
     if len(head) < 8:
         raise AdapterInvalid(adapter_id, "the file is too short to be safetensors", _FIX_FILE)
@@ -226,7 +237,8 @@ def _read_header(fd: int, adapter_id: str, size: int, max_bytes: int) -> tuple[d
         raise AdapterInvalid(adapter_id, f"the header claims {header_len} bytes in a {size}-byte file: not "
                              "safetensors (a pickle file renamed?) or truncated", _FIX_FILE)
     check_header_length(header_len, adapter_id, max_bytes)
-    return parse_header(os.pread(fd, header_len, 8), adapter_id, max_bytes), header_len
+    raw = os.pread(fd, header_len, 8)
+    return parse_header(raw, adapter_id, max_bytes), head + raw
 
 
 def _check_entries(adapter_id: str, header: dict, data_len: int) -> None:

@@ -18,20 +18,19 @@ words: here a tag in the negative prompt is refused.
 
 import re
 
-from loraswap.adapters.naming.references import CIVITAI, S3, URL_ID, NamedUrls
 from loraswap.adapters.naming.specs import NUMBER, adapter_with_weight
+from loraswap.adapters.reference import CIVITAI, S3, URL_ID, AdapterRef
 from loraswap.errors import BadRequest
 
 ADAPTER_KINDS = ("lora", "lyco")  # lyco: the LyCORIS extension's tag, an alias of lora in A1111
 TAG = re.compile(r"<(\w+):([^>]+)>")  # A1111's `re_extra_net`, so the same text is a tag in both
 
 
-def take_adapter_tags(prompt: str, negative_prompt: str | None,
-                      named: NamedUrls | None = None) -> tuple[str, list[tuple[str, float]]]:
-    """(the prompt with its tags cut out, the adapters they name with their weights, in order)."""
+def take_adapter_tags(prompt: str, negative_prompt: str | None) -> tuple[str, list[AdapterRef]]:
+    """(the prompt with its tags cut out, the refs of the adapters they name, in order)."""
     _refuse_tags(negative_prompt, "the negative prompt", "A1111 applies the adapters of the prompt only "
                 "and sends these to the text encoder as words: move it to the prompt, or take it out")
-    loras = [_adapter(match, named) for match in TAG.finditer(prompt)]
+    loras = [_adapter(match) for match in TAG.finditer(prompt)]
     return TAG.sub("", prompt), loras
 
 
@@ -42,7 +41,7 @@ def _refuse_tags(text: str | None, where: str, fix: str) -> None:
         raise BadRequest(f"{where} holds the tag {_shown(match)!r}: {fix}")
 
 
-def _adapter(match: re.Match, named: NamedUrls | None) -> tuple[str, float]:
+def _adapter(match: re.Match) -> AdapterRef:
     kind, tag = match.group(1), _shown(match)
     if kind not in ADAPTER_KINDS:
         raise BadRequest(f"the prompt's tag {tag!r} is an A1111 extra network this server does not apply: only "
@@ -58,7 +57,7 @@ def _adapter(match: re.Match, named: NamedUrls | None) -> tuple[str, float]:
             f"the argument {next(iter(keyword))}="
         raise BadRequest(f"the prompt's tag {tag!r} gives {extra}, which this server does not apply: write "
                          "<lora:NAME:WEIGHT>")
-    adapter = adapter_with_weight(positional[0], text_encoder, named)  # (a weight out of range: refused here)
+    adapter = adapter_with_weight(positional[0], text_encoder)  # (a weight out of range: refused here)
     if unet != text_encoder:
         raise BadRequest(f"the prompt's tag {tag!r} gives the text encoder and the denoiser different weights "
                          f"({text_encoder:g} and {unet:g}); an adapter takes one weight here: write "

@@ -5,8 +5,8 @@ One reader for every place a user names adapters: the `lora` header, the `model`
 the OpenAI bodies, `/models/{id}`, the bodies' `loras` and the CLI's `--lora`, so each
 accepts the same names and refuses the same ones with the same words. A name is an
 adapter id or a reference to a file elsewhere (a URL, a Civitai AIR, an object in a
-bucket); each comes out as the id it is served under (`references.adapter_id_of`), its
-URL held by the request's `NamedUrls` when one is given.
+bucket); each comes out as an `AdapterRef` (`adapters/reference.py`): the id it is served
+under, its weight, and for a URL the URL itself.
 
 How a URL is written among others: a comma inside a URL belongs to it unless a space
 follows the comma, so `https://h/a,b.safetensors` is one adapter and a URL is separated
@@ -18,7 +18,7 @@ from the next adapter by `, `. Its weight follows a colon after its path
 import math
 import re
 
-from loraswap.adapters.naming.references import NamedUrls, adapter_id_of, looks_like_reference, shown
+from loraswap.adapters.reference import AdapterRef, looks_like_reference, shown
 from loraswap.errors import BadRequest
 
 MAX_WEIGHT = 10.0  # a weight past this is a typo, not a blend
@@ -29,18 +29,18 @@ NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e[+-]?[0-9]+)?|[+-
 URL_SCHEMES = ("https://", "http://")
 
 
-def parse_adapter_specs(value: str | None, named: NamedUrls | None = None) -> list[tuple[str, float]]:
-    """`id1:0.8, id2:0.5` -> [(id1, 0.8), (id2, 0.5)]; a missing weight is 1.0."""
+def parse_adapter_specs(value: str | None) -> list[AdapterRef]:
+    """`id1:0.8, id2:0.5` -> the refs of id1 (weight 0.8) and id2 (0.5); a missing weight is 1.0."""
     if value is None or not value.strip():
         return []
-    return [_parse_one(part.strip(), named) for part in _entries(value)]
+    return [_parse_one(part.strip()) for part in _entries(value)]
 
 
-def adapter_with_weight(name: str, weight: float | int | None, named: NamedUrls | None = None) -> tuple[str, float]:
-    """One entry of a body's `loras` list: the name's id and its weight (1.0 when not given)."""
+def adapter_with_weight(name: str, weight: float | int | None) -> AdapterRef:
+    """One entry of a body's `loras` list: the name's ref with its weight (1.0 when not given)."""
     value = 1.0 if weight is None else float(weight)
     _check_weight(name, value, str(weight))
-    return adapter_id_of(name.strip(), named), value
+    return AdapterRef.named(name.strip(), value)
 
 
 def _entries(value: str) -> list[str]:
@@ -54,13 +54,13 @@ def _entries(value: str) -> list[str]:
     return entries
 
 
-def _parse_one(part: str, named: NamedUrls | None) -> tuple[str, float]:
+def _parse_one(part: str) -> AdapterRef:
     name, weight = _split_weight(part)
     if weight.strip() and not NUMBER.fullmatch(weight.strip()):
         raise BadRequest(f"adapter {shown(part)!r}: the weight after ':' must be a number (ASCII digits)")
     value = float(weight) if weight.strip() else 1.0
     _check_weight(part, value, weight.strip())
-    return adapter_id_of(name.strip(), named), value
+    return AdapterRef.named(name.strip(), value)
 
 
 def _split_weight(part: str) -> tuple[str, str]:
@@ -70,7 +70,7 @@ def _split_weight(part: str) -> tuple[str, str]:
     if not looks_like_reference(part):
         name, _, weight = part.partition(":")
         if "/" in weight or "\\" in part:  # a path (C:\x) or an unknown scheme, not an id with a weight
-            adapter_id_of(part)
+            AdapterRef.named(part)
         return name, weight
     name, _, weight = part.rpartition(":")
     if not NUMBER.fullmatch(weight.strip()) or _in_authority(part, len(name)):

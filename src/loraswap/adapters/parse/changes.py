@@ -254,18 +254,19 @@ def _refuse_unplaced(adapter_id: str, pipeline_cls, names: ModuleNames, key: str
                               "Use an adapter made for this base model")
 
 
-def load_adapter(location, pipeline_cls: type[DiffusionPipeline], component_modules: dict[str, set[str]],
-                 max_bytes: int, unet_config=None, in_place: bool = False) -> ParsedAdapter:
+def parse_adapter_file(location, pipeline_cls: type[DiffusionPipeline], component_modules: dict[str, set[str]],
+                       max_bytes: int, unet_config=None, in_place: bool = False, digest=None) -> ParsedAdapter:
     """Read, check and convert the adapter at `location` (an `AdapterLocation`). `in_place`:
-    the large tensors stand in for the file's bytes, read when packed (`file_data.py`); the
-    caller closes `files`."""
+    the large tensors stand in for the file's bytes, read when packed (`files/data.py`); the
+    caller closes `files`. `digest` (a `hashes.ReadDigest`): handed what is read of the weights file."""
     if location.second_expert is not None and "transformer_2" not in component_modules:
         raise AdapterIncompatible(location.adapter_id, "it is a pair of expert files (high and low noise) for Wan "
                                   "2.2's two transformers, and this model has one", "Serve it on a Wan 2.2 model, "
                                   "or keep one file")
     files: list[FileData] = []
     try:
-        tensors, metadata = _read(location, location.weights, component_modules, max_bytes, files if in_place else None)
+        tensors, metadata = _read(location, location.weights, component_modules, max_bytes, files if in_place else None,
+                                  digest)
         parsed = parse_adapter(location.adapter_id, tensors, metadata, pipeline_cls, component_modules, unet_config)
         if location.second_expert is not None:
             _add_second_expert(parsed, location, pipeline_cls, component_modules,
@@ -297,14 +298,15 @@ def _add_second_expert(parsed: ParsedAdapter, location, pipeline_cls, component_
     parsed.num_tensors += second.num_tensors
 
 
-def _read(location, path, component_modules: dict[str, set[str]], max_bytes: int, files: list[FileData] | None):
+def _read(location, path, component_modules: dict[str, set[str]], max_bytes: int, files: list[FileData] | None,
+          digest=None):
     """One weight file's tensors and metadata; a PEFT folder's adapter_config.json gives the
     scales of a file that carries none (both files of a Wan 2.2 pair alike). With `files`,
-    read in place, the file added to them."""
+    read in place, the file added to them; `digest` handed what is read of it."""
     if files is None:
-        tensors, metadata = read_safetensors(path, location.adapter_id, max_bytes)
+        tensors, metadata = read_safetensors(path, location.adapter_id, max_bytes, digest)
     else:
-        tensors, metadata, data = open_in_place(path, location.adapter_id, max_bytes)
+        tensors, metadata, data = open_in_place(path, location.adapter_id, max_bytes, digest)
         files.append(data)
     if LORA_ADAPTER_METADATA_KEY not in metadata and location.folder is not None:
         metadata = metadata | _peft_config_metadata(location.adapter_id, location.folder, component_modules)

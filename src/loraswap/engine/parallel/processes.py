@@ -2,7 +2,7 @@
 
 Rank 0 is the process that serves HTTP; ranks 1 to N-1 are started here, each joining the
 process group (NCCL on GPUs, gloo on the CPU), building the same engine on its own GPU (the
-warm-up made in step with rank 0's) and then following rank 0 (`context_parallel.follow`).
+warm-up made in step with rank 0's) and then following rank 0 (`ranks.follow`).
 They end with it: when it says stop, and when it dies (Linux: `PR_SET_PDEATHSIG`), so no
 rank outlives a killed server and a restart starts from nothing.
 """
@@ -34,7 +34,7 @@ class RankProcesses:
 
     def __init__(self, config: EngineConfig):
         check_gpu_count(config)
-        self.parallelism = config.parallelism
+        self.parallelism = config.parallel.parallelism
         self.ranks: Ranks | None = None
         port = free_port()
         engine_only = config.model_dump(mode="json", include=set(EngineConfig.model_fields))  # a Ray replica's too
@@ -77,10 +77,10 @@ class RankProcesses:
             raise RuntimeError("rank 0 could not join the process group (its error is logged above)")
 
     def engine_factory(self, config: EngineConfig):
-        from loraswap.engine.engine import Engine
+        from loraswap.engine.parallel.ranked import RankedEngine
 
-        engine = Engine(config)
-        self.ranks = Ranks(config.rank_wait_s)
+        engine = RankedEngine(config)
+        self.ranks = Ranks(config.parallel.rank_wait_s)
         engine.use_ranks(self.ranks)
         return engine
 
@@ -113,7 +113,7 @@ def _on_gpus(config: EngineConfig) -> bool:
 def check_gpu_count(config: EngineConfig) -> None:
     """One GPU per rank: NCCL refuses two ranks on one GPU, but only at the first collective,
     after every rank has loaded the model; refuse before anything starts."""
-    world, gpus = config.parallelism.world, torch.cuda.device_count() if _on_gpus(config) else None
+    world, gpus = config.parallel.parallelism.world, torch.cuda.device_count() if _on_gpus(config) else None
     if gpus is not None and gpus < world:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         raise ValueError(f"{world} processes (--ulysses-degree x --ring-degree, x 2 with --cfg-parallel) need "
@@ -132,14 +132,14 @@ def _join(config: EngineConfig, rank: int, world: int, port: int) -> None:
 def _follower(config_json: dict, rank: int, port: int) -> None:
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
-    from loraswap.engine.engine import Engine
-    from loraswap.engine.startup.bring_up import freeze_loaded_objects
+    from loraswap.engine.parallel.ranked import RankedEngine
+    from loraswap.engine.process import freeze_loaded_objects
 
     config = EngineConfig.model_validate(config_json)
-    _join(config, rank, config.parallelism.world, port)
-    engine = Engine(config)
+    _join(config, rank, config.parallel.parallelism.world, port)
+    engine = RankedEngine(config)
     freeze_loaded_objects()
-    follow(engine, Ranks(config.rank_wait_s))
+    follow(engine, Ranks(config.parallel.rank_wait_s))
     dist.destroy_process_group()
 
 

@@ -1,11 +1,10 @@
-"""One image across several processes (one GPU each): diffusers' context parallelism on the
-denoiser, every rank swapping the same adapters in step.
+"""What the processes of one split image say to each other: every rank swapping the same
+adapters before the same pipeline call.
 
-Each rank holds the whole model, its own pristine copies and its own adapter store, and
-diffusers splits the sequence of each attention layer over the ranks (Ulysses: all-to-all
-over heads; ring: key/value blocks passed round). loraswap's swap writes into the weights in
-place, so it composes with that by construction: what it needs is that every rank swaps the
-same adapters before the same pipeline call.
+Each rank holds the whole model, its own pristine copies and its own adapter store; the
+model's split over them is `split.py`'s, and `ranked.RankedEngine` is the engine that uses
+both. loraswap's swap writes into the weights in place, so it composes with the split by
+construction: what it needs is that every rank swaps the same adapters before the same call.
 
 Rank 0 serves HTTP and leads: before each batch it broadcasts the requests (seeds chosen) to
 the other ranks (`Ranks.lead`), which `follow`: lease the requests' adapters from their own
@@ -20,7 +19,7 @@ never-seen adapter while earlier images are made, as rank 0 does.
 
 A rank that dies, or one left stuck in a collective, leaves the process group unusable: every
 rank exits (code 70) for the server's supervisor to start it again, all ranks anew; rank 0
-first answers the requests it holds with a 503 (`rank_loss.RankLoss`).
+first answers the requests it holds with a 503 (`loss.RankLoss`).
 """
 
 import contextlib
@@ -32,159 +31,21 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeVar
-from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from loraswap.adapters.naming.references import remember_urls, urls_of
 from loraswap.engine.parallel.loss import RankLoss
-from loraswap.errors import AdapterChanged, BadRequest, LoraswapError
-from loraswap.models.family import Family
+from loraswap.errors import AdapterChanged, LoraswapError
 
 if TYPE_CHECKING:
+    from loraswap.adapters.reference import AdapterRef
     from loraswap.adapters.store import AdapterStore
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 News = Literal["read", "keep", "evict", "stop"]  # what rank 0 tells the other ranks' stores (`Ranks.tell`)
-
-
-@dataclass(frozen=True)
-class Parallelism:
-    """How one image is spread over processes: its sequence over `ulysses` x `ring` of them,
-    and (`cfg` 2) the two passes of classifier-free guidance over two such groups."""
-
-    ulysses: int = 1
-    ring: int = 1
-    cfg: int = 1
-
-    @property
-    def sequence(self) -> int:
-        """The processes one pass's sequence is split over."""
-        return self.ulysses * self.ring
-
-    @property
-    def world(self) -> int:
-        return self.cfg * self.sequence
-
-
-# attention backends that return the log-sum-exp ring attention merges its blocks with (PyTorch's
-# own SDPA does not); on the CPU there is none
-RING_BACKENDS = ("_native_cudnn", "_native_flash", "flash", "_flash_3_hub", "sage")
-
-
-def check_ring_attention(parallelism: Parallelism, attention: str | None) -> None:
-    """Ring attention merges its blocks with their log-sum-exp, which only some backends return."""
-    if parallelism.ring > 1 and attention not in RING_BACKENDS:
-        raise ValueError(f"--ring-degree needs an attention backend that returns the log-sum-exp: --attention "
-                         f"{' or '.join(RING_BACKENDS)} (CUDA); {attention or 'the default'} does not. Or use "
-                         "--ulysses-degree alone")
-
-
-# families whose split sequences always divide: image tokens (checked per request; an edit's
-# input image is sized by its pipeline in multiples of 32 pixels, so its tokens divide by 4),
-# a text sequence padded to a fixed length, or (Qwen-Image) the prompt's own length, padded here
-FAMILIES = ("flux", "flux-kontext", "flux2", "wan", "qwen-image", "qwen-image-edit")
-# families whose plan splits the prompt's text: padded with masked tokens (`pad_text_to_split`),
-# which ring attention cannot take (it applies each rank's own mask to every block of keys),
-# nor attention backends that refuse a mask: these take one
-TEXT_SPLIT = ("qwen-image", "qwen-image-edit")
-MASKED_BACKENDS = (None, "native", "_native_efficient", "_native_math")
-
-
-def check_parallelizable(denoiser: torch.nn.Module, parallelism: Parallelism, model: str,
-                         attention: str | None = None, family: Family | None = None) -> None:
-    """Refuse a family loraswap does not split, a denoiser diffusers cannot split, a degree its
-    heads do not divide by, or ring attention with a backend that cannot merge its blocks."""
-    check_ring_attention(parallelism, attention)
-    name = family.name if family is not None else None
-    if name not in FAMILIES or getattr(type(denoiser), "_cp_plan", None) is None:
-        raise ValueError(f"{model} ({name or type(denoiser).__name__}) is not split over processes: "
-                         f"--ulysses-degree and --ring-degree take the {', '.join(FAMILIES)} families")
-    if name in TEXT_SPLIT and parallelism.ring > 1:
-        raise ValueError(f"{model} splits its prompt's text, padded with masked tokens, which ring attention does "
-                         "not take: use --ulysses-degree")
-    if name in TEXT_SPLIT and attention not in MASKED_BACKENDS:
-        raise ValueError(f"{model} splits its prompt's text, padded with masked tokens, which --attention "
-                         f"{attention} does not take: use PyTorch's default (or native, _native_efficient)")
-    heads = getattr(denoiser.config, "num_attention_heads", None)
-    if heads is not None and heads % parallelism.ulysses:
-        raise ValueError(f"{model} has {heads} attention heads, which --ulysses-degree {parallelism.ulysses} does "
-                         "not divide: choose a divisor of the head count, or use --ring-degree")
-
-
-def device_mesh(parallelism: Parallelism, device_type: str) -> DeviceMesh:
-    """The ranks as a mesh: `cfg` x `ring` x `ulysses` (every rank calls it, in the same order),
-    on the engines' device type ("cuda": NCCL; "cpu": gloo)."""
-    if not dist.is_initialized() or dist.get_world_size() != parallelism.world:
-        raise RuntimeError(f"{parallelism.world} ranks need a process group of that size")
-    return init_device_mesh(device_type, (parallelism.cfg, parallelism.ring, parallelism.ulysses),
-                            mesh_dim_names=("cfg", "ring", "ulysses"))
-
-
-def enable_context_parallel(denoiser: torch.nn.Module, mesh: DeviceMesh, model: str,
-                            attention: str | None = None, family: Family | None = None) -> None:
-    """Split the denoiser's sequence over the mesh's ring and ulysses dimensions (each half of
-    the cfg dimension splits its own pass)."""
-    from diffusers import ContextParallelConfig
-
-    parallelism = Parallelism(mesh["ulysses"].size(), mesh["ring"].size(), mesh["cfg"].size())
-    check_parallelizable(denoiser, parallelism, model, attention, family)
-    config = ContextParallelConfig(ulysses_degree=parallelism.ulysses if parallelism.ulysses > 1 else None,
-                                   ring_degree=parallelism.ring if parallelism.ring > 1 else None, mesh=mesh)
-    with _one_device_per_cpu_rank():
-        denoiser.enable_parallelism(config=config)
-    if family is not None and family.name in TEXT_SPLIT:
-        pad_text_to_split(denoiser, parallelism.sequence)
-
-
-def pad_text_to_split(denoiser: torch.nn.Module, pieces: int) -> None:
-    """The plan splits the prompt's text into `pieces`: pad it to a multiple of them with tokens
-    the attention mask hides, so no image or text token attends to them. The real tokens keep
-    their positions (rotary embeddings count from the first), so the image is the one unpadded.
-    Every call gets a mask, padded or not, so a compiled model sees one kind of call."""
-
-    def pad(module, args: tuple, kwargs: dict):
-        text = kwargs.get("encoder_hidden_states")
-        if text is None:
-            return None
-        extra = -text.shape[1] % pieces
-        mask = kwargs.get("encoder_hidden_states_mask")
-        mask = text.new_ones(text.shape[:2], dtype=torch.bool) if mask is None else mask.to(torch.bool)
-        return args, dict(kwargs, encoder_hidden_states=F.pad(text, (0, 0, 0, extra)),
-                          encoder_hidden_states_mask=F.pad(mask, (0, extra), value=False))
-
-    denoiser.register_forward_pre_hook(pad, with_kwargs=True)
-
-
-@contextlib.contextmanager
-def _one_device_per_cpu_rank() -> Iterator[None]:
-    """diffusers places rank r on device r % device_count(): 0 devices on a CPU build (a
-    modulo by zero). Ranks on the CPU all share it."""
-    if torch.accelerator.device_count() > 0:
-        yield
-        return
-    with mock.patch.object(torch.accelerator, "device_count", lambda: 1):
-        yield
-
-
-def check_sequence(tokens: int, parallelism: Parallelism, with_input: bool = False) -> None:
-    """A sequence the ranks split must divide into equal pieces (a gather of unequal ones fails):
-    the output's tokens, and (`with_input`) an edit's input image's beside them."""
-    pieces = parallelism.sequence
-    if tokens % pieces == 0:
-        return
-    if with_input:
-        raise BadRequest(f"this size and input image make {tokens} tokens, which do not split over {pieces} ranks: "
-                         f"choose an output size and input image whose tokens (width / 16 x height / 16 each) add "
-                         f"up to a multiple of {pieces}")
-    raise BadRequest(f"this size makes {tokens} image tokens, which do not split over {pieces} "
-                     f"ranks: choose a width and height whose tokens divide by {pieces}")
 
 
 class Ranks:
@@ -211,25 +72,24 @@ class Ranks:
         return self.rank == 0
 
     def lead(self, requests: list) -> None:
-        """Rank 0: the batch every rank makes next, with the URLs behind its `url:` adapter ids
-        (another process knows only the ids: it finds their files in the download folder, or
-        fetches them again if they were evicted meanwhile)."""
-        urls = urls_of(adapter_id for request in requests for adapter_id, _ in request.loras)
+        """Rank 0: the batch every rank makes next (its adapter refs, URLs and all, pickled with
+        the requests: another rank finds their files in the download folder, or fetches them
+        again if they were evicted meanwhile)."""
         with self._in_step():
-            dist.broadcast_object_list([("generate", requests, urls)], src=0, group=self._objects)
+            dist.broadcast_object_list([("generate", requests)], src=0, group=self._objects)
 
     def stop(self) -> None:
         """Rank 0: the other ranks return from `follow`."""
         self._stopping = True
         self.tell("stop", [])
-        dist.broadcast_object_list([("stop", None, {})], src=0, group=self._objects)
+        dist.broadcast_object_list([("stop", None)], src=0, group=self._objects)
 
-    def tell(self, verb: News, loras: list[tuple[str, float]]) -> None:
+    def tell(self, verb: News, refs: list["AdapterRef"]) -> None:
         """Rank 0: what the other ranks' stores should do too, as this one does it: "read" a
         request's adapters as it is queued (so that every rank reads a never-seen adapter
         while earlier images are made, not after this rank leads its batch), "keep" or
         "evict" one."""
-        self._outbox.put((verb, loras, urls_of(adapter_id for adapter_id, _ in loras)))
+        self._outbox.put((verb, refs))
 
     def _send_news(self) -> None:
         while True:
@@ -252,26 +112,26 @@ class Ranks:
         while True:
             news = [None]
             dist.broadcast_object_list(news, src=0, group=self._news)
-            verb, loras, urls = news[0]
+            verb, refs = news[0]
             if verb == "stop":
                 return
             try:
-                remember_urls(urls)
-                done = _do_as_told(store, verb, loras)
+                done = _do_as_told(store, verb, refs)
             except Exception as e:  # noqa: BLE001 - this rank reads it again when a request needs it
                 done = Future()
                 done.set_exception(e)
-            done.add_done_callback(functools.partial(self._log_news, verb, loras))
+            done.add_done_callback(functools.partial(self._log_news, verb, refs))
 
-    def _log_news(self, verb: News, loras: list[tuple[str, float]], done: Future) -> None:
+    def _log_news(self, verb: News, refs: list["AdapterRef"], done: Future) -> None:
         if done.exception() is not None:  # this rank reads it again when a request needs it
-            logger.warning("rank %d: could not %s %s here: %s", self.rank, verb, loras[0][0], done.exception())
+            logger.warning("rank %d: could not %s %s here: %s", self.rank, verb, refs[0].adapter_id,
+                           done.exception())
         else:
             logger.log(logging.DEBUG if verb == "read" else logging.INFO, "rank %d: %s %s", self.rank, verb,
-                       ", ".join(adapter_id for adapter_id, _ in loras))
+                       ", ".join(ref.adapter_id for ref in refs))
 
-    def receive(self) -> tuple[str, list | None, dict[str, str]]:
-        """A follower: the next message from rank 0 (verb, requests, URLs)."""
+    def receive(self) -> tuple[str, list | None]:
+        """A follower: the next message from rank 0 (verb, requests)."""
         message = [None]
         dist.broadcast_object_list(message, src=0, group=self._objects)
         return message[0]
@@ -282,7 +142,7 @@ class Ranks:
         different files (one replaced between the ranks' reads), an error saying so; else None."""
         outcomes: list = [None] * self.world
         with self._in_step():
-            dist.all_gather_object(outcomes, (_sendable(error), versions), group=self._objects)
+            dist.all_gather_object(outcomes, (sendable(error), versions), group=self._objects)
         failed = next((rank for rank, (e, _) in enumerate(outcomes) if e is not None), None)
         if failed is not None:
             return error if failed == self.rank else outcomes[failed][0]
@@ -339,21 +199,21 @@ def _first_line(error: BaseException) -> str:
     return (str(error) or type(error).__name__).splitlines()[0]
 
 
-def _do_as_told(store: "AdapterStore", verb: News, loras: list[tuple[str, float]]) -> Future:
+def _do_as_told(store: "AdapterStore", verb: News, refs: list["AdapterRef"]) -> Future:
     """A follower's store does what rank 0's did, reading on its own threads (a file from
     elsewhere is fetched once, by whichever rank comes first, into the download folder they
     share); done when it is."""
     if verb == "read":
-        return store.read_ahead(loras)
+        return store.read_ahead(refs)
     if verb == "keep":
-        return store.keep_ahead(loras[0][0])
-    store.cache.evict(loras[0][0])  # "evict" (rank 0 removes a download from the shared folder)
+        return store.keep_ahead(refs[0])
+    store.cache.evict(refs[0].adapter_id)  # "evict" (rank 0 removes a download from the shared folder)
     done = Future()
     done.set_result(None)
     return done
 
 
-def _sendable(error: BaseException | None) -> BaseException | None:
+def sendable(error: BaseException | None) -> BaseException | None:
     """`error` as another process can rebuild it; if it cannot be pickled, its type and message
     (a rank whose error failed to send would skip the collective and leave the others in it)."""
     if error is None:
@@ -372,12 +232,11 @@ def follow(engine, ranks: Ranks) -> None:
     engine.use_ranks(ranks)
     news = ranks.listen(engine.adapters)
     while True:
-        verb, requests, urls = ranks.receive()
+        verb, requests = ranks.receive()
         if verb == "stop":
             news.join(5)  # told to stop first: its last collective ends at once
             return
         try:
-            remember_urls(urls)
             lease = engine.lender.lease_now(requests[0].loras)
         except Exception as e:  # this rank cannot read them: the ranks that applied them go back to the base
             logger.warning("rank %d: the adapters could not be read here: %s", ranks.rank, e)

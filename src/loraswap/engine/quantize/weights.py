@@ -9,10 +9,11 @@ touched weight from its pristine float8 copy (`swap.Fp8Weight`).
 """
 
 import logging
-from typing import Literal, get_args
+from typing import get_args
 
 from torch import nn
 
+from loraswap.engine.config.quantization import QuantizeMode
 from loraswap.engine.quantize.float8_activations import use_float8_rows
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,6 @@ def quantize_text_encoders(pipeline, mode: str, device=None) -> None:
             quantize_module(encoder, mode, device)
 
 
-QuantizeMode = Literal["none", "fp8", "fp8-tensorwise", "fp8-weight-only"]
 MODES: tuple[str, ...] = get_args(QuantizeMode)
 
 

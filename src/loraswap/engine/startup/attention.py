@@ -1,4 +1,5 @@
-"""Attention backend choice (`--attention`), through diffusers' attention dispatcher.
+"""Attention backend choice (`--attention`), through diffusers' attention dispatcher. The
+name is checked against the dispatcher's when the config is built (`config/compilation.py`).
 
 Models whose attention processors go through the dispatcher (FLUX) take any backend
 it names (`set_attention_backend`). The UNets of SD 1.5 and SDXL call PyTorch's
@@ -22,21 +23,6 @@ logger = logging.getLogger(__name__)
 
 SDPA_KERNELS = {"_native_cudnn": SDPBackend.CUDNN_ATTENTION, "_native_efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "_native_flash": SDPBackend.FLASH_ATTENTION, "_native_math": SDPBackend.MATH}
-
-
-def backend_names() -> list[str]:
-    from diffusers.models.attention_dispatch import AttentionBackendName
-
-    return sorted(name.value for name in AttentionBackendName)
-
-
-def check_backend_name(name: str | None) -> str | None:
-    """`name` lower-cased if diffusers' dispatcher knows it, else a ValueError listing those it does."""
-    if name is None:
-        return None
-    if name.lower() not in backend_names():
-        raise ValueError(f"unknown attention backend '{name}'; diffusers' dispatcher has: {', '.join(backend_names())}")
-    return name.lower()
 
 
 def _uses_dispatcher(module: nn.Module) -> bool:

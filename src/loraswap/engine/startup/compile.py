@@ -157,7 +157,7 @@ def compile_blocks(denoiser: torch.nn.Module, **options) -> None:
 
 
 def compile_pipeline(pipeline, mode: str, compile_vae: bool) -> None:
-    """The denoisers (Wan 2.2 has two), and the VAE decoder when asked (`EngineConfig.compile_vae`)."""
+    """The denoisers (Wan 2.2 has two), and the VAE decoder when asked (`CompilationConfig.compile_vae`)."""
     for name in denoiser_names(pipeline):
         compile_denoiser(getattr(pipeline, name), mode)
     vae = getattr(pipeline, "vae", None)

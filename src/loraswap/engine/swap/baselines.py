@@ -11,14 +11,14 @@
   diffusers fails on the others after the denoiser was already swapped, so they are
   refused from the file's header first.
 
-Both implement the swapper interface (`swap.Swapper`) as `swap.FusedSwapper` does, so
+Both implement the swapper interface (`fused.Swapper`) as `fused.FusedSwapper` does, so
 the engine never branches on which one it drives. They lease the adapters' files
 (`AdapterLocation`, from `LocatedFiles`, beside the adapter store), not parsed adapters:
 diffusers reads the files itself.
 """
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -27,10 +27,11 @@ from safetensors import safe_open
 
 from loraswap.adapters.files.facts import FileFacts
 from loraswap.adapters.files.formats import open_checked
+from loraswap.adapters.files.location import AdapterLocation, file_stamp
 from loraswap.adapters.lease import Lease
 from loraswap.adapters.parse.changes import split_key
 from loraswap.adapters.random import make_random_adapter
-from loraswap.adapters.sources.local import AdapterLocation, file_stamp
+from loraswap.adapters.reference import AdapterRef
 from loraswap.adapters.store import AdapterStore
 from loraswap.errors import AdapterIncompatible, BadRequest
 from loraswap.models import denoiser_name
@@ -56,15 +57,19 @@ class LocatedFiles:
         # locating a hub adapter downloads it: off the caller's thread, as the store reads
         self._pool = ThreadPoolExecutor(store.limits.prefetch_threads, thread_name_prefix="loraswap-locate")
 
-    def lease(self, loras: list[tuple[str, float]]) -> Future:
-        return self._pool.submit(RequestContext.capture().run, self.lease_now, loras)  # the request's log lines
+    def lease(self, refs: list[AdapterRef], located: Mapping[str, AdapterLocation] | None = None) -> Future:
+        # (on the pool in the request's context: its log lines)
+        return self._pool.submit(RequestContext.capture().run, self.lease_now, refs, located)
 
-    def lease_now(self, loras: list[tuple[str, float]]) -> Lease:
-        self.store.check_blend(loras)
-        return Lease([(self._located(adapter_id), float(weight)) for adapter_id, weight in loras])
+    def lease_now(self, refs: list[AdapterRef], located: Mapping[str, AdapterLocation] | None = None) -> Lease:
+        """`located`: the files already found for them, by id (routing's), not located again."""
+        self.store.check_blend(refs)
+        located = located or {}
+        return Lease([(self._located(ref, located.get(ref.adapter_id)), float(ref.scale)) for ref in refs])
 
-    def _located(self, adapter_id: str) -> AdapterLocation:
-        location = self.store.locate(adapter_id)
+    def _located(self, ref: AdapterRef, location: AdapterLocation | None) -> AdapterLocation:
+        adapter_id = ref.adapter_id
+        location = location or self.store.locate(ref)
         stamp = file_stamp(location)
         known = self._files.get(adapter_id, stamp)
         if known is None:
@@ -104,7 +109,8 @@ class LoadAndFuseSwapper:
         """Nothing to warm: diffusers' own ops."""
         return False
 
-    def swap(self, adapters: Sequence[tuple[AdapterLocation, float]]) -> float:
+    def apply(self, adapters: Sequence[tuple[AdapterLocation, float]]) -> float:
+        """Unload the previous adapters, then load and fuse these; seconds taken."""
         start = time.perf_counter()
         pipeline = self.pipeline
         self._unload()
@@ -123,6 +129,9 @@ class LoadAndFuseSwapper:
         _synchronize()
         return time.perf_counter() - start
 
+    def restore_base(self) -> None:
+        """Back to the base model: the adapters unfused and unloaded."""
+        self.apply([])
 
     def _load_second_expert(self, location: AdapterLocation, name: str) -> None:
         """Wan 2.2's second expert, the way diffusers offers (`load_into_transformer_2`): the
@@ -161,7 +170,7 @@ class HotswapSwapper:
 
     @classmethod
     def for_engine(cls, pipeline: DiffusionPipeline, layers, config) -> "HotswapSwapper":
-        return cls(pipeline, config.hotswap_rank)
+        return cls(pipeline, config.swap.hotswap_rank)
 
     def lender(self, store: AdapterStore) -> LocatedFiles:
         return LocatedFiles(store)
@@ -184,7 +193,8 @@ class HotswapSwapper:
         """Nothing to warm beyond the compiled model."""
         return False
 
-    def swap(self, adapters: Sequence[tuple[AdapterLocation, float]]) -> float:
+    def apply(self, adapters: Sequence[tuple[AdapterLocation, float]]) -> float:
+        """Hotswap the adapter (or the zeros of the base model) into the slot; seconds taken."""
         if self._placeholder is None:
             self.prepare_to_compile()
         start = time.perf_counter()
@@ -196,6 +206,10 @@ class HotswapSwapper:
             raise
         _synchronize()
         return time.perf_counter() - start
+
+    def restore_base(self) -> None:
+        """Back to the base model: zeros in the slot."""
+        self.apply([])
 
     def check(self, adapters: Sequence[tuple[AdapterLocation, float]]) -> None:
         """Refuse, from the headers alone and before anything changes, what diffusers'

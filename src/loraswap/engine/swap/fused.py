@@ -53,7 +53,7 @@ class Swapper(Protocol):
         or what the swapper takes instead (a baseline's files)."""
 
     def check(self, adapters: Sequence) -> None:
-        """Refuse, changing nothing, what `swap` could not apply."""
+        """Refuse, changing nothing, what `apply` could not apply."""
 
     def prepare_to_compile(self) -> None:
         """Set up what the compiled graphs must see."""
@@ -61,9 +61,12 @@ class Swapper(Protocol):
     def warm_up(self) -> bool:
         """Compile what swaps need; whether there was anything to warm."""
 
-    def swap(self, adapters: Sequence) -> float:
-        """Apply exactly these (held adapter, weight) pairs; seconds taken. On failure the
-        model is the base model."""
+    def apply(self, adapters: Sequence) -> float:
+        """Apply exactly these (held adapter, weight) pairs, as the lender leased them, in place
+        of those applied before; seconds taken. On failure the model is the base model."""
+
+    def restore_base(self) -> None:
+        """Back to the base model: no adapter applied."""
 
 
 class FusedSwapper:
@@ -86,10 +89,6 @@ class FusedSwapper:
         self._fp8: dict[LayerKey, Fp8Weight] = {}  # float8 weights (`--quantize`), also in `_pristine`
 
     # ---------------------------------------------------------------- the swapper interface
-    def swap(self, adapters: Sequence[tuple[CacheEntry, float]]) -> float:
-        """Apply cache entries (their GPU copy when they have one); seconds taken."""
-        return self.apply([(held.best(), weight) for held, weight in adapters])
-
     def check(self, adapters: Sequence[tuple[CacheEntry, float]]) -> None:
         """Nothing more: everything was checked when the adapters were bound."""
 
@@ -101,8 +100,8 @@ class FusedSwapper:
     def for_engine(cls, pipeline, layers: ModelLayers, config) -> "FusedSwapper":
         """The engine's fused swapper (`config`: its `EngineConfig`). The low-memory mode
         pins every pristine copy in host RAM now, not inside the first requests' swaps."""
-        swapper = cls(layers, pristine=config.pristine)
-        if config.pristine == "host":
+        swapper = cls(layers, pristine=config.memory.pristine)
+        if config.memory.pristine == "host":
             pinning = time.perf_counter()
             swapper.save_all_pristine(pipeline._lora_loadable_modules)
             logger.info("pristine copies in host RAM: %.2f GiB in %.1f s", swapper.pristine_bytes / 2**30,
@@ -118,14 +117,16 @@ class FusedSwapper:
 
     # ---------------------------------------------------------------- applying
     @torch.no_grad()
-    def apply(self, adapters: Sequence[tuple[BoundAdapter, float]]) -> float:
-        """Make the weights base + sum(weight * scale * B @ A); returns seconds taken.
+    def apply(self, adapters: Sequence[tuple[BoundAdapter | CacheEntry, float]]) -> float:
+        """Make the weights base + sum(weight * scale * B @ A); returns seconds taken. Each
+        adapter is bound, or a cache entry as the store leases it (its GPU copy when it has one).
 
         Weights touched now are written from their pristine copies with one call per layer
         (`kernels.fuse_into`: one pass on CUDA, `addmm` elsewhere), weights touched only
         before are copied back in one batched copy, and factors in pinned host RAM stream
         to the GPU in chunks on a side stream while earlier layers are being fused.
         """
+        adapters = [(held.best() if isinstance(held, CacheEntry) else held, weight) for held, weight in adapters]
         start = time.perf_counter()
         wanted = {key for bound, _ in adapters for key in bound.layers}
         touched = self._dirty | wanted
@@ -249,7 +250,7 @@ class FusedSwapper:
                 plain.setdefault((w.device, w.dtype), set()).add(w[0].numel())
         return plain, float8
 
-    def reset(self) -> None:
+    def restore_base(self) -> None:
         """Back to the base model, bitwise."""
         self.apply(())
 

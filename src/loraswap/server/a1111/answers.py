@@ -70,7 +70,7 @@ def fallback_record(gen: GenerateRequest, result: GenerateResult) -> ImageRecord
     return ImageRecord(prompt=gen.prompt, negative_prompt=gen.negative_prompt, steps=gen.steps,
                        guidance=gen.guidance, seed=result.seed, width=result.image.width,
                        height=result.image.height, model=None, strength=gen.strength,
-                       adapters=tuple(AdapterUse(adapter_id, weight) for adapter_id, weight in gen.loras))
+                       adapters=tuple(AdapterUse(ref.adapter_id, ref.scale) for ref in gen.loras))
 
 
 def sd_models(models: Sequence[str]) -> list[dict]:

@@ -19,7 +19,9 @@ import logging
 
 from loraswap.adapters.files.facts import FileFacts
 from loraswap.adapters.files.formats import open_checked
-from loraswap.adapters.sources.local import AdapterLocation, LocalAdapterSource, file_stamp
+from loraswap.adapters.files.location import AdapterLocation, file_stamp
+from loraswap.adapters.reference import AdapterRef
+from loraswap.adapters.sources.folder import FolderSource
 from loraswap.errors import AdapterError
 from loraswap.server.config import ServerConfig
 from loraswap.server.requests.parse import MAX_JSON_NESTING, json_nesting
@@ -33,8 +35,8 @@ class LoraListing:
 
     def __init__(self, config: ServerConfig):
         # (folder, largest adapter file) per model; a folder two models share is listed once
-        folders = {engine.adapters.resolve(): int(engine.max_adapter_mb * 2**20)
-                   for engine in config.engines if engine.adapters is not None}
+        folders = {engine.sources.adapters.resolve(): engine.sources.max_adapter_bytes
+                   for engine in config.engines if engine.sources.adapters is not None}
         self._folders = list(folders.items()) if config.list_adapters_as_models else []
         self._metadata: FileFacts[dict] = FileFacts()
 
@@ -45,7 +47,7 @@ class LoraListing:
         for folder, max_bytes in self._folders:
             if not folder.is_dir():
                 continue
-            source = LocalAdapterSource(folder)
+            source = FolderSource(folder)
             for adapter_id in source.list_ids():
                 if adapter_id not in rows:
                     row = self._row(source, adapter_id, max_bytes)
@@ -53,9 +55,9 @@ class LoraListing:
                         rows[adapter_id] = row
         return [rows[name] for name in sorted(rows)]
 
-    def _row(self, source: LocalAdapterSource, adapter_id: str, max_bytes: int) -> dict | None:
+    def _row(self, source: FolderSource, adapter_id: str, max_bytes: int) -> dict | None:
         try:
-            location = source.locate(adapter_id)
+            location = source.locate(AdapterRef(adapter_id))  # (an id the folder listed)
             metadata = self._read_metadata(location, max_bytes)
         except AdapterError as e:  # gone since it was listed, a link out of the folder, a file refused
             logger.debug("GET /sdapi/v1/loras leaves out %s: %s", adapter_id, e.message)

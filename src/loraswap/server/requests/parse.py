@@ -16,8 +16,8 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from loraswap.adapters.naming.prompt_tags import take_adapter_tags
-from loraswap.adapters.naming.references import NamedUrls
 from loraswap.adapters.naming.specs import adapter_with_weight, parse_adapter_specs
+from loraswap.adapters.reference import AdapterRef
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_cache import canonical
 from loraswap.errors import BadRequest
@@ -31,13 +31,14 @@ from loraswap.media.images import (
     read_inputs,
     require_image,
 )
-from loraswap.server.auth import check_url_ids, url_owner
+from loraswap.server.auth import url_owner
 from loraswap.server.backend import Backend
 from loraswap.server.config import ServerConfig
 from loraswap.server.images.output import ImageOutput
 from loraswap.server.requests.decode_budget import DecodeBudget, decoded_bytes
 from loraswap.server.requests.limits import check_limits, image_limits
 from loraswap.server.requests.schemas import ApiBody, invalid_request_message, parse_size
+from loraswap.server.url_book import NamedUrls, with_urls
 from loraswap.tracing import traced
 
 
@@ -178,7 +179,7 @@ async def read_request(request: Request, api: type[ApiBody], config: ServerConfi
 
 # a route's own say on the model, once the body's model and adapters are known and before any
 # image is decoded: (the body, the hosted model it names or None, its adapters) -> the model
-ChooseModel = Callable[[ApiBody, str | None, list[tuple[str, float]]], str | None]
+ChooseModel = Callable[[ApiBody, str | None, list[AdapterRef]], str | None]
 
 
 @traced("parse")
@@ -206,13 +207,10 @@ async def parse_request(request: Request, api: type[ApiBody], path_model: str | 
     require_image(fields.get("image") is not None, fields.get("mask") is not None, fields.get("strength"))
     # 3. the prompt's A1111 tags (`<lora:NAME:WEIGHT>`) cut out of it; the name: a hosted base
     #    model, or adapters put before those of the tags, the body's `loras` and the `lora`
-    #    header; then what the route says of the model
-    urls = named_urls(request)
-    tagged = _prompt_adapters(fields, config, urls)
+    #    header, each made a checked `AdapterRef` here, once; then what the route says of the model
+    tagged = _prompt_adapters(fields, config)
     _check_prompt_given(fields["prompt"], api, tagged)
-    model, loras = _model_and_adapters(backend, named, api.names_blend, tagged, fields.get("loras") or [],
-                                       request.headers.get("lora"), urls)
-    check_url_ids(request, urls)
+    model, loras = _model_and_adapters(request, backend, named, api.names_blend, tagged, fields.get("loras") or [])
     if choose_model is not None:
         model = choose_model(body, model, loras)
     # 4. the image and the mask, decoded and checked (the costliest check, so the last);
@@ -306,12 +304,12 @@ def _video_frames(fields: dict, config: ServerConfig) -> tuple[int | None, int |
     return frames, fps
 
 
-def _prompt_adapters(fields: dict, config: ServerConfig, urls: NamedUrls | None) -> list[tuple[str, float]]:
+def _prompt_adapters(fields: dict, config: ServerConfig) -> list[AdapterRef]:
     """The adapters the prompt's A1111 tags name, the tags cut out of `fields["prompt"]`
     (`adapters/naming/prompt_tags.py`); none with --prompt-adapter-tags off (the prompt untouched)."""
     if config.prompt_adapter_tags == "off":
         return []
-    fields["prompt"], tagged = take_adapter_tags(fields["prompt"], fields.get("negative_prompt"), urls)
+    fields["prompt"], tagged = take_adapter_tags(fields["prompt"], fields.get("negative_prompt"))
     return tagged
 
 
@@ -327,7 +325,7 @@ def _check_bounds(fields: dict, config: ServerConfig) -> None:
         raise BadRequest(f"the prompt has {len(prompt)} characters; the limit is {config.max_prompt_chars}")
 
 
-def _check_prompt_given(prompt: str, api: type[ApiBody], tagged: list[tuple[str, float]]) -> None:
+def _check_prompt_given(prompt: str, api: type[ApiBody], tagged: list[AdapterRef]) -> None:
     """One rule for an empty prompt (or one of spaces), judged once its tags are cut out
     (`<lora:x:1>` is as empty as ""): A1111's routes take it, as A1111 does (webuiapi sends ""
     by default); the other APIs refuse it."""
@@ -339,28 +337,27 @@ def _check_prompt_given(prompt: str, api: type[ApiBody], tagged: list[tuple[str,
     raise BadRequest("the prompt is empty")
 
 
-def _model_and_adapters(backend: Backend, named: str | None, blend: bool, tagged: list[tuple[str, float]],
-                        listed: list[tuple[str, float]], header: str | None,
-                        urls: NamedUrls | None) -> tuple[str | None, list[tuple[str, float]]]:
+def _model_and_adapters(request: Request, backend: Backend, named: str | None, blend: bool, tagged: list[AdapterRef],
+                        listed: list[tuple[str, float]]) -> tuple[str | None, list[AdapterRef]]:
     """The hosted model `named` is, or the adapters it names (weight 1.0, or a blend when the API
-    allows one); then the prompt's tags (`tagged`, ids already), the body's `loras` list, then the
-    header's. An adapter named in two of them takes the later one's weight and place (the
-    header's over the body's over the prompt's over the name's). The URLs among them are held by
-    `urls`, the request's."""
-    body = [adapter_with_weight(name, weight, urls) for name, weight in listed]
-    header_loras = parse_adapter_specs(header, urls)
-    if named and backend.is_model(named):
-        return named, _merged(tagged, body, header_loras)
-    by_name = (parse_adapter_specs(named, urls) if blend else [adapter_with_weight(named, 1.0, urls)]) \
-        if named else []
-    return None, _merged(by_name, tagged, body, header_loras)
+    allows one); then the prompt's tags (`tagged`, refs already), the body's `loras` list, then
+    the `lora` header's. An adapter named in two of them takes the later one's weight and place
+    (the header's over the body's over the prompt's over the name's). The URLs they name are
+    held by the request, and those of the `url:` ids they name are filled in, within the key's
+    scope (`url_book.with_urls`)."""
+    body = [adapter_with_weight(name, weight) for name, weight in listed]
+    header = parse_adapter_specs(request.headers.get("lora"))
+    model = named if named and backend.is_model(named) else None
+    by_name = [] if model is not None or not named else \
+        parse_adapter_specs(named) if blend else [adapter_with_weight(named, 1.0)]
+    return model, _merged(*with_urls(request, named_urls(request), [by_name, tagged, body, header]))
 
 
 async def hold_named_urls(request: Request) -> AsyncIterator[None]:
     """Route dependency: the URLs the request names are held until it is answered (so that their
     files can be fetched), then kept (bounded) only if it was answered with success: a refused
-    request leaves nothing behind (`adapters/sources/url_book.py`)."""
-    urls = NamedUrls(url_owner(request))
+    request leaves nothing behind (`url_book.py`)."""
+    urls = NamedUrls(request.app.state.urls, url_owner(request))
     request.state.named_urls = urls
     try:
         yield
@@ -376,12 +373,12 @@ def named_urls(request: Request) -> NamedUrls | None:
     return getattr(request.state, "named_urls", None)
 
 
-def _merged(*groups: list[tuple[str, float]]) -> list[tuple[str, float]]:
+def _merged(*groups: list[AdapterRef]) -> list[AdapterRef]:
     """The groups' adapters in order, each dropped from earlier groups when a later one names it
     (within one group a repeat stays, and the blend's check refuses it)."""
-    merged: list[tuple[str, float]] = []
+    merged: list[AdapterRef] = []
     later: set[str] = set()
     for group in reversed(groups):
-        merged = [lora for lora in group if lora[0] not in later] + merged
-        later |= {adapter_id for adapter_id, _ in group}
+        merged = [ref for ref in group if ref.adapter_id not in later] + merged
+        later |= {ref.adapter_id for ref in group}
     return merged

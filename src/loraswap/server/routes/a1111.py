@@ -65,7 +65,7 @@ async def _images(request: Request, route: str, api: type[A1111Txt2Img]) -> dict
     return images_answer(body, images, gens, results, records)
 
 
-def _chosen_model(backend, body: A1111Txt2Img, model: str | None, loras: list[tuple[str, float]]) -> str | None:
+def _chosen_model(backend, body: A1111Txt2Img, model: str | None, loras: list) -> str | None:
     """The model `override_settings.sd_model_checkpoint` names (a hosted model, else a 400: A1111
     would use the model loaded, whichever it is), else `model`; 400 for a sampler other than
     the one of the model the request goes to (that model; with adapters and no model named,

@@ -5,9 +5,10 @@ listing leaves it out, and its `url:` id is unknown (404) to that key's load and
 
 from fastapi import APIRouter, Depends, Request
 
-from loraswap.adapters.naming.references import adapter_id_of, pin_url, unpin_url
-from loraswap.server.auth import Access, check_url_ids, require_admin_key, visible_adapter_rows
+from loraswap.adapters.reference import AdapterRef
+from loraswap.server.auth import Access, require_admin_key, visible_adapter_rows
 from loraswap.server.requests.parse import hold_named_urls, named_urls
+from loraswap.server.url_book import with_urls
 
 router = APIRouter(tags=[Access.ADMIN.value], dependencies=[Depends(require_admin_key), Depends(hold_named_urls)])
 
@@ -27,25 +28,29 @@ async def load_adapter(adapter_id: str, request: Request):
     """Read the adapter into host RAM now (fetched first, when it is a URL or a Civitai AIR)
     and keep it cached until `DELETE`, across restarts too (the state folder records it); the
     answer's `id` is the one it is served under."""
-    urls = named_urls(request)
-    adapter_id = adapter_id_of(adapter_id, urls)
-    check_url_ids(request, urls)
-    kept = await request.app.state.backend.keep_adapter(adapter_id)
-    pin_url(adapter_id)  # (a URL's: fetched again by it if its download is evicted while kept)
-    request.app.state.kept.add(adapter_id)  # kept again after a restart
-    return {"id": adapter_id, "cached": "host", "kept": True, **kept}
+    ref = _named_ref(request, adapter_id)
+    kept = await request.app.state.backend.keep_adapter(ref)
+    request.app.state.urls.pin(ref.adapter_id)  # (a URL's: fetched again by it if its download is evicted while kept)
+    request.app.state.kept.add(ref.adapter_id)  # kept again after a restart
+    return {"id": ref.adapter_id, "cached": "host", "kept": True, **kept}
 
 
 @router.delete("/adapters/{adapter_id:path}")
 async def evict_adapter(adapter_id: str, request: Request):
     """Stop keeping the adapter and drop it from every tier, a download's file too (read,
     or fetched, again when next used)."""
+    ref = _named_ref(request, adapter_id)
+    await request.app.state.backend.evict_adapter(ref)
+    request.app.state.kept.remove(ref.adapter_id)
+    request.app.state.urls.unpin(ref.adapter_id)
     urls = named_urls(request)
-    adapter_id = adapter_id_of(adapter_id, urls)
-    check_url_ids(request, urls)
-    await request.app.state.backend.evict_adapter(adapter_id)
-    request.app.state.kept.remove(adapter_id)
-    unpin_url(adapter_id)
     if urls is not None:
         urls.release(accepted=False)  # evicted: nothing to keep its URL for
-    return {"id": adapter_id, "cached": "disk", "kept": False}
+    return {"id": ref.adapter_id, "cached": "disk", "kept": False}
+
+
+def _named_ref(request: Request, name: str) -> AdapterRef:
+    """The ref of the adapter the path names (an id, or a URL, AIR, s3:// reference), checked
+    here once: a `url:` id within the key's scope, its URL filled in (`url_book.with_urls`)."""
+    [[ref]] = with_urls(request, named_urls(request), [[AdapterRef.named(name)]])
+    return ref

@@ -11,9 +11,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from loraswap.adapters.files.metadata import same_model
-from loraswap.adapters.naming.references import check_id
+from loraswap.adapters.reference import AdapterRef
+from loraswap.adapters.sources.choose import may_download
 from loraswap.adapters.sources.download_locks import holding_downloads
-from loraswap.adapters.sources.remote import may_download
 from loraswap.engine.calls import check_size_multiple
 from loraswap.errors import BadRequest, UnsupportedInput
 from loraswap.server.auth import Access, request_key, require_api_key
@@ -47,9 +47,7 @@ async def create_video(request: Request):
     outlives the request."""
     state = request.app.state
     # 1. parse (the one parser of every generation route: limits, adapters, the engine's request)
-    parsed = await parse_request(request, OpenAIVideoRequest)
-    for adapter_id, _ in parsed.engine_request.loras:  # a path, not an id: 400 now, not a failed job later
-        check_id(adapter_id)
+    parsed = await parse_request(request, OpenAIVideoRequest)  # (a bad adapter name: 400 now, not a failed job later)
     info = state.backend.ready_info()
     if info is None:  # a job started now would only fail
         raise not_ready(state.backend.load_error)
@@ -72,7 +70,7 @@ async def create_video(request: Request):
     return job.view(state.videos.clock())
 
 
-def _video_model(named: str | None, loras: list[tuple[str, float]], videos: dict, hosted: list[str]) -> str | None:
+def _video_model(named: str | None, loras: list[AdapterRef], videos: dict, hosted: list[str]) -> str | None:
     """The hosted model a video goes to: the one named; else the hosted video model (with
     adapters, only when there is one: several leave it to the adapters' base model, None).
     422 at once when it would make images."""
@@ -87,7 +85,7 @@ def _video_model(named: str | None, loras: list[tuple[str, float]], videos: dict
     return next(iter(videos)) if len(videos) == 1 or not loras else None
 
 
-async def _check_adapters_make_videos(state, loras: list[tuple[str, float]], videos: list[str],
+async def _check_adapters_make_videos(state, loras: list[AdapterRef], videos: list[str],
                                       target: str | None) -> None:
     """422 now, not a failed job later, for an adapter that routing sends to a model making
     images (its declared base model, its family, its layers), or to another video model than
@@ -98,7 +96,7 @@ async def _check_adapters_make_videos(state, loras: list[tuple[str, float]], vid
     if not loras or deployment is None or not deployment.hosted:
         return
     sources = deployment.hosted[0].engine.adapters.source
-    if any(may_download(sources, adapter_id) for adapter_id, _ in loras):
+    if any(may_download(sources, ref) for ref in loras):
         return
     hosted_target = next((model for model in videos if same_model(model, target)), None) if target else None
 
@@ -114,9 +112,9 @@ def _owner(request: Request) -> str | None:
     return request.app.state.videos.owner_of(request_key(request))
 
 
-def _adapters_named(loras: list[tuple[str, float]]) -> str:
+def _adapters_named(loras: list[AdapterRef]) -> str:
     """The adapters as a request names them: `id`, or `id1:0.8, id2:0.5`."""
-    return ", ".join(a if w == 1 else f"{a}:{w:g}" for a, w in loras)
+    return ", ".join(r.adapter_id if r.scale == 1 else f"{r.adapter_id}:{r.scale:g}" for r in loras)
 
 
 @router.get(ROUTE)

@@ -145,7 +145,7 @@ class VideoState:
         `delivery` (the webhook its end owes), its row too, in the job's transaction."""
         try:
             data = json.dumps(row).encode()
-            _write_whole(self.record_path(row["id"]), lambda f: _write_private(f, data), sync=False)
+            write_whole(self.record_path(row["id"]), lambda f: _write_private(f, data), sync=False)
         finally:
             with self._lock, self._db:
                 self._db.execute(f"INSERT OR REPLACE INTO videos ({', '.join(COLUMNS)}) "
@@ -202,8 +202,8 @@ class VideoState:
         """The MP4 and the first frame, each visible only once whole; on a failure neither is
         left. Blocking: run it off the event loop."""
         try:
-            _write_whole(self.thumbnail_path(video_id), lambda f: thumbnail.save(f, format="PNG"))
-            _write_whole(self.mp4_path(video_id), lambda f: f.write(mp4))
+            write_whole(self.thumbnail_path(video_id), lambda f: thumbnail.save(f, format="PNG"))
+            write_whole(self.mp4_path(video_id), lambda f: f.write(mp4))
         except BaseException:
             self.remove_files(video_id, MEDIA)
             raise
@@ -304,7 +304,7 @@ def _owner_secret(folder: Path) -> bytes:
 
     for path, value in zip(paths, found):
         if value != secret:
-            _write_whole(path, write)
+            write_whole(path, write)
     return secret
 
 
@@ -361,9 +361,9 @@ def _write_private(file, data: bytes) -> None:
     file.write(data)
 
 
-def _write_whole(path: Path, write, sync: bool = True) -> None:
+def write_whole(path: Path, write, sync: bool = True) -> None:
     """`write(file)` into `path` under a temporary name (never through a link), renamed once
-    complete (and, with `sync`, on disk)."""
+    complete (and, with `sync`, on disk): how every file of the state folder is written."""
     part = path.with_name(path.name + PART)
     try:
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)

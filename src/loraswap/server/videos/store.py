@@ -37,7 +37,6 @@ from collections.abc import Awaitable, Callable
 from fastapi.concurrency import run_in_threadpool
 from PIL import Image
 
-from loraswap.adapters.naming.references import remember_urls, urls_of
 from loraswap.engine.engine import GenerateResult
 from loraswap.engine.request import GenerateRequest
 from loraswap.errors import LoraswapError, UnsupportedInput
@@ -108,7 +107,8 @@ class VideoStore:
             self._forget(old.id)
         # 2. start it; nothing waits on it, so it runs whether or not its client stays
         job = VideoJob(video_id, request, model, fps, now, target, owner=owner,
-                       urls=urls_of(adapter_id for adapter_id, _ in request.loras), webhook_url=webhook_url)
+                       urls={ref.adapter_id: ref.url for ref in request.loras if ref.url is not None},
+                       webhook_url=webhook_url)
         job.size = f"{request.width}x{request.height}" if request.width and request.height else "auto"
         if request.frames and fps:  # the length is known now only when the rate it plays at is
             job.seconds = f"{request.frames / fps:g}"
@@ -293,7 +293,7 @@ class VideoStore:
             self._check_files(job)
         elif not job.finished:
             self._interrupted.append(job)
-            _recall_urls(job)
+            _recall_urls(job)  # its refs carry their URLs again
             if job.webhook_url is not None:  # owed when it ends, past the caps or not
                 self.webhooks.reserve(job.id, job.owner, capped=False)
 
@@ -391,9 +391,10 @@ class VideoStore:
 
 
 def _recall_urls(job: VideoJob) -> None:
-    """The URLs of an interrupted job's `url:` adapters, known again: made again, it fetches
-    a download the restart cut short (or one evicted since) as it did the first time."""
+    """An interrupted job's `url:` adapter refs rebuilt with the URLs its row keeps: made again,
+    it fetches a download the restart cut short (or one evicted since) as it did the first time."""
     try:
-        remember_urls(job.urls)
+        job.request = job.request.model_copy(update={"loras": [ref.with_url(job.urls.get(ref.adapter_id))
+                                                               for ref in job.request.loras]})
     except LoraswapError as e:  # a row changed by hand: the job fails then, naming its adapter
         logger.error("video %s: the URLs of its adapters cannot be used: %s", job.id, e)

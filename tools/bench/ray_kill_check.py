@@ -1,6 +1,6 @@
 """A model replica SIGKILLed mid-request under `loraswap serve --ray`: what the clients see.
 
-    PYTHONPATH=src python tools/gpu_checks/ray_kill_check.py --model sdxl-random --out kill.json
+    PYTHONPATH=src python tools/bench/ray_kill_check.py --model sdxl-random --out kill.json
 
 Starts `loraswap serve --ray --replicas N` on the model (random adapters of real size),
 keeps one client sending requests back to back, sends one more request, kills the replica

@@ -1,13 +1,16 @@
-"""The URLs behind `url:` ids that this process may still need, and the API keys each is
-scoped to, bounded in count and bytes.
+"""The URLs behind `url:` ids that this server may still need, which API keys named each, and
+the URLs one request names: server state, owned by the app (`app.state.urls`, made in
+`create_app`), bounded in count and bytes.
 
-A `url:` id is a hash: fetching its file takes the URL it was made from, signature and all,
-which only the request naming it carried. So a URL is kept in this process's memory (never
-in a file or a log), and only as long as something needs it:
+A `url:` id is a hash: fetching its file takes the URL it was made from, signature and all.
+A request that names the URL carries it inside its `AdapterRef` to wherever the file is
+fetched (this process's store, a rank, a Ray replica): nothing else needs this book. What
+the book is for is a later request that names the adapter by its id: the URL is filled into
+its ref from here (`with_urls`), for a key that named the URL before. So a URL is kept in
+this server's memory (never in a file or a log), and only as long as that may happen:
 
 - **held** from the parse of a request naming it until the request is answered
-  (`UrlBook.hold` / `release`), so that its file can be fetched, here or by another
-  process handed it (a Ray replica, a context-parallel rank);
+  (`NamedUrls`: `UrlBook.hold` / `release`), so that the request's own ids find it;
 - then **kept** only if a request naming it was accepted (answered with success): in a
   least-recently-used table of at most `MAX_URLS` URLs and `MAX_BYTES` bytes of them, so
   that its id can be fetched again; a refused request's URLs are dropped when it is
@@ -17,13 +20,21 @@ in a file or a log), and only as long as something needs it:
 Held and pinned URLs are never dropped to make room, nor counted in the bounds (so requests
 in flight cannot push the kept ones out); what holds them is bounded elsewhere (the request
 body's size and the queue, the host cache's budget). Each kept URL also remembers the API
-keys (as fingerprints) whose accepted requests named it (`owned_by`).
+keys (as fingerprints) whose accepted requests named it (`owned_by`): only they may name its
+id (`auth.may_use_url_id`). All of it is lost with the process: after a restart, or once
+the URL has dropped out of the book, its download belongs to no key until a key names the URL
+again (admin keys aside), and is served by its id from the download folder alone.
 """
-
 import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from loraswap.adapters.reference import AdapterRef
+from loraswap.errors import AdapterNotFound
+from loraswap.server.auth import may_use_url_id
 
 MAX_URLS = 4096  # URLs kept after their requests (each at most 2,048 characters)
 MAX_BYTES = 8 * 2**20  # the memory their strings take together
@@ -72,12 +83,6 @@ class UrlBook:
                 self._accept(adapter_id, entry, owner)
             elif not (entry.holds or entry.accepted or entry.pinned):
                 self._drop(adapter_id)
-            self._trim()
-
-    def remember(self, adapter_id: str, url: str) -> None:
-        """Keep a URL that another process accepted (and handed over), scoped to no key."""
-        with self._lock:
-            self._accept(adapter_id, self._entry(adapter_id, url), None)
             self._trim()
 
     def url(self, adapter_id: str) -> str | None:
@@ -159,3 +164,53 @@ class UrlBook:
             if victim is None:
                 return
             self._drop(victim)
+
+
+class NamedUrls:
+    """The URLs one request names, held in the app's `book` from its parse until it is answered
+    (`release`): kept afterwards only if it was accepted, scoped to `owner` (its API key's
+    fingerprint; None on a server without API keys)."""
+
+    def __init__(self, book: UrlBook, owner: str | None = None):
+        self.book, self.owner = book, owner
+        self._held: dict[str, str] = {}  # url: id -> its URL
+
+    def hold(self, ref: AdapterRef) -> None:
+        """Hold the URL of a ref named by its URL."""
+        if ref.url is not None and ref.adapter_id not in self._held:
+            self.book.hold(ref.adapter_id, ref.url)
+            self._held[ref.adapter_id] = ref.url
+
+    def release(self, accepted: bool) -> None:
+        """The request was answered (`accepted`: with success); a second call does nothing."""
+        held, self._held = self._held, {}
+        for adapter_id in held:
+            self.book.release(adapter_id, accepted, self.owner)
+
+    def named_by_url(self, adapter_id: str) -> bool:
+        return adapter_id in self._held
+
+    def url(self, adapter_id: str) -> str | None:
+        """The URL behind the id: this request's own, else the book's."""
+        return self._held.get(adapter_id) or self.book.url(adapter_id)
+
+
+def with_urls(request: Request, named: NamedUrls | None, groups: list[list[AdapterRef]]) -> list[list[AdapterRef]]:
+    """The request's adapters (`groups`, as it names them) with the URLs of their `url:` ids:
+    each URL named held by `named` (the request's) until it is answered; an id named without
+    its URL 404, as an unknown id, when the request's key never named the URL (another key's
+    signed URL), else carrying the URL that this request or the app's book knows (None:
+    served from the download folder alone). `named` None: a route that holds no URLs."""
+    book: UrlBook = request.app.state.urls
+    refs = [ref for group in groups for ref in group]
+    for ref in refs if named is not None else ():
+        named.hold(ref)
+    by_id = sorted({ref.adapter_id for ref in refs if ref.source == "url" and ref.url is None})
+    for adapter_id in by_id:
+        named_here = named is not None and named.named_by_url(adapter_id)
+        if not named_here and not may_use_url_id(request, adapter_id):
+            raise AdapterNotFound(adapter_id, "this API key has named no URL with this id",
+                                  "Name the adapter by its URL")
+    urls = {adapter_id: named.url(adapter_id) if named is not None else book.url(adapter_id) for adapter_id in by_id}
+    return [[ref.with_url(urls[ref.adapter_id]) if ref.adapter_id in urls else ref for ref in group]
+            for group in groups]
