@@ -10,7 +10,7 @@ from support.fakes import fake_app
 
 from loraswap.adapters.reference import AdapterRef, UrlReference
 from loraswap.errors import AdapterNotFound
-from loraswap.server.auth import Keys, url_owner
+from loraswap.server.auth import Keys, key_owner
 from loraswap.server.url_book import NamedUrls, UrlBook, url_bytes, with_urls
 
 
@@ -108,14 +108,14 @@ def test_an_accepted_requests_urls_are_scoped_to_its_key(accepted):
 
 def _request(book: UrlBook, key: str) -> SimpleNamespace:
     """What `with_urls` reads of a request: its key, and the app's keys and book."""
-    state = SimpleNamespace(urls=book, keys=Keys(api=(b"k1", b"k2")))
+    state = SimpleNamespace(urls=book, keys=Keys(api=(b"k1", b"k2")), owner_secret=b"a state folder's secret")
     return SimpleNamespace(app=SimpleNamespace(state=state), headers={"authorization": f"Bearer {key}"})
 
 
 def test_a_url_id_named_by_its_id_gets_its_url_within_the_keys_scope():
     book, signed = UrlBook(), url(300)
     first = _request(book, "k1")
-    named = NamedUrls(book, owner=url_owner(first))
+    named = NamedUrls(book, owner=key_owner(first))
     [[by_url]] = with_urls(first, named, [[AdapterRef.named(signed, 0.5)]])
     assert by_url.url == signed and named.named_by_url(by_url.adapter_id)
     [[by_id, again]] = with_urls(first, named, [[AdapterRef.named(by_url.adapter_id), by_url]])

@@ -17,6 +17,7 @@ from support.fakes import frame_red
 from loraswap.engine.engine import GenerateResult
 from loraswap.engine.request import GenerateRequest
 from loraswap.errors import AdapterNotFound
+from loraswap.server.auth import key_digest
 from loraswap.server.config import ServerConfig
 from loraswap.server.videos import store as videos
 from loraswap.server.videos.state import ADDED_COLUMNS, COLUMNS
@@ -150,10 +151,10 @@ def test_a_jobs_owner_is_the_same_after_a_restart_and_names_no_key(tmp_path):
     restart, and another key's digest differs."""
     async def scenario():
         first = VideoStore(ServerConfig(state_dir=tmp_path), Clock())
-        owners = first.owner_of(b"key-a"), first.owner_of(b"key-b")
+        owners = (key_digest(first.state.owner_secret, b"key-a"), key_digest(first.state.owner_secret, b"key-b"))
         await first.stop()
         again = restart(first)
-        owner_again = again.owner_of(b"key-a")
+        owner_again = key_digest(again.state.owner_secret, b"key-a")
         await again.stop()
         return owners, owner_again
 

@@ -77,6 +77,7 @@ def create_app(config: ServerConfig, engine_factory=Engine, backend: Backend | N
     app.state.urls = UrlBook()  # the URLs behind `url:` ids, and which keys named each (`url_book.py`)
     app.state.videos = VideoStore(config)
     app.state.kept = KeptAdapters(app.state.videos.state.folder)  # the same claimed state folder
+    app.state.owner_secret = app.state.videos.state.owner_secret  # what keys are recorded under (`auth.key_digest`)
     app.state.a1111_loras = LoraListing(config)  # GET /sdapi/v1/loras
     app.state.kept_images = KeptImages(app.state.videos.state.folder, config.image_url_ttl_s,
                                        config.image_url_disk_bytes)

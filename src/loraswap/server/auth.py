@@ -123,18 +123,24 @@ def _check(request: Request, access: Access) -> None:
 
 def request_key(request: Request) -> bytes | None:
     """The API key the request was made with (the route's dependency has checked it); None
-    when the server runs without API keys. For what the server keeps per key (video jobs)."""
+    when the server runs without API keys."""
     if not request.app.state.keys.accepted(Access.GENERATION):
         return None
     return bearer_token(request) or b""
 
 
-def url_owner(request: Request) -> str | None:
-    """Whose the URLs a request names are (a fingerprint of its key, never the key); None on
-    a server without API keys, where every client is the same to the server."""
-    if not request.app.state.keys.api:
-        return None
-    return hashlib.sha256(bearer_token(request) or b"").hexdigest()[:32]
+def key_digest(secret: bytes, key: bytes) -> str:
+    """What the server records of an API key: an HMAC under the state folder's secret, never the
+    key, the same after a restart (video jobs' rows and kept images' folders hold it)."""
+    return hmac.new(secret, key, hashlib.sha256).hexdigest()[:32]
+
+
+def key_owner(request: Request) -> str | None:
+    """Whose what a request makes or names is (its video jobs, kept images, the URLs it names,
+    its place on the progress board): its key's `key_digest`; None on a server without API
+    keys, where every client is the same to the server."""
+    key = request_key(request)
+    return None if key is None else key_digest(request.app.state.owner_secret, key)
 
 
 def sees_every_url_adapter(request: Request) -> bool:
@@ -148,7 +154,7 @@ def sees_every_url_adapter(request: Request) -> bool:
 def may_use_url_id(request: Request, adapter_id: str) -> bool:
     """Whether the request's key may name the `url:` id `adapter_id` by its id (not its URL):
     one whose accepted request named the URL (the app's `url_book.UrlBook` remembers which)."""
-    return sees_every_url_adapter(request) or request.app.state.urls.owned_by(adapter_id, url_owner(request))
+    return sees_every_url_adapter(request) or request.app.state.urls.owned_by(adapter_id, key_owner(request))
 
 
 def visible_adapter_rows(request: Request, rows: list[dict]) -> list[dict]:

@@ -15,7 +15,7 @@ from loraswap.engine.request import GenerateRequest
 from loraswap.errors import LoraswapError, Overloaded
 from loraswap.media.images import encode_image
 from loraswap.media.metadata import ImageRecord
-from loraswap.server.auth import url_owner
+from loraswap.server.auth import key_owner
 from loraswap.server.backend import ClientGone, StepCallback
 from loraswap.tracing import traced
 
@@ -30,7 +30,7 @@ async def generate(request: Request, route: str, gen: GenerateRequest, model: st
     """One image from the backend: routed to the engine hosting the adapters' base model (or
     `model`), generated on its GPU worker; a client that leaves first cancels it."""
     return await run_generation(request.app.state, route, gen, model, request.is_disconnected,
-                                owner=url_owner(request))
+                                owner=key_owner(request))
 
 
 async def run_generation(state, route: str, gen: GenerateRequest, model: str | None,
@@ -39,7 +39,7 @@ async def run_generation(state, route: str, gen: GenerateRequest, model: str | N
     """`generate` for any caller, counted, timed and logged; `is_disconnected` None: nobody
     waits on it (a video job), so nothing cancels it. `on_step`: the job's progress hook (a
     `StepListener` hears more), behind the app's progress board (`progress_board.py`), where
-    `owner` (its key's fingerprint, `auth.url_owner`) alone reads it."""
+    `owner` (its key's fingerprint, `auth.key_owner`) alone reads it."""
     started = time.perf_counter()
     status = 500
     result = None

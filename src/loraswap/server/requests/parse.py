@@ -31,7 +31,7 @@ from loraswap.media.images import (
     read_inputs,
     require_image,
 )
-from loraswap.server.auth import url_owner
+from loraswap.server.auth import key_owner
 from loraswap.server.backend import Backend
 from loraswap.server.config import ServerConfig
 from loraswap.server.images.output import ImageOutput
@@ -357,7 +357,7 @@ async def hold_named_urls(request: Request) -> AsyncIterator[None]:
     """Route dependency: the URLs the request names are held until it is answered (so that their
     files can be fetched), then kept (bounded) only if it was answered with success: a refused
     request leaves nothing behind (`url_book.py`)."""
-    urls = NamedUrls(request.app.state.urls, url_owner(request))
+    urls = NamedUrls(request.app.state.urls, key_owner(request))
     request.state.named_urls = urls
     try:
         yield

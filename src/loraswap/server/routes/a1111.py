@@ -14,7 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 from loraswap.errors import BadRequest
 from loraswap.server.a1111.answers import fallback_record, images_answer, model_samplers, progress_answer, sd_models
 from loraswap.server.a1111.requests import A1111Img2Img, A1111Txt2Img, check_sampler
-from loraswap.server.auth import Access, require_api_key, url_owner
+from loraswap.server.auth import Access, key_owner, require_api_key
 from loraswap.server.backend import not_ready
 from loraswap.server.generation import encode, generate
 from loraswap.server.images.output import ImageOutput, record_for
@@ -109,7 +109,7 @@ async def progress(request: Request, skip_current_image: bool = False) -> dict:
     """A1111's progress of the caller's oldest generation in flight: `progress` (0 to 1),
     `eta_relative` (seconds), `state.sampling_step` of `sampling_steps`, and `current_image`
     (base64 PNG) when that request streams previews (`current_image` is null otherwise)."""
-    now = request.app.state.progress.current(url_owner(request))
+    now = request.app.state.progress.current(key_owner(request))
     image = None
     if now is not None and now.preview is not None and not skip_current_image:
         picture = await run_in_threadpool(now.preview.image)  # it may wait for a copy from the GPU

@@ -8,7 +8,7 @@ import base64
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from loraswap.server.auth import Access, request_key, require_api_key
+from loraswap.server.auth import Access, key_owner, require_api_key
 from loraswap.server.generation import IMAGE_RESPONSES
 from loraswap.server.images.kept import EXTENSIONS
 
@@ -51,4 +51,4 @@ async def image_file(name: str, request: Request) -> Response:
 def _owner(request: Request) -> str | None:
     """Whose images this request reaches: its API key's (everyone's, without keys), named as
     video jobs name it (a digest under the state folder's secret, never the key)."""
-    return request.app.state.videos.owner_of(request_key(request))
+    return key_owner(request)

@@ -16,7 +16,7 @@ from loraswap.adapters.sources.choose import may_download
 from loraswap.adapters.sources.download_locks import holding_downloads
 from loraswap.engine.calls import check_size_multiple
 from loraswap.errors import BadRequest, UnsupportedInput
-from loraswap.server.auth import Access, request_key, require_api_key
+from loraswap.server.auth import Access, key_owner, require_api_key
 from loraswap.server.backend import not_ready
 from loraswap.server.generation import encode
 from loraswap.server.openapi import LORA_HEADER, form_body
@@ -109,7 +109,7 @@ async def _check_adapters_make_videos(state, loras: list[AdapterRef], videos: li
 
 def _owner(request: Request) -> str | None:
     """Whose video jobs this request may see: its API key's (everyone's, without keys)."""
-    return request.app.state.videos.owner_of(request_key(request))
+    return key_owner(request)
 
 
 def _adapters_named(loras: list[AdapterRef]) -> str:

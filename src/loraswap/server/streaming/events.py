@@ -44,7 +44,7 @@ from loraswap.engine.previews import Preview
 from loraswap.engine.step_listener import every_steps
 from loraswap.errors import BadRequest, LoraswapError
 from loraswap.media.images import encode_image
-from loraswap.server.auth import url_owner
+from loraswap.server.auth import key_owner
 from loraswap.server.backend import ClientGone
 from loraswap.server.error_bodies import error_body, error_code, route_path
 from loraswap.server.generation import IMAGE_FORMATS, encode, run_generation, server_timing, step_cache_headers
@@ -77,7 +77,7 @@ async def start_job(request: Request, route: str, gen, model: str | None, feed: 
     event), has ended, or `START_WAIT_S` passed; a request refused before raises its error here,
     to be answered with its status as without streaming."""
     task = asyncio.create_task(run_generation(request.app.state, route, gen, model, request.is_disconnected,
-                                              on_step=feed, owner=url_owner(request)))
+                                              on_step=feed, owner=key_owner(request)))
     task.add_done_callback(lambda _: feed.wake_soon())
     deadline = time.monotonic() + START_WAIT_S
     try:

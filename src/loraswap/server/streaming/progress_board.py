@@ -25,7 +25,7 @@ class Progress:
 
     route: str
     request_id: str | None
-    owner: str | None  # whose request it is (`auth.url_owner`: a fingerprint of its key; None without keys)
+    owner: str | None  # whose request it is (`auth.key_owner`: a digest of its key; None without keys)
     queued: int | None  # requests ahead of it while it waits; None once it generates (or before it is queued)
     step: int  # denoising steps done (0 until the first ends)
     total: int | None  # steps in all, once the first step has ended

@@ -28,8 +28,6 @@ final row, sent and retried by `webhooks.WebhookSender`.
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -179,13 +177,6 @@ class VideoStore:
             logger.error("video %s is not kept across a restart: writing its row failed: %s", job.id, e)
             return False
         return True
-
-    def owner_of(self, key: bytes | None) -> str | None:
-        """The owner a job made with API key `key` records (an HMAC under the state folder's
-        secret: never the key); None without API keys (the job is everyone's)."""
-        if key is None:
-            return None
-        return hmac.new(self.state.owner_secret, key, hashlib.sha256).hexdigest()[:32]
 
     def get(self, video_id: str, owner: str | None = None) -> VideoJob:
         """The job, if `owner`'s (or everyone's); VideoNotFound (404) otherwise."""
