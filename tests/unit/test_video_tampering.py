@@ -82,7 +82,7 @@ def test_a_corrupt_database_costs_no_video(tmp_path, how, caplog):
 
 
 TAMPERED = ["error = 5", "error = '5'", "created_at = 'abc'", "expires_at = 'abc'", "finished_at = NULL",
-            "fps = 1.5", "owner = 7"]
+            "fps = 1.5", "owner = 7", "request = json_set(request, '$.loras', json('[[\"../etc\", 1.0]]'))"]
 
 
 @pytest.mark.parametrize("change", TAMPERED)
