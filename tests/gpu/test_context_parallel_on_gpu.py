@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
 from loraswap.adapters.random import make_random_adapter
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.parallel.processes import free_port
 from loraswap.engine.parallel.ranked import RankedEngine

@@ -26,7 +26,8 @@ from loraswap.adapters.files import device_read
 from loraswap.adapters.files.location import AdapterLocation
 from loraswap.adapters.random import make_random_adapter
 from loraswap.adapters.store import TargetModel, read_adapter
-from loraswap.engine.config import EngineConfig, SchedulerConfig
+from loraswap.engine.config.engine import EngineConfig
+from loraswap.engine.config.scheduling import SchedulerConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.worker import GpuWorker

@@ -1,7 +1,7 @@
 """A never-seen adapter read to the GPU is hashed from the bytes its read brings in through the
-staging buffers (`files/hashes.py:ReadDigest`): the same digest as the file's own, from one
-read of it, several reads at once and each buffer reused; a read that fails hashes nothing
-and leaves no reader waiting."""
+staging buffers (`files/hashes.py:ReadDigest`): the same digest as the file's own, several
+reads at once and each buffer reused, with room for all of its chunks or for a few; a read
+that fails hashes nothing and leaves no reader waiting."""
 
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -9,11 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from safetensors.torch import save_file
+from support.file_hashes import hash_file
 
 from loraswap.adapters.bound import ModelLayers
 from loraswap.adapters.files import data as file_data
 from loraswap.adapters.files import device_read
-from loraswap.adapters.files.hashes import ReadDigest, hash_file
+from loraswap.adapters.files.hashes import MAX_HELD_BYTES, ReadDigest
 from loraswap.adapters.files.location import AdapterLocation
 from loraswap.adapters.random import make_random_adapter
 from loraswap.adapters.store import TargetModel, read_adapter
@@ -36,8 +37,8 @@ def test_a_cold_read_to_the_gpu_is_hashed_from_its_own_bytes(tmp_path, monkeypat
     save_file(sd, str(path), metadata=md)
     target = TargetModel("tiny-flux", cls, ModelLayers(components), torch.bfloat16, None)
 
-    def read(_) -> tuple:
-        digest = ReadDigest()
+    def read(i: int) -> tuple:  # every other one with room for 3 chunks: the rest let go, never copied, read back
+        digest = ReadDigest(MAX_HELD_BYTES if i % 2 else 3 * device_read.CHUNK_BYTES)
         bound = read_adapter(AdapterLocation("a", path, None), target, device=device, digest=digest)
         return bound.packed.is_cuda, digest.result
 

@@ -20,7 +20,7 @@ from support.servers import wait_ready
 
 from loraswap.adapters.files.formats import open_checked
 from loraswap.adapters.reference import as_refs
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.models.families import demo
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig

@@ -24,7 +24,7 @@ from support.servers import ServerProcess, free_port
 from support.web import Web, body
 
 from loraswap.adapters.random import make_random_adapter
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.parallel.ranked import RankedEngine
 from loraswap.engine.request import GenerateRequest

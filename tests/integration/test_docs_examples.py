@@ -30,7 +30,7 @@ def test_the_http_api_examples_run_as_written(tmp_path, monkeypatch):
 
 def test_the_readme_names_the_kinds_the_adapter_list_shows():
     """The README's kinds of the demo adapters are those `GET /adapters` lists once each is read."""
-    from loraswap.engine.config import EngineConfig
+    from loraswap.engine.config.engine import EngineConfig
     from loraswap.engine.engine import Engine
     from loraswap.models.families import demo
 

@@ -17,7 +17,7 @@ from support.headers import crowded_safetensors
 from support.servers import wait_ready
 from support.web import Web, body, drip
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 from loraswap.server.fetch_pool import FETCH_THREADS

@@ -20,7 +20,7 @@ from support.errors import error_message
 from support.numerics import assert_bitwise_equal, weights_snapshot
 from support.servers import wait_ready
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 

@@ -25,7 +25,7 @@ from support.servers import free_port, wait_ready
 from support.web import Web, body
 
 from loraswap.adapters.reference import UrlReference
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.server.access_log import HideQuery
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig

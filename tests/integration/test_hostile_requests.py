@@ -21,7 +21,7 @@ from support.images import encode, noise, png16_rgba
 from support.numerics import assert_bitwise_equal, weights_snapshot
 from support.servers import ServerProcess, form
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 

@@ -14,7 +14,7 @@ from PIL import Image
 from support.fakes import serve_on_loopback
 from support.servers import wait_ready
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from support.docs import ROOT, run_page
 
 from loraswap.adapters.reference import as_refs
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.models import load_pipeline

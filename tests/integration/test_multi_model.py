@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from support.servers import wait_ready
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.server.app import create_app

@@ -18,7 +18,7 @@ from support.fakes import FakeBackend, serve_on_loopback
 from support.images import encode, noise
 
 from loraswap.adapters.reference import AdapterRef
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import GenerateResult
 from loraswap.errors import Overloaded
 from loraswap.models.families import demo

@@ -13,7 +13,7 @@ from support.images import pixels_of
 from support.servers import wait_ready
 from support.web import Web, body, send
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 

@@ -13,7 +13,7 @@ from support.servers import wait_ready
 from torch.overrides import TorchFunctionMode
 
 from loraswap.adapters.reference import AdapterRef
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.swap.fused import FusedSwapper
 from loraswap.server.app import create_app

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from support.fakes import serve_on_loopback
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.previews import Preview
 from loraswap.errors import Overloaded
 from loraswap.server.app import create_app

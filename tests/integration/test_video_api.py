@@ -14,7 +14,7 @@ from openai import OpenAI
 from support.fakes import fake_app, frame_red, serve_on_loopback
 
 from loraswap.adapters.reference import as_refs
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 

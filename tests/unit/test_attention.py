@@ -6,7 +6,7 @@ import torch
 from pydantic import ValidationError
 from support.numerics import rel_err
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.startup.compile import compile_pipeline

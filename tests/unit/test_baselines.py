@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import save_file
 from support.numerics import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.errors import AdapterIncompatible, BadRequest
 from loraswap.models import load_pipeline

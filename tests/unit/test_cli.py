@@ -15,7 +15,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from loraswap.cli import app
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.media.images import encode_image

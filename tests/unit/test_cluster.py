@@ -4,7 +4,9 @@ runs the real thing.)"""
 
 import asyncio
 import pickle
-from collections import defaultdict, deque
+import threading
+from collections import Counter, OrderedDict, defaultdict, deque
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +19,7 @@ from loraswap.adapters.reference import AdapterRef, as_refs
 from loraswap.cluster.app import build_app, load_config, replica_gpus
 from loraswap.cluster.config import ClusterConfig, ModelDeploymentConfig
 from loraswap.cluster.ingress import RayBackend
-from loraswap.cluster.replica import adapter_key
+from loraswap.cluster.replica import ModelReplica, adapter_key
 from loraswap.cluster.reports import Reports
 from loraswap.cluster.request_router import LeastBusyAdapterRouter
 from loraswap.engine.engine import GenerateResult
@@ -73,6 +75,108 @@ def test_multiplexed_id_is_the_adapter_set():
     assert adapter_key([]) == ""
     assert adapter_key(as_refs([("style", 1.0)])) == "style"
     assert adapter_key(as_refs([("b", 0.3), ("a", 0.8)])) == adapter_key(as_refs([("a", 0.1), ("b", 1.0)])) == "a,b"
+
+
+class ServeBudget:
+    """What `serve.multiplexed` does with a replica's loader (ray/serve/multiplex.py): the sets it
+    holds, least recently used first out; loads one at a time under one lock; a full budget unloads
+    the oldest set first, calling its `__del__` in a thread, which may start after another request
+    came in."""
+
+    def __init__(self, loader, max_sets: int):
+        self.loader, self.max_sets = loader, max_sets
+        self.sets: OrderedDict = OrderedDict()
+        self.lock = asyncio.Lock()
+
+    async def __call__(self, key: str):
+        if key in self.sets:
+            self.sets.move_to_end(key)
+            return self.sets[key]
+        async with self.lock:
+            if key in self.sets:
+                return self.sets[key]
+            if len(self.sets) >= self.max_sets:
+                _, held = self.sets.popitem(last=False)
+                await asyncio.sleep(0)  # the thread starts late
+                await asyncio.get_running_loop().run_in_executor(None, held.__del__)
+            self.sets[key] = await self.loader(key)
+            return self.sets[key]
+
+
+class ReadingAhead:
+    """An engine's adapters as a replica's loader reads them: each `read_ahead` records the refs
+    it got and answers the next of `answers` (a Future the test settles, or done at once)."""
+
+    def __init__(self):
+        self.read, self.answers = [], deque()
+        self.cache = SimpleNamespace(get=lambda adapter_id: None)
+
+    def read_ahead(self, refs) -> Future:
+        self.read.append(list(refs))
+        if self.answers:
+            return self.answers.popleft()
+        done = Future()
+        done.set_result(None)
+        return done
+
+
+class BareReplica(ModelReplica):
+    def __del__(self):  # (no worker nor reports to stop)
+        pass
+
+
+def bare_replica(max_sets: int) -> ModelReplica:
+    """A replica's adapter budget without a running Serve: `ServeBudget` over its loader."""
+    replica = object.__new__(BareReplica)
+    replica.engine = SimpleNamespace(adapters=ReadingAhead())
+    replica._held, replica._refs, replica._lock = {}, Counter(), threading.Lock()
+    replica.loads = replica.evictions = 0
+    replica.replica_id, replica._wake = "r1", asyncio.Event()
+    replica._load = ServeBudget(replica._make_loader(), max_sets)
+    return replica
+
+
+URL = "https://cdn.example.com/held.safetensors?X-Signature=SECRET"
+
+
+def urls_read(replica) -> list[dict]:
+    return [{ref.adapter_id: ref.url for ref in refs} for refs in replica.engine.adapters.read]
+
+
+def test_a_replica_reads_a_set_with_the_refs_of_the_request_it_loads_for_whatever_fails_or_goes_meanwhile():
+    """A request's `url:` ref keeps its URL to the read, though the same set was evicted while the
+    request waited for the budget, or another request for it failed meanwhile."""
+    sent = pickle.loads(pickle.dumps(GenerateRequest(prompt="x", loras=[AdapterRef.named(URL)])))  # as Ray sends it
+    [ref] = sent.loras
+    key = ref.adapter_id
+    assert ref.url == URL and adapter_key(sent.loras) == key, "the URL goes to the replica inside the ref"
+
+    async def evicted_meanwhile():
+        replica = bare_replica(max_sets=1)
+        await replica._hold_in_budget(key, [ref])  # held, then the oldest when "other" comes
+        other = asyncio.create_task(replica._hold_in_budget("other", [AdapterRef("other")]))
+        again = asyncio.create_task(replica._hold_in_budget(key, [ref]))  # comes while `key` is unloaded
+        await asyncio.gather(other, again)
+        assert urls_read(replica) == [{key: URL}, {"other": None}, {key: URL}]
+        assert replica._held == {key: (key,)} and replica.evictions == 2
+
+    async def another_failed_meanwhile():
+        replica = bare_replica(max_sets=4)
+        first_read = Future()
+        replica.engine.adapters.answers.append(first_read)
+        failing = asyncio.create_task(replica._hold_in_budget(key, [ref]))
+        await asyncio.sleep(0.05)  # its read has begun
+        waiting = asyncio.create_task(replica._hold_in_budget(key, [ref]))
+        await asyncio.sleep(0.05)  # waits for the budget's lock
+        first_read.set_exception(OSError("the first read failed"))
+        with pytest.raises(OSError):
+            await failing
+        await waiting
+        assert urls_read(replica) == [{key: URL}, {key: URL}], "the second read still has the URL"
+        assert list(replica._held) == [key]
+
+    asyncio.run(evicted_meanwhile())
+    asyncio.run(another_failed_meanwhile())
 
 
 def bare_router() -> LeastBusyAdapterRouter:

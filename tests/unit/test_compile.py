@@ -5,7 +5,7 @@ import torch
 import torch._dynamo
 from support.numerics import image_array, rel_err
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.startup.compile import graph_count

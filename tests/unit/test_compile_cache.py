@@ -12,7 +12,7 @@ import torch._functorch.config
 import torch._inductor.config
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.startup.compile import use_compile_cache

@@ -9,17 +9,14 @@ from pydantic import ValidationError
 
 from loraswap.adapters.cache import CacheConfig
 from loraswap.cli.settings import SETTINGS
-from loraswap.engine.config import (
-    CompilationConfig,
-    EngineConfig,
-    MemoryConfig,
-    ParallelConfig,
-    Parallelism,
-    QuantizationConfig,
-    SourcesConfig,
-    StepCacheConfig,
-    SwapConfig,
-)
+from loraswap.engine.config.compilation import CompilationConfig
+from loraswap.engine.config.engine import EngineConfig
+from loraswap.engine.config.memory import MemoryConfig
+from loraswap.engine.config.parallelism import ParallelConfig, Parallelism
+from loraswap.engine.config.quantization import QuantizationConfig
+from loraswap.engine.config.sources import SourcesConfig
+from loraswap.engine.config.step_cache import StepCacheConfig
+from loraswap.engine.config.swap import SwapConfig
 
 
 def test_flat_keys_land_in_their_concern():

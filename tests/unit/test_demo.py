@@ -11,7 +11,7 @@ from support import shapes
 from support.numerics import assert_bitwise_equal, rel_err, weights_snapshot
 
 from loraswap.adapters.reference import AdapterRef, as_refs
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.models import load_pipeline

@@ -11,7 +11,7 @@ from safetensors.torch import save
 from support.servers import wait_ready
 from support.web import Web, body
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from support.numerics import assert_bitwise_equal, rel_err, weights_snapshot
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.errors import AdapterIncompatible, BadRequest
@@ -258,7 +258,7 @@ def test_an_expert_pair_on_a_model_with_one_transformer_is_refused(tmp_path):
 
 
 def test_video_progress_reaches_a_job_through_the_gpu_worker():
-    from loraswap.engine.config import SchedulerConfig
+    from loraswap.engine.config.scheduling import SchedulerConfig
     from loraswap.engine.worker import GpuWorker
 
     engine = Engine(EngineConfig(model="tiny-wan", compile=False, warmup=False))

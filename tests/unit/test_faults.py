@@ -7,7 +7,7 @@ import pytest
 import torch
 from support.numerics import assert_bitwise_equal, weights_snapshot
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.errors import AdapterInvalid
 

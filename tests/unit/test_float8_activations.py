@@ -18,7 +18,7 @@ pytest.importorskip("torchao", reason="the test extra pins torchao")
 
 from torchao.quantization import Float8Tensor, PerRow  # noqa: E402
 
-from loraswap.engine.config import EngineConfig  # noqa: E402
+from loraswap.engine.config.engine import EngineConfig  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
 from loraswap.engine.kernels.float8_rounding import float8_rounding  # noqa: E402
 from loraswap.engine.quantize import float8_activations  # noqa: E402

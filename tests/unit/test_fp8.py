@@ -12,7 +12,7 @@ from support.numerics import rel_err
 pytest.importorskip("torchao", reason="the test extra pins torchao")
 
 from loraswap.adapters.reference import AdapterRef
-from loraswap.engine.config import EngineConfig  # noqa: E402
+from loraswap.engine.config.engine import EngineConfig  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
 from loraswap.engine.quantize import weights as quantize  # noqa: E402
 from loraswap.engine.request import GenerateRequest

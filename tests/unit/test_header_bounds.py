@@ -146,7 +146,7 @@ def test_a_header_of_tens_of_mib_is_refused_from_its_length_alone(tmp_path, head
 def test_the_load_and_fuse_baseline_checks_the_header_before_diffusers_reads_the_file(tmp_path):
     """The baselines hand the file to diffusers (safetensors' own reader: 95 MiB of entries cost it
     seconds and a GiB): the file is checked first, as the fused path reads it."""
-    from loraswap.engine.config import EngineConfig
+    from loraswap.engine.config.engine import EngineConfig
     from loraswap.engine.engine import Engine
 
     (tmp_path / "crowded.safetensors").write_bytes(crowded_safetensors(95 * MIB))

@@ -6,7 +6,7 @@ import huggingface_hub.constants
 import pytest
 
 from loraswap.adapters.reference import AdapterRef
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.errors import AdapterForbidden, AdapterInvalid, AdapterNotFound
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.errors import BadRequest, UnsupportedInput

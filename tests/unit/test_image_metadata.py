@@ -14,13 +14,16 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 from support.fakes import fake_app
+from support.file_hashes import hash_file
 from support.servers import wait_ready
 
-from loraswap.adapters.files.hashes import ReadDigest, hash_file, hash_version
-from loraswap.adapters.files.location import AdapterLocation, file_stamp
+from loraswap.adapters.files.data import open_in_place
+from loraswap.adapters.files.formats import read_safetensors
+from loraswap.adapters.files.hashes import ReadDigest
+from loraswap.adapters.files.location import AdapterLocation
 from loraswap.adapters.naming.prompt_tags import take_adapter_tags
 from loraswap.adapters.reference import as_refs
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.media.images import encode_image
 from loraswap.media.metadata import AdapterUse, ImageRecord
 from loraswap.server.app import create_app
@@ -142,39 +145,91 @@ def test_a_jpeg_too_small_for_the_json_keeps_the_infotext():
 
 
 # ---------------------------------------------------------------- the files' hashes
-def _safetensors(path, payload: bytes, header: bytes = b'{"__metadata__":{"a":"b"}}') -> None:
-    path.write_bytes(len(header).to_bytes(8, "little") + header + payload)
+def _safetensors(path, payload: bytes) -> None:
+    """A safetensors file of one F16 tensor whose bytes are `payload` (of an even length)."""
+    header = json.dumps({"__metadata__": {"a": "b"},
+                         "w": {"dtype": "F16", "shape": [len(payload) // 2], "data_offsets": [0, len(payload)]}})
+    path.write_bytes(len(header).to_bytes(8, "little") + header.encode() + payload)
 
 
 def test_a_file_is_hashed_whole_and_after_its_header_as_a1111_does(tmp_path):
     path = tmp_path / "a.safetensors"
     _safetensors(path, b"\x01\x02" * 3_000_000)
     data = path.read_bytes()
-    digest = hash_file(path)
+    digest = ReadDigest()
+    read_safetensors(path, "a", 2**30, digest)
+    digest.finish()
+    digest = digest.result
     assert digest.sha256 == hashlib.sha256(data).hexdigest()
     header_end = 8 + int.from_bytes(data[:8], "little")
     assert digest.tensors_sha256 == hashlib.sha256(data[header_end:]).hexdigest()  # A1111's addnet_hash_safetensors
 
 
-def test_a_hostile_header_length_is_held_to_the_file_size(tmp_path):
+@pytest.mark.parametrize("read", [read_safetensors, open_in_place])
+def test_a_hostile_header_length_is_refused_before_anything_is_hashed(tmp_path, read):
+    from loraswap.errors import AdapterInvalid
+
     path = tmp_path / "hostile.safetensors"
     path.write_bytes((2**63 - 1).to_bytes(8, "little") + b"{}" * 10)
-    digest = hash_file(path)  # no read of 2**63 bytes asked for: no MemoryError nor OverflowError
-    assert digest.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert digest.tensors_sha256 == hashlib.sha256(b"").hexdigest(), "all of it header"
+    digest = ReadDigest()
+    with pytest.raises(AdapterInvalid):  # no read of 2**63 bytes asked for: no MemoryError nor OverflowError
+        read(path, "hostile", 2**30, digest)
+    assert digest.finish() is None and digest.held == 0, "no digest of a file the read refused"
 
 
-def test_a_version_is_hashed_only_while_the_file_is_that_version(tmp_path):
+def test_a_digest_is_kept_only_while_the_file_is_the_version_read(tmp_path, monkeypatch):
+    """The store keeps the digest of what it read with the cache entry only if the file is
+    still the version it stamped before the read; rewritten or removed meanwhile, the record
+    says the hashes are not known (and nothing raises)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from loraswap.adapters import store as store_module
+    from loraswap.adapters.bound import ModelLayers
+    from loraswap.adapters.cache import CacheConfig
+    from loraswap.adapters.random import make_random_adapter
+    from loraswap.adapters.reference import AdapterRef
+    from loraswap.adapters.sources.choose import AdapterSources
+    from loraswap.adapters.sources.folder import FolderSource
+    from loraswap.models import lora_components
+
+    cls, components = lora_components("tiny-sd")
     path = tmp_path / "a.safetensors"
-    _safetensors(path, b"one")
-    location = AdapterLocation("a", path, None)
-    stamp = file_stamp(location)
-    assert hash_version(location, stamp) == hash_file(path)
-    time.sleep(0.01)
-    _safetensors(path, b"two, longer")
-    assert hash_version(location, stamp) is None, "another file by now: not known"
-    path.unlink()
-    assert hash_version(location, stamp) is None, "gone: not known, and nothing raised"
+
+    def write(rank: int) -> None:  # each rank another size: another version whatever the clock's grain
+        time.sleep(0.01)
+        state_dict, metadata = make_random_adapter(components, rank, "attn", seed=rank)
+        save_file(state_dict, str(path), metadata=metadata)
+
+    target = store_module.TargetModel("tiny-sd", cls, ModelLayers(components), torch.float32)
+    store = store_module.AdapterStore(AdapterSources(FolderSource(tmp_path), None, None), target,
+                                      CacheConfig(gpu_bytes=0), torch.device("cpu"))
+    read, after_read = store_module.read_adapter, []
+
+    def reading(*args, **kwargs):
+        bound = read(*args, **kwargs)
+        while after_read:
+            after_read.pop()()
+        return bound
+
+    monkeypatch.setattr(store_module, "read_adapter", reading)
+
+    def digest_of_a_read():
+        lease = store.lease_now([AdapterRef("a")])
+        lease.release()
+        return lease.held[0][0].digest
+
+    try:
+        write(2)
+        expected = hash_file(path)
+        assert digest_of_a_read() == expected
+        write(3)
+        after_read.append(lambda: write(4))
+        assert digest_of_a_read() is None, "another file by now: not known"
+        after_read.append(path.unlink)
+        assert digest_of_a_read() is None, "gone: not known, and nothing raised"
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("in_place", [True, False])

@@ -8,7 +8,7 @@ import time
 from fastapi.testclient import TestClient
 from support.servers import wait_ready
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 from loraswap.server.kept_adapters import RECORD, KeptAdapters

@@ -129,7 +129,7 @@ def test_kernel_matches_addmm_within_one_rounding(interpreted, dtype, ulps, m, n
 
 
 def test_swap_through_the_kernel_matches_addmm_and_returns_to_base(interpreted, adapter_factory, tmp_path):
-    from loraswap.engine.config import EngineConfig
+    from loraswap.engine.config.engine import EngineConfig
     from loraswap.engine.engine import Engine
 
     adapter_factory("k1", "tiny-sdxl", rank=16, targets="all", text_encoder=True, seed=90, folder=tmp_path)
@@ -412,7 +412,7 @@ def test_the_row_kernel_refuses_changes_it_cannot_write(float8):
 @pytest.mark.slow  # Triton's interpreter
 def test_float8_swaps_through_the_kernel_match_eager_and_return_to_base(float8, adapter_factory, tmp_path):
     pytest.importorskip("torchao", reason="the test extra pins torchao")
-    from loraswap.engine.config import EngineConfig
+    from loraswap.engine.config.engine import EngineConfig
     from loraswap.engine.engine import Engine
 
     adapter_factory("f1", "tiny-flux", rank=8, targets="all", alpha=32.0, seed=92, folder=tmp_path)
@@ -508,7 +508,7 @@ def test_warm_up_compiles_the_variants_the_models_row_lengths_need(interpreted, 
 def test_load_and_fuse_mode_does_not_warm_the_swap_kernels(monkeypatch):
     """The load-and-fuse baseline swaps through diffusers' load + fuse and never calls the
     kernels, so its start-up does not compile them (seconds of a cold start on a GPU)."""
-    from loraswap.engine.config import EngineConfig
+    from loraswap.engine.config.engine import EngineConfig
     from loraswap.engine.engine import Engine
     from loraswap.engine.swap import fused as swap
 

@@ -11,7 +11,7 @@ from lycoris.functional.lokr import kron_weight
 from safetensors.torch import save_file
 from support.numerics import weights_snapshot
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 
 HIDDEN, MLP, HEAD = 32, 128, 16  # tiny-flux: 2 heads of 16, MLP ratio 4

@@ -16,7 +16,7 @@ from support.numerics import assert_bitwise_equal, image_array, rel_err, weights
 from loraswap.adapters.kinds import FILE_KINDS, KINDS
 from loraswap.adapters.parse.changes import SUFFIXES
 from loraswap.adapters.reference import AdapterRef
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.errors import AdapterInvalid
 from loraswap.models import load_pipeline

@@ -12,7 +12,8 @@ from support.fakes import SteppingEngine
 from loraswap.adapters.lease import Lease
 from loraswap.adapters.reference import as_refs
 from loraswap.engine.calls import Stopped
-from loraswap.engine.config import EngineConfig, SchedulerConfig
+from loraswap.engine.config.engine import EngineConfig
+from loraswap.engine.config.scheduling import SchedulerConfig
 from loraswap.engine.engine import Engine, GenerateResult
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.worker import GpuWorker

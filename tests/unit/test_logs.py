@@ -22,7 +22,7 @@ from support.fakes import fake_app, start_on_thread
 from support.servers import free_port, wait_ready
 
 from loraswap.adapters.reference import AdapterRef
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.logs import (
     JsonAccessFormatter,
     JsonFormatter,

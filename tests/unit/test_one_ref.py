@@ -8,7 +8,7 @@ from support.servers import wait_ready
 
 from loraswap.adapters import reference
 from loraswap.adapters.sources.choose import AdapterSources
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from loraswap.engine.config import EngineConfig, Parallelism
+from loraswap.engine.config.engine import EngineConfig
+from loraswap.engine.config.parallelism import Parallelism
 from loraswap.engine.parallel.cfg import GUIDED, GuidanceSplit, check_guided
 from loraswap.engine.parallel.split import check_parallelizable, check_sequence, check_split, pad_text_to_split
 from loraswap.errors import BadRequest

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraswap.engine.config import EngineConfig, SchedulerConfig
+from loraswap.engine.config.engine import EngineConfig
+from loraswap.engine.config.scheduling import SchedulerConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.previews import LatentPreviews, StepLatents, decode, sigmas_of, token_grid, vae_latents
 from loraswap.engine.request import GenerateRequest

@@ -11,7 +11,7 @@ from support.numerics import assert_bitwise_equal, weights_snapshot
 from support.servers import free_port
 
 from loraswap.adapters.reference import AdapterRef
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.parallel.ranked import RankedEngine, ReadAlong
 from loraswap.engine.request import GenerateRequest

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from loraswap.adapters.lease import Lease
-from loraswap.engine.config import SchedulerConfig
+from loraswap.engine.config.scheduling import SchedulerConfig
 from loraswap.engine.engine import GenerateResult
 from loraswap.engine.parallel import loss as rank_loss
 from loraswap.engine.parallel.loss import ANSWER_S, RankLoss, RanksLost

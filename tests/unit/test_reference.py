@@ -5,7 +5,7 @@ import torch
 from support.numerics import assert_bitwise_equal, image_array, rel_err, weights_snapshot
 
 from loraswap.adapters.reference import AdapterRef
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.models import load_pipeline

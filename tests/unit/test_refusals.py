@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from support.numerics import assert_bitwise_equal, weights_snapshot
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.errors import AdapterIncompatible, AdapterInvalid, AdapterNotFound, BadRequest
 

@@ -16,7 +16,7 @@ from loraswap.adapters.bound import BoundAdapter
 from loraswap.adapters.cache import AdapterCache, CacheConfig
 from loraswap.adapters.reference import AdapterRef, as_refs
 from loraswap.engine.calls import to_pil
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 

@@ -1,5 +1,6 @@
 """Routing an adapter that names no base model: by the family its metadata or source names,
-else by the hosted model its layers fit, else refused naming the hosted models."""
+else by the hosted model its layers fit, else refused naming the hosted models. The files routing
+found go on to the lease only of the model whose store found them."""
 
 import json
 import struct
@@ -8,10 +9,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loraswap.adapters.files.location import AdapterLocation
+from loraswap.adapters.files.location import AdapterLocation, file_stamp
 from loraswap.adapters.reference import AdapterRef
-from loraswap.errors import AdapterIncompatible, AdapterInvalid
-from loraswap.server.routing import HostedModel, route_by_base_model
+from loraswap.engine.config.engine import EngineConfig
+from loraswap.engine.engine import Engine
+from loraswap.errors import AdapterIncompatible, AdapterInvalid, AdapterNotFound
+from loraswap.server.routing import Deployment, Hosted, HostedModel, route_by_base_model
 
 
 @pytest.fixture
@@ -77,8 +80,6 @@ def test_where_fitting_cannot_be_told_the_default_serves(bare_file):
 
 def test_a_store_reads_a_file_once_to_say_whether_it_fits(adapter_factory, tmp_path, monkeypatch):
     from loraswap.adapters import store
-    from loraswap.engine.config import EngineConfig
-    from loraswap.engine.engine import Engine
 
     adapter_factory("fit-once", "tiny-sdxl", rank=4, seed=81, folder=tmp_path)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))
@@ -92,12 +93,54 @@ def test_a_store_reads_a_file_once_to_say_whether_it_fits(adapter_factory, tmp_p
 
 
 def test_a_store_raises_a_files_defect_rather_than_saying_it_does_not_fit(adapter_factory, tmp_path):
-    from loraswap.engine.config import EngineConfig
-    from loraswap.engine.engine import Engine
-
     good = adapter_factory("good", "tiny-sd", rank=4, seed=83, folder=tmp_path)
     engine = Engine(EngineConfig(model="tiny-sd", adapters=tmp_path, compile=False, warmup=False))
     for path in _broken_files(good, tmp_path):
         with pytest.raises(AdapterInvalid, match="lies outside the file"):
             engine.adapters.fits(engine.adapters.locate(AdapterRef(path.stem)))
     assert engine.adapters.fits(engine.adapters.locate(AdapterRef("good")))
+
+
+@pytest.fixture
+def two_folders(adapter_factory, tmp_path):
+    """tiny-sd (the default) and tiny-sdxl, each with an adapter folder of its own: both hold
+    `shared` (two files), only the default's holds `not-in-sdxl` and `for-sd`."""
+    folders = {model: tmp_path / model for model in ("tiny-sd", "tiny-sdxl")}
+    for model, folder in folders.items():
+        adapter_factory("shared", "tiny-sdxl", rank=4, base_model="tiny-sdxl", seed=len(model), folder=folder)
+    adapter_factory("not-in-sdxl", "tiny-sdxl", rank=4, base_model="tiny-sdxl", seed=91, folder=folders["tiny-sd"])
+    adapter_factory("for-sd", "tiny-sd", rank=4, base_model="tiny-sd", seed=92, folder=folders["tiny-sd"])
+    engines = [Engine(EngineConfig(model=model, adapters=folder, compile=False, warmup=False))
+               for model, folder in folders.items()]
+    return Deployment([Hosted(engine, None) for engine in engines]), folders
+
+
+def test_a_model_routed_to_reads_the_file_its_own_sources_find(two_folders):
+    """Routing finds files through the default model's store; another model chosen finds them
+    again through its own sources: its folder's file, and its refusals."""
+    deployment, folders = two_folders
+    sd, sdxl = (hosted.engine for hosted in deployment.hosted)
+    route = deployment.route([AdapterRef("shared")])
+    assert route.hosted.engine is sdxl and route.located == {}, "found by tiny-sd's store: not tiny-sdxl's"
+    with sdxl.lender.lease_now([AdapterRef("shared")], route.located) as lease:
+        [(entry, _)] = lease.held
+        assert entry.stamp == file_stamp(AdapterLocation("shared", folders["tiny-sdxl"] / "shared.safetensors", None))
+    route = deployment.route([AdapterRef("not-in-sdxl")])
+    assert route.hosted.engine is sdxl
+    with pytest.raises(AdapterNotFound, match="no such adapter in the adapter folder"):
+        sdxl.lender.lease_now([AdapterRef("not-in-sdxl")], route.located)
+    route = deployment.route([AdapterRef("for-sd")])
+    assert route.hosted.engine is sd and list(route.located) == ["for-sd"], "its own store's file goes on"
+    assert route.located["for-sd"].weights == folders["tiny-sd"] / "for-sd.safetensors"
+
+
+def test_a_file_removed_after_routing_is_not_found_as_if_never_there(two_folders):
+    """A folder file deleted between routing and its read (the request queued meanwhile) is a 404,
+    as when the lease located it itself, not a 503 "removed while it was being read"."""
+    deployment, folders = two_folders
+    sd = deployment.hosted[0].engine
+    route = deployment.route([AdapterRef("for-sd")])
+    assert route.hosted.engine is sd and "for-sd" in route.located
+    (folders["tiny-sd"] / "for-sd.safetensors").unlink()
+    with pytest.raises(AdapterNotFound, match="no such adapter in the adapter folder"):
+        sd.lender.lease_now([AdapterRef("for-sd")], route.located)

@@ -14,7 +14,8 @@ from support.numerics import rel_err
 from loraswap.adapters.cache import CacheConfig, Tier
 from loraswap.adapters.reference import AdapterRef
 from loraswap.adapters.sources.folder import FolderSource
-from loraswap.engine.config import EngineConfig, SchedulerConfig
+from loraswap.engine.config.engine import EngineConfig
+from loraswap.engine.config.scheduling import SchedulerConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.worker import GpuWorker

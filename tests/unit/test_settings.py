@@ -19,7 +19,7 @@ from loraswap.cli.settings import (
     read_config_file,
     server_config,
 )
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.server.config import ServerConfig
 
 EXAMPLES = Path(__file__).parents[2] / "examples"

@@ -12,7 +12,7 @@ from support.errors import error_message
 from support.servers import wait_ready
 
 from loraswap.engine.calls import PipelineCalls
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.sizes import LargestSize, default_largest
 from loraswap.errors import BadRequest

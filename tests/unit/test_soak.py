@@ -18,7 +18,7 @@ from support.numerics import assert_bitwise_equal, weights_snapshot
 
 from loraswap.adapters.cache import CacheConfig, Tier
 from loraswap.adapters.reference import AdapterRef, as_refs
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 

@@ -13,7 +13,7 @@ import torch._dynamo
 from safetensors.torch import load_file, save_file
 from support.numerics import image_array, rel_err
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.startup.prewarm import Prewarm, denoiser_config
 from loraswap.models import load_pipeline

@@ -14,7 +14,8 @@ from diffusers.hooks.mag_cache import nearest_interp
 from pydantic import ValidationError
 
 from loraswap.engine.calls import Stopped
-from loraswap.engine.config import EngineConfig, SchedulerConfig
+from loraswap.engine.config.engine import EngineConfig
+from loraswap.engine.config.scheduling import SchedulerConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_cache import METHODS, PROMPT, StepCache, attach, canonical, parse_step_cache

@@ -14,7 +14,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from support.servers import wait_ready
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig
 

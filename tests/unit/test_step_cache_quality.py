@@ -12,7 +12,7 @@ from support import shapes
 from support.demo_flux_scores import PROMPTS, accuracy, adapter_effect, prompt
 
 from loraswap.adapters.reference import as_refs
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.models.families import demo_flux

@@ -4,7 +4,7 @@ import torch
 from support.numerics import assert_bitwise_equal, weights_snapshot
 
 from loraswap.adapters.reference import AdapterRef
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 
 

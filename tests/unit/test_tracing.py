@@ -12,7 +12,7 @@ from support.fakes import fake_app
 from support.servers import wait_ready
 
 from loraswap import tracing
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.errors import Overloaded
 from loraswap.models.families import demo
 from loraswap.server.app import create_app

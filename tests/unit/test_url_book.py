@@ -11,7 +11,7 @@ from support.fakes import fake_app
 from loraswap.adapters.reference import AdapterRef, UrlReference
 from loraswap.errors import AdapterNotFound
 from loraswap.server.auth import Keys, key_owner
-from loraswap.server.url_book import NamedUrls, UrlBook, url_bytes, with_urls
+from loraswap.server.url_book import NamedUrls, UrlBook, scoped_refs, url_bytes
 
 
 def url(i: int, length: int = 100) -> str:
@@ -107,7 +107,7 @@ def test_an_accepted_requests_urls_are_scoped_to_its_key(accepted):
 
 
 def _request(book: UrlBook, key: str) -> SimpleNamespace:
-    """What `with_urls` reads of a request: its key, and the app's keys and book."""
+    """What `scoped_refs` reads of a request: its key, and the app's keys and book."""
     state = SimpleNamespace(urls=book, keys=Keys(api=(b"k1", b"k2")), owner_secret=b"a state folder's secret")
     return SimpleNamespace(app=SimpleNamespace(state=state), headers={"authorization": f"Bearer {key}"})
 
@@ -116,15 +116,15 @@ def test_a_url_id_named_by_its_id_gets_its_url_within_the_keys_scope():
     book, signed = UrlBook(), url(300)
     first = _request(book, "k1")
     named = NamedUrls(book, owner=key_owner(first))
-    [[by_url]] = with_urls(first, named, [[AdapterRef.named(signed, 0.5)]])
+    [[by_url]] = scoped_refs(first, named, [[AdapterRef.named(signed, 0.5)]])
     assert by_url.url == signed and named.named_by_url(by_url.adapter_id)
-    [[by_id, again]] = with_urls(first, named, [[AdapterRef.named(by_url.adapter_id), by_url]])
+    [[by_id, again]] = scoped_refs(first, named, [[AdapterRef.named(by_url.adapter_id), by_url]])
     assert by_id.url == signed and by_id.scale == 1.0 and again is by_url, "named by URL in the request: filled in"
     named.release(accepted=True)
-    [[later]] = with_urls(first, None, [[AdapterRef.named(by_url.adapter_id, 0.3)]])
+    [[later]] = scoped_refs(first, None, [[AdapterRef.named(by_url.adapter_id, 0.3)]])
     assert later.url == signed and later.scale == 0.3, "the key that named the URL may name its id later"
     with pytest.raises(AdapterNotFound, match="this API key has named no URL with this id"):
-        with_urls(_request(book, "k2"), NamedUrls(book, "other"), [[AdapterRef.named(by_url.adapter_id)]])
+        scoped_refs(_request(book, "k2"), NamedUrls(book, "other"), [[AdapterRef.named(by_url.adapter_id)]])
 
 
 def test_two_apps_in_one_process_keep_separate_books():

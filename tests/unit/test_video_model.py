@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from support.fakes import FakeBackend
 from support.servers import form, wait_ready
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import GenerateResult
 from loraswap.server.app import create_app
 from loraswap.server.config import ServerConfig

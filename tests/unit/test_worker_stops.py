@@ -8,7 +8,7 @@ import pytest
 from support.fakes import SteppingEngine
 
 from loraswap.adapters.lease import Lease
-from loraswap.engine.config import SchedulerConfig
+from loraswap.engine.config.scheduling import SchedulerConfig
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.worker import GpuWorker, ShuttingDown
 

@@ -23,7 +23,7 @@ import torch
 from loraswap.adapters.reference import AdapterRef
 from loraswap.bench.common import timed
 from loraswap.bench.serve import SPECS, prepare_adapters
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.media.images import encode_image

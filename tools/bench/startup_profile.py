@@ -33,7 +33,7 @@ import torch
 
 from loraswap.adapters.cache import CacheConfig
 from loraswap.bench.serve import prepare_adapters
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.models import load_pipeline

@@ -34,7 +34,7 @@ from support.servers import ServerProcess  # noqa: E402
 from unit.test_demo_flux import PROMPTS, accuracy, prompt  # noqa: E402
 
 from loraswap.adapters.reference import as_refs
-from loraswap.engine.config import EngineConfig  # noqa: E402
+from loraswap.engine.config.engine import EngineConfig  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
 from loraswap.engine.request import GenerateRequest
 from loraswap.models.families import demo_flux  # noqa: E402

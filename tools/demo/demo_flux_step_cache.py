@@ -43,7 +43,7 @@ from support import shapes  # noqa: E402
 from support.demo_flux_scores import PROMPTS, accuracy, adapter_effect, correct, pixel_difference, prompt  # noqa: E402
 
 from loraswap.adapters.reference import as_refs
-from loraswap.engine.config import EngineConfig  # noqa: E402
+from loraswap.engine.config.engine import EngineConfig  # noqa: E402
 from loraswap.engine.engine import Engine  # noqa: E402
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_cache import PROMPT, parse_step_cache  # noqa: E402

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_listener import StepListener, every_steps, previews_hook

@@ -36,7 +36,14 @@ from loraswap.adapters.parse.changes import ParsedAdapter, check_key_kinds, pars
 from loraswap.adapters.reference import AdapterRef
 from loraswap.adapters.sources.choose import AdapterSources
 from loraswap.adapters.sources.download_locks import holding_downloads
-from loraswap.errors import AdapterError, AdapterIncompatible, AdapterInvalid, AdapterNotFound, BadRequest
+from loraswap.errors import (
+    AdapterChanged,
+    AdapterError,
+    AdapterIncompatible,
+    AdapterInvalid,
+    AdapterNotFound,
+    BadRequest,
+)
 from loraswap.tracing import RequestContext, adapter_attributes, traced
 
 logger = logging.getLogger(__name__)
@@ -136,8 +143,7 @@ class AdapterStore:
         cache, off the request's path); then copied to the GPU tier when its budget allows.
         Held in the cache until released. `location`: its file, when already found."""
         with holding_downloads():  # a downloaded file stays while it is looked at and read
-            location = location or self.locate(ref)
-            stamp = file_stamp(location)
+            location, stamp = self.stamped(ref, location)
             entry = self.cache.lookup(ref.adapter_id, stamp)
             if entry is None:
                 entry = self._read_and_hash(location, stamp)
@@ -148,9 +154,21 @@ class AdapterStore:
             raise
         return entry
 
+    def stamped(self, ref: AdapterRef, location: AdapterLocation | None = None) -> tuple[AdapterLocation, tuple]:
+        """The adapter's file and its `file_stamp`: the file already found while it is still there,
+        else located now, so that one removed since it was found (the request queued meanwhile) is
+        unknown (404) as if never found, not "removed while it was being read"."""
+        if location is not None:
+            try:
+                return location, file_stamp(location)
+            except AdapterChanged:
+                pass
+        location = self.locate(ref)
+        return location, file_stamp(location)
+
     def _read_and_hash(self, location: AdapterLocation, stamp: tuple) -> CacheEntry:
         """The adapter read into the cache, its file hashed from the bytes the read brings in
-        (`files.hashes.ReadDigest`: one read), the digest kept with the entry (`CacheEntry.digest`)."""
+        (`files.hashes.ReadDigest`), the digest kept with the entry (`CacheEntry.digest`)."""
         digest = ReadDigest()
         bound = self._read_or_drop(location, stamp_bytes(stamp), digest)
         entry = self.cache.insert(location.adapter_id, bound, stamp)

@@ -174,7 +174,7 @@ def make_random(
     from safetensors.torch import save_file
 
     from loraswap.adapters.random import KINDS, make_random_adapter
-    from loraswap.engine.config import DTYPES
+    from loraswap.engine.config.engine import DTYPES
     from loraswap.models import lora_components
 
     quiet_libraries()

@@ -153,7 +153,7 @@ def write_output(result, output: Path, request=None) -> None:
 
 
 def _record(request, result):
-    """The image's record (`server.image_output.build_record`); None without what ran."""
+    """The image's record (`server/images/output.py:build_record`); None without what ran."""
     if request is None or result.ran is None:
         return None
     from loraswap.server.images.output import build_record

@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from loraswap.cluster.config import ClusterConfig, ModelDeploymentConfig
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.flags import ADAPTERS, PANELS, RAY, Flag
 from loraswap.server.config import ServerConfig
 

@@ -12,7 +12,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.flags import RAY, Flag
 from loraswap.server.config import ServerConfig
 

@@ -5,8 +5,9 @@ model id. `serve.multiplexed` keeps up to `max_adapters` of them per replica, le
 recently used first out, and tells Serve's router which replica holds which, so among
 replicas equally busy the next request for an adapter goes to one that already has it
 (`request_router.py`; a less busy replica loads it too). Loading one reads the
-adapters into the engine's cache (`engine.adapters.read_ahead`); evicting one drops them
-from the cache unless kept or still used by another held set.
+adapters into the engine's cache (`engine.adapters.read_ahead`) with the refs of the request
+that asked for it (URLs and all); evicting one drops them from the cache unless kept or still
+used by another held set.
 
 The replica reports its figures, cache table and held sets to `Reports`, and does the
 commands it gets back (evict an adapter, for `DELETE /adapters/{id}`).
@@ -19,6 +20,7 @@ import os
 import threading
 import time
 from collections import Counter
+from contextvars import ContextVar
 
 import ray
 import torch
@@ -26,7 +28,7 @@ from ray import serve
 
 from loraswap.adapters.reference import AdapterRef
 from loraswap.cluster.config import ModelDeploymentConfig
-from loraswap.engine.config import SchedulerConfig
+from loraswap.engine.config.scheduling import SchedulerConfig
 from loraswap.engine.engine import Engine, GenerateResult
 from loraswap.engine.parallel.processes import RankProcesses
 from loraswap.engine.process import freeze_loaded_objects
@@ -35,6 +37,11 @@ from loraswap.engine.worker import GpuWorker
 from loraswap.server.metrics import EngineFigures, gpu_memory
 
 logger = logging.getLogger("loraswap.cluster")
+
+# the refs of the call whose `_load` runs the loader: Serve awaits the loader inside that call's
+# `_load`, in that call's context, so the loader reads this call's refs (URLs and all) and no
+# other call's, whichever request fails or whichever held set is evicted meanwhile
+_holding: ContextVar[tuple[AdapterRef, ...]] = ContextVar("loraswap_holding", default=())
 
 
 def log_to_stderr() -> None:
@@ -90,7 +97,6 @@ class ModelReplica:
         # 2. the adapter budget: Ray Serve multiplexing, sized per deployment
         self._load = serve.multiplexed(max_num_models_per_replica=config.max_adapters)(self._make_loader())
         self._held: dict[str, tuple[str, ...]] = {}  # key -> adapter ids
-        self._wanted: dict[str, tuple[AdapterRef, ...]] = {}  # key -> the refs its loader reads (URLs and all)
         self._refs: Counter = Counter()  # adapter id -> held keys naming it
         self._lock = threading.Lock()
         self.loads = self.evictions = self.served = 0
@@ -155,19 +161,20 @@ class ModelReplica:
 
     # ---------------------------------------------------------------- the adapter budget
     async def _hold_in_budget(self, key: str, refs: list[AdapterRef]) -> None:
-        """Hold the adapter set `key` (these refs') in the budget: read by its loader unless held."""
-        self._wanted[key] = tuple(refs)
+        """Hold the adapter set `key` (these refs') in the budget: read by its loader, with these
+        refs, unless held."""
+        token = _holding.set(tuple(refs))
         try:
             await self._load(key)
-        except BaseException:
-            self._wanted.pop(key, None)
-            raise
+        finally:
+            _holding.reset(token)
 
     def _make_loader(self):
         async def load_adapters(key: str) -> _Held:
             ids = tuple(key.split(","))
-            # (the ids alone, were its refs gone: a URL's then served from the download folder)
-            refs = self._wanted.get(key) or tuple(AdapterRef(adapter_id) for adapter_id in ids)
+            refs = _holding.get()
+            if adapter_key(list(refs)) != key:  # no call's refs: the ids alone (a URL's from the download folder)
+                refs = tuple(AdapterRef(adapter_id) for adapter_id in ids)
             await asyncio.wrap_future(self.engine.adapters.read_ahead(list(refs)))
             with self._lock:
                 self._held[key] = ids
@@ -180,7 +187,6 @@ class ModelReplica:
         return load_adapters
 
     def _drop_held(self, key: str) -> None:
-        self._wanted.pop(key, None)
         with self._lock:
             ids = self._held.pop(key, ())
             self._refs.subtract(ids)

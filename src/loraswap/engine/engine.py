@@ -33,7 +33,7 @@ from loraswap.adapters.lease import Lease
 from loraswap.adapters.reference import AdapterRef, as_refs
 from loraswap.adapters.store import AdapterStore, StoreLimits, TargetModel
 from loraswap.engine.calls import TEXT, PipelineCalls, Ran
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.previews import LatentPreviews
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.sizes import LargestSize

@@ -34,7 +34,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from loraswap.engine.calls import Stopped
-from loraswap.engine.config import SchedulerConfig
+from loraswap.engine.config.scheduling import SchedulerConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_listener import pictures_asked, previews_hook, tell_places

@@ -229,7 +229,7 @@ class LocalBackend:
             request = hosted.engine.calls.sized(request)  # beyond the model's largest size: 400 before queueing
             request = hosted.engine.step_cache.resolved(request)  # a step cache it cannot take: refused now too
             try:
-                future = hosted.worker.submit(request, on_step, route.located)  # (the files routing found)
+                future = hosted.worker.submit(request, on_step, route.located)  # (the files its store found)
                 return await wait_for_result(asyncio.wrap_future(future), future.cancel, is_disconnected)
             except (RanksLost, ShuttingDown):  # the process exits (for a restart) in a moment
                 if is_disconnected is None:  # a video job: left unfinished in its state, for the restart to make

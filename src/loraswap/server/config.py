@@ -9,7 +9,8 @@ from typing import Annotated, Literal
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from loraswap.engine.config import EngineConfig, SchedulerConfig
+from loraswap.engine.config.engine import EngineConfig
+from loraswap.engine.config.scheduling import SchedulerConfig
 from loraswap.flags import ADAPTERS, SCHEDULING, SERVER, Flag
 
 SECRET_PREFIX = "whsec_"

@@ -104,7 +104,7 @@ def step_cache_headers(results: list[GenerateResult]) -> dict[str, str]:
 async def encode(image, accept: str, *, record: ImageRecord | None = None,
                  quality: int | None = None) -> tuple[bytes, str]:
     """The image in the first format `accept` names (PNG, WebP, JPEG), else JPEG, carrying
-    `record` (`image_output.record_for`) and at `quality` (JPEG, WebP; None: the encoder's);
+    `record` (`images/output.py:record_for`) and at `quality` (JPEG, WebP; None: the encoder's);
     encoded off the event loop by `media.images.encode_image`."""
     media, fmt = next(((m, f) for m, f in IMAGE_FORMATS if m in accept), ("image/jpeg", "JPEG"))
     return await run_in_threadpool(_encode_with_record, image, fmt, quality, record), media

@@ -2,7 +2,7 @@
 so that a restart keeps them again.
 
 One JSON list of ids (`kept-adapters.json`), written whole under a temporary name and
-renamed, beside the video jobs' database (the folder `video_state.VideoState` claims). At
+renamed, beside the video jobs' database (the folder `videos/state.py:VideoState` claims). At
 start, once the backend serves, each recorded adapter is read and kept again in the
 background (the store's own threads do the reading): `/ready` never waits for them. One
 that cannot be kept any more (deleted, or now refused) is logged and dropped from the

@@ -109,8 +109,10 @@ def _what_it_says(location: AdapterLocation, max_bytes: int) -> tuple[list[str],
 
 @dataclass(frozen=True)
 class Route:
-    """Where a request goes: the hosted model, and its adapters' files as routing found them, by
-    id (handed on to the lease, which does not locate them again)."""
+    """Where a request goes: the hosted model, and its adapters' files by id as that model's own
+    store found them while routing (handed on to its lease, which does not locate them again).
+    Empty when another model's store found them: each model finds files through its own sources
+    (its folder, its hub and download rules), so the lease of the model chosen locates them itself."""
 
     hosted: Hosted
     located: dict[str, AdapterLocation]
@@ -134,10 +136,11 @@ class Deployment:
         return next((h for h in self.hosted if same_model(h.engine.model_name, name)), None)
 
     def route(self, refs: list[AdapterRef], model: str | None = None) -> Route:
-        """The engine for these adapters (and an explicitly named model, if any), and their files."""
+        """The engine for these adapters (and an explicitly named model, if any), and their files
+        where that engine's store is the one that found them (`Route`)."""
         located: dict[str, AdapterLocation] = {}
-        name = self._route(self._models(), refs, model, located)
-        return Route(self.hosted[self.names.index(name)], located)
+        hosted = self.hosted[self.names.index(self._route(self._models(), refs, model, located))]
+        return Route(hosted, located if hosted is self._locating else {})
 
     def check_video_adapters(self, refs: list[AdapterRef], video_models: list[str],
                              target: str | None = None) -> None:
@@ -161,10 +164,16 @@ class Deployment:
         return [HostedModel(h.engine.model_name, h.engine.calls.family.name if h.engine.calls.family else None,
                             h.engine.adapters.fits) for h in self.hosted]
 
+    @property
+    def _locating(self) -> Hosted:
+        """The model whose store finds the adapters' files for routing: the default one."""
+        return self.hosted[0]
+
     def _route(self, models: list[HostedModel], refs: list[AdapterRef], model: str | None,
                located: dict[str, AdapterLocation] | None = None) -> str:
-        """`route_by_base_model` over `models`; each adapter's file kept in `located`."""
-        store = self.hosted[0].engine.adapters
+        """`route_by_base_model` over `models`; each adapter's file, as `_locating`'s store found
+        it, kept in `located`."""
+        store = self._locating.engine.adapters
 
         def locate(ref: AdapterRef) -> AdapterLocation:
             location = store.locate(ref)

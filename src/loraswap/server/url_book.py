@@ -6,7 +6,7 @@ A `url:` id is a hash: fetching its file takes the URL it was made from, signatu
 A request that names the URL carries it inside its `AdapterRef` to wherever the file is
 fetched (this process's store, a rank, a Ray replica): nothing else needs this book. What
 the book is for is a later request that names the adapter by its id: the URL is filled into
-its ref from here (`with_urls`), for a key that named the URL before. So a URL is kept in
+its ref from here (`scoped_refs`), for a key that named the URL before. So a URL is kept in
 this server's memory (never in a file or a log), and only as long as that may happen:
 
 - **held** from the parse of a request naming it until the request is answered
@@ -195,7 +195,7 @@ class NamedUrls:
         return self._held.get(adapter_id) or self.book.url(adapter_id)
 
 
-def with_urls(request: Request, named: NamedUrls | None, groups: list[list[AdapterRef]]) -> list[list[AdapterRef]]:
+def scoped_refs(request: Request, named: NamedUrls | None, groups: list[list[AdapterRef]]) -> list[list[AdapterRef]]:
     """The request's adapters (`groups`, as it names them) with the URLs of their `url:` ids:
     each URL named held by `named` (the request's) until it is answered; an id named without
     its URL 404, as an unknown id, when the request's key never named the URL (another key's

@@ -79,15 +79,16 @@ class StagingBuffers:
     def copy_file(self, fd: int, offset: int, nbytes: int, adapter_id: str, digest=None) -> torch.Tensor:
         """The file's `nbytes` from `offset` in a new uint8 tensor on the GPU, chunk by chunk
         through the staging buffers, the copies on the read stream (call inside `reading`);
-        `digest` (a `hashes.ReadDigest`) is handed a host copy of each chunk (its staging
-        buffer is reused at once: a copy thread never waits on the hashing holding one)."""
+        `digest` (a `hashes.ReadDigest`) is handed each chunk as read, and copies it only if
+        it keeps it (the staging buffer is reused at once: a copy thread never waits on the
+        hashing holding one)."""
         out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
         def chunk(start: int) -> None:
             try:
                 copy_chunk(start)
             except BaseException:
-                if digest is not None:  # the chunks after this one wait for it no more
+                if digest is not None:  # the read failed: nothing more to hash
                     digest.cancel()
                 raise
 
@@ -99,7 +100,7 @@ class StagingBuffers:
                 n = min(CHUNK_BYTES, nbytes - start)
                 read_range(fd, staging.buffer[:n], offset + start, adapter_id)
                 if digest is not None:
-                    digest.add(start, staging.buffer[:n].clone())
+                    digest.add(start, staging.buffer[:n], copy=True)
                 with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                     try:
                         out[start: start + n].copy_(staging.buffer[:n], non_blocking=True)

@@ -61,7 +61,7 @@ class ParsedAdapter:
     metadata: dict[str, str] = field(default_factory=dict)
     base_models: list[str] = field(default_factory=list)  # declared by the file, card or config
     num_tensors: int = 0  # in the file: every one of them is in `layers`
-    # read in place (`file_data.py`): the open files whose bytes the large factors stand for
+    # read in place (`files/data.py`): the open files whose bytes the large factors stand for
     files: list[FileData] = field(default_factory=list)
 
     def all_layers(self) -> Iterable[tuple[str, str, Layer]]:

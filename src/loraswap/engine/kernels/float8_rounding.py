@@ -1,4 +1,4 @@
-"""Float8 in Triton kernels, for the swap's re-quantization kernels (`float8_kernels.py`) and the
+"""Float8 in Triton kernels, for the swap's re-quantization kernels (`kernels/float8.py`) and the
 activation kernel (`float8_activations.py`): where they run, and rounding to float8 e4m3 by
 torchao's rule."""
 

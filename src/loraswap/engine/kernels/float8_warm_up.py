@@ -1,4 +1,4 @@
-"""Compiling the float8 swap kernels' variants at start-up (`float8_kernels.py`), as
+"""Compiling the float8 swap kernels' variants at start-up (`kernels/float8.py`), as
 `kernels.warm_up` does for the plain ones: a variant compiled in a request's first swap
 would cost it a second or more."""
 

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.parallel.loss import exit_for_restart
 from loraswap.engine.parallel.ranks import Ranks, follow
 

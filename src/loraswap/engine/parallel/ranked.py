@@ -24,7 +24,7 @@ from concurrent.futures import Future
 
 from loraswap.adapters.lease import Lease
 from loraswap.adapters.reference import AdapterRef
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine, GenerateResult, on_device
 from loraswap.engine.parallel.cfg import GuidanceSplit
 from loraswap.engine.parallel.ranks import Ranks

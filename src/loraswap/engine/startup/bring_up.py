@@ -17,7 +17,7 @@ from typing import TypeVar
 import torch
 
 from loraswap.engine.calls import Stopped
-from loraswap.engine.config import EngineConfig
+from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.process import cap_gpu_memory, pin_by_registering, release_memory
 from loraswap.engine.quantize.weights import quantize_module, quantize_text_encoders
 from loraswap.engine.startup.compile import (

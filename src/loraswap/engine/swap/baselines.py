@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from loraswap.adapters.files.facts import FileFacts
 from loraswap.adapters.files.formats import open_checked
-from loraswap.adapters.files.location import AdapterLocation, file_stamp
+from loraswap.adapters.files.location import AdapterLocation
 from loraswap.adapters.lease import Lease
 from loraswap.adapters.parse.changes import split_key
 from loraswap.adapters.random import make_random_adapter
@@ -69,8 +69,7 @@ class LocatedFiles:
 
     def _located(self, ref: AdapterRef, location: AdapterLocation | None) -> AdapterLocation:
         adapter_id = ref.adapter_id
-        location = location or self.store.locate(ref)
-        stamp = file_stamp(location)
+        location, stamp = self.store.stamped(ref, location)
         known = self._files.get(adapter_id, stamp)
         if known is None:
             for path in (location.weights, location.second_expert):  # its header bounded before anyone parses it

@@ -49,7 +49,7 @@ class Fp8Weight:
         self.scale.copy_(self.pristine_scale, non_blocking=True)
 
     def write(self, changes: list[tuple[kinds.Layer, float]], kernel: bool = False) -> None:
-        """Through `float8_kernels.requantize_into` where it runs (and `kernel`) and takes the
+        """Through `kernels/float8.py:requantize_into` where it runs (and `kernel`) and takes the
         changes (`kernel_call`), reading the float8 copy twice; else through eager fp32 ops
         (`changes`: (layer, the request's weight) in order)."""
         from torchao.quantization import Float8Tensor

@@ -38,7 +38,7 @@ from loraswap.server.images.output import ImageOutput
 from loraswap.server.requests.decode_budget import DecodeBudget, decoded_bytes
 from loraswap.server.requests.limits import check_limits, image_limits
 from loraswap.server.requests.schemas import ApiBody, invalid_request_message, parse_size
-from loraswap.server.url_book import NamedUrls, with_urls
+from loraswap.server.url_book import NamedUrls, scoped_refs
 from loraswap.tracing import traced
 
 
@@ -55,7 +55,7 @@ class ParsedRequest:
     fps: int | None = None
     response_format: str = "b64_json"
     body: ApiBody | None = None  # the typed body, for a route that answers with more of it (A1111's echo)
-    output: ImageOutput = ImageOutput()  # the images' format, quality and record (`image_output.py`)
+    output: ImageOutput = ImageOutput()  # the images' format, quality and record (`images/output.py`)
 
     def per_image(self) -> list[GenerateRequest]:
         """One request per image; with a seed, image i gets seed + i (checked at parse)."""
@@ -344,13 +344,13 @@ def _model_and_adapters(request: Request, backend: Backend, named: str | None, b
     the `lora` header's. An adapter named in two of them takes the later one's weight and place
     (the header's over the body's over the prompt's over the name's). The URLs they name are
     held by the request, and those of the `url:` ids they name are filled in, within the key's
-    scope (`url_book.with_urls`)."""
+    scope (`url_book.scoped_refs`)."""
     body = [adapter_with_weight(name, weight) for name, weight in listed]
     header = parse_adapter_specs(request.headers.get("lora"))
     model = named if named and backend.is_model(named) else None
     by_name = [] if model is not None or not named else \
         parse_adapter_specs(named) if blend else [adapter_with_weight(named, 1.0)]
-    return model, _merged(*with_urls(request, named_urls(request), [by_name, tagged, body, header]))
+    return model, _merged(*scoped_refs(request, named_urls(request), [by_name, tagged, body, header]))
 
 
 async def hold_named_urls(request: Request) -> AsyncIterator[None]:

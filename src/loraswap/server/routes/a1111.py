@@ -2,7 +2,7 @@
 front-ends that speak it call it: `POST /sdapi/v1/txt2img`, `POST /sdapi/v1/img2img`,
 `GET /sdapi/v1/loras`, `GET /sdapi/v1/sd-models`, `GET /sdapi/v1/progress`, and `GET /sdapi/v1/scripts` (which webuiapi
 asks for when it starts: no scripts here). The bodies and what each field means here:
-`a1111_requests.py`; the answers: `a1111_answers.py`. Behind the API key, as every generation
+`a1111/requests.py`; the answers: `a1111/answers.py`. Behind the API key, as every generation
 route."""
 
 import base64

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from loraswap.adapters.reference import AdapterRef
 from loraswap.server.auth import Access, require_admin_key, visible_adapter_rows
 from loraswap.server.requests.parse import hold_named_urls, named_urls
-from loraswap.server.url_book import with_urls
+from loraswap.server.url_book import scoped_refs
 
 router = APIRouter(tags=[Access.ADMIN.value], dependencies=[Depends(require_admin_key), Depends(hold_named_urls)])
 
@@ -51,6 +51,6 @@ async def evict_adapter(adapter_id: str, request: Request):
 
 def _named_ref(request: Request, name: str) -> AdapterRef:
     """The ref of the adapter the path names (an id, or a URL, AIR, s3:// reference), checked
-    here once: a `url:` id within the key's scope, its URL filled in (`url_book.with_urls`)."""
-    [[ref]] = with_urls(request, named_urls(request), [[AdapterRef.named(name)]])
+    here once: a `url:` id within the key's scope, its URL filled in (`url_book.scoped_refs`)."""
+    [[ref]] = scoped_refs(request, named_urls(request), [[AdapterRef.named(name)]])
     return ref

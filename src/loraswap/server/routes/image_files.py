@@ -1,7 +1,7 @@
 """Images answered by URL: `image_data` keeps an image of `POST /v1/images/generations` (or
 edits) asked with `response_format: "url"` and answers its URL on this server;
 `GET /v1/images/files/{name}` serves it to the key that made it, until its TTL
-(`kept_images.KeptImages`)."""
+(`images/kept.py:KeptImages`)."""
 
 import base64
 

@@ -139,7 +139,7 @@ async def list_videos(request: Request, after: str | None = Query(None, max_leng
 
 def _after(jobs: list[VideoJob], after: str, order: str, now: float) -> list[VideoJob]:
     """The jobs (in `order`) that follow the job `after`: found among them, or, gone since (expired,
-    deleted), placed by its id (`video_ids.cursor_key`), so a client paging through the list
+    deleted), placed by its id (`videos/ids.py:cursor_key`), so a client paging through the list
     loses no page to a job that went meanwhile."""
     at = next((i for i, job in enumerate(jobs) if job.id == after), None)
     if at is not None:

@@ -13,7 +13,7 @@ The Hugging Face routes (`POST /`, `/models/{id}`) stream when asked with
 
 (`preview` every `parameters.preview_every` steps, at most `MAX_FULL_PREVIEWS` an image when the
 VAE decodes them). OpenAI's images API streams with `stream: true`, in OpenAI's shapes
-(`openai_stream.py`). Either way:
+(`streaming/openai.py`). Either way:
 - the response starts once the request waits for the GPU with its adapters read, or has begun,
   or after `START_WAIT_S` of neither (a long adapter read: the client sees bytes); a request
   refused before (an unknown adapter, a size, a full queue) is answered with its status, as
@@ -21,7 +21,7 @@ VAE decodes them). OpenAI's images API streams with `stream: true`, in OpenAI's 
 - the image is bitwise the one the request gets without streaming (the same seed, the same
   encoder); pictures are made only for a request that asks for them (`engine/previews.py`);
 - events wait for a slow client no further than the latest step and `PENDING_PICTURES`
-  pictures (`stream_feed.py`); a client that reads nothing for `SEND_STALL_S` is dropped, and
+  pictures (`streaming/feed.py`); a client that reads nothing for `SEND_STALL_S` is dropped, and
   the decoded input images are given back to the decode budget as soon as the image is made;
 - a client that leaves cancels its request (out of the queue, or stopped at its next step).
 """

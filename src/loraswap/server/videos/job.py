@@ -9,7 +9,7 @@ The progress hook: `VideoJob.report_step(done, total)`, callable from any thread
 backend receives it as `on_step` (`Backend.generate`); the engine is to call it from the
 pipeline's `callback_on_step_end` once per denoising step.
 
-A job is kept in the state folder as a row (`row`, `from_row`: `video_state.COLUMNS`) and
+A job is kept in the state folder as a row (`row`, `from_row`: `state.COLUMNS`) and
 its files; `mp4` and `thumbnail` read them back. A row is checked column by column when
 read (`JobRow`): one changed by hand (a time that is text, an error that is a number, an id
 that is a pattern) is refused whole rather than served.
@@ -132,7 +132,7 @@ class VideoJob:
         return {"code": code, "message": message}
 
     def row(self) -> dict:
-        """The job as the state folder keeps it (`video_state.COLUMNS`): enough to make it again."""
+        """The job as the state folder keeps it (`state.COLUMNS`): enough to make it again."""
         return {"id": self.id, "request": self.request.model_dump_json(exclude={"image", "mask"}),
                 "model": self.model, "target": self.target, "fps": self.fps, "created_at": self.created_at,
                 "finished_at": self.finished_at, "expires_at": self.expires_at,

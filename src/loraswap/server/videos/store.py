@@ -1,18 +1,18 @@
 """Video jobs: the OpenAI videos API answers at once with a job id, generates in the
 background, and keeps the MP4 for a while, across restarts.
 
-A job (`video_job.VideoJob`) outlives the request that made it. Nothing waits on it, so it
+A job (`job.VideoJob`) outlives the request that made it. Nothing waits on it, so it
 is never cancelled for a client that left; only `DELETE` (or the server stopping) cancels it.
 
 `VideoStore` keeps the jobs: a finished one for `video_ttl_s` seconds (`sweep`, on every
 call and every `SWEEP_EVERY_S` in the background), within caps in total and per API key
-(`video_caps`: past them a key's own oldest finished job is dropped, never another key's,
+(`caps.py`: past them a key's own oldest finished job is dropped, never another key's,
 or the new job is refused with 503), a deleted job still counted until its generation has
-stopped (on Ray: until the replica has been told). Ids: `video_ids`. A job belongs to the
+stopped (on Ray: until the replica has been told). Ids: `ids.py`. A job belongs to the
 API key that made it: another key is answered 404 as for an unknown id (`owner_of`, when
 the server has API keys), and lists only its own.
 
-The jobs and their MP4s are kept in the state folder (`video_state.VideoState`, one row a
+The jobs and their MP4s are kept in the state folder (`state.VideoState`, one row a
 job and the same as a record beside its files, written before it runs and when it
 finishes). A new store on the folder finds them as the last server left them: completed
 ones downloadable until they expire (the TTL counts from completion, in wall-clock time),
@@ -75,7 +75,7 @@ MakeVideo = Callable[[VideoJob], Awaitable[GenerateResult]]  # generates the job
 
 class VideoStore:
     """The video jobs of this server, owned by the app (`app.state.videos`), kept in the state
-    folder (`video_state.VideoState`): made again or failed after a restart (`resume`)."""
+    folder (`state.VideoState`): made again or failed after a restart (`resume`)."""
 
     def __init__(self, config: ServerConfig, clock: Callable[[], float] = time.time):
         self.config = config
@@ -93,7 +93,7 @@ class VideoStore:
                target: str | None = None, owner: str | None = None, webhook_url: str | None = None) -> VideoJob:
         """A new job of `owner`'s, started now on the running event loop; `make(job)` generates
         its frames; `webhook_url` (checked) is called when it ends. 503 when the caps leave no
-        room (`video_caps.room_for`) or no webhook may be owed (`WebhookSender.reserve`)."""
+        room (`caps.room_for`) or no webhook may be owed (`WebhookSender.reserve`)."""
         # 1. its webhook's slot; forget expired jobs; make room, dropping only finished jobs this key may drop
         now = self.clock()
         video_id = new_video_id(now)
@@ -233,7 +233,7 @@ class VideoStore:
         return expired
 
     def visible(self, owner: str | None = None) -> list[VideoJob]:
-        """`owner`'s jobs, oldest first (`video_ids.sort_key`); without API keys, every job."""
+        """`owner`'s jobs, oldest first (`ids.sort_key`); without API keys, every job."""
         self.sweep()
         return sorted((job for job in self._jobs.values() if job.owner == owner or owner is None),
                       key=lambda job: sort_key(job.id, job.created_at))

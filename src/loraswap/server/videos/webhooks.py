@@ -21,7 +21,7 @@ costs no GPU, cannot fill the queue for the others. Tries run on `--webhook-work
 of their own (never the event loop's, nor the request handlers'), one at a time to any one
 host (scheme, name and port), so a slow host holds one thread, not all of them.
 
-A delivery is kept in the state folder (`video_state.VideoState`, the `webhooks` table) from
+A delivery is kept in the state folder (`state.VideoState`, the `webhooks` table) from
 the moment its job ends (in the job's own transaction) until it is delivered or given up, so
 a restart in between still delivers it. A delivery cut short by a stop may have arrived: it
 is sent again, under the same `webhook-id`. A log shows a webhook's URL only as its origin
