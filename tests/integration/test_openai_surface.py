@@ -4,7 +4,6 @@ backend whose image is a function of its seed, and the demo model): errors in Op
 image kept for the key that made it, until its TTL)."""
 
 import base64
-import hashlib
 import io
 import shutil
 import time
@@ -23,6 +22,7 @@ from loraswap.engine.engine import GenerateResult
 from loraswap.errors import Overloaded
 from loraswap.models.families import demo
 from loraswap.server.app import create_app
+from loraswap.server.auth import key_digest
 from loraswap.server.config import ServerConfig
 from loraswap.server.images import kept as kept_images
 from loraswap.server.url_book import NamedUrls
@@ -125,7 +125,7 @@ def test_a_remote_adapter_is_listed_to_the_key_that_named_it_and_to_admins_alone
                             [{"id": adapter_id, "cached": "host", "model": "fake"} for adapter_id in remote])
     app = create_app(ServerConfig(api_keys=[K1, K2], admin_keys=[ADMIN], state_dir=tmp_path,
                                   list_adapters_as_models=True), backend=backend)
-    named = NamedUrls(app.state.urls, hashlib.sha256(K2.encode()).hexdigest()[:32])  # K2's accepted request named it
+    named = NamedUrls(app.state.urls, key_digest(app.state.owner_secret, K2.encode()))  # K2's accepted request named it
     named.hold(reference)
     named.release(accepted=True)
     with serve_on_loopback(app) as url:
