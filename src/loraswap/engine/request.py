@@ -6,22 +6,11 @@ from PIL import Image
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
 
 from loraswap.adapters.reference import AdapterRef, as_refs
-from loraswap.errors import LoraswapError
-
-
-def _refs(loras) -> list[AdapterRef]:
-    """`as_refs`, a bad id a ValueError as a validator's must be: pydantic then raises its
-    ValidationError, which a caller reading a request back (a video job's row) handles."""
-    try:
-        return as_refs(loras)
-    except LoraswapError as e:
-        raise ValueError(str(e)) from None
-
 
 # the adapters of a request, as refs (`adapters/reference.py`); `(id, weight)` pairs are made
 # into refs by their ids (scripts, tests, a request kept as JSON), and as JSON a request keeps
 # `[id, weight]` pairs: never a URL (a video job keeps those apart, `videos/job.py`)
-Adapters = Annotated[list[AdapterRef], BeforeValidator(_refs),
+Adapters = Annotated[list[AdapterRef], BeforeValidator(as_refs),
                      PlainSerializer(lambda refs: [[ref.adapter_id, ref.scale] for ref in refs])]
 
 

@@ -28,6 +28,7 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from loraswap.engine.request import GenerateRequest
+from loraswap.errors import LoraswapError
 from loraswap.server.state_files import read_plain_file
 from loraswap.server.videos.ids import is_video_id
 
@@ -145,7 +146,10 @@ class VideoJob:
     def from_row(cls, row: object) -> "VideoJob":
         """The job a row keeps; ValueError for a row that is not one (pydantic's ValidationError is one)."""
         checked = JobRow.model_validate(row)
-        request = GenerateRequest.model_validate_json(checked.request)
+        try:
+            request = GenerateRequest.model_validate_json(checked.request)
+        except LoraswapError as e:  # an adapter id no request could name: a row that is not one
+            raise ValueError(str(e)) from None
         error = JobError.model_validate_json(checked.error).model_dump() if checked.error is not None else None
         urls = JobUrls.validate_json(checked.urls) if checked.urls is not None else {}
         fields = checked.model_dump(exclude={"step", "total_steps"})
