@@ -87,7 +87,7 @@ def test_family_matches_diffusers_load_lora_weights(preset, adapter_factory, tmp
     request = GenerateRequest(prompt=PROMPT, seed=2, steps=4, frames=family.defaults.get("frames"),
                               image=input_image() if family.image_input in ("edit", "required") else None)
     base = engine.generate(request)
-    ours = engine.generate(request.model_copy(update={"loras": [(path.stem, 1.0)]}))
+    ours = engine.generate(request.with_loras([(path.stem, 1.0)]))
     assert (ours.frames is not None) == (family.output == "video")
     ours_frames = frames_array(ours.frames or [ours.image])
 
@@ -113,7 +113,7 @@ def test_load_and_fuse_baseline_swaps_both_wan_experts(adapter_factory):
     fused = Engine(EngineConfig(model="tiny-wan", adapters=path.parent, compile=False, warmup=False))
     baseline = Engine(EngineConfig(model="tiny-wan", adapters=path.parent, swap_mode="load-and-fuse", warmup=False))
     ours, theirs = frames_array(fused.generate(request).frames), frames_array(baseline.generate(request).frames)
-    base = frames_array(baseline.generate(request.model_copy(update={"loras": []})).frames)
+    base = frames_array(baseline.generate(request.with_loras([])).frames)
     assert np.abs(theirs - base).mean() >= 1.0
     assert np.abs(ours - theirs).max() <= 2 and np.abs(ours - theirs).mean() <= 0.05
 

@@ -43,7 +43,7 @@ def test_image_input_matches_diffusers_image_pipelines(preset, task, adapter_fac
     mask = half_mask() if task == "inpaint" else None
     request = GenerateRequest(prompt=PROMPT, seed=3, steps=4, image=input_image(), mask=mask, strength=0.7)
     base = levels(engine.generate(request).image)
-    ours = levels(engine.generate(request.model_copy(update={"loras": [(path.stem, 1.0)]})).image)
+    ours = levels(engine.generate(request.with_loras([(path.stem, 1.0)])).image)
     shared = engine.calls.pipeline(task)
     assert type(shared).__name__ == PRESET_FAMILIES[preset].image_pipelines[task]
     assert all(shared.components[name] is module for name, module in engine.components.items()), \
@@ -73,7 +73,7 @@ def test_refusals_change_nothing(adapter_factory):
         (GenerateRequest(prompt="x", frames=5), "makes images, not videos"),
     ]:
         with pytest.raises(UnsupportedInput, match=words):
-            engine.generate(request.model_copy(update={"loras": []}))
+            engine.generate(request.with_loras([]))
         assert engine.applied_ids == ((path.stem, 1.0),), "a refused request leaves the applied adapters"
 
 

@@ -9,7 +9,6 @@ from pydantic import ValidationError
 from support.errors import error_message
 from support.fakes import fake_app
 
-from loraswap.adapters.reference import as_refs
 from loraswap.engine.request import GenerateRequest
 from loraswap.errors import BadRequest
 from loraswap.server.config import ServerConfig
@@ -104,7 +103,7 @@ def test_both_apis_parse_into_one_request():
     requests = [request for request, _ in backend.generated]
     assert requests[0] == requests[2] == expected
     # the route's adapter and the header's: the header gives an adapter it names its weight
-    header_first = expected.model_copy(update={"loras": as_refs([("second", 0.25), ("style", 0.5)])})
+    header_first = expected.with_loras([("second", 0.25), ("style", 0.5)])
     assert requests[1] == requests[3] == header_first
     target = {"inputs": "a fox", "parameters": {"target_size": {"width": 64, "height": 32}, "seed": 9}}
     assert client.post("/models/fake", json=target).status_code == 200

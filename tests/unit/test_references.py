@@ -65,6 +65,19 @@ def test_pairs_are_made_refs_by_their_ids_checked():
         "kept as JSON, a request holds ids and weights: never a URL"
 
 
+def test_a_copy_with_other_adapters_is_checked_as_a_request_is():
+    """`GenerateRequest.with_loras`: pairs made refs, refs kept whole, a bad id refused (a
+    `model_copy(update=...)` would have kept any of them as given)."""
+    url = "https://cdn.example.com/copied.safetensors?sig=S"
+    ref = AdapterRef.named(url, 0.5)
+    request = GenerateRequest(prompt="x", seed=4)
+    copy = request.with_loras([ref, ("plain/id", 0.7)])
+    assert copy.loras == [ref, AdapterRef("plain/id", 0.7)] and copy.loras[0] is ref and copy.loras[0].url == url
+    assert (copy.prompt, copy.seed, request.loras) == ("x", 4, []), "the rest copied, the original unchanged"
+    with pytest.raises(BadRequest, match="invalid adapter id"):
+        request.with_loras([("../etc/passwd", 1.0)])
+
+
 @pytest.mark.parametrize("name,message", [
     ("https://user:pw@h.example/x.safetensors", "no user or password"),
     ("https://h.example:port/x", "port is not a number"),

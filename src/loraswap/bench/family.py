@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from loraswap.adapters.reference import as_refs
 from loraswap.bench.common import environment, print_table, summary, timed, write_results
 from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.engine import Engine
@@ -84,8 +83,8 @@ def _baseline_rounds(config: EngineConfig, request: GenerateRequest, ids: list[s
 
 
 def _image(engine: Engine, request: GenerateRequest, loras: list[tuple[str, float]]):
-    """(seconds, result) of one request with `loras` (a copy's fields are not validated: made refs here)."""
-    return timed(lambda: engine.generate(request.model_copy(update={"loras": as_refs(loras)})))
+    """(seconds, result) of one request with `loras`."""
+    return timed(lambda: engine.generate(request.with_loras(loras)))
 
 
 def _summarise(results: dict) -> dict:

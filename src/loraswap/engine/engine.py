@@ -269,10 +269,9 @@ class Engine:
     # ---------------------------------------------------------------- generation
     def generate(self, request: GenerateRequest,
                  on_step: Callable[[int, int], None] | None = None) -> GenerateResult:
-        """One image (or video) for a caller on one thread: its adapters leased for the call;
-        `on_step(done, total)` after each denoising step (a progress bar)."""
-        # refs, also when a caller's copy of a request set `(id, weight)` pairs (a copy is not validated)
-        request = request.model_copy(update={"loras": as_refs(request.loras)})
+        """One image (or video) for a caller on one thread: its adapters leased for the call (a
+        copy with other adapters is `request.with_loras(...)`); `on_step(done, total)` after each
+        denoising step (a progress bar)."""
         with self.lender.lease_now(request.loras) as lease:
             return self.generate_batch([request], lease, on_step=on_step)[0]
 

@@ -1,9 +1,10 @@
 """The shape of one generation request, as every API's parse hands it to the engine."""
 
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
 from PIL import Image
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, TypeAdapter
 
 from loraswap.adapters.reference import AdapterRef, as_refs
 
@@ -12,6 +13,7 @@ from loraswap.adapters.reference import AdapterRef, as_refs
 # `[id, weight]` pairs: never a URL (a video job keeps those apart, `videos/job.py`)
 Adapters = Annotated[list[AdapterRef], BeforeValidator(as_refs),
                      PlainSerializer(lambda refs: [[ref.adapter_id, ref.scale] for ref in refs])]
+ADAPTERS = TypeAdapter(Adapters)  # a request's `loras` checked alone, as the field checks them
 
 
 class GenerateRequest(BaseModel):
@@ -40,3 +42,8 @@ class GenerateRequest(BaseModel):
     size_from_image: bool = False
     # "off", a step cache setting in its canonical text (`step_cache.canonical`), or None: the server's default
     step_cache: str | None = None
+
+    def with_loras(self, loras: Iterable) -> "GenerateRequest":
+        """A copy with `loras` as its adapters, checked as the field checks them (refs as they
+        are; `(id, weight)` pairs made refs by their ids): `model_copy(update=...)` checks nothing."""
+        return self.model_copy(update={"loras": ADAPTERS.validate_python(loras)})

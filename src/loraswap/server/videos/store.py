@@ -385,7 +385,7 @@ def _recall_urls(job: VideoJob) -> None:
     """An interrupted job's `url:` adapter refs rebuilt with the URLs its row keeps: made again,
     it fetches a download the restart cut short (or one evicted since) as it did the first time."""
     try:
-        job.request = job.request.model_copy(update={"loras": [ref.with_url(job.urls.get(ref.adapter_id))
-                                                               for ref in job.request.loras]})
+        job.request = job.request.with_loras([ref.with_url(job.urls.get(ref.adapter_id))
+                                              for ref in job.request.loras])
     except LoraswapError as e:  # a row changed by hand: the job fails then, naming its adapter
         logger.error("video %s: the URLs of its adapters cannot be used: %s", job.id, e)
