@@ -18,7 +18,7 @@ from loraswap.engine.config.engine import EngineConfig
 from loraswap.engine.config.scheduling import SchedulerConfig
 from loraswap.engine.engine import Engine
 from loraswap.engine.request import GenerateRequest
-from loraswap.engine.step_cache import METHODS, PROMPT, StepCache, attach, canonical, parse_step_cache
+from loraswap.engine.step_cache import METHODS, PROMPT, StepCache, StepCaching, attach, canonical, parse_step_cache
 from loraswap.engine.step_cache.calibration import BadCalibration
 from loraswap.engine.step_cache.hooks import COMPUTED, FIRST_INPUT, PASS_NAMES
 from loraswap.engine.worker import GpuWorker, Job
@@ -253,6 +253,52 @@ def test_a_two_expert_model_refuses_magcache_and_is_not_calibrated():
     assert engine.step_cache.ratios is None
     with pytest.raises(UnsupportedInput, match="cannot take magcache: .*two experts.*it takes first-block, taylorseer"):
         engine.step_cache.choose("magcache")
+
+
+# ---------------------------------------------------------------- what the engine holds
+def _caching(allow: list[str], calibration=None) -> StepCaching:
+    return StepCaching([load_pipeline("tiny-flux").transformer], "tiny-flux", torch.device("cpu"), "off", allow,
+                       calibration)
+
+
+def test_step_caching_reads_the_operators_ratios_without_generating(tmp_path):
+    given = [1.0, 0.9, 0.8]
+    (tmp_path / "ratios.json").write_text(json.dumps(given))
+    caching = _caching(["magcache"], tmp_path / "ratios.json")
+    caching.calibrate(lambda request: pytest.fail("measured"), GenerateRequest(prompt="warm-up"))
+    assert caching.ratios == caching.cache.ratios == given
+    assert caching.choose("magcache").method == "magcache"
+    assert caching.capabilities() == {"step_caches": ["magcache"], "step_cache": "off"}
+
+
+def test_step_caching_measures_the_ratios_once_through_the_engines_generate():
+    """Without the operator's file, `calibrate` measures over the warm-up's image (the
+    calibration prompt, the default steps) through the `generate` it is given; meanwhile every
+    call records instead of caching, and says nothing of a step cache in its result."""
+    caching = _caching(["first-block", "magcache"])
+    made = []
+
+    def generate(request: GenerateRequest) -> None:
+        skips = caching.skips_for(request)
+        assert skips is not None and skips.setting is None and caching.result_fields(skips) == {}
+        skips.computed.append(SimpleNamespace(ratios=[1.0, 0.7]))  # what the hooks record over the image
+        made.append(request)
+
+    warm_up = GenerateRequest(prompt="warm-up", seed=0, steps=2, step_cache="first-block")
+    caching.calibrate(generate, warm_up)
+    caching.calibrate(generate, warm_up)
+    assert [(r.prompt, r.steps, r.seed) for r in made] == [(PROMPT, None, 0)] and caching.ratios == [1.0, 0.7]
+    assert caching.skips_for(warm_up).setting.method == "first-block", "recording ends with the measure"
+
+
+def test_step_caching_off_leaves_a_call_as_it_is():
+    caching = _caching(["first-block"])
+    plain = GenerateRequest(prompt="x", step_cache="off")
+
+    def on_step(done: int, total: int) -> None: ...
+
+    assert caching.skips_for(plain) is None and caching.counting(None, on_step) is on_step
+    assert isinstance(caching.for_attempt(None, {}, {}), contextlib.nullcontext) and caching.result_fields(None) == {}
 
 
 # ---------------------------------------------------------------- batching, compile

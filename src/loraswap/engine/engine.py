@@ -40,7 +40,7 @@ from loraswap.engine.sizes import LargestSize
 from loraswap.engine.startup.attention import AttentionBackend
 from loraswap.engine.startup.bring_up import Startup
 from loraswap.engine.startup.compile import graph_count
-from loraswap.engine.step_cache import PROMPT, Skips, StepCache, read_ratios, shared
+from loraswap.engine.step_cache import Skips, StepCaching
 from loraswap.engine.swap.baselines import HotswapSwapper, LoadAndFuseSwapper
 from loraswap.engine.swap.fused import FusedSwapper
 from loraswap.errors import LoraswapError
@@ -148,10 +148,10 @@ class Engine:
         attention = config.compilation.attention
         self.attention = AttentionBackend(attention, self.components) if attention else None
         denoisers = [getattr(self.pipeline, n) for n in denoiser_names(self.pipeline)]
-        self.step_cache = StepCache(denoisers, self.model_name, config.step_caching.step_cache,
-                                    config.step_caching.step_cache_allow,
-                                    whole_graph=self._startup.compiles_whole(denoisers))
-        self._recording: Skips | None = None  # set while MagCache's ratios are measured
+        caching = config.step_caching
+        self.step_cache = StepCaching(denoisers, self.model_name, self.device, caching.step_cache,
+                                      caching.step_cache_allow, caching.step_cache_calibration,
+                                      whole_graph=self._startup.compiles_whole(denoisers))
         self.prepare_model()
         with on_device(self.device):
             self._startup.compile_and_warm_up(self.pipeline, self.swapper, self._warm_up_images)
@@ -181,33 +181,14 @@ class Engine:
             self.previews.linear_map()
 
     def _calibrate_step_cache(self) -> None:
-        """MagCache's ratios, when the server may serve it: read from the operator's file, or
-        measured now over one image of the base model (every process uses the first's)."""
-        config = self.config.step_caching
-        wanted = "magcache" in config.step_cache_allow or config.step_cache.startswith("magcache") \
-            or config.step_cache_calibration is not None
-        if not wanted or not self.step_cache.takes or "magcache" in self.step_cache.refusals \
-                or self.step_cache.ratios is not None:
-            return
-        if config.step_cache_calibration is not None:
-            ratios = read_ratios(config.step_cache_calibration)
-        else:
-            # the warm-up's last request (an edit model's has the image it needs), at the default steps
-            ratios = self.measure_magcache_ratios(
-                self.calls.warm_up_requests()[-1].model_copy(update={"prompt": PROMPT, "steps": None}))
-        self.step_cache.ratios = shared(ratios, self.device)
-        logger.info("%s: MagCache ratios over %d steps: %s", self.model_name, len(ratios),
-                    {"ratios": [round(r, 5) for r in self.step_cache.ratios]})
+        """MagCache's ratios when the server may serve it (`StepCaching.calibrate`: the operator's
+        file, or measured over the warm-up's image)."""
+        self.step_cache.calibrate(self.generate, self.calls.warm_up_requests()[-1])
 
     def measure_magcache_ratios(self, request: GenerateRequest) -> list[float]:
         """MagCache's ratios over the image of `request` (its adapters applied), every step
         computed: at start-up over one image of the base model; a tool measures them with adapters."""
-        self._recording = Skips(setting=None)
-        try:
-            self.generate(request)
-            return list(self._recording.computed[0].ratios)
-        finally:
-            self._recording = None
+        return self.step_cache.measure_ratios(self.generate, request)
 
     def _make_store(self, layers: ModelLayers) -> AdapterStore:
         config = self.config
@@ -298,12 +279,11 @@ class Engine:
         """The pipeline call that makes `requests`, its seeds chosen (they drive CPU generators, as
         the HF image does); a request the model cannot take is refused here, before anything changes."""
         task = self.calls.task(requests[0])
-        setting = self.step_cache.choose(requests[0].step_cache)
-        skips = self._recording or (Skips(setting) if setting else None)
+        skips = self.step_cache.skips_for(requests[0])
         kwargs = self.calls.arguments(task, requests)
         latents_hook = self.previews.hook(on_latents, kwargs, requests[0].image) \
             if on_latents and self.previews else None
-        kwargs |= self.calls.progress(task, skips.chain(on_step) if skips else on_step, latents_hook)
+        kwargs |= self.calls.progress(task, self.step_cache.counting(skips, on_step), latents_hook)
         pipeline = self.pipeline if task == TEXT else self.calls.pipeline(task)  # the loaded one, for text
         seeds = [r.seed if r.seed is not None else random.randrange(2**31) for r in requests]
         return Batch(requests, seeds, task, pipeline, kwargs, skips)
@@ -318,7 +298,7 @@ class Engine:
         def run() -> list[list[Image.Image]]:
             generators = [torch.Generator("cpu").manual_seed(seed) for seed in batch.seeds]
             with (torch.inference_mode(), self.attention.context() if self.attention else contextlib.nullcontext(),
-                  self._step_cache_for(task, kwargs, skips)):
+                  self.step_cache.for_attempt(skips, kwargs, self.calls.parameters(task))):
                 output = batch.pipeline(**self.pipeline_arguments(kwargs), generator=generators)
             return self.calls.outputs(task, output)
 
@@ -328,24 +308,15 @@ class Engine:
             run, self.model_name, retry=self.retries_first_image)
         seconds = time.perf_counter() - started
         fps = self.calls.family.fps if self.calls.is_video else None
-        cached = {"steps_skipped": skips.steps_skipped, "steps_run": skips.steps, "step_cache": str(skips.setting)} \
-            if skips and skips.setting else {}
+        cached = self.step_cache.result_fields(skips)
         ran = self.calls.ran(task, kwargs, self.model_name, lease.held)
         return [GenerateResult(frames[0], seed, swap_seconds, seconds, frames if fps else None, fps, **cached, ran=ran)
                 for frames, seed in zip(videos, batch.seeds)]
 
-    def _step_cache_for(self, task: str, kwargs: dict, skips: Skips | None):
-        """The call's step cache (a fresh one per attempt: a call retried cold starts clean),
-        or nothing."""
-        if skips is None:
-            return contextlib.nullcontext()
-        skips.restart()
-        steps = kwargs.get("num_inference_steps") or self.calls.parameters(task)["num_inference_steps"].default
-        return self.step_cache.attached(skips.setting, steps, skips, record_ratios=skips is self._recording)
-
     # ---------------------------------------------------------------- state
     def capabilities(self) -> dict:
-        """What the model takes and makes (`PipelineCalls.capabilities`) and the step caches it serves."""
+        """What the model takes and makes (`PipelineCalls.capabilities`) and the step caches it serves
+        (`StepCaching.capabilities`)."""
         return self.calls.capabilities() | self.step_cache.capabilities()
 
     @property

@@ -52,7 +52,7 @@ class RankedEngine(Engine):
         the sums over every rank's slice, so that all skip the same steps."""
         self.guidance_split = split_model(self.pipeline, self.parallelism, self.device.type, self.model_name,
                                           self.config.compilation.attention, self.calls.family)
-        self.step_cache.world = self.parallelism.world
+        self.step_cache.split_over(self.parallelism.world)
 
     def pipeline_arguments(self, kwargs: dict) -> dict:
         """A call's arguments on this rank (the second half of --cfg-parallel: prompts swapped)."""
