@@ -66,13 +66,13 @@ def configure_tracing(flag: bool) -> bool:
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: TRACER_NAME}))
     provider = TracerProvider(resource=resource)
-    for exporter in _exporters(os.environ):
+    for exporter in span_exporters(os.environ):
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     return True
 
 
-def _exporters(environ: Mapping[str, str]) -> Iterator:
+def span_exporters(environ: Mapping[str, str]) -> Iterator:
     """The span exporters OTEL_TRACES_EXPORTER names (default `otlp`, over HTTP unless
     OTEL_EXPORTER_OTLP_PROTOCOL says grpc), found as the SDK finds them: by entry point."""
     for name in environ.get("OTEL_TRACES_EXPORTER", "otlp").split(","):

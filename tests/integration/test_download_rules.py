@@ -245,7 +245,7 @@ def test_forty_requests_naming_one_dripping_url_leave_the_download_pool_free(web
     try:
         with ThreadPoolExecutor(40) as pool:
             waiting = [pool.submit(_post, client, web.url("/one-drip.safetensors")) for _ in range(40)]
-            deadline, fetch_pool = time.monotonic() + 30, client.app.state.backend._fetch_pool
+            deadline, fetch_pool = time.monotonic() + 30, client.app.state.backend.fetch_pool
             while fetch_pool.following < 39 or "/one-drip.safetensors" not in web.paths():
                 assert time.monotonic() < deadline, "the download started, the 39 others wait for it"
                 time.sleep(0.01)

@@ -96,7 +96,7 @@ def test_a_failed_gpu_read_is_read_on_the_host_and_gives_its_turn_back(tmp_path,
         return read(location, model, limits, digest=digest)
 
     monkeypatch.setattr(store_module, "read_adapter", gpu_fails)
-    bound = store._read(store.locate(AdapterRef("a")), 1000)
+    bound = store.read(AdapterRef("a"))
     assert devices == [store.cache.device, None] and bound.packed.device.type == "cpu"
     assert "could not be read to the GPU (OutOfMemoryError" in caplog.text
     assert [store.cache.start_gpu_read(1) for _ in range(3)] == [True, True, False], "both turns back, one taken"

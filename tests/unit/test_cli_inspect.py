@@ -57,12 +57,12 @@ def test_adapters_list_names_the_ids_under_the_folder(tmp_path):
 
 @pytest.mark.parametrize("env,label", [({}, "swap ms"), ({"gpu": "NVIDIA H100"}, "swap GPU ms")])
 def test_bench_swap_names_the_gpu_only_on_a_gpu(env, label, tmp_path, capsys):
-    from loraswap.bench.swap import _report
+    from loraswap.bench.swap import report_swap_bench
 
     figures = {"p50": 0.002, "min": 0.001, "max": 0.003}
     results = {"summary": {"fused": {"image_s": figures, "swap_disk_s": figures, "swap_gpu_s": figures}},
                "quantize": "none", "shape": "tiny-sd", "width": 64, "height": 64, "steps": 2, "rounds": 1,
                "env": env, "recompile_check": {}, "memory_GiB": {}}
-    _report(results, tmp_path)
+    report_swap_bench(results, tmp_path)
     header = results["table"].splitlines()[1]
     assert f"| {label} " in header and ("GPU" in header) == ("gpu" in env), header

@@ -4,8 +4,7 @@ runs the real thing.)"""
 
 import asyncio
 import pickle
-import threading
-from collections import Counter, OrderedDict, defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +18,7 @@ from loraswap.adapters.reference import AdapterRef, as_refs
 from loraswap.cluster.app import build_app, load_config, replica_gpus
 from loraswap.cluster.config import ClusterConfig, ModelDeploymentConfig
 from loraswap.cluster.ingress import RayBackend
-from loraswap.cluster.replica import ModelReplica, adapter_key
+from loraswap.cluster.replica import AdapterBudget, adapter_key
 from loraswap.cluster.reports import Reports
 from loraswap.cluster.request_router import LeastBusyAdapterRouter
 from loraswap.engine.engine import GenerateResult
@@ -120,27 +119,16 @@ class ReadingAhead:
         return done
 
 
-class BareReplica(ModelReplica):
-    def __del__(self):  # (no worker nor reports to stop)
-        pass
-
-
-def bare_replica(max_sets: int) -> ModelReplica:
+def bare_budget(max_sets: int) -> AdapterBudget:
     """A replica's adapter budget without a running Serve: `ServeBudget` over its loader."""
-    replica = object.__new__(BareReplica)
-    replica.engine = SimpleNamespace(adapters=ReadingAhead())
-    replica._held, replica._refs, replica._lock = {}, Counter(), threading.Lock()
-    replica.loads = replica.evictions = 0
-    replica.replica_id, replica._wake = "r1", asyncio.Event()
-    replica._load = ServeBudget(replica._make_loader(), max_sets)
-    return replica
+    return AdapterBudget(ReadingAhead(), lambda loader: ServeBudget(loader, max_sets), "r1")
 
 
 URL = "https://cdn.example.com/held.safetensors?X-Signature=SECRET"
 
 
-def urls_read(replica) -> list[dict]:
-    return [{ref.adapter_id: ref.url for ref in refs} for refs in replica.engine.adapters.read]
+def urls_read(budget) -> list[dict]:
+    return [{ref.adapter_id: ref.url for ref in refs} for refs in budget.adapters.read]
 
 
 def test_a_replica_reads_a_set_with_the_refs_of_the_request_it_loads_for_whatever_fails_or_goes_meanwhile():
@@ -152,28 +140,28 @@ def test_a_replica_reads_a_set_with_the_refs_of_the_request_it_loads_for_whateve
     assert ref.url == URL and adapter_key(sent.loras) == key, "the URL goes to the replica inside the ref"
 
     async def evicted_meanwhile():
-        replica = bare_replica(max_sets=1)
-        await replica._hold_in_budget(key, [ref])  # held, then the oldest when "other" comes
-        other = asyncio.create_task(replica._hold_in_budget("other", [AdapterRef("other")]))
-        again = asyncio.create_task(replica._hold_in_budget(key, [ref]))  # comes while `key` is unloaded
+        budget = bare_budget(max_sets=1)
+        await budget.hold(key, [ref])  # held, then the oldest when "other" comes
+        other = asyncio.create_task(budget.hold("other", [AdapterRef("other")]))
+        again = asyncio.create_task(budget.hold(key, [ref]))  # comes while `key` is unloaded
         await asyncio.gather(other, again)
-        assert urls_read(replica) == [{key: URL}, {"other": None}, {key: URL}]
-        assert replica._held == {key: (key,)} and replica.evictions == 2
+        assert urls_read(budget) == [{key: URL}, {"other": None}, {key: URL}]
+        assert budget.held == {key: (key,)} and budget.evictions == 2
 
     async def another_failed_meanwhile():
-        replica = bare_replica(max_sets=4)
+        budget = bare_budget(max_sets=4)
         first_read = Future()
-        replica.engine.adapters.answers.append(first_read)
-        failing = asyncio.create_task(replica._hold_in_budget(key, [ref]))
+        budget.adapters.answers.append(first_read)
+        failing = asyncio.create_task(budget.hold(key, [ref]))
         await asyncio.sleep(0.05)  # its read has begun
-        waiting = asyncio.create_task(replica._hold_in_budget(key, [ref]))
+        waiting = asyncio.create_task(budget.hold(key, [ref]))
         await asyncio.sleep(0.05)  # waits for the budget's lock
         first_read.set_exception(OSError("the first read failed"))
         with pytest.raises(OSError):
             await failing
         await waiting
-        assert urls_read(replica) == [{key: URL}, {key: URL}], "the second read still has the URL"
-        assert list(replica._held) == [key]
+        assert urls_read(budget) == [{key: URL}, {key: URL}], "the second read still has the URL"
+        assert list(budget.held) == [key]
 
     asyncio.run(evicted_meanwhile())
     asyncio.run(another_failed_meanwhile())
@@ -267,7 +255,11 @@ def report(replica, seq, deployment="model-tiny-sd", misses=0, depth=0, cache=()
 def test_reports_keep_the_newest_and_stop_counting_gauges_of_the_gone(monkeypatch):
     from loraswap.cluster import reports as module
 
+    now = 1000.0  # the reports' clock only
+    monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: now))
+
     async def scenario():
+        nonlocal now
         reports = Reports(interval_s=0.05)
         await reports.put(report("r1", 2, misses=5, depth=3), [])
         await reports.put(report("r1", 1, misses=1), [])  # an older report arriving late is ignored
@@ -281,11 +273,10 @@ def test_reports_keep_the_newest_and_stop_counting_gauges_of_the_gone(monkeypatc
             total.add(row["figures"], gauges=row["alive"])
         assert total.cache_misses == 7, "counters of a stopped replica still count"
         assert total.queue_depth == 3, "its gauges do not"
-        later = reports._seen["r1"] + 2.9  # since r1's last report
-        monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: later))  # the reports' clock only
+        now += 2.9  # since r1's last report
         alive = lambda rows: {r["replica"]: r["alive"] for r in rows}  # noqa: E731
         assert alive(await reports.collect()) == {"r1": True, "r2": False}, "2.9 s: still there"
-        later += 0.2  # no report for longer than max(4 intervals, 3 s): gone
+        now += 0.2  # no report for longer than max(4 intervals, 3 s): gone
         assert alive(await reports.collect()) == {"r1": False, "r2": False}
 
     asyncio.run(scenario())
@@ -298,7 +289,7 @@ def test_reports_evict_reaches_every_live_replica_of_the_deployment():
             await reports.put(report(replica, 1, deployment), [])
         done = {}
 
-        async def replica_loop(replica, deployment):  # what ModelReplica._report_loop does
+        async def replica_loop(replica, deployment):  # what a replica's report loop does
             seq, finished = 2, []
             while True:
                 commands = await reports.put(report(replica, seq, deployment), finished)
@@ -384,7 +375,7 @@ def test_ingress_hands_the_replica_the_urls_behind_url_ids(tmp_path):
     url_id = AdapterRef.named(url).adapter_id
     handle = FakeHandle()
     backend = ingress_over(handle, tmp_path)
-    backend._route = lambda loras, model: 0  # routing fetches the file; here only what is sent matters
+    backend.source = SimpleNamespace(locate=lambda ref: None)  # locating fetches the file; here what is sent matters
     asyncio.run(backend.generate(GenerateRequest(prompt="x", loras=[AdapterRef.named(url), ("style", 0.5)]), None,
                                  never_gone))
     [sent] = handle.requests

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from support.web import Web, stream
 
-from loraswap.adapters.sources.download_locks import holding_downloads, holding_downloads_in_coroutine
+from loraswap.adapters.sources import downloads
+from loraswap.adapters.sources.download_locks import hold, holding_downloads, holding_downloads_in_coroutine
 from loraswap.adapters.sources.downloads import LOCK_PREFIX, PARTIAL_PREFIX, Download, DownloadCache
 from loraswap.adapters.sources.fetch import FetchRules, fetch_file
 from loraswap.errors import AdapterInvalid, AdapterUnavailable, Overloaded
@@ -203,12 +204,14 @@ def test_two_requests_each_holding_a_download_never_wait_on_each_other(tmp_path)
 def test_a_coroutine_releases_its_downloads_off_the_event_loop(tmp_path, monkeypatch):
     """Releasing a download may stat it, wait for the folder's lock and unlink it: a request's
     coroutine (the server's `generate`) has that done on a worker thread, never its event loop."""
-    cache, released_in, release = DownloadCache(tmp_path, MiB), [], DownloadCache._release
+    cache, released_in = DownloadCache(tmp_path, MiB), []
 
-    def recorded(self, fd, file):
-        released_in.append(threading.current_thread())
-        release(self, fd, file)
-    monkeypatch.setattr(DownloadCache, "_release", recorded)
+    def recorded_hold(fd, release):  # each file the cache holds for the request: where it is let go
+        def recorded(fd):
+            released_in.append(threading.current_thread())
+            release(fd)
+        hold(fd, recorded)
+    monkeypatch.setattr(downloads, "hold", recorded_hold)
 
     async def request():
         async with holding_downloads_in_coroutine():

@@ -46,15 +46,15 @@ def _store(tmp_path):
 
 def test_the_stores_fits_answers_are_bounded_and_a_forgotten_download_drops_its_own(tmp_path, monkeypatch):
     store, path = _store(tmp_path)
-    store._fits.max_entries = 16  # the default's 4,096 would take seconds of parsing to fill
+    store.fit_answers.max_entries = 16  # the default's 4,096 would take seconds of parsing to fill
     checked = []
     monkeypatch.setattr("loraswap.adapters.store.check_fit", lambda location, *a: checked.append(location))
     for number in range(40):
         assert store.fits(AdapterLocation(url_id(number), path, None)) is True
-    assert len(store._fits) == 16 and len(checked) == 40
+    assert len(store.fit_answers) == 16 and len(checked) == 40
     assert store.fits(AdapterLocation(url_id(39), path, None)) is True and len(checked) == 40, "remembered"
     store.evict_download(url_id(39))
-    assert len(store._fits) == 15
+    assert len(store.fit_answers) == 15
     assert store.fits(AdapterLocation(url_id(39), path, None)) is True and len(checked) == 41, "looked at again"
     store.close()
 
@@ -63,8 +63,8 @@ def test_the_baselines_located_files_are_bounded(tmp_path, monkeypatch):
     store, path = _store(tmp_path)
     monkeypatch.setattr(store, "locate", lambda ref: AdapterLocation(ref.adapter_id, path, None))
     located = LocatedFiles(store)
-    located._files.max_entries = 16
+    located.files.max_entries = 16
     for number in range(40):
         assert located.lease_now(as_refs([(url_id(number), 1.0)])).held[0][0].adapter_id == url_id(number)
-    assert len(located._files) == 16
+    assert len(located.files) == 16
     store.close()

@@ -38,7 +38,7 @@ def interpreted(monkeypatch):
     """The kernel built for Triton's interpreter, and torchao's float8 activations allowed on CPU."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr("torchao.quantization.quant_api._check_hardware_support", lambda granularity: None)
-    kernels = (float8_activations._rows_kernel, float8_rounding)
+    kernels = (float8_activations.rows_kernel, float8_rounding)
     for built in kernels:
         built.cache_clear()
     yield
@@ -50,14 +50,14 @@ def interpreted(monkeypatch):
 def launches(interpreted, monkeypatch) -> list:
     """The grids the activation kernel is launched on, from now on (its compiled layers are
     otherwise indistinguishable from torchao's path: the results are the same)."""
-    grids, built = [], float8_activations._rows_kernel
+    grids, built = [], float8_activations.rows_kernel
 
     class Counted:
         def __getitem__(self, grid):
             grids.append(grid)
             return built()[grid]
 
-    monkeypatch.setattr(float8_activations, "_rows_kernel", Counted)
+    monkeypatch.setattr(float8_activations, "rows_kernel", Counted)
     return grids
 
 
@@ -94,12 +94,12 @@ def test_rounding_to_bf16_keeps_every_nan_and_rounds_as_torch(interpreted):
     import triton
     import triton.language as tl
 
-    float8_activations._rows_kernel()  # defines the kernel's helpers
+    float8_activations.rows_kernel()  # defines the kernel's helpers
 
     @triton.jit
     def rounded(x_ptr, y_ptr, N: tl.constexpr):
         at = tl.arange(0, N)
-        tl.store(y_ptr + at, float8_activations._to_bfloat16(tl.load(x_ptr + at)))
+        tl.store(y_ptr + at, float8_activations.to_bfloat16(tl.load(x_ptr + at)))
 
     bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, 0x7F800001, 0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF],
                         dtype=torch.int64).to(torch.int32)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from support.headers import Cost, crowded_safetensors
 
-from loraswap.adapters.files import formats
 from loraswap.adapters.files.formats import (
     HeaderBounds,
     check_header_length,
@@ -160,7 +159,9 @@ def test_the_load_and_fuse_baseline_checks_the_header_before_diffusers_reads_the
 def test_a_header_crowded_within_its_byte_bound_is_refused_before_its_json_is_parsed(tmp_path, monkeypatch):
     path = tmp_path / "crowded.safetensors"
     path.write_bytes(crowded_safetensors(8 * MIB))  # about 136,000 empty entries
-    monkeypatch.setattr(formats, "_HEADER_JSON", None)  # any parse would fail on None.decode
+    def parsed(decoder, text, *args, **kwargs):
+        pytest.fail("the header's JSON was parsed")
+    monkeypatch.setattr(json.JSONDecoder, "decode", parsed)
     with Cost() as cost, pytest.raises(AdapterInvalid, match="holds more JSON than 32,768 tensor entries would"):
         open_checked(path, "crowded", DEFAULT_MAX)
     print(f"\n8 MiB header of empty entries: refused unparsed in {cost}")

@@ -20,8 +20,8 @@ def interpreted():
     from loraswap.engine.kernels import fused as kernels
     from loraswap.engine.kernels.float8_rounding import float8_rounding
 
-    built = (kernels.tile_functions, kernels._kernel, kernels._loha_kernel, kernels._dora_kernel, float8_rounding,
-             float8_kernels._float8_functions, float8_kernels._row_functions, float8_kernels._per_tensor_kernel,
+    built = (kernels.tile_functions, kernels.lora_kernel, kernels.loha_kernel, kernels.dora_kernel, float8_rounding,
+             float8_kernels.float8_functions, float8_kernels.row_functions, float8_kernels.per_tensor_kernel,
              float8_kernels.per_row_kernel)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
@@ -50,7 +50,7 @@ class Launches(list):
 @pytest.fixture
 def float8_launches(float8, monkeypatch) -> Launches:
     """The float8 kernels' launches from now on (`Launches`)."""
-    launched, built = Launches(), float8._float8_kernels
+    launched, built = Launches(), float8.float8_kernels
     launched.unmasked = []
 
     class Counted:
@@ -66,7 +66,7 @@ def float8_launches(float8, monkeypatch) -> Launches:
                 return self.kernel[grid](*args, **options)
             return launch
 
-    monkeypatch.setattr(float8, "_float8_kernels", lambda: tuple(
+    monkeypatch.setattr(float8, "float8_kernels", lambda: tuple(
         Counted(name, kernel) for name, kernel in zip(("per tensor", "per row"), built())))
     return launched
 
@@ -336,7 +336,7 @@ def test_the_float8_warm_up_compiles_every_variant_real_swaps_launch(float8, mon
                 launched.add((tuple(sorted(options.items())), integers, dtypes))
             return launch
 
-    monkeypatch.setattr(float8, "_float8_kernels", lambda: (None, Recorder()))
+    monkeypatch.setattr(float8, "float8_kernels", lambda: (None, Recorder()))
     monkeypatch.setattr(float8, "interpreting", lambda: False)  # the GPU's tiles
     shapes = [(3072, 64), (3072, 3072), (9216, 3072), (12288, 3072), (21504, 3072), (3072, 12288), (3072, 15360)]
     warm_up_float8(torch.device("cpu"), False, shapes)
@@ -368,8 +368,8 @@ def test_float8_row_kernel_loops_over_the_ranks_where_its_plan_runs_out_of_share
                     raise float8.OutOfResources(290936, 232448, "shared memory")
             return launch
 
-    monkeypatch.setattr(float8, "_float8_kernels", lambda: (None, Kernel()))
-    monkeypatch.setattr(float8, "_SHORT_OF_MEMORY", set())
+    monkeypatch.setattr(float8, "float8_kernels", lambda: (None, Kernel()))
+    monkeypatch.setattr(float8, "SHORT_OF_MEMORY", set())
     qdata, scale = torch.zeros(4, 64, dtype=FLOAT8), torch.ones(4, 1)
     up, down = torch.ones(4, 128, dtype=torch.bfloat16), torch.ones(128, 64, dtype=torch.bfloat16)
     for _ in range(2):

@@ -159,11 +159,13 @@ def test_an_image_with_previews_is_bitwise_the_image_without(demo):
 def test_nothing_is_computed_for_a_request_that_asks_for_no_pictures(demo, monkeypatch):
     """Through the server's own wrapper (the progress board's `Tracked`), and in a batch of
     plain requests: no picture, no step asked about, no map fitted."""
+    import loraswap.engine.previews as previews_module
     from loraswap.server.streaming.progress_board import Tracked
 
-    fresh = LatentPreviews(demo.pipeline)
+    fresh, fitted, fit = LatentPreviews(demo.pipeline), [], previews_module.fit_linear_map
     monkeypatch.setattr(demo, "previews", fresh)
     monkeypatch.setattr(fresh, "pictures", lambda *a, **k: pytest.fail("a picture was made"))
+    monkeypatch.setattr(previews_module, "fit_linear_map", lambda *a: fitted.append(a) or fit(*a))
     assert previews_hook([None, lambda d, t: None, StepListener(), Tracked("/", None)]) is None
     listener = StepListener()
     listener.wants_preview = lambda d, t: pytest.fail("asked at a step")
@@ -182,7 +184,7 @@ def test_nothing_is_computed_for_a_request_that_asks_for_no_pictures(demo, monke
     finally:
         worker.stop(10)
     assert worker.batches == 2 and all(hook.step == 4 for hook in hooks)
-    assert fresh._map is None, "the sketch's map is fitted only when a sketch is asked for"
+    assert fitted == [], "the sketch's map is fitted only when a sketch is asked for"
 
 
 def test_requests_asking_for_full_pictures_are_batched_apart():

@@ -94,7 +94,7 @@ def test_rank_0_answers_every_request_it_holds_and_each_new_one_with_a_503(exits
     assert exits == [ANSWER_S], "said once, whichever thread finds out next"
     engine.gate.set()  # the stuck image ends after all: its answer is already out, the worker lives on
     worker.stop(timeout=30)
-    assert not worker._thread.is_alive() and worker.queue_depth == 0
+    assert not worker.alive and worker.queue_depth == 0
     assert engine.lender.returned == engine.lender.lent == 4, "every lease given back"
 
 

@@ -203,7 +203,7 @@ def test_factors_cut_out_of_the_file_on_the_device_pack_as_on_the_host(tmp_path,
     converted, the small ones the parse read copied up at once) packs the very bytes the
     host's packing does, padding included; a factor the parse computed from stand-ins raises
     `NotInFile` (the store then reads the file whole). Run here with the CPU as the device."""
-    from loraswap.adapters.bound import BoundAdapter, ModelLayers, _pack_on_device, fitted_layers, packed_spans
+    from loraswap.adapters.bound import BoundAdapter, ModelLayers, fitted_layers, pack_on_device, packed_spans
     from loraswap.adapters.files import data as file_data
     from loraswap.adapters.files.data import NotInFile
     from loraswap.adapters.files.location import AdapterLocation
@@ -222,7 +222,7 @@ def test_factors_cut_out_of_the_file_on_the_device_pack_as_on_the_host(tmp_path,
     try:
         bound = BoundAdapter("a", fitted_layers(parsed, layers))
         factors = [t for layer in bound.layers.values() for t in layer.factors.values()]
-        on_the_device = functools.partial(_pack_on_device, list(bound.layers.values()),
+        on_the_device = functools.partial(pack_on_device, list(bound.layers.values()),
                                           packed_spans(bound.layers.values()), model_dtype, torch.device("cpu"),
                                           parsed.files)
         if kind == "lokr" and large == 64:  # rows of a product of two stand-ins
@@ -258,7 +258,7 @@ def test_a_read_that_fails_on_the_device_says_so_and_refusals_stay_refusals(tmp_
 
         monkeypatch.setattr(bound_module, "pack_from_files", fail)
         with pytest.raises(expected) as raised:
-            bound_module._pack_on_device(layers, spans, torch.float32, torch.device("cpu"), ())
+            bound_module.pack_on_device(layers, spans, torch.float32, torch.device("cpu"), ())
         assert expected is not DeviceReadFailed or "OutOfMemoryError: CUDA out of memory" in str(raised.value)
 
 

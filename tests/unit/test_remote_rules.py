@@ -92,7 +92,7 @@ def test_a_download_through_another_api_or_store_is_not_served_here(tmp_path):
     other = RemoteSources(RemoteSettings(civitai_api="https://civitai.com/api", s3=True), tmp_path, MiB)
     assert other.list_ids() == []
     for adapter_id in ("civitai:11@22", "s3:team/k.safetensors"):
-        assert other.downloads.path(adapter_id, other._same_origin(source_of(adapter_id))) is None
+        assert other.downloads.path(adapter_id, other.same_origin(source_of(adapter_id))) is None
 
 
 def test_whether_finding_an_adapter_may_wait_on_the_network(tmp_path, monkeypatch):

@@ -48,9 +48,9 @@ def aws_env(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    s3._client.cache_clear()  # a client keeps the credentials it was made with: each test makes its own
+    s3.s3_client.cache_clear()  # a client keeps the credentials it was made with: each test makes its own
     yield
-    s3._client.cache_clear()
+    s3.s3_client.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_the_cap_holds_while_streaming_when_the_store_understates_the_size(store
                                                                           monkeypatch):
     data = _adapter()
     store.put_object(Bucket=BUCKET, Key="big.safetensors", Body=data)
-    client = s3._client(S3Settings(endpoint_url=endpoint, max_bytes=2**20))  # the one fetch_s3 will use
+    client = s3.s3_client(S3Settings(endpoint_url=endpoint, max_bytes=2**20))  # the one fetch_s3 will use
     get_object = client.get_object
     monkeypatch.setattr(client, "get_object",  # ContentLength says 1 KiB; the body goes on
                         lambda **kwargs: {**get_object(**kwargs), "ContentLength": 1024})
@@ -170,7 +170,7 @@ def test_wrong_credentials_are_refused_naming_no_key_or_secret(store, endpoint, 
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNKEY000000")
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
         assert "InvalidAccessKeyId" in _forbidden(endpoint, tmp_path, "AKIAUNKNOWNKEY000000", SECRET).message
-        s3._client.cache_clear()
+        s3.s3_client.cache_clear()
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", keys["AccessKeyId"])
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", keys["SecretAccessKey"])
         error = _forbidden(endpoint, tmp_path, keys["AccessKeyId"], keys["SecretAccessKey"])

@@ -128,6 +128,6 @@ def test_tracing_is_off_unless_asked_for(flag, environ, on):
 
 
 def test_the_exporters_are_found_by_name_and_a_missing_one_is_named():
-    assert [type(e) for e in tracing._exporters({"OTEL_TRACES_EXPORTER": "console"})] == [ConsoleSpanExporter]
+    assert [type(e) for e in tracing.span_exporters({"OTEL_TRACES_EXPORTER": "console"})] == [ConsoleSpanExporter]
     with pytest.raises(tracing.TracingUnavailable, match="'zipkin_json'.*pip install 'loraswap\\[tracing\\]'"):
-        list(tracing._exporters({"OTEL_TRACES_EXPORTER": "console,zipkin_json"}))
+        list(tracing.span_exporters({"OTEL_TRACES_EXPORTER": "console,zipkin_json"}))

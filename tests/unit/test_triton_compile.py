@@ -45,14 +45,21 @@ def recorders(monkeypatch) -> tuple[Recorder, Recorder]:
     """The float8 kernels (per tensor, per row) as recorders, with the GPU's tiles."""
     pytest.importorskip("triton.runtime._async_compile")
     kernels = Recorder(), Recorder()
-    monkeypatch.setattr(float8_kernels, "_float8_kernels", lambda: kernels)
+    monkeypatch.setattr(float8_kernels, "float8_kernels", lambda: kernels)
     monkeypatch.setattr(float8_kernels, "interpreting", lambda: False)
     return kernels
 
 
+def launches_launch() -> bool:
+    """Whether a launch through `launch` now runs its kernel (rather than only compiling it)."""
+    probe = Recorder()
+    triton_compile.launch(probe, (1,), 3, BLOCK=16)
+    return bool(probe.launched) and not probe.compiled
+
+
 def float8_warm_up_writes(per_tensor: bool):
     """The float8 warm-up's writes, made with CPU tensors (the recorders run nothing)."""
-    return lambda: float8_warm_up._warm_up_tiles(torch.device("cpu"), per_tensor, SHAPES, torch.bfloat16)
+    return lambda: float8_warm_up.warm_up_float8_writes(torch.device("cpu"), per_tensor, SHAPES, torch.bfloat16)
 
 
 @pytest.mark.parametrize("per_tensor", [False, True], ids=["per row", "per tensor"])
@@ -62,16 +69,16 @@ def test_on_cuda_the_warm_up_compiles_in_async_mode_exactly_the_variants_it_then
     assert kernel.launched, "the warm-up launched nothing"
     assert kernel.compiled == kernel.launched
     assert kernel.in_async_mode == {True}
-    assert not triton_compile._compile_only.get()  # launches launch again after the warm-up
+    assert launches_launch(), "launches launch again after the warm-up"
 
 
 def test_on_cuda_the_plain_kernels_warm_up_compiles_the_variants_it_then_launches(monkeypatch):
     """LoRA, LoHa and DoRA: each kernel's launches go through `launch` too."""
     pytest.importorskip("triton.runtime._async_compile")
-    recorded = {name: Recorder() for name in ("_kernel", "_loha_kernel", "_dora_kernel")}
+    recorded = {name: Recorder() for name in ("lora_kernel", "loha_kernel", "dora_kernel")}
     for name, recorder in recorded.items():
         monkeypatch.setattr(kernels, name, lambda recorder=recorder: recorder)
-    writes = lambda: kernels._warm_up_writes(torch.device("cpu"), torch.bfloat16, [3072, 3080])  # noqa: E731
+    writes = lambda: kernels.warm_up_writes(torch.device("cpu"), torch.bfloat16, [3072, 3080])  # noqa: E731
     triton_compile.compiled_in_parallel(torch.device("cuda"), writes, threads=4)
     for name, recorder in recorded.items():
         assert recorder.launched and recorder.compiled == recorder.launched, name
@@ -86,11 +93,11 @@ def test_off_cuda_or_on_one_thread_the_warm_up_only_launches(recorders):
 
 def test_a_variant_that_fails_to_compile_fails_the_warm_up_before_anything_launches(recorders, monkeypatch):
     failing = Recorder(fail=True)
-    monkeypatch.setattr(float8_kernels, "_float8_kernels", lambda: (failing, failing))
+    monkeypatch.setattr(float8_kernels, "float8_kernels", lambda: (failing, failing))
     with pytest.raises(RuntimeError, match="ptxas failed"):
         triton_compile.compiled_in_parallel(torch.device("cuda"), float8_warm_up_writes(False), threads=4)
     assert not failing.launched
-    assert not triton_compile._compile_only.get()
+    assert launches_launch()
 
 
 def test_without_async_compile_mode_the_warm_up_runs_once_and_launches(recorders, monkeypatch):

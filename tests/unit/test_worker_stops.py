@@ -43,7 +43,7 @@ def running():
     yield worker, engine, first
     engine.gate.set()
     worker.stop(30)
-    assert not worker._thread.is_alive()
+    assert not worker.alive
 
 
 def test_a_request_cancelled_while_queued_leaves_the_queue_at_once(running):

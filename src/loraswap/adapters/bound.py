@@ -91,7 +91,7 @@ class BoundAdapter:
         spans = packed_spans(layers)
         numel = spans[-1][-1] if spans else 0
         if device.type != "cpu" and files:  # a new adapter's factors cut out of its file on the device
-            return _pack_on_device(layers, spans, dtype, device, files)
+            return pack_on_device(layers, spans, dtype, device, files)
         if device.type == "cpu" and not pin_memory:  # a new adapter's host copy: written once, on huge pages
             flat = host_empty(numel, dtype)
         else:
@@ -118,8 +118,12 @@ class BoundAdapter:
         return flat
 
 
-def _pack_on_device(layers: list[Layer], spans: list[tuple[list[int], int]], dtype: torch.dtype,
-                    device: torch.device, files: Sequence[FileData]) -> torch.Tensor:
+def pack_on_device(layers: list[Layer], spans: list[tuple[list[int], int]], dtype: torch.dtype,
+                   device: torch.device, files: Sequence[FileData]) -> torch.Tensor:
+    """A new adapter's cold read to `device`: the layers' factors cut out of `files` there and
+    packed at `spans` (`packed_spans`) in `dtype`, as `BoundAdapter.to` packs them on the host.
+    The parse's `NotInFile` and an adapter's own refusal pass through; any other failure (out
+    of GPU memory, say) is `DeviceReadFailed`, for the caller to read it on the host instead."""
     factors = [t for layer in layers for t in layer.factors.values()]
     try:  # (on the read stream: `files` come only from `bind_adapter`, which reads there)
         return pack_from_files(factors, [at for starts, _ in spans for at in starts], spans[-1][1], dtype, device,

@@ -78,7 +78,7 @@ class AdapterStore:
         self.limits = limits
         device = with_index(device)  # the store's threads do not share the caller's current GPU
         self.cache = AdapterCache(cache, device)
-        self._fits: FileFacts[bool] = FileFacts()  # adapter id -> whether its file (as stamped) fits this model
+        self.fit_answers: FileFacts[bool] = FileFacts()  # adapter id -> whether its file (as stamped) fits this model
         # no other model of this server reads its downloads: a file this model refuses, none here
         # takes (a deployment of several models says otherwise: `routing.Deployment`)
         self.sole_model = True
@@ -190,7 +190,7 @@ class AdapterStore:
 
     def evict_download(self, adapter_id: str) -> None:
         """Drop the adapter's download, if it has one, and what was found out about its file."""
-        self._fits.drop(adapter_id)
+        self.fit_answers.drop(adapter_id)
         if self.source is not None:
             self.source.evict(adapter_id)
 
@@ -221,7 +221,7 @@ class AdapterStore:
         the file itself (not safetensors, truncated, a header over its bounds) is no "does not
         fit": it is raised as it is, whatever the model."""
         stamp = file_stamp(location)
-        known = self._fits.get(location.adapter_id, stamp)
+        known = self.fit_answers.get(location.adapter_id, stamp)
         if known is not None:
             return known
         for path in (location.weights, location.second_expert):
@@ -232,7 +232,7 @@ class AdapterStore:
             fits = True
         except AdapterError:
             fits = False
-        self._fits.put(location.adapter_id, stamp, fits)
+        self.fit_answers.put(location.adapter_id, stamp, fits)
         return fits
 
     # ---------------------------------------------------------------- read, keep, evict

@@ -196,7 +196,7 @@ def run_swap_bench(architecture: str = "flux-dev", width: int = 1024, height: in
     bench.recompile_check(recompile_swaps)
     results = bench.results
     results["summary"] = _summarise(results)
-    _report(results, out_dir)
+    report_swap_bench(results, out_dir)
     return results
 
 
@@ -219,7 +219,8 @@ def _summarise(results: dict) -> dict:
     return out
 
 
-def _report(results: dict, out_dir: Path) -> None:
+def report_swap_bench(results: dict, out_dir: Path) -> None:
+    """Print the run's table (kept as `results["table"]`) and write its results and chart to `out_dir`."""
     s = results["summary"]
     ms = lambda d, k: f"{d[k]['p50'] * 1e3:.1f} ({d[k]['min'] * 1e3:.0f}-{d[k]['max'] * 1e3:.0f})" \
         if k in d else "-"  # noqa: E731

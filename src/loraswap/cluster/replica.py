@@ -4,7 +4,7 @@ The adapter set of a request (`a` or, for a blend, `a,b`) is its Ray Serve multi
 model id. `serve.multiplexed` keeps up to `max_adapters` of them per replica, least
 recently used first out, and tells Serve's router which replica holds which, so among
 replicas equally busy the next request for an adapter goes to one that already has it
-(`request_router.py`; a less busy replica loads it too). Loading one reads the
+(`request_router.py`; a less busy replica loads it too). Loading one (`AdapterBudget`) reads the
 adapters into the engine's cache (`engine.adapters.read_ahead`) with the refs of the request
 that asked for it (URLs and all); evicting one drops them from the cache unless kept or still
 used by another held set.
@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextvars import ContextVar
 
 import ray
@@ -68,15 +69,80 @@ def _gpu_names() -> dict[str, dict]:
 
 
 class _Held:
-    """An adapter set held in the replica's budget; Serve calls `__del__` when it evicts it."""
+    """An adapter set held in the budget; Serve calls `__del__` when it evicts it."""
 
-    def __init__(self, replica: "ModelReplica", key: str):
-        self.replica, self.key, self._released = replica, key, False
+    def __init__(self, budget: "AdapterBudget", key: str):
+        self.budget, self.key, self._released = budget, key, False
 
     def __del__(self):  # called by Serve's LRU (in a thread), and again by the GC: once only
         if not self._released:
             self._released = True
-            self.replica._drop_held(self.key)
+            self.budget.drop(self.key)
+
+
+class AdapterBudget:
+    """The adapter sets a replica holds, by multiplexed id. `multiplexed` turns the loader of a
+    set into the call that holds it: `serve.multiplexed`, which keeps the sets least recently
+    used first out and calls a set's `__del__` when it evicts it. Loading a set reads its
+    adapters into the engine's cache (`adapters`: the engine's `AdapterStore`) with the refs of
+    the request that asked for it; dropping one evicts those no other held set names (unless kept)."""
+
+    def __init__(self, adapters, multiplexed: Callable, name: str, on_load: Callable[[], None] = lambda: None):
+        self.adapters = adapters
+        self.name = name  # the replica's, for the logs
+        self._on_load = on_load
+        self._held: dict[str, tuple[str, ...]] = {}  # key -> adapter ids
+        self._refs: Counter = Counter()  # adapter id -> held keys naming it
+        self._lock = threading.Lock()
+        self.loads = self.evictions = 0
+        self._load = multiplexed(self._loader())
+
+    @property
+    def held(self) -> dict[str, tuple[str, ...]]:
+        """The sets held now: multiplexed id -> its adapter ids, in the order they were loaded."""
+        with self._lock:
+            return dict(self._held)
+
+    async def hold(self, key: str, refs: list[AdapterRef]) -> None:
+        """Hold the adapter set `key` (these refs'): read by its loader, with these refs, unless held."""
+        token = _holding.set(tuple(refs))
+        try:
+            await self._load(key)
+        finally:
+            _holding.reset(token)
+
+    def _loader(self):
+        async def load_adapters(key: str) -> _Held:
+            ids = tuple(key.split(","))
+            refs = _holding.get()
+            if adapter_key(list(refs)) != key:  # no call's refs: the ids alone (a URL's from the download folder)
+                refs = tuple(AdapterRef(adapter_id) for adapter_id in ids)
+            await asyncio.wrap_future(self.adapters.read_ahead(list(refs)))
+            with self._lock:
+                self._held[key] = ids
+                self._refs.update(ids)
+                self.loads += 1
+                held = len(self._held)
+            logger.info("replica %s holds %s (%d held)", self.name, key, held)
+            self._on_load()
+            return _Held(self, key)
+
+        return load_adapters
+
+    def drop(self, key: str) -> None:
+        """Let the set go (Serve evicted it): its adapters leave the cache unless kept, named by
+        another held set, or held by a queued request."""
+        with self._lock:
+            ids = self._held.pop(key, ())
+            self._refs.subtract(ids)
+            unused = [a for a in ids if self._refs[a] <= 0]
+            self.evictions += 1
+        cache = self.adapters.cache
+        for adapter_id in unused:
+            entry = cache.get(adapter_id)
+            if entry is not None and not entry.kept:
+                cache.evict(adapter_id)  # drops it unless a queued request holds it
+        logger.info("replica %s evicted %s (least recently used)", self.name, key)
 
 
 class ModelReplica:
@@ -94,20 +160,18 @@ class ModelReplica:
         self.worker = GpuWorker(self.engine, scheduler)
         self.worker.start()
         freeze_loaded_objects()
-        # 2. the adapter budget: Ray Serve multiplexing, sized per deployment
-        self._load = serve.multiplexed(max_num_models_per_replica=config.max_adapters)(self._make_loader())
-        self._held: dict[str, tuple[str, ...]] = {}  # key -> adapter ids
-        self._refs: Counter = Counter()  # adapter id -> held keys naming it
-        self._lock = threading.Lock()
-        self.loads = self.evictions = self.served = 0
-        # 3. reports
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.deployment = context.deployment
+        # 2. the adapter budget: Ray Serve multiplexing, sized per deployment; a set loaded is reported at once
+        self._wake = asyncio.Event()
+        multiplexed = serve.multiplexed(max_num_models_per_replica=config.max_adapters)
+        self.budget = AdapterBudget(self.engine.adapters, multiplexed, self.replica_id, on_load=self._wake.set)
+        self.served = 0
+        # 3. reports
         self._reports = reports
         self._interval_s = report_interval_s
         self._seq = itertools.count(1)
-        self._wake = asyncio.Event()
         self._stopping = False
         self._gpu_names = _gpu_names()
         self._placement = self._where()  # fixed for the replica's life
@@ -129,7 +193,7 @@ class ModelReplica:
         received = time.perf_counter()
         key = serve.get_multiplexed_model_id()
         if key:
-            await self._hold_in_budget(key, request.loras)
+            await self.budget.hold(key, request.loras)
         held = time.perf_counter()
         # 2. queue for the GPU worker (adapters from the cache); a cancelled request is dropped
         future = self.worker.submit(request)
@@ -140,7 +204,7 @@ class ModelReplica:
 
     async def keep_adapter(self, ref: AdapterRef) -> dict:
         """Hold the adapter here, read it now and keep it in the cache (POST /adapters/{id}/load)."""
-        await self._hold_in_budget(ref.adapter_id, [ref])
+        await self.budget.hold(ref.adapter_id, [ref])
         bound = await asyncio.to_thread(self.engine.keep_adapter, ref)
         await self._report()
         return {"bytes": bound.nbytes, "layers": len(bound.layers), "model": self.engine.model_name,
@@ -159,46 +223,7 @@ class ModelReplica:
         except (Exception, asyncio.TimeoutError):
             logger.debug("last report of %s not delivered", self.replica_id)
 
-    # ---------------------------------------------------------------- the adapter budget
-    async def _hold_in_budget(self, key: str, refs: list[AdapterRef]) -> None:
-        """Hold the adapter set `key` (these refs') in the budget: read by its loader, with these
-        refs, unless held."""
-        token = _holding.set(tuple(refs))
-        try:
-            await self._load(key)
-        finally:
-            _holding.reset(token)
-
-    def _make_loader(self):
-        async def load_adapters(key: str) -> _Held:
-            ids = tuple(key.split(","))
-            refs = _holding.get()
-            if adapter_key(list(refs)) != key:  # no call's refs: the ids alone (a URL's from the download folder)
-                refs = tuple(AdapterRef(adapter_id) for adapter_id in ids)
-            await asyncio.wrap_future(self.engine.adapters.read_ahead(list(refs)))
-            with self._lock:
-                self._held[key] = ids
-                self._refs.update(ids)
-                self.loads += 1
-            logger.info("replica %s holds %s (%d held)", self.replica_id, key, len(self._held))
-            self._wake.set()
-            return _Held(self, key)
-
-        return load_adapters
-
-    def _drop_held(self, key: str) -> None:
-        with self._lock:
-            ids = self._held.pop(key, ())
-            self._refs.subtract(ids)
-            unused = [a for a in ids if self._refs[a] <= 0]
-            self.evictions += 1
-        cache = self.engine.adapters.cache
-        for adapter_id in unused:
-            entry = cache.get(adapter_id)
-            if entry is not None and not entry.kept:
-                cache.evict(adapter_id)  # drops it unless a queued request holds it
-        logger.info("replica %s evicted %s (least recently used)", self.replica_id, key)
-
+    # ---------------------------------------------------------------- commands
     def _evict(self, adapter_id: str) -> None:
         """Stop keeping it and drop it (DELETE /adapters/{id}); it is read anew when next used."""
         self.engine.evict_adapter(AdapterRef(adapter_id), download_too=False)  # (an id the ingress checked)
@@ -207,13 +232,12 @@ class ModelReplica:
     def _snapshot(self, stopped: bool = False) -> dict:
         engine = self.engine
         cache = engine.adapters.rows(engine.applied_ids, cached_only=True)
-        with self._lock:
-            held = list(self._held)
+        budget = self.budget
         figures = EngineFigures.of(engine, self.worker)
         figures.ready = not stopped
         return {"replica": self.replica_id, "deployment": self.deployment, "model": engine.model_name,
-                "seq": next(self._seq), "pid": os.getpid(), "loads": self.loads, "evictions": self.evictions,
-                "served": self.served, "held": held, "cache": cache, "figures": figures, **self._placement,
+                "seq": next(self._seq), "pid": os.getpid(), "loads": budget.loads, "evictions": budget.evictions,
+                "served": self.served, "held": list(budget.held), "cache": cache, "figures": figures, **self._placement,
                 "gpus": [{**row, **self._gpu_names.get(row["device"], {})} for row in gpu_memory()]}
 
     def _where(self) -> dict:

@@ -136,6 +136,11 @@ class GpuWorker:
         with self._cond:
             return len(self._jobs)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the worker's thread runs: started, and not yet ended by `stop`."""
+        return self._thread.is_alive()
+
     def stop(self, timeout: float | None = None) -> None:
         """Refuse new requests, finish the queued ones (none after `drain`), then end the thread."""
         with self._cond:

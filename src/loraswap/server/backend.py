@@ -139,7 +139,7 @@ class LocalBackend:
         self.engine_factory = engine_factory
         state.deployment = Deployment()  # empty until every model is loaded
         state.load_error = None
-        self._fetch_pool = FetchPool()
+        self.fetch_pool = FetchPool()  # for finding adapters that may wait on the network (`_find`)
 
     @property
     def load_error(self) -> str | None:
@@ -168,7 +168,7 @@ class LocalBackend:
         for hosted in self.state.deployment.hosted:
             await run_in_threadpool(hosted.worker.stop)
             hosted.engine.adapters.close()
-        self._fetch_pool.close()
+        self.fetch_pool.close()
         unfreeze_objects()
 
     def _load(self) -> None:
@@ -240,7 +240,7 @@ class LocalBackend:
         """`call(*args)` off the event loop: on the fetch pool when finding these adapters may
         wait on the network (a download, the Hub), else on AnyIO's pool (`fetch_pool.py`)."""
         sources = self._deployment().hosted[0].engine.adapters.source
-        return await self._fetch_pool.run(sources, refs, call, *args)
+        return await self.fetch_pool.run(sources, refs, call, *args)
 
     def _route(self, refs: list[AdapterRef], model: str | None = None) -> Route:
         deployment = self._deployment()

@@ -54,6 +54,11 @@ class StagingBuffers:
         self._lock = threading.Lock()
         self.stream: torch.cuda.Stream | None = None
 
+    @property
+    def free(self) -> int:
+        """How many buffers no read holds now (all of them between reads, once warm)."""
+        return self._free.qsize()
+
     def warm(self) -> None:
         """Pin the buffers now (tens of ms), so that no request's read pays for it."""
         with self._lock:

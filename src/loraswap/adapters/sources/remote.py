@@ -103,7 +103,7 @@ class RemoteSources:
         deadline = self.deadline()
         if source == "url":
             self.url_checks.check(url_to_check(ref, self.downloads), adapter_id)
-        accept = self._same_origin(source)
+        accept = self.same_origin(source)
         found = self.downloads.path(adapter_id, accept) or self.downloads.fetch(
             adapter_id, lambda dest, reserve: self._fetch(ref, dest, reserve, deadline), deadline, accept)
         record = self.downloads.record(adapter_id) or {}
@@ -116,9 +116,10 @@ class RemoteSources:
             raise AdapterForbidden(adapter_id, f"this server does not fetch adapters from {source} references",
                                    f"Start it with {ENABLED_BY[source]} (docs/adapters.md)")
 
-    def _same_origin(self, source: str) -> Callable[[dict], bool]:
-        """Whether a download came through the API or store this server uses (Civitai's API, the
-        S3 endpoint): one that came through another is fetched again through this server's own."""
+    def same_origin(self, source: str) -> Callable[[dict], bool]:
+        """Whether a download's record says it came through the API or store this server uses
+        (Civitai's API, the S3 endpoint), as `downloads.path` and `fetch` take it (`accept`): one
+        that came through another is fetched again through this server's own."""
         origin = self._origin(source)
         return lambda record: record.get("origin") == origin
 
@@ -136,7 +137,7 @@ class RemoteSources:
             if source == "url":
                 self.url_checks.check(record["shown"], adapter_id)
                 return True
-            return self._same_origin(source)(record)
+            return self.same_origin(source)(record)
         except (LoraswapError, KeyError, TypeError):
             return False
 

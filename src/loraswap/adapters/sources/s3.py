@@ -174,11 +174,12 @@ def _hold_to_deadlines(client) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _client(settings: S3Settings):
-    """One client per settings, kept: boto3 clients are thread-safe and slow to make (they load the
-    service model), while sessions are not thread-safe, so each client gets a session of its own.
-    Two threads asking first at once may each make one; either is fine. Credentials are read when
-    the client is made and refreshed by botocore when they expire (roles, SSO)."""
+def s3_client(settings: S3Settings):
+    """The client `fetch_s3` uses for these settings, one per settings, kept: boto3 clients are
+    thread-safe and slow to make (they load the service model), while sessions are not
+    thread-safe, so each client gets a session of its own. Two threads asking first at once may
+    each make one; either is fine. Credentials are read when the client is made and refreshed by
+    botocore when they expire (roles, SSO)."""
     config = botocore.config.Config(connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout,
                                     user_agent_extra="loraswap")
     # with an endpoint given, botocore addresses buckets by path (`host/bucket/key`), as MinIO needs
@@ -315,7 +316,7 @@ def fetch_s3(bucket: str, key: str, dest: Path, settings: S3Settings, adapter_id
                                  f"{settings.total_timeout:g} s", "Try again later, or raise --download-timeout-s")
     try:
         with _s3_errors(shown, settings, adapter_id), _cut_off_at(deadline, overdue):
-            answer = _client(settings).get_object(Bucket=bucket, Key=key)
+            answer = s3_client(settings).get_object(Bucket=bucket, Key=key)
             # bytes left unread: the connection is dropped, not drained
             with closing(answer["Body"]) as body:
                 size, sha256 = _write(body, answer.get("ContentLength"), dest, settings, shown, adapter_id,

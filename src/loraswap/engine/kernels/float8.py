@@ -50,7 +50,7 @@ except ImportError:  # no Triton: the kernels are never launched
 
 
 @cache
-def _float8_functions() -> bool:
+def float8_functions() -> bool:
     """Define the Triton functions both kernels call as this module's globals (where Triton
     looks them up; the tiles of B @ A are `kernels.py`'s); False without Triton."""
     global _blended_tile, _block_product, _reciprocal, _divide, _dora_factor, _inside
@@ -92,10 +92,10 @@ def _float8_functions() -> bool:
 
 
 @cache
-def _row_functions() -> bool:
-    """The per-row kernel's tiles (as `_float8_functions`), with the rank unrolled."""
+def row_functions() -> bool:
+    """The per-row kernel's tiles (as `float8_functions`), with the rank unrolled."""
     global _product, _kron, _row_tile
-    if not _float8_functions():
+    if not float8_functions():
         return False
     import triton
 
@@ -145,16 +145,16 @@ def _row_functions() -> bool:
     return True
 
 
-def _float8_kernels():
+def float8_kernels():
     """The two Triton kernels (per tensor, per row), or None without Triton (built once)."""
-    per_tensor, per_row = _per_tensor_kernel(), per_row_kernel()
+    per_tensor, per_row = per_tensor_kernel(), per_row_kernel()
     return None if per_tensor is None else (per_tensor, per_row)
 
 
 @cache
-def _per_tensor_kernel():
+def per_tensor_kernel():
     """Two launches: the tensor's largest |W| by atomics, then W / its scale."""
-    if not _float8_functions():
+    if not float8_functions():
         return None
     import triton
 
@@ -181,7 +181,7 @@ def _per_tensor_kernel():
 @cache
 def per_row_kernel():
     """One launch: whole rows per program, their largest |W| kept, then W / their scales."""
-    if not _row_functions():
+    if not row_functions():
         return None
     import triton
 
@@ -234,7 +234,7 @@ def per_row_kernel():
 
 def float8_kernel_available(qdata: torch.Tensor) -> bool:
     """Whether `requantize_into` runs the kernel for these float8 data (else eager torch)."""
-    return float8_runs_on(qdata.device) and qdata.dtype == torch.float8_e4m3fn and _float8_kernels() is not None
+    return float8_runs_on(qdata.device) and qdata.dtype == torch.float8_e4m3fn and float8_kernels() is not None
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ def requantize_into(qdata: torch.Tensor, scale: torch.Tensor, pristine_qdata: to
     m, n = qdata.shape
     flags = dict(BLOCK_K=BLOCK_K, IEEE=up.dtype == torch.float32 or not qdata.is_cuda, EMULATE=not qdata.is_cuda,
                  BLENDED=alphas is not None)
-    per_tensor, per_row = _float8_kernels()
+    per_tensor, per_row = float8_kernels()
     if scale.numel() != 1:
         return _requantize_rows(per_row, qdata, scale, pristine_qdata, pristine_scale, up, down, alpha, alphas, kind,
                                 second, dora, flags, tiles or row_tiles(m, n))
@@ -324,16 +324,16 @@ def _requantize_rows(kernel, qdata, scale, pristine_qdata, pristine_scale, up, d
     plan = (1, tiles[2]) if kind == "kronecker" else row_plan(
         rank, up.element_size() * (2 if kind == "hadamard" else 1), qdata.device, tiles, block_k)
     short = (qdata.device, kind, plan, tiles, block_k, up.dtype, alphas is not None, dora is not None)
-    if short in _SHORT_OF_MEMORY:
+    if short in SHORT_OF_MEMORY:
         return launch_plan(0, 1)
     try:
         return launch_plan(*plan)
     except OutOfResources:  # the plan's estimate of shared memory was short (nothing ran): loop, from now on
-        _SHORT_OF_MEMORY.add(short)
+        SHORT_OF_MEMORY.add(short)
         return launch_plan(0, 1)
 
 
-_SHORT_OF_MEMORY: set[tuple] = set()  # the per-row kernel's plans that ran out of shared memory
+SHORT_OF_MEMORY: set[tuple] = set()  # the per-row kernel's plans that ran out of shared memory
 
 
 def _check_row_change(m: int, n: int, kind: str, operands: tuple) -> None:

@@ -27,22 +27,23 @@ def warm_up_float8(device: torch.device, per_tensor: bool, shapes: Iterable[tupl
     (Ranks past 128 compile in their first swap.) The variants compile many at once
     (`compiled_in_parallel`)."""
     shapes = list(shapes)
-    compiled_in_parallel(device, lambda: _warm_up_tiles(device, per_tensor, shapes, dtype))
+    compiled_in_parallel(device, lambda: warm_up_float8_writes(device, per_tensor, shapes, dtype))
 
 
-def _warm_up_tiles(device: torch.device, per_tensor: bool, shapes: list[tuple[int, int]], dtype: torch.dtype) -> None:
-    """`warm_up_float8`'s writes, for each tiles the shapes take."""
+def warm_up_float8_writes(device: torch.device, per_tensor: bool, shapes: list[tuple[int, int]],
+                          dtype: torch.dtype) -> None:
+    """The writes `warm_up_float8` compiles and launches, for each tiles the shapes take."""
     classes = variants(n for _, n in shapes)
     ranks = sorted({k for _, k in classes} | (set() if per_tensor else set(ROW_RANKS)))
     for tiles in {None} if per_tensor else {row_tiles(m, n) for m, n in shapes}:
         for n in sorted({n for n, _ in classes}):
-            _warm_up_writes(device, per_tensor, (2, n), ranks, dtype, tiles)
+            _one_weight_writes(device, per_tensor, (2, n), ranks, dtype, tiles)
         if tiles and any(m % tiles[0] == 0 and n % tiles[1] == 0 for m, n in shapes if row_tiles(m, n) == tiles):
-            _warm_up_writes(device, per_tensor, tiles[:2], (16, BLOCK_K, 2 * BLOCK_K, 4 * BLOCK_K), dtype, tiles)
+            _one_weight_writes(device, per_tensor, tiles[:2], (16, BLOCK_K, 2 * BLOCK_K, 4 * BLOCK_K), dtype, tiles)
 
 
-def _warm_up_writes(device: torch.device, per_tensor: bool, shape: tuple[int, int], ranks: Iterable[int],
-                    dtype: torch.dtype, tiles: tuple[int, int, int] | None) -> None:
+def _one_weight_writes(device: torch.device, per_tensor: bool, shape: tuple[int, int], ranks: Iterable[int],
+                       dtype: torch.dtype, tiles: tuple[int, int, int] | None) -> None:
     """`warm_up_float8`'s writes into one small weight of `shape`."""
     (m, n), ones = shape, partial(torch.ones, device=device)
     weight = torch.zeros(m, n, device=device, dtype=torch.float8_e4m3fn)

@@ -90,8 +90,8 @@ def tile_functions() -> bool:
 
 
 @cache
-def _kernel():
-    """The compiled Triton kernel, or None without Triton (built once, on first use)."""
+def lora_kernel():
+    """The LoRA kernel (W = P + alpha * B @ A), or None without Triton (built once, on first use)."""
     if not tile_functions():
         return None
     import triton
@@ -112,7 +112,7 @@ def _kernel():
 
 
 @cache
-def _loha_kernel():
+def loha_kernel():
     """The LoHa kernel, or None without Triton: W = P + alpha * (B1 @ A1) * (B2 @ A2), both
     rank-r products computed per tile in fp32, so P is read and W written once, as for a LoRA
     (materializing the two products takes six passes over the weight)."""
@@ -138,13 +138,13 @@ def fuse_loha_into(weight: torch.Tensor, pristine: torch.Tensor, up1: torch.Tens
     may be `weight`), where `kernel_available` (elsewhere `kinds.write_change` does it)."""
     m, n = weight.shape
     grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
-    launch(_loha_kernel(), grid, weight, pristine, up1, down1, up2, down2, m, n, down1.shape[0], float(alpha),
+    launch(loha_kernel(), grid, weight, pristine, up1, down1, up2, down2, m, n, down1.shape[0], float(alpha),
            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
            IEEE=weight.dtype == torch.float32 or not weight.is_cuda, num_warps=NUM_WARPS)
 
 
 @cache
-def _dora_kernel():
+def dora_kernel():
     """The DoRA kernel, or None without Triton: V = P + alpha * B @ A, then W = V * f with
     one factor per row (or column) from V's norm. Pass 0 adds each tile's squares into
     `stats` (atomic add per row or column); pass 1 computes the tile again, turns the norm
@@ -196,14 +196,14 @@ def fuse_dora_into(weight: torch.Tensor, pristine: torch.Tensor, up: torch.Tenso
     stats = torch.zeros(m if by_row else n, device=weight.device, dtype=torch.float32)
     grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
     for step in (0, 1):
-        launch(_dora_kernel(), grid, weight, pristine, up, down, stats, magnitude, m, n, down.shape[0], float(alpha),
+        launch(dora_kernel(), grid, weight, pristine, up, down, stats, magnitude, m, n, down.shape[0], float(alpha),
                float(blend), PASS=step, BY_ROW=by_row, PEFT=peft, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                BLOCK_K=BLOCK_K, IEEE=weight.dtype == torch.float32 or not weight.is_cuda, num_warps=NUM_WARPS)
 
 
 def kernel_available(weight: torch.Tensor) -> bool:
     """Whether `fuse_into` runs the one-pass kernel for this weight (else `addmm`)."""
-    return (weight.is_cuda or interpreting()) and weight.dtype in _DTYPES and _kernel() is not None
+    return (weight.is_cuda or interpreting()) and weight.dtype in _DTYPES and lora_kernel() is not None
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -224,7 +224,7 @@ def fuse_into(weight: torch.Tensor, pristine: torch.Tensor, up: torch.Tensor, do
     m, n = weight.shape
     k = down.shape[0]
     grid = (triton_cdiv(m, BLOCK_M) * triton_cdiv(n, BLOCK_N),)
-    launch(_kernel(), grid, weight, pristine, up, down, m, n, k, float(alpha), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+    launch(lora_kernel(), grid, weight, pristine, up, down, m, n, k, float(alpha), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
            BLOCK_K=BLOCK_K, IEEE=weight.dtype == torch.float32 or not weight.is_cuda, num_warps=NUM_WARPS)
 
 
@@ -246,11 +246,11 @@ def warm_up(device: torch.device, dtype: torch.dtype, row_lengths: Iterable[int]
     than in a request's first swap (a second or more each), many at once
     (`compiled_in_parallel`)."""
     row_lengths = list(row_lengths)
-    compiled_in_parallel(device, lambda: _warm_up_writes(device, dtype, row_lengths))
+    compiled_in_parallel(device, lambda: warm_up_writes(device, dtype, row_lengths))
 
 
-def _warm_up_writes(device: torch.device, dtype: torch.dtype, row_lengths: Iterable[int]) -> None:
-    """`warm_up`'s writes: each kind, into one small weight for each variant."""
+def warm_up_writes(device: torch.device, dtype: torch.dtype, row_lengths: Iterable[int]) -> None:
+    """The writes `warm_up` compiles and launches: each kind, into one small weight for each variant."""
     for n, k in variants(row_lengths):
         weight = torch.zeros(2, n, device=device, dtype=dtype)
         up, down = torch.zeros(2, k, device=device, dtype=dtype), torch.zeros(k, n, device=device, dtype=dtype)

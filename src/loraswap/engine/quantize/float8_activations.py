@@ -50,9 +50,10 @@ NUM_WARPS = 8
 
 
 @cache
-def _rows_kernel():
-    """The Triton kernel, or None without Triton (built once, on first use)."""
-    global round_to_float8, _largest, _to_bfloat16, _activation, tl  # Triton looks these up in the kernel's module
+def rows_kernel():
+    """The Triton kernel `float8_rows` launches, or None without Triton (built once, on first
+    use, with the Triton functions it calls, `to_bfloat16` among them, as this module's globals)."""
+    global round_to_float8, _largest, to_bfloat16, _activation, tl  # Triton looks these up in the kernel's module
     try:
         import triton
         import triton.language as tl
@@ -65,7 +66,7 @@ def _rows_kernel():
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
-    def _to_bfloat16(value):
+    def to_bfloat16(value):
         """fp32 values rounded to bf16's precision (nearest, ties to even), kept in fp32; NaN
         stays NaN (the GPU's NaN, 0x7FFFFFFF, would carry into the sign bit: -0.0)."""
         bits = value.to(tl.int32, bitcast=True)
@@ -78,7 +79,7 @@ def _rows_kernel():
         value = value.to(tl.float32)
         if GELU:
             inner = 0.7978845608028654 * (value + 0.044715 * value * value * value)
-            value = _to_bfloat16(0.5 * value * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0)))
+            value = to_bfloat16(0.5 * value * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0)))
         return value
 
     @triton.jit(do_not_specialize=["M", "stride"])
@@ -98,7 +99,7 @@ def _rows_kernel():
         amax = tl.reduce(largest, 1, tl.standard._elementwise_max)
         nan_seen = tl.reduce((largest != largest).to(tl.float32), 1, tl.standard._elementwise_max)
         # torchao divides in the activation's dtype, bf16
-        scale = _to_bfloat16(tl.math.div_rn(tl.where(nan_seen > 0, float("nan"), amax), 448.0))
+        scale = to_bfloat16(tl.math.div_rn(tl.where(nan_seen > 0, float("nan"), amax), 448.0))
         tl.store(s_ptr + rows, scale, mask=in_m)
         divisor = tl.where(scale == 0.0, 1.0, scale)[:, None]  # an all-zero row: zeros, not 0 / 0
         for start in range(0, K, BLOCK):
@@ -125,7 +126,7 @@ def float8_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torc
     if rows:
         block = min(BLOCK, 1 << (k - 1).bit_length())
         per_program = ROWS if x.is_cuda else 64  # the interpreter (CPU tensors) pays per program
-        _rows_kernel()[(triton_cdiv(rows, per_program),)](
+        rows_kernel()[(triton_cdiv(rows, per_program),)](
             x, quantized, scale, rows, k, x.stride(0), ROWS=per_program, BLOCK=block, EMULATE=not x.is_cuda, GELU=gelu,
             num_warps=NUM_WARPS)
     return quantized, scale
@@ -212,7 +213,7 @@ def use_float8_rows(module: nn.Module, names: tuple[str, ...] | None = OUTPUT_PR
     switched = 0
     for name, layer in module.named_modules():
         if (names is None or name.endswith(names)) and _takes_float8_rows(layer) \
-                and float8_runs_on(layer.weight.qdata.device) and _rows_kernel() is not None:
+                and float8_runs_on(layer.weight.qdata.device) and rows_kernel() is not None:
             layer.__class__ = Float8RowsLinear
             switched += 1
     if switched:

@@ -53,7 +53,7 @@ class LocatedFiles:
 
     def __init__(self, store: AdapterStore):
         self.store = store
-        self._files: FileFacts[AdapterLocation] = FileFacts()  # adapter id -> its file, while unchanged
+        self.files: FileFacts[AdapterLocation] = FileFacts()  # adapter id -> its file, while unchanged
         # locating a hub adapter downloads it: off the caller's thread, as the store reads
         self._pool = ThreadPoolExecutor(store.limits.prefetch_threads, thread_name_prefix="loraswap-locate")
 
@@ -70,12 +70,12 @@ class LocatedFiles:
     def _located(self, ref: AdapterRef, location: AdapterLocation | None) -> AdapterLocation:
         adapter_id = ref.adapter_id
         location, stamp = self.store.stamped(ref, location)
-        known = self._files.get(adapter_id, stamp)
+        known = self.files.get(adapter_id, stamp)
         if known is None:
             for path in (location.weights, location.second_expert):  # its header bounded before anyone parses it
                 if path is not None:
                     open_checked(path, adapter_id, self.store.limits.max_adapter_bytes).close()
-            self._files.put(adapter_id, stamp, location)
+            self.files.put(adapter_id, stamp, location)
             known = location
         return known
 
