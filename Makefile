@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
+# two test processes (pytest-xdist), each module whole in one of them: its servers are started once
+PARALLEL ?= -n 2 --dist loadscope
+
 .PHONY: serve test test-fast install clean
 
 $(STAMP): pyproject.toml
@@ -21,13 +24,13 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff check src tests tools
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q $(PARALLEL) tests
 
 # before every commit: everything but the soak, load, Ray, browser and slow tests (CI runs `make test`)
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff check src tests tools
-	$(VENV)/bin/python -m pytest -q -m "not soak and not load and not ray and not browser and not slow" --durations=15 tests
+	$(VENV)/bin/python -m pytest -q $(PARALLEL) -m "not soak and not load and not ray and not browser and not slow" --durations=15 tests
 
 clean:
 	rm -rf $(VENV)

@@ -21,7 +21,8 @@ from loraswap.adapters.random import make_random_adapter  # noqa: E402
 from loraswap.models import lora_components  # noqa: E402
 from loraswap.server.videos import state as video_state  # noqa: E402
 
-torch.set_num_threads(2)
+# two cores: a thread each for the two test processes of `make test` (pytest-xdist), both alone
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(scope="session", autouse=True)
