@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from loraswap.engine.calls import Stopped
 from loraswap.engine.config.scheduling import SchedulerConfig
-from loraswap.engine.engine import Engine
+from loraswap.engine.engine import Engine, GenerateResult
 from loraswap.engine.request import GenerateRequest
 from loraswap.engine.step_listener import pictures_asked, previews_hook, tell_places
 from loraswap.errors import LoraswapError, Overloaded
@@ -270,13 +270,13 @@ class GpuWorker:
 
     def _serve(self, jobs: list[Job]) -> None:
         started = self.clock()
-        leases, ready = [], []
+        leases, ready, answers = [], [], []
         for job in jobs:  # a request whose adapter failed to load fails alone; nothing was swapped
             try:
                 leases.append(job.lease.result())
                 ready.append(job)
             except BaseException as e:
-                job.future.set_exception(e)
+                answers.append((job, None, e))
         try:
             if ready:
                 pictures = previews_hook([job.on_step for job in ready])  # None: no job asks for previews
@@ -284,20 +284,19 @@ class GpuWorker:
                                                      on_step=self._step_hook(ready), on_latents=pictures)
                 for job, result in zip(ready, results):
                     result.timings |= {"read": (job.read_at or started) - job.enqueued, "wait": started - job.enqueued}
-                    job.future.set_result(result)
+                    answers.append((job, result, None))
         except BaseException as e:  # delivered to the waiting handlers
             if isinstance(e, Stopped):  # no traceback: its frames would keep the call's tensors alive
                 e = ShuttingDown(f"the server is shutting down: this image was {e}; retry") if self._halting \
                     else Stopped(str(e))
-            for job in ready:
-                if not job.future.done():
-                    job.future.set_exception(e)
+            answers += [(job, None, e) for job in ready]
         finally:
             for job in jobs:
                 _give_back(job)
             self.completed += len(jobs)
             self.batches += 1
             self._running = []
+        _answer(answers)  # after the leases are given back: an answered request holds no adapter
 
     def _fail_all(self, error: LoraswapError) -> None:
         """The engine can make no more images (`Engine.when_lost`; the process exits for a
@@ -342,6 +341,17 @@ def _set_running(future: JobFuture) -> bool:
 def _read_fine(lease: Future) -> bool:
     """Whether a job's adapters are read and held (its lease came, no error)."""
     return lease.done() and not lease.cancelled() and lease.exception() is None
+
+
+def _answer(answers: list[tuple[Job, GenerateResult | None, BaseException | None]]) -> None:
+    """Each job's result or error, to its waiting handler (unless answered meanwhile: cancelled,
+    or failed by `_fail_all`)."""
+    for job, result, error in answers:
+        with contextlib.suppress(InvalidStateError):
+            if error is None:
+                job.future.set_result(result)
+            else:
+                job.future.set_exception(error)
 
 
 def _give_back(job: Job) -> None:
