@@ -16,6 +16,11 @@ os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
+from support.every_test_ran import (  # noqa: E402, F401  (hooks: a session fails for a test that never ran)
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_xdist_node_collection_finished,
+)
 
 from loraswap.adapters.random import make_random_adapter  # noqa: E402
 from loraswap.models import lora_components  # noqa: E402
@@ -60,3 +65,4 @@ def adapter_factory(tmp_path_factory):
 
     write.root = root
     return write
+
