@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-# two test processes (pytest-xdist), each module whole in one of them: its servers are started once
-PARALLEL ?= -n 2 --dist loadscope
+# two test processes (pytest-xdist); worksteal hands each a half of the tests in order (a module's servers mostly
+# start once) and lets one take from the other's rest when it runs out
+PARALLEL ?= -n 2 --dist worksteal
 
 .PHONY: serve test test-fast install clean
 

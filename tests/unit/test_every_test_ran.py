@@ -40,4 +40,4 @@ def test_a_lost_test_fails_the_session_and_is_named(tmp_path):
     assert whole.returncode == 0 and "2 passed" in whole.stdout, whole.stdout
     lost = _run(tmp_path, lose=True)
     assert lost.returncode == 1, lost.stdout
-    assert "1 collected tests never ran: test_some.py::test_lost" in lost.stdout
+    assert "1 collected tests never ran: test_some.py::test_lost (x1)" in lost.stdout
