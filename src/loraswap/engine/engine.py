@@ -31,6 +31,7 @@ from PIL import Image
 from loraswap.adapters.bound import BoundAdapter, ModelLayers
 from loraswap.adapters.lease import Lease
 from loraswap.adapters.reference import AdapterRef, as_refs
+from loraswap.adapters.sources.choose import build_sources
 from loraswap.adapters.store import AdapterStore, StoreLimits, TargetModel
 from loraswap.engine.calls import TEXT, PipelineCalls, Ran
 from loraswap.engine.config.engine import EngineConfig
@@ -197,7 +198,7 @@ class Engine:
                              unet.config if unet is not None else None)
         limits = StoreLimits(config.sources.max_adapter_bytes, config.swap.max_rank, config.swap.max_blend,
                              config.swap.prefetch_threads)
-        return AdapterStore(config.sources.adapter_sources(), target, config.cache, self.device, limits)
+        return AdapterStore(build_sources(config.sources.settings()), target, config.cache, self.device, limits)
 
     # ---------------------------------------------------------------- adapters
     @property
