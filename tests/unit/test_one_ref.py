@@ -1,6 +1,6 @@
 """An adapter a request names is made an `AdapterRef` and checked once, where the request is
 parsed, and its file is located once, by routing, which hands the file on to the lease: no
-second check nor second look-up on the way to the weights."""
+second check nor second look-up on the way to the weights. An admin keep or evict the same."""
 
 import sys
 
@@ -58,3 +58,20 @@ def test_each_adapter_is_checked_once_and_located_once_from_the_route_to_the_wei
     assert checked_names == [("style",), ("styles/second",)] and checked_ids == [], \
         "each name checked once, where the request is parsed"
     assert [ref.adapter_id for _, ref in located] == ["style", "styles/second"], "each file located once"
+
+
+def test_an_admin_keep_or_evict_locates_the_adapter_once(served, monkeypatch):
+    """Keeping and evicting go by routing as a request does: the file routing found is the one
+    the store keeps or evicts, not located again (a cached adapter is evicted without a look)."""
+    client, app = served
+    engine = app.state.deployment.hosted[0].engine
+    located = _counted(monkeypatch, AdapterSources, "locate")
+    assert client.post("/adapters/style/load").status_code == 200
+    assert [ref.adapter_id for _, ref in located] == ["style"], "a keep locates its file once"
+    assert engine.adapters.cache.get("style").kept
+    located.clear()
+    assert client.delete("/adapters/styles/second").status_code == 200
+    assert [ref.adapter_id for _, ref in located] == ["styles/second"], "an evict locates its file once"
+    located.clear()
+    assert client.delete("/adapters/style").status_code == 200
+    assert located == [] and engine.adapters.cache.get("style") is None, "a cached adapter: evicted, not located"

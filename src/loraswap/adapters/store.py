@@ -243,18 +243,20 @@ class AdapterStore:
         self.cache.release(entry)
         return entry.host
 
-    def keep(self, ref: AdapterRef) -> BoundAdapter:
-        """Read the adapter into the cache now and never evict it until `evict`."""
-        entry = self._lease_one(ref)
+    def keep(self, ref: AdapterRef, location: AdapterLocation | None = None) -> BoundAdapter:
+        """Read the adapter into the cache now and never evict it until `evict`. `location`: its
+        file, already found (routing's, as a lease takes it), not located again."""
+        entry = self._lease_one(ref, location)
         self.cache.keep(ref.adapter_id)
         self.cache.release(entry)
         return entry.host
 
-    def evict(self, ref: AdapterRef) -> None:
+    def evict(self, ref: AdapterRef, location: AdapterLocation | None = None) -> None:
         """Stop keeping the adapter and drop it from every tier, a download's file included (it
-        is read, or fetched, again when next used)."""
+        is read, or fetched, again when next used). `location`: its file, already found
+        (routing's), so the id is known here and not located again."""
         adapter_id = ref.adapter_id
-        if self.cache.get(adapter_id) is None and adapter_id not in self._downloaded():
+        if location is None and self.cache.get(adapter_id) is None and adapter_id not in self._downloaded():
             self.locate(ref)  # an id neither cached nor on disk: 404
         self.cache.evict(adapter_id)
         self.evict_download(adapter_id)

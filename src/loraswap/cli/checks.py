@@ -73,13 +73,11 @@ def check_adapter_ids(config, loras: list) -> None:
     """Each adapter (a ref) found in --adapters, as the engine will look it up (AdapterNotFound,
     or a pickle file refused); hub ids and files elsewhere (URLs, Civitai, S3) are fetched
     when the model is loaded, as the server fetches them."""
-    from loraswap.errors import AdapterNotFound
+    from loraswap.adapters.sources.choose import build_sources
 
-    sources = config.sources.adapter_sources()
+    sources = build_sources(config.sources.settings())
     for ref in loras:
-        if sources is None:
-            raise AdapterNotFound(ref.adapter_id, "no adapter folder is given", "Run it with --adapters DIR")
-        source = sources.source_for(ref)
+        source = sources.source_for(ref)  # AdapterNotFound without --adapters, unless a hub id
         if source is sources.folder:
             source.locate(ref)
 

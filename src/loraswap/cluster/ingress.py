@@ -20,7 +20,7 @@ from ray.serve.exceptions import BackPressureError
 
 from loraswap.adapters.files.metadata import same_model
 from loraswap.adapters.reference import AdapterRef
-from loraswap.adapters.sources.choose import AdapterSources
+from loraswap.adapters.sources.choose import build_sources
 from loraswap.cluster.config import ClusterConfig
 from loraswap.cluster.replica import adapter_key, log_to_stderr
 from loraswap.engine.engine import GenerateResult
@@ -48,8 +48,7 @@ class RayBackend:
         self.handles = models
         self.reports = reports
         self.deployments = [engine.deployment_name for engine in config.engines]
-        # the same adapter sources as the default engine's; with none, locating answers 404
-        self.source = config.engines[0].sources.adapter_sources() or AdapterSources(None, None)
+        self.source = build_sources(config.engines[0].sources.settings())  # the default engine's sources
         self.names: list[str] | None = None  # the models' names, once their replicas answered
         self.families: list[str | None] = []  # their families (routing an adapter that names no base model)
         self.compiled = False

@@ -29,8 +29,10 @@ import torch
 from PIL import Image
 
 from loraswap.adapters.bound import BoundAdapter, ModelLayers
+from loraswap.adapters.files.location import AdapterLocation
 from loraswap.adapters.lease import Lease
 from loraswap.adapters.reference import AdapterRef, as_refs
+from loraswap.adapters.sources.choose import build_sources
 from loraswap.adapters.store import AdapterStore, StoreLimits, TargetModel
 from loraswap.engine.calls import TEXT, PipelineCalls, Ran
 from loraswap.engine.config.engine import EngineConfig
@@ -197,7 +199,7 @@ class Engine:
                              unet.config if unet is not None else None)
         limits = StoreLimits(config.sources.max_adapter_bytes, config.swap.max_rank, config.swap.max_blend,
                              config.swap.prefetch_threads)
-        return AdapterStore(config.sources.adapter_sources(), target, config.cache, self.device, limits)
+        return AdapterStore(build_sources(config.sources.settings()), target, config.cache, self.device, limits)
 
     # ---------------------------------------------------------------- adapters
     @property
@@ -229,15 +231,17 @@ class Engine:
         self.swapper.restore_base()
         self._applied = []
 
-    def keep_adapter(self, ref: AdapterRef) -> BoundAdapter:
-        """Read the adapter now and keep it cached until evicted."""
-        return self.adapters.keep(ref)
+    def keep_adapter(self, ref: AdapterRef, location: AdapterLocation | None = None) -> BoundAdapter:
+        """Read the adapter now and keep it cached until evicted (`location`: its file, when
+        routing found it, as `AdapterStore.keep` takes it)."""
+        return self.adapters.keep(ref, location)
 
-    def evict_adapter(self, ref: AdapterRef, download_too: bool = True) -> None:
+    def evict_adapter(self, ref: AdapterRef, download_too: bool = True,
+                      location: AdapterLocation | None = None) -> None:
         """Stop keeping the adapter and drop it from the cache, and with `download_too` its
-        downloaded file (read, or fetched, again when next used)."""
+        downloaded file (read, or fetched, again when next used); `location` as `keep_adapter`'s."""
         if download_too:
-            self.adapters.evict(ref)
+            self.adapters.evict(ref, location)
         else:
             self.adapters.cache.evict(ref.adapter_id)
 

@@ -281,8 +281,9 @@ class LocalBackend:
 
     async def keep_adapter(self, ref: AdapterRef) -> dict:
         def keep():
-            engine = self._route([ref]).hosted.engine
-            bound = engine.keep_adapter(ref)
+            route = self._route([ref])  # the file found once, here, and kept as found (`Route.located`)
+            engine = route.hosted.engine
+            bound = engine.keep_adapter(ref, route.located.get(ref.adapter_id))
             return {"bytes": bound.nbytes, "layers": len(bound.layers), "model": engine.model_name}
 
         return await self._find([ref], keep)
@@ -290,11 +291,15 @@ class LocalBackend:
     async def evict_adapter(self, ref: AdapterRef) -> None:
         def evict():
             # every engine caching it (a request naming a model may have put it on another
-            # than its own), else the one it routes to, whose store answers 404 for an unknown id
+            # than its own), else the one it routes to: routing finds its file (404 for an
+            # unknown id) and the store evicts it without looking again
             deployment = self._deployment()
             holding = [h for h in deployment.hosted if h.engine.adapters.cache.get(ref.adapter_id) is not None]
-            for hosted in holding or [deployment.route([ref]).hosted]:
+            for hosted in holding:
                 hosted.engine.evict_adapter(ref)
+            if not holding:
+                route = deployment.route([ref])
+                route.hosted.engine.evict_adapter(ref, location=route.located.get(ref.adapter_id))
 
         await self._find([ref], evict)
 

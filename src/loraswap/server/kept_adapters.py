@@ -11,13 +11,13 @@ record; an unreadable record is logged and started afresh.
 
 import json
 import logging
-import os
 import threading
 from pathlib import Path
 
 from loraswap.adapters.reference import AdapterRef
 from loraswap.errors import LoraswapError
 from loraswap.server.backend import until_served
+from loraswap.server.state_files import write_whole
 
 logger = logging.getLogger("loraswap.server")
 
@@ -72,9 +72,8 @@ class KeptAdapters:
         return ids
 
     def _write(self) -> None:
-        partial = self.path.with_suffix(".part")
+        data = json.dumps(self._ids).encode()
         try:
-            partial.write_text(json.dumps(self._ids))
-            os.replace(partial, self.path)
+            write_whole(self.path, lambda f: f.write(data), sync=False)
         except OSError as e:  # a full disk: kept now, but not after a restart
             logger.error("could not record the kept adapters in %s: %s", self.path, e)

@@ -3,7 +3,8 @@
 Request counts and the swap / generate histograms are observed at the HTTP edge; engine
 and worker figures come from the backend at scrape time (`render(figures)`): summed over
 the engines of this process, or over the model replicas of a Ray deployment, with a few
-per-replica series for the latter.
+per-replica series for the latter. The app's URL book (`url_book.UrlBook`) is read at scrape
+time too: how much of its bounds it takes, and how many URLs requests in flight hold.
 """
 
 import threading
@@ -74,7 +75,8 @@ def _add_into(total: dict, more: dict) -> None:
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, urls=None):
+        """`urls`: the app's `url_book.UrlBook`, reported at each scrape (None: not reported)."""
         self.registry = CollectorRegistry()
         self.requests = Counter("loraswap_requests", "HTTP generation requests by route and status.",
                                 ["route", "status"], registry=self.registry)
@@ -88,6 +90,8 @@ class Metrics:
         self._engines = _EngineCollector()
         self.registry.register(self._engines)
         self.registry.register(_GpuMemoryCollector())
+        if urls is not None:
+            self.registry.register(_UrlBookCollector(urls))
         self._lock = threading.Lock()
 
     def render(self, figures: EngineFigures) -> bytes:
@@ -124,6 +128,26 @@ class _GpuMemoryCollector:
             allocated.add_metric([row["device"]], row["allocated_bytes"])
             peak.add_metric([row["device"]], row["peak_bytes"])
         yield from (allocated, peak)
+
+
+class _UrlBookCollector:
+    """The URLs behind `url:` ids that the server remembers: what its bounds (`url_book.MAX_URLS`,
+    `MAX_BYTES`) are measured against, and the URLs held by requests not yet answered (none
+    once the server is idle: a URL left held would never be dropped)."""
+
+    def __init__(self, book):
+        self.book = book
+
+    def collect(self):
+        urls, size = self.book.size()
+        remembered = GaugeMetricFamily("loraswap_url_book_urls", "URLs behind url: ids the server remembers "
+                                       "(held, kept or pinned).")
+        remembered_bytes = GaugeMetricFamily("loraswap_url_book_bytes", "Memory the remembered URLs take.")
+        held = GaugeMetricFamily("loraswap_url_book_held_urls", "URLs held by requests not yet answered.")
+        remembered.add_metric([], urls)
+        remembered_bytes.add_metric([], size)
+        held.add_metric([], self.book.held())
+        yield from (remembered, remembered_bytes, held)
 
 
 class _EngineCollector:

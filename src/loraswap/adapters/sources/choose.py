@@ -5,10 +5,12 @@ it, else from the Hub (`hub.py`) when the id is shaped `owner/name[@revision]`.
 """
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from loraswap.adapters.files.location import AdapterLocation
 from loraswap.adapters.reference import AdapterRef, check_adapter_id, is_remote, source_of
+from loraswap.adapters.sources.downloads import default_download_dir
 from loraswap.adapters.sources.folder import FolderSource
 from loraswap.adapters.sources.hub import HubSource
 from loraswap.adapters.sources.remote import RemoteSettings, RemoteSources
@@ -68,18 +70,34 @@ class AdapterSources:
             self.remote.evict(adapter_id)
 
 
-def make_sources(folder: Path | None, hub: bool = False, hub_cache_dir: Path | None = None,
-                 hub_allow=("*",), hub_deny=(), max_bytes: int = 2 * 2**30,
-                 remote: RemoteSources | None = None) -> AdapterSources | None:
-    """The adapter folder, the hub, and files elsewhere (None when the server has none of them)."""
-    local = FolderSource(folder) if folder else None
-    hub_source = HubSource(hub_cache_dir, tuple(hub_allow), tuple(hub_deny), max_bytes) if hub else None
-    return AdapterSources(local, hub_source, remote) if local or hub_source or remote else None
+@dataclass(frozen=True)
+class SourceSettings:
+    """Where a server's adapters may come from, as plain values: the adapter folder, the hub,
+    files elsewhere (`remote`: each off until its setting turns it on) and their download folder."""
+
+    folder: Path | None = None  # None: no adapter folder
+    hub: bool = False
+    hub_cache_dir: Path | None = None  # None: huggingface_hub's own (HF_HUB_CACHE)
+    hub_allow: tuple[str, ...] = ("*",)
+    hub_deny: tuple[str, ...] = ()
+    max_bytes: int = 2 * 2**30  # the largest adapter file
+    remote: RemoteSettings = RemoteSettings()
+    download_dir: Path | None = None  # None: ~/.cache/loraswap/downloads
+    download_bytes: int = 20 * 2**30  # the disk the downloads may take
+    given: object | None = None  # a source object handed in by code (a test's), used as it is
 
 
-def make_remote(settings: RemoteSettings, download_dir: Path, download_bytes: int) -> RemoteSources:
-    """Files named by URL, Civitai or bucket, each source refused until its setting turns it on."""
-    return RemoteSources(settings, download_dir, download_bytes)
+def build_sources(settings: SourceSettings) -> AdapterSources:
+    """The adapter folder, the hub, and files elsewhere, each as `settings` allow (files elsewhere
+    are always there, to refuse each kind with the flag that turns it on); `settings.given`
+    instead when there is one."""
+    if settings.given is not None:
+        return settings.given
+    local = FolderSource(settings.folder) if settings.folder else None
+    hub = (HubSource(settings.hub_cache_dir, settings.hub_allow, settings.hub_deny, settings.max_bytes)
+           if settings.hub else None)
+    remote = RemoteSources(settings.remote, settings.download_dir or default_download_dir(), settings.download_bytes)
+    return AdapterSources(local, hub, remote)
 
 
 def may_download(sources: AdapterSources | None, ref: AdapterRef) -> bool:

@@ -1,5 +1,6 @@
 """Where a model's adapters come from: the folder, the hub, and files elsewhere (URLs, Civitai,
-S3) kept in the download folder; and the one function that builds those sources."""
+S3) kept in the download folder. Settings only: the sources are built from them where they
+are used (`adapters/sources/choose.py:build_sources`, called by the engine for its store)."""
 
 import os
 from pathlib import Path
@@ -7,9 +8,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraswap.adapters.sources.choose import AdapterSources, make_remote, make_sources
+from loraswap.adapters.sources.choose import SourceSettings
 from loraswap.adapters.sources.civitai import CIVITAI_API
-from loraswap.adapters.sources.downloads import default_download_dir
 from loraswap.adapters.sources.remote import RemoteSettings
 from loraswap.flags import ADAPTERS, Flag
 
@@ -66,17 +66,14 @@ class SourcesConfig(BaseModel):
     def max_adapter_bytes(self) -> int:
         return int(self.max_adapter_mb * 2**20)
 
-    def adapter_sources(self) -> AdapterSources | None:
-        """Where the adapters come from: `source` if given, else the folder, the hub, and files
-        elsewhere (URLs, Civitai, S3), each as its settings allow (None: none of them)."""
-        if self.source is not None:
-            return self.source
-        remote = make_remote(RemoteSettings(tuple(self.url_allow), self._civitai_api(), self._civitai_token(),
-                                            self.s3 or self.s3_endpoint_url is not None, self.s3_endpoint_url,
-                                            self.max_adapter_bytes, total_timeout=self.download_timeout_s),
-                             self.download_dir or default_download_dir(), int(self.download_cache_gb * 2**30))
-        return make_sources(self.adapters, self.hub, self.hub_cache_dir, self.hub_allow, self.hub_deny,
-                            self.max_adapter_bytes, remote)
+    def settings(self) -> SourceSettings:
+        """These settings as the sources take them (`choose.build_sources`), the Civitai token read."""
+        remote = RemoteSettings(tuple(self.url_allow), self._civitai_api(), self._civitai_token(),
+                                self.s3 or self.s3_endpoint_url is not None, self.s3_endpoint_url,
+                                self.max_adapter_bytes, total_timeout=self.download_timeout_s)
+        return SourceSettings(self.adapters, self.hub, self.hub_cache_dir, tuple(self.hub_allow),
+                              tuple(self.hub_deny), self.max_adapter_bytes, remote, self.download_dir,
+                              int(self.download_cache_gb * 2**30), given=self.source)
 
     def _civitai_api(self) -> str | None:
         return self.civitai_api or (CIVITAI_API if self.civitai else None)

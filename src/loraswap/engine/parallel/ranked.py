@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from loraswap.adapters.files.location import AdapterLocation
 from loraswap.adapters.lease import Lease
 from loraswap.adapters.reference import AdapterRef
 from loraswap.engine.config.engine import EngineConfig
@@ -111,17 +112,19 @@ class RankedEngine(Engine):
             raise first
         return seconds
 
-    def keep_adapter(self, ref: AdapterRef):
-        """Read the adapter now and keep it cached until evicted, on every rank."""
-        bound = super().keep_adapter(ref)
+    def keep_adapter(self, ref: AdapterRef, location: AdapterLocation | None = None):
+        """Read the adapter now and keep it cached until evicted, on every rank (each other
+        rank's store finds the file itself, as for a request)."""
+        bound = super().keep_adapter(ref, location)
         if self.ranks is not None:
             self.ranks.tell("keep", [ref])
         return bound
 
-    def evict_adapter(self, ref: AdapterRef, download_too: bool = True) -> None:
+    def evict_adapter(self, ref: AdapterRef, download_too: bool = True,
+                      location: AdapterLocation | None = None) -> None:
         """Stop keeping the adapter and drop it from the cache, on every rank (and with
         `download_too` its downloaded file, from the folder the ranks share)."""
-        super().evict_adapter(ref, download_too)
+        super().evict_adapter(ref, download_too, location)
         if self.ranks is not None:
             self.ranks.tell("evict", [ref])
 

@@ -40,7 +40,7 @@ from PIL import Image
 
 from loraswap.paths import user_cache
 from loraswap.server.kept_adapters import RECORD as KEPT_ADAPTERS
-from loraswap.server.state_files import plain_file, read_plain_file
+from loraswap.server.state_files import PART, plain_file, read_plain_file, write_whole
 from loraswap.server.videos.ids import is_video_id
 
 logger = logging.getLogger("loraswap.server")
@@ -48,7 +48,6 @@ logger = logging.getLogger("loraswap.server")
 DATABASE = "videos.sqlite3"
 FILES = "videos"
 ORPHANS = "orphans"
-PART = ".part"
 MEDIA = (".mp4", ".png")  # a completed job's video and first frame
 RECORD = ".json"  # every job's record
 MAX_RECORD_BYTES = 2**20  # a record holds a request: a few KiB
@@ -359,19 +358,3 @@ def _add_columns(db: sqlite3.Connection, path: Path, present: set[str]) -> None:
 def _write_private(file, data: bytes) -> None:
     os.fchmod(file.fileno(), 0o600)  # a record may hold signed URLs (a job's `urls`): before they are in it
     file.write(data)
-
-
-def write_whole(path: Path, write, sync: bool = True) -> None:
-    """`write(file)` into `path` under a temporary name (never through a link), renamed once
-    complete (and, with `sync`, on disk): how every file of the state folder is written."""
-    part = path.with_name(path.name + PART)
-    try:
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-        os.replace(part, path)
-    finally:
-        part.unlink(missing_ok=True)
