@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 # two test processes (pytest-xdist); worksteal hands each a half of the tests in order (a module's servers mostly
 # start once) and lets one take from the other's rest when it runs out
-PARALLEL ?= -n 2 --dist worksteal
+TEST_PROCESSES ?= -n 2 --dist worksteal
 
 .PHONY: serve test test-fast install clean
 
@@ -25,13 +25,13 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff check src tests tools
-	$(VENV)/bin/python -m pytest -q $(PARALLEL) tests
+	$(VENV)/bin/python -m pytest -q $(TEST_PROCESSES) tests
 
 # before every commit: everything but the soak, load, Ray, browser and slow tests (CI runs `make test`)
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff check src tests tools
-	$(VENV)/bin/python -m pytest -q $(PARALLEL) -m "not soak and not load and not ray and not browser and not slow" --durations=15 tests
+	$(VENV)/bin/python -m pytest -q $(TEST_PROCESSES) -m "not soak and not load and not ray and not browser and not slow" --durations=15 tests
 
 clean:
 	rm -rf $(VENV)

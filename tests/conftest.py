@@ -1,3 +1,4 @@
+import atexit
 import os
 import shutil
 import tempfile
@@ -8,6 +9,7 @@ from pathlib import Path
 # fills) points at a folder of this session, for in-process servers and the servers tests
 # start alike.
 TEST_CACHE = Path(tempfile.mkdtemp(prefix="loraswap-tests-cache-"))
+atexit.register(shutil.rmtree, TEST_CACHE, True)  # also where no session runs: the controller of `-n 2`
 os.environ["XDG_CACHE_HOME"] = str(TEST_CACHE)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -65,4 +67,3 @@ def adapter_factory(tmp_path_factory):
 
     write.root = root
     return write
-

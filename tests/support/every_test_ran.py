@@ -28,9 +28,16 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    options = session.config.option
+    if exitstatus != pytest.ExitCode.OK or options.setuponly or options.setupplan:  # the last two run no test
+        return
     never_ran = _collected - _finished
-    if never_ran and exitstatus == pytest.ExitCode.OK:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if never_ran:
         names = ", ".join(f"{nodeid} (x{count})" for nodeid, count in sorted(never_ran.items())[:20])
-        reporter.write_line(f"{never_ran.total()} collected tests never ran: {names}", red=True)
+        message = f"{never_ran.total()} collected tests never ran: {names}"
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is None:  # -p no:terminal
+            print(message)
+        else:
+            reporter.write_line(message, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -270,13 +270,13 @@ class GpuWorker:
 
     def _serve(self, jobs: list[Job]) -> None:
         started = self.clock()
-        leases, ready, answers = [], [], []
+        leases, ready, answers = [], [], []  # answers: (job, result, error), sent once the leases are back
         for job in jobs:  # a request whose adapter failed to load fails alone; nothing was swapped
             try:
                 leases.append(job.lease.result())
                 ready.append(job)
             except BaseException as e:
-                answers.append((job, None, e))
+                _answer([(job, None, e)])  # at once: a lease that failed holds nothing to give back
         try:
             if ready:
                 pictures = previews_hook([job.on_step for job in ready])  # None: no job asks for previews
@@ -291,12 +291,14 @@ class GpuWorker:
                     else Stopped(str(e))
             answers += [(job, None, e) for job in ready]
         finally:
-            for job in jobs:
-                _give_back(job)
-            self.completed += len(jobs)
-            self.batches += 1
-            self._running = []
-        _answer(answers)  # after the leases are given back: an answered request holds no adapter
+            try:
+                for job in jobs:
+                    _give_back(job)
+                self.completed += len(jobs)
+                self.batches += 1
+                self._running = []
+            finally:
+                _answer(answers)  # after the leases are given back: an answered request holds no adapter
 
     def _fail_all(self, error: LoraswapError) -> None:
         """The engine can make no more images (`Engine.when_lost`; the process exits for a
@@ -344,8 +346,8 @@ def _read_fine(lease: Future) -> bool:
 
 
 def _answer(answers: list[tuple[Job, GenerateResult | None, BaseException | None]]) -> None:
-    """Each job's result or error, to its waiting handler (unless answered meanwhile: cancelled,
-    or failed by `_fail_all`)."""
+    """Each job's result or error, to its waiting handler (unless `_fail_all` answered it meanwhile,
+    from another thread)."""
     for job, result, error in answers:
         with contextlib.suppress(InvalidStateError):
             if error is None:

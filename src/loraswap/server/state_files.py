@@ -29,8 +29,8 @@ def read_plain_file(path: Path, limit: int | None = None) -> bytes:
 def write_whole(path: Path, write, sync: bool = True) -> None:
     """`write(file)` into `path` under a temporary name (never through a link), renamed once
     complete (and, with `sync`, on disk): how the video jobs' files, the owner secret and the
-    record of kept adapters are written (a kept image, `images/kept.py`, also carries the time
-    it expires from)."""
+    record of kept adapters are written. (Kept images have a writer of their own,
+    `images/kept.py`: a new file only, readable by this user alone, with the time it expires from.)"""
     part = path.with_name(path.name + PART)
     try:
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
