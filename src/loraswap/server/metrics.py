@@ -139,14 +139,14 @@ class _UrlBookCollector:
         self.book = book
 
     def collect(self):
-        urls, size = self.book.size()
+        urls, size, held_urls = self.book.figures()  # one moment: never more held than remembered
         remembered = GaugeMetricFamily("loraswap_url_book_urls", "URLs behind url: ids the server remembers "
                                        "(held, kept or pinned).")
         remembered_bytes = GaugeMetricFamily("loraswap_url_book_bytes", "Memory the remembered URLs take.")
         held = GaugeMetricFamily("loraswap_url_book_held_urls", "URLs held by requests not yet answered.")
         remembered.add_metric([], urls)
         remembered_bytes.add_metric([], size)
-        held.add_metric([], self.book.held())
+        held.add_metric([], held_urls)
         yield from (remembered, remembered_bytes, held)
 
 

@@ -124,7 +124,15 @@ class UrlBook:
     def held(self) -> int:
         """How many URLs unanswered requests hold."""
         with self._lock:
-            return sum(1 for entry in self._entries.values() if entry.holds)
+            return self._held()
+
+    def figures(self) -> tuple[int, int, int]:
+        """(URLs, bytes of them, URLs held) at one moment: what `/metrics` reports."""
+        with self._lock:
+            return len(self._entries), self._bytes, self._held()
+
+    def _held(self) -> int:
+        return sum(1 for entry in self._entries.values() if entry.holds)
 
     def _entry(self, adapter_id: str, url: str) -> _Entry:
         entry = self._entries.get(adapter_id)
