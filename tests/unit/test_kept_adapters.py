@@ -3,6 +3,7 @@ evicted, kept again in the background once the model serves; a record that canno
 read, or an adapter that is gone, never stops the server."""
 
 import logging
+import os
 import time
 
 from fastapi.testclient import TestClient
@@ -42,6 +43,22 @@ def test_the_record_is_written_whole_and_an_unreadable_one_starts_afresh(tmp_pat
     with caplog.at_level(logging.ERROR, logger="loraswap.server"):
         assert KeptAdapters(tmp_path).ids() == []
     assert "unreadable" in caplog.text
+
+
+def test_a_record_that_is_a_link_or_a_fifo_is_not_read(tmp_path, caplog):
+    """The state folder's record is read as every state file is: never through a link (to a file
+    elsewhere), never a FIFO that would block the start."""
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text('["from-elsewhere"]')
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / RECORD).symlink_to(elsewhere)
+    with caplog.at_level(logging.ERROR, logger="loraswap.server"):
+        assert KeptAdapters(state).ids() == []
+        (state / RECORD).unlink()
+        os.mkfifo(state / RECORD)
+        assert KeptAdapters(state).ids() == []
+    assert caplog.text.count("unreadable") == 2
 
 
 def test_kept_adapters_are_kept_again_after_a_restart(adapter_factory, tmp_path, caplog):

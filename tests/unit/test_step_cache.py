@@ -265,7 +265,7 @@ def test_step_caching_reads_the_operators_ratios_without_generating(tmp_path):
     given = [1.0, 0.9, 0.8]
     (tmp_path / "ratios.json").write_text(json.dumps(given))
     caching = _caching(["magcache"], tmp_path / "ratios.json")
-    caching.calibrate(lambda request: pytest.fail("measured"), GenerateRequest(prompt="warm-up"))
+    caching.calibrate(lambda request: pytest.fail("measured"), lambda: pytest.fail("a warm-up request made"))
     assert caching.ratios == caching.cache.ratios == given
     assert caching.choose("magcache").method == "magcache"
     assert caching.capabilities() == {"step_caches": ["magcache"], "step_cache": "off"}
@@ -285,8 +285,8 @@ def test_step_caching_measures_the_ratios_once_through_the_engines_generate():
         made.append(request)
 
     warm_up = GenerateRequest(prompt="warm-up", seed=0, steps=2, step_cache="first-block")
-    caching.calibrate(generate, warm_up)
-    caching.calibrate(generate, warm_up)
+    caching.calibrate(generate, lambda: warm_up)
+    caching.calibrate(generate, lambda: pytest.fail("a warm-up request made once calibrated"))
     assert [(r.prompt, r.steps, r.seed) for r in made] == [(PROMPT, None, 0)] and caching.ratios == [1.0, 0.7]
     assert caching.skips_for(warm_up).setting.method == "first-block", "recording ends with the measure"
 

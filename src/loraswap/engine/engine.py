@@ -185,7 +185,7 @@ class Engine:
     def _calibrate_step_cache(self) -> None:
         """MagCache's ratios when the server may serve it (`StepCaching.calibrate`: the operator's
         file, or measured over the warm-up's image)."""
-        self.step_cache.calibrate(self.generate, self.calls.warm_up_requests()[-1])
+        self.step_cache.calibrate(self.generate, lambda: self.calls.warm_up_requests()[-1])
 
     def measure_magcache_ratios(self, request: GenerateRequest) -> list[float]:
         """MagCache's ratios over the image of `request` (its adapters applied), every step

@@ -17,11 +17,12 @@ from pathlib import Path
 from loraswap.adapters.reference import AdapterRef
 from loraswap.errors import LoraswapError
 from loraswap.server.backend import until_served
-from loraswap.server.state_files import write_whole
+from loraswap.server.state_files import read_plain_file, write_whole
 
 logger = logging.getLogger("loraswap.server")
 
 RECORD = "kept-adapters.json"
+MAX_RECORD_BYTES = 16 * 2**20  # ids of at most a few hundred bytes each: far more than a server keeps
 
 
 class KeptAdapters:
@@ -60,7 +61,7 @@ class KeptAdapters:
 
     def _read(self) -> list[str]:
         try:
-            ids = json.loads(self.path.read_text())
+            ids = json.loads(read_plain_file(self.path, MAX_RECORD_BYTES))  # never through a link, nor a FIFO
         except FileNotFoundError:
             return []
         except (OSError, ValueError) as e:

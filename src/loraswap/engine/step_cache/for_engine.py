@@ -64,11 +64,13 @@ class StepCaching:
         return self.cache.capabilities()
 
     # ---------------------------------------------------------------- MagCache's calibration
-    def calibrate(self, generate: Callable[[GenerateRequest], object], warm_up: GenerateRequest) -> None:
+    def calibrate(self, generate: Callable[[GenerateRequest], object],
+                  warm_up: Callable[[], GenerateRequest]) -> None:
         """MagCache's ratios, when the server may serve it and has none yet: read from the
-        operator's file, or measured now with `generate` over the image of `warm_up` (the
-        warm-up's last request: an edit model's has the image it needs) at the model's default
-        steps, of the base model. With several processes every one uses the first's."""
+        operator's file, or measured now with `generate` over the image of `warm_up()` (the
+        warm-up's last request: an edit model's has the image it needs; made only when measured)
+        at the model's default steps, of the base model. With several processes every one uses
+        the first's."""
         cache = self.cache
         wanted = "magcache" in cache.allow or getattr(cache.default, "method", None) == "magcache" \
             or self.calibration is not None
@@ -77,7 +79,7 @@ class StepCaching:
         if self.calibration is not None:
             ratios = read_ratios(self.calibration)
         else:
-            ratios = self.measure_ratios(generate, warm_up.model_copy(update={"prompt": PROMPT, "steps": None}))
+            ratios = self.measure_ratios(generate, warm_up().model_copy(update={"prompt": PROMPT, "steps": None}))
         cache.ratios = shared(ratios, self.device)
         logger.info("%s: MagCache ratios over %d steps: %s", self.model_name, len(ratios),
                     {"ratios": [round(r, 5) for r in cache.ratios]})
